@@ -1,0 +1,1 @@
+"""deltafin-convert: rewrite a Hugging Face MoE checkpoint into Deltafin format."""

@@ -1,0 +1,65 @@
+"""`deltafin-convert SRC OUT [options]`."""
+
+import argparse
+import sys
+
+from .convert import EXPERT_BITS, GROUP_SIZES, SUPPORTED, ConvertOptions, convert
+from .source import ConvertError
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="deltafin-convert",
+        description="Rewrite a Hugging Face MoE checkpoint into Deltafin's streaming format. "
+        "Supported: " + ", ".join(SUPPORTED.values()) + ".",
+    )
+    p.add_argument("src", help="local Hugging Face model directory, or a hub repo id")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--bits", type=int, default=4, choices=EXPERT_BITS,
+                   help="trunk quantization bits (default 4)")
+    p.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES,
+                   help="trunk quantization group size (default 64)")
+    p.add_argument("--no-trunk-quant", action="store_true",
+                   help="keep the trunk (non-expert weights) unquantized")
+    p.add_argument("--expert-bits", type=int, default=4, choices=EXPERT_BITS,
+                   help="bits for bf16/fp16 experts (K3's MXFP4 experts are kept as they are)")
+    p.add_argument("--expert-group-size", type=int, default=64, choices=GROUP_SIZES,
+                   help="group size for bf16/fp16 experts (default 64)")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite OUT even if it holds another model or conversion")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    options = ConvertOptions(
+        bits=None if args.no_trunk_quant else args.bits,
+        group_size=args.group_size,
+        expert_bits=args.expert_bits,
+        expert_group_size=args.expert_group_size,
+        force=args.force,
+        progress=not args.quiet,
+    )
+    try:
+        manifest = convert(args.src, args.out, options)
+    except KeyboardInterrupt:
+        print("\ndeltafin-convert: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except (ConvertError, OSError) as e:
+        if args.debug:
+            raise
+        msg = str(e) if isinstance(e, ConvertError) else f"{e.filename or ''}: {e.strerror or e}"
+        if isinstance(e, OSError) and e.errno == 28:
+            msg = f"disk full while writing {e.filename or args.out}; free space and rerun to resume"
+        print(f"deltafin-convert: error: {msg}", file=sys.stderr)
+        return 1
+    size = sum(manifest.files.values())
+    print(f"converted {args.src} -> {args.out} ({size / 1e9:.3f} GB, "
+          f"{len(manifest.moe_layers)} expert banks)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

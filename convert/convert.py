@@ -1,0 +1,416 @@
+"""deltafin-convert: a Hugging Face MoE checkpoint -> a Deltafin model directory.
+
+One decoder layer at a time: its trunk tensors go through mlx-lm's own sanitize,
+cast and quantization (convert/trunk.py) into `trunk/layer-L.safetensors`; its routed
+experts are written one record at a time into `experts/layer-L.bank`
+(convert/experts.py). Every file is written under a temporary name and renamed when
+complete; `deltafin.partial.json` records what is finished, so an interrupted run
+resumes at the first unfinished layer; the manifest is written last.
+"""
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from tqdm import tqdm
+
+from deltafin_mlx.bank import BankWriter, bank_header_size, record_size_of
+from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
+
+from .experts import PROJECTIONS, expert_record, expert_sections, group_experts
+from .source import ConvertError, Source, free_bytes, open_source, tokenizer_files
+from .trunk import (
+    build_skeleton,
+    convert_unit,
+    release,
+    get_module,
+    layer_paths,
+    source_dtype,
+    switch_path,
+)
+
+SUPPORTED = {
+    "kimi_k3": "Kimi K3",
+    "kimi_k2": "Kimi K2",
+    "deepseek_v3": "DeepSeek-V3",
+    "qwen3_moe": "Qwen3-MoE",
+    "mixtral": "Mixtral",
+}
+SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "vision_model.", "multi_modal_projector.")
+LAYER_RE = re.compile(r"\blayers\.(\d+)\.")
+EXPERT_BITS = (2, 3, 4, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass
+class ConvertOptions:
+    bits: Optional[int] = 4  # trunk; None keeps the trunk unquantized
+    group_size: int = 64
+    expert_bits: int = 4  # for bf16/fp16 experts; K3's MXFP4 experts are kept
+    expert_group_size: int = 64
+    force: bool = False
+    progress: bool = True
+
+    def check(self):
+        if self.bits is not None and self.bits not in EXPERT_BITS:
+            raise ConvertError(f"--bits must be one of {EXPERT_BITS} (got {self.bits})")
+        if self.group_size not in GROUP_SIZES:
+            raise ConvertError(f"--group-size must be one of {GROUP_SIZES}")
+        if self.expert_bits not in EXPERT_BITS:
+            raise ConvertError(f"--expert-bits must be one of {EXPERT_BITS}")
+        if self.expert_group_size not in GROUP_SIZES:
+            raise ConvertError(f"--expert-group-size must be one of {GROUP_SIZES}")
+
+    def recorded(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in ("force", "progress")}
+
+
+def text_config(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
+def experts_per_token(config: dict) -> int:
+    tc = text_config(config)
+    for key in ("num_experts_per_tok", "num_experts_per_token"):
+        if key in tc:
+            return int(tc[key])
+    raise ConvertError("config.json does not say how many experts each token uses")
+
+
+def expert_quantization(config: dict, options: ConvertOptions) -> dict:
+    qc = config.get("quantization_config") or text_config(config).get("quantization_config")
+    if qc:
+        fmt = qc.get("format")
+        if qc.get("quant_method") == "compressed-tensors" and fmt == "mxfp4-pack-quantized":
+            return {"mode": "mxfp4", "bits": 4, "group_size": 32, "carried_over": True}
+        raise ConvertError(
+            f"source quantization {qc.get('quant_method')}/{fmt} is not supported "
+            "(supported: bf16/fp16/fp32 weights, or compressed-tensors mxfp4 experts)"
+        )
+    return {"mode": "affine", "bits": options.expert_bits, "group_size": options.expert_group_size}
+
+
+def _write_atomic_json(path: Path, obj):
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_safetensors(path: Path, arrays: dict):
+    tmp = path.with_name(path.name + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), arrays)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _tensor_info(name, a, rel, quantized):
+    module = name.rsplit(".", 1)[0]
+    return {
+        "file": rel,
+        "dtype": str(a.dtype).split(".")[-1],
+        "shape": list(a.shape),
+        "quantization": quantized.get(module),
+    }
+
+
+def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
+    """Check OUT, and return the finished units of a conversion to resume."""
+    fresh = {"fingerprint": source.fingerprint, "options": options.recorded(), "done": {}}
+    if not out.exists():
+        out.mkdir(parents=True)
+        return fresh
+    if not out.is_dir():
+        raise ConvertError(f"{out}: exists and is not a directory")
+    partial = out / PARTIAL_NAME
+    manifest = out / MANIFEST_NAME
+    state = None
+    if partial.exists():
+        try:
+            state = json.loads(partial.read_text())
+            state["done"]
+        except (OSError, ValueError, KeyError, TypeError):
+            state = None
+    same = (
+        state is not None
+        and state.get("fingerprint") == source.fingerprint
+        and state.get("options") == options.recorded()
+    )
+    if options.force:
+        for name in ("trunk", "experts"):
+            shutil.rmtree(out / name, ignore_errors=True)
+        for name in (MANIFEST_NAME, PARTIAL_NAME, "config.json"):
+            (out / name).unlink(missing_ok=True)
+        return fresh
+    if manifest.exists():
+        raise ConvertError(f"{out}: already holds a converted model (use --force to overwrite)")
+    if same:
+        return state
+    if state is not None:
+        raise ConvertError(
+            f"{out}: holds an unfinished conversion of another source or with other "
+            "options (use --force to start over)"
+        )
+    if any(out.iterdir()):
+        raise ConvertError(f"{out}: exists and is not empty (use --force to write into it)")
+    return fresh
+
+
+def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest:
+    options = options or ConvertOptions()
+    options.check()
+    out = Path(out)
+    source = open_source(src)
+    config = dict(source.config)
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ConvertError(
+            f"unsupported architecture {model_type!r}; supported: "
+            + ", ".join(f"{v} ({k})" for k, v in SUPPORTED.items())
+        )
+    expert_quant = expert_quantization(config, options)
+    trunk_quant = (
+        {"group_size": options.group_size, "bits": options.bits, "mode": "affine"}
+        if options.bits is not None
+        else None
+    )
+    dtype = source_dtype(config)
+    model = build_skeleton(config)
+    paths = layer_paths(model)
+    num_layers = len(paths)
+
+    # Sort the source tensors into units: one per decoder layer, then the globals.
+    skipped = [n for n in source.tensors if n.startswith(SKIPPED_PREFIXES)]
+    units = {i: [] for i in range(num_layers)}
+    units["globals"] = []
+    dropped = []
+    for name in source.tensors:
+        if name.startswith(SKIPPED_PREFIXES):
+            continue
+        m = LAYER_RE.search(name)
+        if m is None:
+            units["globals"].append(name)
+        elif int(m.group(1)) < num_layers:
+            units[int(m.group(1))].append(name)
+        else:
+            dropped.append(name)  # e.g. multi-token-prediction layers mlx-lm drops
+    experts = group_experts(source.tensors)
+
+    # The record layout, from mlx-lm's own SwitchGLU shapes.
+    moe_layers = {}
+    for i, path in enumerate(paths):
+        sp = switch_path(get_module(model, path))
+        if sp is not None:
+            moe_layers[i] = f"{path}.{sp}"
+    if not moe_layers:
+        raise ConvertError(f"{model_type}: this configuration has no MoE layers")
+    first_switch = get_module(model, next(iter(moe_layers.values())))
+    num_experts = first_switch.gate_proj.weight.shape[0]
+    shapes = {p: tuple(getattr(first_switch, p).weight.shape[1:]) for p in PROJECTIONS}
+    for p, (o, i) in shapes.items():
+        if i % expert_quant["group_size"]:
+            raise ConvertError(
+                f"expert {p} input size {i} is not a multiple of the expert group size "
+                f"{expert_quant['group_size']} (choose another --expert-group-size)"
+            )
+    scales_dtype = str(dtype or mx.bfloat16).split(".")[-1]
+    sections = expert_sections(shapes, expert_quant, scales_dtype)
+    record_size = record_size_of(sections)
+    for layer in moe_layers:
+        found = experts.get(layer, {})
+        if len(found) != num_experts or set(found) != set(range(num_experts)):
+            raise ConvertError(
+                f"layer {layer}: source has {len(found)} routed experts, config says {num_experts}"
+            )
+
+    state = prepare_output(out, source, options)
+    (out / "trunk").mkdir(exist_ok=True)
+    (out / "experts").mkdir(exist_ok=True)
+
+    # Disk: banks are exact; the trunk needs at most its source size.
+    trunk_src = {
+        u: sum(source.nbytes(n) for n in names if n not in _expert_names(experts, u))
+        for u, names in units.items()
+    }
+    bank_bytes = {
+        layer: bank_header_size(layer, num_experts, sections) + num_experts * record_size
+        for layer in moe_layers
+    }
+    needed = sum(
+        trunk_src[u] + bank_bytes.get(u, 0) for u in units if str(u) not in state["done"]
+    )
+    free = free_bytes(out)
+    if needed > free:
+        raise ConvertError(
+            f"not enough free disk space in {out}: the conversion needs up to {needed} bytes "
+            f"({needed / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free"
+        )
+
+    notes = []
+    if skipped:
+        notes.append(f"skipping {len(skipped)} vision/projector tensors (text model only)")
+    if dropped:
+        notes.append(f"skipping {len(dropped)} tensors of layers beyond num_hidden_layers")
+    if options.progress:
+        for n in notes:
+            print(f"note: {n}", flush=True)
+
+    total = sum(trunk_src.values()) + sum(
+        source.nbytes(n) for layer in experts for e in experts[layer].values() for n in e.values()
+    )
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="converting",
+        disable=not options.progress,
+        dynamic_ncols=True,
+    )
+    partial_path = out / PARTIAL_NAME
+    _write_atomic_json(partial_path, state)
+
+    order = list(range(num_layers)) + ["globals"]
+    for unit in order:
+        key = str(unit)
+        unit_src = trunk_src[unit] + sum(
+            source.nbytes(n) for e in experts.get(unit, {}).values() for n in e.values()
+        ) if unit != "globals" else trunk_src[unit]
+        if key in state["done"]:
+            bar.update(unit_src)
+            if unit != "globals":
+                release(get_module(model, paths[unit]))
+            continue
+        bar.set_description(f"layer {unit}" if unit != "globals" else "embeddings/head")
+        result = {"files": {}, "tensors": {}, "quantized": {}}
+
+        # Trunk.
+        expert_names = _expert_names(experts, unit)
+        raw = {n: source.load(n) for n in units[unit] if n not in expert_names}
+        weights = model.sanitize(raw)
+        if unit == "globals":
+            prefix, module = "", model
+            rel = "trunk/globals.safetensors"
+
+            def skip(p):
+                return LAYER_RE.search(p + ".") is not None
+
+        else:
+            prefix, module = paths[unit], get_module(model, paths[unit])
+            rel = f"trunk/layer-{unit:05d}.safetensors"
+            switch = moe_layers.get(unit)
+
+            def skip(p):
+                return switch is not None and (p == switch or p.startswith(switch + "."))
+
+        params, quantized = convert_unit(model, prefix, module, weights, skip, trunk_quant, dtype)
+        _save_safetensors(out / rel, params)
+        result["files"][rel] = (out / rel).stat().st_size
+        result["tensors"] = {k: _tensor_info(k, v, rel, quantized) for k, v in params.items()}
+        result["quantized"] = quantized
+        del params, weights, raw
+        bar.update(trunk_src[unit])
+
+        # Experts.
+        if unit in moe_layers:
+            rel = f"experts/layer-{unit:05d}.bank"
+            tmp = out / (rel + ".tmp")
+            writer = BankWriter(tmp, unit, num_experts, sections)
+            try:
+                for e in range(num_experts):
+                    names = experts[unit][e]
+                    rec = expert_record(source, names, unit, e, shapes, expert_quant, dtype)
+                    writer.write_record(rec)
+                    bar.update(sum(source.nbytes(n) for n in names.values()))
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            os.replace(tmp, out / rel)
+            result["files"][rel] = (out / rel).stat().st_size
+            result["bank"] = {
+                "bank": rel,
+                "switch_path": moe_layers[unit],
+                "header_size": writer.header_size,
+            }
+        if unit != "globals":
+            release(module)
+        state["done"][key] = result
+        _write_atomic_json(partial_path, state)
+    bar.close()
+
+    return _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
+                   num_layers, moe_layers, num_experts, record_size, sections)
+
+
+def _expert_names(experts, unit):
+    if unit == "globals":
+        return set()
+    return {n for e in experts.get(unit, {}).values() for n in e.values()}
+
+
+def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
+            num_layers, moe_layers, num_experts, record_size, sections):
+    done = state["done"]
+    files, tensors, quantized = {}, {}, {}
+    for unit in done.values():
+        files.update(unit["files"])
+        tensors.update(unit["tensors"])
+        quantized.update(unit["quantized"])
+
+    # config.json in mlx-lm's form: the default quantization plus one entry per
+    # quantized module, as mlx_lm.convert writes a fine-grained model.
+    default = trunk_quant or {k: expert_quant[k] for k in ("group_size", "bits", "mode")}
+    quantization = dict(default)
+    quantization.update(quantized)
+    for path in moe_layers.values():
+        for p in PROJECTIONS:
+            quantization[f"{path}.{p}"] = {
+                k: expert_quant[k] for k in ("group_size", "bits", "mode")
+            }
+    mlx_config = dict(config)
+    mlx_config["quantization"] = quantization
+    mlx_config["quantization_config"] = quantization
+    _write_atomic_json(out / "config.json", mlx_config)
+
+    tok_files = tokenizer_files(source.path)
+    for name in tok_files:
+        shutil.copyfile(source.path / name, out / (name + ".tmp"))
+        os.replace(out / (name + ".tmp"), out / name)
+        files[name] = (out / name).stat().st_size
+    files["config.json"] = (out / "config.json").stat().st_size
+    kind = "kimi_tiktoken" if "tiktoken.model" in tok_files else "huggingface"
+
+    manifest = Manifest(
+        path=out,
+        model_type=config["model_type"],
+        dtype=str(dtype).split(".")[-1] if dtype is not None else "float32",
+        num_layers=num_layers,
+        quantization={"trunk": trunk_quant, "experts": expert_quant},
+        trunk_files={
+            **{str(i): f"trunk/layer-{i:05d}.safetensors" for i in range(num_layers)},
+            "globals": "trunk/globals.safetensors",
+        },
+        tensors=tensors,
+        experts={
+            "num_experts": num_experts,
+            "experts_per_token": experts_per_token(config),
+            "record_size": record_size,
+            "sections": [s.to_dict() for s in sections],
+            "layers": {str(u): done[str(u)]["bank"] for u in moe_layers},
+        },
+        tokenizer={"kind": kind, "files": tok_files},
+        files=files,
+        source={"id": source.id, "fingerprint": source.fingerprint, "converted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "options": options.recorded()},
+    )
+    manifest.write()
+    (out / PARTIAL_NAME).unlink(missing_ok=True)
+    return manifest

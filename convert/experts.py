@@ -1,0 +1,124 @@
+"""Routed experts: find them in a source checkpoint and turn each into one bank record.
+
+Each expert is quantized on its own (`mx.quantize` groups run along the input axis,
+so quantizing one expert gives the same bytes as quantizing mlx-lm's stacked
+`(E, out, in)` tensor). Kimi K3's MXFP4 experts are already in MLX's `mxfp4` layout
+and are carried over byte for byte.
+"""
+
+import re
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from deltafin_mlx.bank import Section, make_sections
+
+from .source import ConvertError, Source
+
+# Source names of routed experts in every supported layout:
+#   Kimi K3:                 ...layers.L.block_sparse_moe.experts.E.w1.weight_packed / weight_scale
+#   Mixtral:                 ...layers.L.block_sparse_moe.experts.E.w1.weight
+#   DeepSeek-V3 / K2, Qwen3: ...layers.L.mlp.experts.E.gate_proj.weight
+EXPERT_RE = re.compile(
+    r"^(?P<prefix>.*\blayers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.experts\."
+    r"(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\."
+    r"(?P<kind>weight|weight_packed|weight_scale)$"
+)
+PROJ_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def parse_expert_name(name: str):
+    """(layer, expert, projection, kind) for a routed-expert tensor name, else None."""
+    m = EXPERT_RE.match(name)
+    if m is None:
+        return None
+    proj = PROJ_NAMES.get(m["proj"], m["proj"])
+    return int(m["layer"]), int(m["expert"]), proj, m["kind"]
+
+
+def group_experts(names) -> Dict[int, Dict[int, Dict[str, str]]]:
+    """layer -> expert -> "proj.kind" -> source name."""
+    out = defaultdict(lambda: defaultdict(dict))
+    for name in names:
+        parsed = parse_expert_name(name)
+        if parsed:
+            layer, expert, proj, kind = parsed
+            out[layer][expert][f"{proj}.{kind}"] = name
+    return out
+
+
+def expert_sections(
+    shapes: Dict[str, tuple], quant: dict, scales_dtype: str
+) -> List[Section]:
+    """The record layout for experts whose unquantized projections have `shapes`
+    ((out, in) per projection), quantized as `quant` says."""
+    bits, group, mode = quant["bits"], quant["group_size"], quant["mode"]
+    tensors = []
+    for proj in PROJECTIONS:
+        out_dim, in_dim = shapes[proj]
+        tensors.append((f"{proj}.weight", "uint32", (out_dim, in_dim * bits // 32)))
+        if mode == "mxfp4":
+            tensors.append((f"{proj}.scales", "uint8", (out_dim, in_dim // group)))
+        else:
+            tensors.append((f"{proj}.scales", scales_dtype, (out_dim, in_dim // group)))
+            tensors.append((f"{proj}.biases", scales_dtype, (out_dim, in_dim // group)))
+    return make_sections(tensors)
+
+
+def _to_numpy(a: mx.array) -> np.ndarray:
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.asarray(a)
+
+
+def expert_record(
+    source: Source,
+    names: Dict[str, str],
+    layer: int,
+    expert: int,
+    shapes: Dict[str, tuple],
+    quant: dict,
+    dtype: Optional[mx.Dtype],
+) -> Dict[str, np.ndarray]:
+    """One expert's tensors in MLX's quantized layout, as numpy arrays."""
+    out = {}
+    for proj in PROJECTIONS:
+        out_dim, in_dim = shapes[proj]
+        if quant.get("carried_over"):
+            packed_name = names.get(f"{proj}.weight_packed")
+            scale_name = names.get(f"{proj}.weight_scale")
+            if packed_name is None or scale_name is None:
+                raise ConvertError(
+                    f"layer {layer} expert {expert}: {proj} lacks weight_packed/weight_scale"
+                )
+            _check(source, packed_name, ("U8",), (out_dim, in_dim // 2))
+            _check(source, scale_name, ("U8",), (out_dim, in_dim // 32))
+            packed = source.load(packed_name)
+            out[f"{proj}.weight"] = _to_numpy(packed.view(mx.uint32))
+            out[f"{proj}.scales"] = _to_numpy(source.load(scale_name))
+        else:
+            w_name = names.get(f"{proj}.weight")
+            if w_name is None:
+                raise ConvertError(f"layer {layer} expert {expert}: missing {proj} weight")
+            _check(source, w_name, ("BF16", "F16", "F32"), (out_dim, in_dim))
+            w = source.load(w_name)
+            if dtype is not None:
+                w = w.astype(dtype)
+            q = mx.quantize(w, quant["group_size"], quant["bits"], mode=quant["mode"])
+            out[f"{proj}.weight"] = _to_numpy(q[0])
+            out[f"{proj}.scales"] = _to_numpy(q[1])
+            if len(q) > 2:
+                out[f"{proj}.biases"] = _to_numpy(q[2])
+    return out
+
+
+def _check(source: Source, name: str, dtypes, shape):
+    t = source.tensors[name]
+    if t.dtype not in dtypes or tuple(t.shape) != tuple(shape):
+        raise ConvertError(
+            f"{source.path / t.shard}: tensor {name} is {t.dtype} {list(t.shape)}, "
+            f"expected {'/'.join(dtypes)} {list(shape)}"
+        )

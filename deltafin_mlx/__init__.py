@@ -1,0 +1,1 @@
+"""Deltafin: stream MoE experts from disk, exactly, with MLX."""

@@ -1,0 +1,233 @@
+"""`deltafin_mlx.load`: build mlx-lm's own model for a converted directory, with the
+trunk resident and every MoE layer's experts streamed through the cache."""
+
+from pathlib import Path
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import _get_classes, load_config
+
+from .bank import BankError, read_layout
+from .cache import CacheStats, LayerCache
+from .manifest import ModelError, read_manifest
+from .planner import MemoryPlan, plan_memory
+from .reader import Reader, open_bank
+from .streaming_moe import ExpertStore, StreamingSwitchGLU, tap_moe_input
+
+READ_MODES = ("direct", "mmap")
+
+
+def default_activation_dtype() -> mx.Dtype:
+    # MLX's CPU backend is far faster (and more accurate) in float32; Apple GPUs
+    # run the model's own dtype.
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
+def get_module(model: nn.Module, path: str):
+    m = model
+    for part in path.split("."):
+        m = m[int(part)] if isinstance(m, list) else m[part]
+    return m
+
+
+def set_module(model: nn.Module, path: str, new: nn.Module):
+    parent_path, _, last = path.rpartition(".")
+    parent = get_module(model, parent_path) if parent_path else model
+    if isinstance(parent, list):
+        parent[int(last)] = new
+    else:
+        parent[last] = new
+
+
+def build_model(path: Path, config: dict) -> nn.Module:
+    try:
+        model_class, args_class = _get_classes(config)
+        return model_class(args_class.from_dict(config))
+    except Exception as e:
+        raise ModelError(f"{path}: cannot build mlx-lm's model ({e})") from None
+
+
+def quantize_like_config(model: nn.Module, config: dict):
+    """Give modules the quantized classes config.json names (mlx-lm's rules)."""
+    quant = config.get("quantization")
+    if not quant:
+        return
+
+    def predicate(p, m):
+        if p in quant:
+            return quant[p]
+        return False
+
+    nn.quantize(model, quant["group_size"], quant["bits"], mode=quant.get("mode", "affine"),
+                class_predicate=predicate)
+
+
+def load_trunk(model: nn.Module, manifest, dtype: Optional[mx.Dtype]):
+    weights = []
+    for rel in sorted(set(manifest.trunk_files.values())):
+        try:
+            weights.extend(mx.load(str(manifest.path / rel)).items())
+        except Exception as e:
+            raise ModelError(f"{manifest.path / rel}: unreadable trunk file ({e})") from None
+    try:
+        model.load_weights(weights, strict=True)
+    except ValueError as e:
+        raise ModelError(f"{manifest.path}: trunk does not fit the model ({e})") from None
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+
+
+def load(
+    path,
+    memory_budget=None,
+    *,
+    activation_dtype: Optional[mx.Dtype] = "auto",
+    reader_threads: int = 1,
+    lookahead: bool = True,
+    verify: bool = False,
+    read_mode: str = "direct",
+    context: int = 4096,
+    cache_slots: Optional[int] = None,
+    tokenizer: bool = True,
+) -> Tuple[nn.Module, object]:
+    """Load a Deltafin model directory. Returns (model, tokenizer).
+
+    memory_budget: bytes or a string like "8GB" for trunk + KV/state + expert cache
+        + working buffers; default: from available memory (cgroup-aware), with headroom.
+    activation_dtype: float32 on MLX's CPU backend, the model's dtype on GPU.
+    reader_threads: background threads reading experts (0: read in the caller).
+    lookahead: queue the next MoE layer's predicted experts as speculative reads.
+    verify: check every record's CRC-32 as it is read.
+    read_mode: "direct" (O_DIRECT / F_NOCACHE) or "mmap".
+    cache_slots: cap on expert slots per MoE layer (tests and benchmarks).
+    """
+    if read_mode not in READ_MODES:
+        raise ValueError(f"read_mode must be one of {READ_MODES}")
+    if reader_threads < 0:
+        raise ValueError("reader_threads must be >= 0")
+    path = Path(path)
+    manifest = read_manifest(path)
+    config = load_config(path)
+    if activation_dtype == "auto":
+        activation_dtype = default_activation_dtype()
+    act = activation_dtype or getattr(mx, manifest.dtype, mx.bfloat16)
+    plan = plan_memory(manifest, config, memory_budget, act, context=context,
+                       reader_threads=reader_threads, max_slots=cache_slots)
+
+    # Banks are checked before anything big is allocated.
+    layouts = {}
+    for layer in manifest.moe_layers:
+        entry = manifest.experts["layers"][str(layer)]
+        try:
+            layouts[layer] = read_layout(
+                manifest.bank_path(layer),
+                expect={
+                    "layer": layer,
+                    "num_experts": manifest.experts["num_experts"],
+                    "record_size": manifest.experts["record_size"],
+                    "header_size": entry["header_size"],
+                    "sections": manifest.experts["sections"],
+                },
+            )
+        except BankError as e:
+            raise ModelError(str(e)) from None
+
+    model = build_model(path, config)
+    stats = CacheStats()
+    reader = Reader(manifest.experts["record_size"], threads=reader_threads, verify=verify)
+    quant = manifest.quantization["experts"]
+    caches = {}
+    switches = {}
+    for layer in manifest.moe_layers:
+        sp = manifest.switch_path(layer)
+        original = get_module(model, sp)
+        bank = open_bank(manifest.bank_path(layer), layouts[layer], read_mode)
+        caches[layer] = LayerCache(bank, plan.slots_per_layer, manifest.experts["num_experts"],
+                                   original.activation, act, quant, reader, stats)
+        switches[layer] = sp
+    store = ExpertStore(caches, reader, stats, manifest.experts["experts_per_token"], lookahead)
+    for layer, sp in switches.items():
+        original = get_module(model, sp)
+        streaming = StreamingSwitchGLU(layer, store, original.activation)
+        set_module(model, sp, streaming)
+        moe = get_module(model, sp.rpartition(".")[0])
+        store.moe_blocks[layer] = moe
+        tap_moe_input(moe, streaming)
+
+    # The quantized classes, minus the experts (their config entries now point at
+    # streaming modules, which nn.quantize leaves alone).
+    quantize_like_config(model, config)
+    load_trunk(model, manifest, activation_dtype)
+    model.eval()
+    model._deltafin = DeltafinState(manifest, plan, store)
+
+    tok = None
+    if tokenizer:
+        tok = load_tokenizer(path, manifest, config)
+    return model, tok
+
+
+def load_tokenizer(path: Path, manifest, config: dict):
+    eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
+    eos = [eos] if isinstance(eos, int) else eos
+    if manifest.tokenizer.get("kind") == "kimi_tiktoken":
+        from .tokenizer import load_kimi_tokenizer
+
+        return load_kimi_tokenizer(path, eos_token_ids=eos)
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+    return mlx_lm_load_tokenizer(path, eos_token_ids=eos)
+
+
+class DeltafinState:
+    """What the runtime attaches to a loaded model (as `model._deltafin`)."""
+
+    def __init__(self, manifest, plan: MemoryPlan, store: ExpertStore):
+        self.manifest = manifest
+        self.plan = plan
+        self.store = store
+
+    @property
+    def stats(self):
+        return self.store.stats
+
+    def close(self):
+        self.store.close()
+
+
+def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Module:
+    """The whole model in memory: mlx-lm's model class with every bank gathered
+    back into its stacked `switch_mlp` tensors. For checks and comparisons."""
+    import numpy as np
+
+    from .bank import NUMPY_DTYPES
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    config = load_config(path)
+    model = build_model(path, config)
+    quantize_like_config(model, config)
+    weights = []
+    for layer in manifest.moe_layers:
+        layout = read_layout(manifest.bank_path(layer))
+        data = np.memmap(manifest.bank_path(layer), dtype=np.uint8, mode="r")
+        records = data[layout.header_size:].reshape(layout.num_experts, layout.record_size)
+        for s in layout.sections:
+            raw = np.ascontiguousarray(records[:, s.offset : s.offset + s.nbytes])
+            arr = raw.view(NUMPY_DTYPES[s.dtype]).reshape(layout.num_experts, *s.shape)
+            a = mx.array(arr)
+            if s.dtype == "bfloat16":
+                a = a.view(mx.bfloat16)
+            weights.append((f"{manifest.switch_path(layer)}.{s.name}", a))
+    for rel in sorted(set(manifest.trunk_files.values())):
+        weights.extend(mx.load(str(path / rel)).items())
+    model.load_weights(weights, strict=True)
+    if activation_dtype == "auto":
+        activation_dtype = default_activation_dtype()
+    if activation_dtype is not None:
+        model.set_dtype(activation_dtype)
+    mx.eval(model.parameters())
+    model.eval()
+    return model

@@ -1,0 +1,247 @@
+"""Reading expert records from bank files into cache slots, on background threads.
+
+Direct I/O: O_DIRECT on Linux, F_NOCACHE on macOS, so the page cache keeps no second
+copy of what the expert cache already holds. Where a filesystem refuses O_DIRECT
+(tmpfs) the reader falls back to buffered reads and drops the pages it read.
+"mmap" mode maps each bank and copies records out of the mapping instead.
+
+A read lands straight in its slot (one `preadv` scattered over the slot arrays)
+when every section is a whole number of 4096-byte blocks, as all of Kimi K3's are;
+otherwise it goes through an aligned staging buffer and is copied into the slot.
+"""
+
+import mmap
+import os
+import queue
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from .bank import ALIGN, BankLayout
+
+F_NOCACHE = 48  # macOS fcntl
+READ_RETRIES = 2
+
+
+class ReadError(RuntimeError):
+    """An expert record could not be read, or did not match its checksum."""
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A uint8 numpy buffer whose start is 4096-aligned (for O_DIRECT)."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % ALIGN
+    return raw[off : off + nbytes]
+
+
+@dataclass
+class BankFile:
+    path: str
+    layout: BankLayout
+    fd: int
+    direct: bool
+    mapping: Optional[mmap.mmap] = None
+
+    def close(self):
+        if self.mapping is not None:
+            self.mapping.close()
+        os.close(self.fd)
+
+
+def open_bank(path, layout: BankLayout, mode: str = "direct") -> BankFile:
+    path = str(path)
+    if mode == "mmap":
+        fd = os.open(path, os.O_RDONLY)
+        mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        return BankFile(path, layout, fd, False, mapping)
+    direct = False
+    fd = None
+    if mode == "direct" and hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            direct = True
+        except OSError:
+            fd = None  # e.g. tmpfs refuses O_DIRECT: buffered reads below
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY)
+        if mode == "direct" and sys.platform == "darwin":
+            import fcntl
+
+            fcntl.fcntl(fd, F_NOCACHE, 1)
+            direct = True
+    return BankFile(path, layout, fd, direct)
+
+
+@dataclass
+class ReadJob:
+    bank: BankFile
+    expert: int
+    targets: Dict[str, np.ndarray]  # section name -> slot view to fill
+    speculative: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+    cancelled: bool = False
+
+
+class Reader:
+    """Runs read jobs on `threads` background threads (0: in the caller's thread)."""
+
+    def __init__(self, record_size: int, threads: int = 1, verify: bool = False):
+        self.record_size = record_size
+        self.verify = verify
+        self.threads = threads
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        self._queue: "queue.PriorityQueue" = queue.PriorityQueue()
+        self._seq = 0
+        self._local = threading.local()
+        self._workers = [
+            threading.Thread(target=self._work, name=f"deltafin-reader-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for w in self._workers:
+            w.start()
+
+    def submit(self, job: ReadJob) -> ReadJob:
+        if self.threads == 0:
+            self._run(job)
+            return job
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        self._queue.put((1 if job.speculative else 0, seq, job))
+        return job
+
+    def wait(self, job: ReadJob):
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+
+    def close(self):
+        for _ in self._workers:
+            self._queue.put((2, 0, None))
+        for w in self._workers:
+            w.join(timeout=5)
+
+    def _work(self):
+        while True:
+            _, _, job = self._queue.get()
+            if job is None:
+                return
+            self._run(job)
+
+    def _staging(self) -> np.ndarray:
+        buf = getattr(self._local, "staging", None)
+        if buf is None:
+            buf = self._local.staging = aligned_empty(self.record_size)
+        return buf
+
+    def _run(self, job: ReadJob):
+        try:
+            if not job.cancelled:
+                read_record(job.bank, job.expert, job.targets, self._staging(), self.verify)
+                with self._lock:
+                    self.bytes_read += self.record_size
+        except BaseException as e:  # handed to the waiting thread
+            job.error = e
+        finally:
+            job.done.set()
+
+
+def _direct_scatter_ok(layout: BankLayout, targets: Dict[str, np.ndarray]) -> bool:
+    """Can one preadv fill the slot views straight from the file?"""
+    offset = 0
+    for s in layout.sections:
+        t = targets[s.name]
+        if (
+            s.offset != offset
+            or s.nbytes % ALIGN
+            or t.nbytes != s.nbytes
+            or t.ctypes.data % ALIGN
+            or t.dtype.itemsize * t.size != s.nbytes
+            or not t.flags.c_contiguous
+            or t.dtype != _disk_dtype(s)
+        ):
+            return False
+        offset += s.nbytes
+    return offset == layout.record_size
+
+
+def _disk_dtype(section):
+    from .bank import NUMPY_DTYPES
+
+    return np.dtype(NUMPY_DTYPES[section.dtype])
+
+
+def _pread_full(bank: BankFile, buffers: List[memoryview], offset: int, nbytes: int):
+    for attempt in range(READ_RETRIES + 1):
+        try:
+            n = os.preadv(bank.fd, buffers, offset)
+        except OSError as e:
+            if attempt == READ_RETRIES:
+                raise ReadError(
+                    f"{bank.path}: read of {nbytes} bytes at offset {offset} failed "
+                    f"({e.strerror or e})"
+                ) from None
+            continue
+        if n == nbytes:
+            return
+        if attempt == READ_RETRIES:
+            raise ReadError(
+                f"{bank.path}: short read at offset {offset} ({n} of {nbytes} bytes; "
+                "file truncated?)"
+            )
+
+
+def read_record(bank: BankFile, expert: int, targets: Dict[str, np.ndarray],
+                staging: np.ndarray, verify: bool):
+    layout = bank.layout
+    offset = layout.record_offset(expert)
+    size = layout.record_size
+    if bank.mapping is not None:
+        record = np.frombuffer(bank.mapping, dtype=np.uint8, count=size, offset=offset)
+        if verify:
+            _check(bank, expert, zlib.crc32(record))
+        _copy_sections(layout, record, targets)
+        return
+    if bank.direct and _direct_scatter_ok(layout, targets):
+        views = [memoryview(targets[s.name].reshape(-1).view(np.uint8)) for s in layout.sections]
+        _pread_full(bank, views, offset, size)
+        if verify:
+            crc = 0
+            for v in views:
+                crc = zlib.crc32(v, crc)
+            _check(bank, expert, crc)
+        return
+    _pread_full(bank, [memoryview(staging)], offset, size)
+    if not bank.direct and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(bank.fd, offset, size, os.POSIX_FADV_DONTNEED)
+    if verify:
+        _check(bank, expert, zlib.crc32(staging))
+    _copy_sections(layout, staging, targets)
+
+
+def _check(bank: BankFile, expert: int, crc: int):
+    expected = int(bank.layout.checksums[expert])
+    if (crc & 0xFFFFFFFF) != expected:
+        raise ReadError(
+            f"{bank.path}: checksum mismatch in layer {bank.layout.layer} expert {expert} "
+            f"(record at offset {bank.layout.record_offset(expert)}): the bank is corrupt"
+        )
+
+
+def _copy_sections(layout: BankLayout, record: np.ndarray, targets: Dict[str, np.ndarray]):
+    for name, src in layout.split_record(record).items():
+        dst = targets[name]
+        if dst.dtype == src.dtype:
+            dst[...] = src
+        elif src.dtype == np.uint16 and dst.dtype == np.float32:
+            # bfloat16 -> float32 is exact: the bf16 bits are the top half of the f32.
+            dst.view(np.uint32)[...] = src.astype(np.uint32) << 16
+        else:
+            dst[...] = src.astype(dst.dtype)
