@@ -274,10 +274,24 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
         desc="converting",
         disable=not options.progress,
         dynamic_ncols=True,
+        leave=False,
     )
-    partial_path = out / PARTIAL_NAME
-    _write_atomic_json(partial_path, state)
+    try:
+        _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
+                       num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
+                       dtype, state, bar)
+    finally:
+        bar.close()
+    return _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
+                   num_layers, moe_layers, num_experts, record_size, sections)
 
+
+def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
+                   num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
+                   dtype, state, bar):
+    _write_atomic_json(out / PARTIAL_NAME, state)
+
+    partial_path = out / PARTIAL_NAME
     order = list(range(num_layers)) + ["globals"]
     for unit in order:
         key = str(unit)
@@ -345,10 +359,6 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
             release(module)
         state["done"][key] = result
         _write_atomic_json(partial_path, state)
-    bar.close()
-
-    return _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
-                   num_layers, moe_layers, num_experts, record_size, sections)
 
 
 def _expert_names(experts, unit):

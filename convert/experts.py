@@ -100,7 +100,7 @@ def expert_record(
             out[f"{proj}.weight"] = _to_numpy(packed.view(mx.uint32))
             out[f"{proj}.scales"] = _to_numpy(source.load(scale_name))
         else:
-            w_name = names.get(f"{proj}.weight")
+            w_name = names.get(f"{proj}.weight", names.get(f"{proj}.weight_packed"))
             if w_name is None:
                 raise ConvertError(f"layer {layer} expert {expert}: missing {proj} weight")
             _check(source, w_name, ("BF16", "F16", "F32"), (out_dim, in_dim))
