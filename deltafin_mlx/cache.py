@@ -19,7 +19,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
 from .bank import ALIGN, NUMPY_DTYPES, BankLayout
 from .policy import SlotMap
-from .reader import BankFile, ReadJob, Reader
+from .reader import BankFile, ReadCancelled, ReadJob, Reader
 
 
 @dataclass
@@ -138,7 +138,14 @@ class LayerCache:
                     self.stats.speculative_used += 1
                 continue
             self.stats.misses += 1
-            slot = self.slotmap.place(e, protected)
+            try:
+                slot = self.slotmap.place(e, protected)
+            except RuntimeError:
+                # Every other slot is being filled by a speculative read: drop
+                # the guesses (or let them finish), then there is room.
+                self._retire_speculation(keep=set(int(x) for x in experts))
+                protected = set(int(x) for x in experts) | set(self.pending)
+                slot = self.slotmap.place(e, protected)
             self._assign(e, slot)
             job = ReadJob(self.bank, e, self.targets(slot), speculative=False)
             self.pending[e] = job
@@ -167,6 +174,13 @@ class LayerCache:
             issued += 1
         self.stats.speculative_issued += issued
 
+    def _retire_speculation(self, keep):
+        for e, job in list(self.pending.items()):
+            if job.speculative and e not in keep:
+                job.cancelled = True
+                job.done.wait()
+        self.collect()
+
     def wait(self, jobs: List[ReadJob]):
         start = time.perf_counter()
         try:
@@ -176,7 +190,7 @@ class LayerCache:
             self.stats.stall_seconds += time.perf_counter() - start
         self.collect()
         for job in jobs:
-            if job.error is not None:
+            if job.error is not None and not isinstance(job.error, ReadCancelled):
                 raise job.error
 
     def collect(self):

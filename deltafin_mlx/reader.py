@@ -32,6 +32,10 @@ class ReadError(RuntimeError):
     """An expert record could not be read, or did not match its checksum."""
 
 
+class ReadCancelled(Exception):
+    """A speculative read dropped before it started (its slot holds nothing)."""
+
+
 def aligned_empty(nbytes: int) -> np.ndarray:
     """A uint8 numpy buffer whose start is 4096-aligned (for O_DIRECT)."""
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
@@ -143,10 +147,11 @@ class Reader:
 
     def _run(self, job: ReadJob):
         try:
-            if not job.cancelled:
-                read_record(job.bank, job.expert, job.targets, self._staging(), self.verify)
-                with self._lock:
-                    self.bytes_read += self.record_size
+            if job.cancelled:
+                raise ReadCancelled()
+            read_record(job.bank, job.expert, job.targets, self._staging(), self.verify)
+            with self._lock:
+                self.bytes_read += self.record_size
         except BaseException as e:  # handed to the waiting thread
             job.error = e
         finally:

@@ -1,0 +1,151 @@
+"""Which expert sits in which cache slot, and which one to evict next.
+
+Each MoE layer has its own fixed set of slots. Routing is skewed (a few
+experts carry most of the load, and which ones shifts with the text), so what
+predicts reuse is how often an expert has been used lately, not just when it
+was last used: LRU collapses on this traffic. The policy keeps, per expert, an
+exponentially decayed count of uses (the LRFU family, leaning to frequency):
+
+    rate = decayed use count * (1 - keep),   keep = 0.5 ** (1 / half_life)
+
+an estimate of how many times per token the expert is used. Two corrections
+make the estimate fit routing traffic better (each worth about one point of
+hit rate in bench/simulate_cache.py):
+
+* A use in the call right after another use of the same expert counts only
+  `repeat_weight`. Consecutive tokens share a third or so of their experts;
+  that back-to-back reuse says more about the current context than about
+  how popular the expert is (LRU-K's "correlated reference" idea).
+* An expert that has gone unused for longer than its rate makes plausible is
+  probably no longer popular. Past `stale_after` expected uses without one,
+  its value falls off exponentially, well before the decay would catch up.
+
+The victim is the resident, unprotected expert of lowest value; ties go to
+the lowest slot. The time unit is the token: `use` advances the clock
+by the number of tokens the call routed, so a batched call ages popularity
+as much as the same tokens one at a time.
+"""
+
+import numpy as np
+
+
+class SlotMap:
+    """Maps the experts of one layer to a fixed number of cache slots.
+
+    Per layer call, the caller reports the distinct experts the call needs
+    with `use` (hits and misses alike), then calls `place` for each one that
+    is not resident, protecting the experts the call is using.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_experts: int,
+        *,
+        half_life: float = 128.0,
+        repeat_weight: float = 0.5,
+        stale_after: float = 3.0,
+    ):
+        if not 0 < num_slots <= num_experts:
+            raise ValueError(f"need 0 < num_slots <= num_experts, got {num_slots} and {num_experts}")
+        self.num_slots = num_slots
+        self.num_experts = num_experts
+        self.repeat_weight = repeat_weight
+        self.stale_after = stale_after
+
+        self._expert_in = np.full(num_slots, -1, dtype=np.int64)  # slot -> expert, -1 free
+        self._slot_of = np.full(num_experts, -1, dtype=np.int64)  # expert -> slot, -1 none
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+        # Counts are stored multiplied by `_inc`, the weight a use made now
+        # gets. Growing the increment instead of decaying every count keeps
+        # `use` proportional to the experts it touches; the counts are
+        # rescaled long before they could overflow.
+        self._keep = 0.5 ** (1.0 / half_life)
+        self._inc = 1.0
+        self._counts = np.zeros(num_experts)
+        self._last_use = np.full(num_experts, -(2**62), dtype=np.int64)
+        self._now = 0  # tokens seen
+        self._prev = None  # clock of the previous call
+        self._values = None  # value() at the current clock, once asked for
+
+    def slot_of(self, expert: int) -> int | None:
+        slot = int(self._slot_of[expert])
+        return None if slot < 0 else slot
+
+    def resident(self) -> dict[int, int]:
+        """The resident experts, as {expert: slot}."""
+        return {int(e): slot for slot, e in enumerate(self._expert_in.tolist()) if e >= 0}
+
+    def use(self, experts, tokens: int = 1) -> None:
+        """Record one access per distinct expert id in `experts`, for one
+        layer call that routed `tokens` tokens."""
+        self._prev = self._now
+        self._now += tokens
+        self._values = None
+        self._inc /= self._keep**tokens
+        if self._inc > 1e100:
+            self._counts /= self._inc
+            self._inc = 1.0
+        idx = np.asarray(experts, dtype=np.int64)
+        back_to_back = self._last_use[idx] == self._prev
+        self._counts[idx] += np.where(back_to_back, self.repeat_weight * self._inc, self._inc)
+        self._last_use[idx] = self._now
+
+    def value(self, experts=None) -> np.ndarray:
+        """The policy's value of keeping each of `experts` (all when None):
+        its estimated uses per token, discounted once it looks stale. Higher
+        is kept longer; only comparisons at one moment mean anything."""
+        idx = slice(None) if experts is None else np.asarray(experts, dtype=np.int64)
+        rate = self._counts[idx] * ((1.0 - self._keep) / self._inc)
+        # Expected uses since the last one, minus the allowance. Written as
+        # a product, not rate * age, so that an expert never used (age about
+        # 2**62, rate 0) comes out 0 instead of nan.
+        overdue = rate * (self._now - self._last_use[idx]) - self.stale_after
+        return rate * np.exp(-np.maximum(overdue, 0.0))
+
+    def place(self, expert: int, protected=(), speculative: bool = False) -> int | None:
+        """Choose a slot for the non-resident `expert` and assign it there.
+
+        Uses a free slot if there is one. Otherwise evicts the lowest-valued
+        resident expert not in `protected` (the experts whose slots the call
+        in flight is using or a read is filling); raises RuntimeError if every
+        slot is protected.
+
+        With `speculative=True` (a prefetch the router has not asked for
+        yet), a full cache gives up a slot only if its victim is valued
+        strictly below `expert` itself; otherwise nothing changes and None is
+        returned. A guess must not push out an expert the policy expects to
+        be used sooner than the guess.
+        """
+        if self._slot_of[expert] >= 0:
+            raise ValueError(f"expert {expert} is already resident")
+        if self._free:
+            slot = self._free.pop()
+        else:
+            # Values only change when `use` moves the clock, so the misses of
+            # one call share a single evaluation over all experts.
+            if self._values is None:
+                self._values = self.value()
+            values = self._values.copy()
+            if protected:
+                values[np.fromiter(protected, dtype=np.int64)] = np.inf
+            values = values[self._expert_in]
+            slot = int(values.argmin())  # ties: lowest slot
+            if values[slot] == np.inf:
+                raise RuntimeError(f"all {self.num_slots} cache slots are protected")
+            if speculative and not values[slot] < self._values[expert]:
+                return None
+            self._slot_of[self._expert_in[slot]] = -1
+        self._expert_in[slot] = expert
+        self._slot_of[expert] = slot
+        return slot
+
+    def evict(self, expert: int) -> None:
+        """Free the slot of `expert` (e.g. after a failed read); no-op if it
+        is not resident."""
+        slot = int(self._slot_of[expert])
+        if slot >= 0:
+            self._slot_of[expert] = -1
+            self._expert_in[slot] = -1
+            self._free.append(slot)

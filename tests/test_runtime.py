@@ -1,0 +1,249 @@
+"""The streaming runtime gives exactly the tokens and logits of mlx-lm running the
+same quantized model fully in memory, at every cache size and setting, within its
+memory budget; damaged banks are caught, never silently used."""
+
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from conftest import make_source
+from deltafin_convert.convert import ConvertOptions, convert
+from deltafin_mlx.bank import read_layout
+from deltafin_mlx.cache import LayerCache
+from deltafin_mlx.loader import load
+from deltafin_mlx.manifest import ModelError, read_manifest
+from deltafin_mlx.planner import BudgetError
+from deltafin_mlx.reader import ReadError
+from deltafin_mlx.synthetic import ARCHITECTURES
+
+
+def greedy(model, prompt, steps):
+    """Greedy decoding with mlx-lm's cache; returns tokens (B, steps) and every
+    step's logits."""
+    cache = make_prompt_cache(model)
+    logits = model(prompt, cache=cache)[:, -1]
+    all_logits, tokens = [logits], []
+    for _ in range(steps):
+        y = mx.argmax(logits, axis=-1)
+        tokens.append(y)
+        logits = model(y[:, None], cache=cache)[:, -1]
+        all_logits.append(logits)
+    mx.eval(tokens, all_logits)
+    return np.array(mx.stack(tokens, axis=1)), mx.stack(all_logits, axis=1)
+
+
+def prompt_of(length, batch=1, seed=0):
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.integers(1, 380, size=(batch, length)).astype(np.int32))  # < every vocab
+
+
+@pytest.fixture(scope="module")
+def expected(references):
+    cache = {}
+
+    def get(arch, batch, length, steps=32):
+        key = (arch, batch, length, steps)
+        if key not in cache:
+            cache[key] = greedy(references(arch), prompt_of(length, batch), steps)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_32_tokens_equal_mlx_lm_when_most_accesses_miss(arch, converted, expected):
+    k = read_manifest(converted(arch)).experts["experts_per_token"]
+    model, _ = load(converted(arch), cache_slots=k, tokenizer=False)
+    tokens, logits = greedy(model, prompt_of(12), 32)
+    ref_tokens, ref_logits = expected(arch, 1, 12)
+    stats = model._deltafin.stats
+    assert stats.misses >= stats.hits  # at least half of the accesses missed
+    assert (tokens == ref_tokens).all()
+    assert mx.array_equal(logits, ref_logits).item()  # bit-identical, not just close
+    model._deltafin.close()
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "qwen3_moe"])
+def test_batch_2_with_an_80_token_prompt_equals_mlx_lm(arch, converted, expected):
+    # 2 x 84 tokens x k experts: mlx-lm sorts the indices, and more distinct experts
+    # are needed at once than the cache holds (Deltafin runs them in groups).
+    k = read_manifest(converted(arch)).experts["experts_per_token"]
+    model, _ = load(converted(arch), cache_slots=k + 1, tokenizer=False)
+    tokens, logits = greedy(model, prompt_of(84, batch=2), 32)
+    ref_tokens, ref_logits = expected(arch, 2, 84)
+    assert (tokens == ref_tokens).all()
+    assert mx.array_equal(logits, ref_logits).item()
+    model._deltafin.close()
+
+
+SETTINGS = [
+    dict(cache_slots=4, reader_threads=0, lookahead=False, verify=False),
+    dict(cache_slots=4, reader_threads=1, lookahead=True, verify=True),
+    dict(cache_slots=5, reader_threads=2, lookahead=True, verify=False),
+    dict(cache_slots=9, reader_threads=2, lookahead=False, verify=True, read_mode="mmap"),
+    dict(cache_slots=16, reader_threads=1, lookahead=True, verify=False, read_mode="mmap"),
+    dict(cache_slots=None, reader_threads=1, lookahead=True, verify=True),
+]
+
+
+def test_logits_are_bit_identical_across_deltafin_settings(converted, expected):
+    path = converted("kimi_k3")
+    ref_tokens, ref_logits = expected("kimi_k3", 1, 12, 16)
+    for settings in SETTINGS:
+        model, _ = load(path, tokenizer=False, **settings)
+        tokens, logits = greedy(model, prompt_of(12), 16)
+        assert (tokens == ref_tokens).all(), settings
+        assert mx.array_equal(logits, ref_logits).item(), settings
+        if settings["lookahead"] and settings["cache_slots"] not in (None, 16):
+            assert model._deltafin.stats.speculative_issued > 0
+        model._deltafin.close()
+
+
+def test_a_slot_in_use_is_never_overwritten(converted, monkeypatch):
+    """After every layer's reads, each expert the call uses is in its slot with its
+    bank bytes, even with as few slots as one token needs and reads ahead running."""
+    path = converted("kimi_k3")
+    m = read_manifest(path)
+    records = {}
+    for layer in m.moe_layers:
+        layout = read_layout(m.bank_path(layer))
+        data = np.fromfile(m.bank_path(layer), dtype=np.uint8)
+        records[layer] = (layout, data)
+    checked = {"n": 0}
+    real_wait = LayerCache.wait
+
+    def checking_wait(self, jobs):
+        real_wait(self, jobs)
+        layout, data = records[self.layer]
+        for e, slot in self.slotmap.resident().items():
+            if e in self.pending:
+                continue
+            rec = data[layout.record_offset(e):][: layout.record_size]
+            for name, want in layout.split_record(rec).items():
+                got = self.views[name][slot]
+                assert got.tobytes() == want.tobytes(), (self.layer, e, name)
+            checked["n"] += 1
+
+    monkeypatch.setattr(LayerCache, "wait", checking_wait)
+    k = m.experts["experts_per_token"]
+    model, _ = load(path, cache_slots=k, reader_threads=2, lookahead=True, tokenizer=False)
+    greedy(model, prompt_of(20, batch=2), 8)
+    model._deltafin.close()
+    assert checked["n"] > 100
+
+
+def test_stats_count_hits_misses_speculation_bytes_and_stalls(converted):
+    model, _ = load(converted("kimi_k3"), cache_slots=6, tokenizer=False)
+    greedy(model, prompt_of(8), 16)
+    s = model._deltafin.stats
+    store = model._deltafin.store
+    assert s.hits > 0 and s.misses > 0
+    assert s.speculative_issued > 0 and 0 <= s.speculative_used <= s.speculative_issued
+    assert store.bytes_read == (s.misses + s.speculative_issued) * read_manifest(
+        converted("kimi_k3")).experts["record_size"]
+    assert s.stall_seconds > 0
+    model._deltafin.close()
+
+
+# --- budget -------------------------------------------------------------------
+
+
+def test_budget_below_the_floor_is_refused_stating_the_floor(converted):
+    with pytest.raises(BudgetError, match=r"below this model's floor of [0-9.]+ GB \(\d+ bytes"):
+        load(converted("kimi_k3"), memory_budget="1MB", tokenizer=False)
+
+
+@pytest.mark.parametrize("bad", ["lots", "-3GB", "0", "8 parsecs", ""])
+def test_bad_budget_strings_are_refused(converted, bad):
+    with pytest.raises(BudgetError, match="memory"):
+        load(converted("kimi_k3"), memory_budget=bad, tokenizer=False)
+
+
+def test_peak_memory_stays_within_budget_when_experts_are_4x_the_budget(tmp_path):
+    src = make_source(tmp_path / "src", "kimi_k3", num_layers=5, num_experts=64,
+                      routed_expert_hidden_size=1024, moe_intermediate_size=1024)
+    out = tmp_path / "out"
+    convert(str(src), out, ConvertOptions(progress=False))
+    m = read_manifest(out)
+    banks = sum(size for rel, size in m.files.items() if rel.endswith(".bank"))
+    budget = banks // 4
+    code = (
+        "import resource, mlx.core as mx, numpy as np\n"
+        "from deltafin_mlx.loader import load\n"
+        "from mlx_lm.models.cache import make_prompt_cache\n"
+        "mx.eval(mx.zeros(8) + 1)\n"
+        "def rss():\n"
+        "    return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+        "base = rss()\n"
+        f"model, _ = load({str(out)!r}, memory_budget={budget}, tokenizer=False)\n"
+        "plan = model._deltafin.plan\n"
+        "cache = make_prompt_cache(model)\n"
+        "y = mx.array([[1, 2, 3, 4]])\n"
+        "peak = 0\n"
+        "for _ in range(24):\n"
+        "    y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)\n"
+        "    mx.eval(y)\n"
+        "    peak = max(peak, rss())\n"
+        "s = model._deltafin.stats\n"
+        "print(base, peak, plan.cache_fraction, s.misses, s.hits)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    base, peak, fraction, misses, hits = p.stdout.split()
+    used = int(peak) - int(base)
+    margin = 48 << 20  # MLX's allocator keeps freed buffers for reuse
+    assert float(fraction) < 0.5 and int(misses) > 0
+    assert used <= budget + margin, (used, budget)
+
+
+# --- damaged banks --------------------------------------------------------------
+
+
+def test_verify_names_layer_and_expert_of_a_corrupt_record(converted, copy_of):
+    path = copy_of(converted("kimi_k3"))
+    m = read_manifest(path)
+    layer = m.moe_layers[0]
+    layout = read_layout(m.bank_path(layer))
+    with open(m.bank_path(layer), "r+b") as f:
+        for e in range(layout.num_experts):  # every record: whichever is read first
+            f.seek(layout.record_offset(e) + 100)
+            f.write(b"\xff\x00\xff")
+    model, _ = load(path, cache_slots=4, verify=True, tokenizer=False)
+    with pytest.raises(ReadError, match=rf"checksum mismatch in layer {layer} expert \d+"):
+        greedy(model, prompt_of(4), 2)
+    model._deltafin.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "grow", "delete", "header"])
+def test_damaged_bank_files_are_refused_at_load(converted, copy_of, damage):
+    path = copy_of(converted("mixtral"))
+    m = read_manifest(path)
+    bank = m.bank_path(m.moe_layers[-1])
+    if damage == "truncate":
+        with open(bank, "r+b") as f:
+            f.truncate(bank.stat().st_size - 4096)
+    elif damage == "grow":
+        with open(bank, "ab") as f:
+            f.write(b"\0" * 4096)
+    elif damage == "delete":
+        bank.unlink()
+    else:
+        with open(bank, "r+b") as f:
+            f.write(b"NOTABANK")
+    with pytest.raises(ModelError, match=bank.name):
+        load(path, tokenizer=False)
+
+
+def test_unknown_format_version_is_refused(converted, copy_of):
+    import json
+
+    path = copy_of(converted("mixtral"))
+    d = json.loads((path / "deltafin.json").read_text())
+    d["format_version"] = 99
+    (path / "deltafin.json").write_text(json.dumps(d))
+    with pytest.raises(ModelError, match="format version 99 is not supported"):
+        load(path, tokenizer=False)
