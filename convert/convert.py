@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from deltafin_mlx.bank import BankWriter, bank_header_size, record_size_of
 from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
+from deltafin_mlx.mlx_lm_shim import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE
 
 from .experts import PROJECTIONS, expert_record, expert_sections, group_experts
 from .source import ConvertError, Source, free_bytes, open_source, tokenizer_files
@@ -389,7 +390,14 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
     mlx_config = dict(config)
     mlx_config["quantization"] = quantization
     mlx_config["quantization_config"] = quantization
+    # The mlx-lm drop-in (deltafin_mlx/mlx_lm_shim.py): mlx-lm imports this file
+    # with --trust-remote-code; Deltafin itself builds mlx-lm's class from model_type.
+    mlx_config["model_file"] = SHIM_FILE
     _write_atomic_json(out / "config.json", mlx_config)
+    (out / SHIM_FILE).write_text(SHIM_SOURCE)
+    mx.save_safetensors(str(out / PLACEHOLDER_WEIGHTS), {})
+    for name in (SHIM_FILE, PLACEHOLDER_WEIGHTS):
+        files[name] = (out / name).stat().st_size
 
     tok_files = tokenizer_files(source.path)
     for name in tok_files:

@@ -1,1 +1,11 @@
-"""Deltafin: stream MoE experts from disk, exactly, with MLX."""
+"""Deltafin: run Mixture-of-Experts models far larger than memory, exactly, with MLX.
+
+    import deltafin_mlx
+    model, tokenizer = deltafin_mlx.load("path/to/converted", memory_budget="8GB")
+    print(deltafin_mlx.generate(model, tokenizer, "Hello", max_tokens=64).text)
+"""
+
+from .generate import Completion, RunStats, generate, stream_generate
+from .loader import load
+
+__all__ = ["load", "generate", "stream_generate", "Completion", "RunStats"]

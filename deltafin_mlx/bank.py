@@ -57,6 +57,39 @@ class Section:
         return cls(d["name"], d["dtype"], tuple(d["shape"]), d["offset"], d["nbytes"])
 
 
+SECTION_KEYS = {"name", "dtype", "shape", "offset", "nbytes"}
+MAX_EXPERTS = 1 << 20
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def sections_from_dicts(items) -> List[Section]:
+    """Sections from their JSON form (a bank header or the manifest), checked for
+    types and for the aligned layout `make_sections` gives; ValueError says why."""
+    if not isinstance(items, list) or not items:
+        raise ValueError("sections must be a non-empty list")
+    out = []
+    for d in items:
+        if not isinstance(d, dict) or set(d) != SECTION_KEYS:
+            raise ValueError(f"section {d!r:.80} is not an object with keys {sorted(SECTION_KEYS)}")
+        name, dtype, shape = d["name"], d["dtype"], d["shape"]
+        if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in NUMPY_DTYPES:
+            raise ValueError(f"section {name!r:.80} has a bad name or dtype {dtype!r:.40}")
+        if (not isinstance(shape, list) or not 1 <= len(shape) <= 8
+                or not all(_is_int(s) and 0 < s < 1 << 40 for s in shape)):
+            raise ValueError(f"section {name!r} has a bad shape {shape!r:.80}")
+        if not _is_int(d["offset"]) or not _is_int(d["nbytes"]):
+            raise ValueError(f"section {name!r} has a non-integer offset or size")
+        out.append(Section(name, dtype, tuple(shape), d["offset"], d["nbytes"]))
+    if len({s.name for s in out}) != len(out):
+        raise ValueError("duplicate section names")
+    if out != make_sections([(s.name, s.dtype, s.shape) for s in out]):
+        raise ValueError("section offsets or sizes do not match their shapes")
+    return out
+
+
 def make_sections(tensors: Sequence) -> List[Section]:
     """Lay out (name, dtype, shape) triples as aligned sections of one record."""
     sections = []
@@ -146,25 +179,32 @@ def read_layout(path, expect: Optional[dict] = None) -> BankLayout:
             raw = f.read(jlen)
             try:
                 meta = json.loads(raw)
+                if not isinstance(meta, dict):
+                    raise ValueError("not a JSON object")
                 version = meta["format_version"]
-                num_experts = int(meta["num_experts"])
-                record_size = int(meta["record_size"])
-                sections = [Section.from_dict(d) for d in meta["sections"]]
-                layer = int(meta["layer"])
-            except (ValueError, KeyError, TypeError) as e:
+                if version != FORMAT_VERSION:
+                    raise BankError(
+                        f"{path}: bank format version {version!r:.40} is not supported "
+                        f"(this Deltafin reads version {FORMAT_VERSION})"
+                    )
+                num_experts = meta["num_experts"]
+                record_size = meta["record_size"]
+                layer = meta["layer"]
+                for key, v in (("num_experts", num_experts), ("record_size", record_size),
+                               ("layer", layer)):
+                    if not _is_int(v) or v < 0:
+                        raise ValueError(f"{key} {v!r:.40} is not a non-negative integer")
+                if meta.get("checksum") != "crc32":
+                    raise ValueError(f"unknown checksum {meta.get('checksum')!r:.40}")
+                sections = sections_from_dicts(meta["sections"])
+            except BankError:
+                raise
+            except (ValueError, KeyError, TypeError, RecursionError) as e:
                 raise BankError(f"{path}: corrupt bank header ({e})") from None
-            if version != FORMAT_VERSION:
-                raise BankError(
-                    f"{path}: bank format version {version} is not supported "
-                    f"(this Deltafin reads version {FORMAT_VERSION})"
-                )
-            if num_experts <= 0 or num_experts > 1 << 20 or not sections:
+            if num_experts <= 0 or num_experts > MAX_EXPERTS:
                 raise BankError(f"{path}: corrupt bank header (num_experts {num_experts})")
             header_size = header_size_of(raw, num_experts)
-            expected_sections = make_sections(
-                [(s.name, s.dtype, s.shape) for s in sections]
-            )
-            if sections != expected_sections or record_size != record_size_of(sections):
+            if record_size != record_size_of(sections):
                 raise BankError(f"{path}: corrupt bank header (section layout)")
             f.seek(align_up(12 + jlen, 4))
             sums = np.frombuffer(f.read(4 * num_experts), dtype="<u4")

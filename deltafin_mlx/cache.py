@@ -1,12 +1,17 @@
-"""The expert cache: fixed-shape slot arrays per MoE layer, filled by the reader.
+"""The expert cache: one pool of fixed-shape slots shared by every MoE layer.
 
-Each MoE layer owns `capacity` slots. A slot holds one expert: every section of its
-record in an MLX array of shape `(capacity, *section_shape)`, allocated once and
-reused, so `gather_qmm` reads experts through an expert -> slot index and nothing
-is stacked or copied per token. Reads write into the slot arrays through zero-copy
-numpy views (see ../shared/NOTES.md): a slot is only written when no pending
-computation can read it (the layer's previous call has been evaluated, and the
-experts of the call in flight and of reads in progress are protected from eviction).
+A slot holds one expert of any layer (all layers' records have the same layout):
+every section of its record in an MLX array of shape `(capacity, *section_shape)`,
+allocated once and reused, so `gather_qmm` reads experts through an
+expert -> slot index and nothing is stacked or copied per token. One pool, not one
+per layer, so that a small budget needs room for only one layer's experts at a time
+and a large one goes where the traffic is.
+
+Reads write into the slot arrays through zero-copy numpy views (see
+../shared/NOTES.md). A slot is only written when no pending computation can read
+it: a layer's computation is evaluated before the next layer's router (whose input
+depends on it), the experts of the call in flight are protected from eviction, and
+so are slots that reads are filling.
 """
 
 import time
@@ -17,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
-from .bank import ALIGN, NUMPY_DTYPES, BankLayout
+from .bank import ALIGN, BankLayout
 from .policy import SlotMap
 from .reader import BankFile, ReadCancelled, ReadJob, Reader
 
@@ -29,9 +34,6 @@ class CacheStats:
     speculative_issued: int = 0
     speculative_used: int = 0
     stall_seconds: float = 0.0
-
-    def reset(self):
-        self.__init__()
 
     @property
     def hit_rate(self) -> float:
@@ -49,20 +51,18 @@ def slot_dtype(disk_dtype: str, activation_dtype: mx.Dtype) -> mx.Dtype:
 
 def slot_bytes(sections, activation_dtype: mx.Dtype) -> int:
     """Memory one slot takes (scales may be wider in memory than on disk)."""
-    total = 0
-    for s in sections:
-        dt = slot_dtype(s.dtype, activation_dtype)
-        total += int(np.prod(s.shape)) * dt.size
-    return total
+    return sum(int(np.prod(s.shape)) * slot_dtype(s.dtype, activation_dtype).size
+               for s in sections)
 
 
-def _np_view(a: mx.array) -> np.ndarray:
+def np_view(a: mx.array) -> np.ndarray:
+    """A writable numpy view of an evaluated MLX array (bf16 as uint16)."""
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     return np.asarray(a)
 
 
-def _alloc_slots(shape, dtype: mx.Dtype):
+def alloc_aligned(shape, dtype: mx.Dtype) -> mx.array:
     """An MLX array whose data starts 4096-aligned (O_DIRECT reads land in it)."""
     nbytes = int(np.prod(shape)) * dtype.size
     raw = mx.zeros((nbytes + ALIGN,), dtype=mx.uint8)
@@ -73,110 +73,120 @@ def _alloc_slots(shape, dtype: mx.Dtype):
     return arr
 
 
-class LayerCache:
-    """One MoE layer's slots, slot map and reads in flight."""
+def switch_over_slots(arrays: Dict[str, mx.array], capacity: int, quant: dict, activation):
+    """mlx-lm's own SwitchGLU, over the slots instead of all experts: the
+    arithmetic is exactly mlx-lm's, only the indices are slot numbers.
+    (Its random initial weights are lazy and never evaluated.)"""
+    hidden, packed_in = arrays["gate_proj.weight"].shape[1:]
+    in_dim = packed_in * 32 // quant["bits"]
+    inner = SwitchGLU(in_dim, hidden, capacity, activation=activation)
+    for proj, (i, o) in (("gate_proj", (in_dim, hidden)), ("up_proj", (in_dim, hidden)),
+                         ("down_proj", (hidden, in_dim))):
+        lin = QuantizedSwitchLinear(i, o, capacity, False, quant["group_size"], quant["bits"],
+                                    mode=quant["mode"])
+        lin.weight = arrays[f"{proj}.weight"]
+        lin.scales = arrays[f"{proj}.scales"]
+        lin.biases = arrays.get(f"{proj}.biases")
+        inner[proj] = lin
+    return inner
 
-    def __init__(self, bank: BankFile, capacity: int, num_experts: int,
-                 activation, activation_dtype: mx.Dtype, quant: dict,
-                 reader: Reader, stats: CacheStats):
-        layout: BankLayout = bank.layout
-        self.layer = layout.layer
-        self.bank = bank
+
+class ExpertCache:
+    """The slot pool, its slot map (keyed by (layer, expert)) and reads in flight."""
+
+    def __init__(self, banks: Dict[int, BankFile], capacity: int, num_experts: int,
+                 activation_dtype: mx.Dtype, reader: Reader, stats: CacheStats):
+        self.banks = banks
+        self.layers = sorted(banks)
+        self.position = {layer: i for i, layer in enumerate(self.layers)}
         self.capacity = capacity
         self.num_experts = num_experts
         self.reader = reader
         self.stats = stats
-        self.slotmap = SlotMap(capacity, num_experts)
-        self.slot_expert = np.full(capacity, -1, dtype=np.int64)
-        self.pending: Dict[int, ReadJob] = {}
-        self.fresh_speculative = set()
+        self.slotmap = SlotMap(capacity, len(self.layers) * num_experts)
+        self.slot_key = np.full(capacity, -1, dtype=np.int64)
+        self.pending: Dict[int, ReadJob] = {}  # key -> read in flight
+        self.fresh_speculative = set()  # keys read ahead and not yet demanded
 
-        self.arrays = {}
-        self.views = {}
+        layout: BankLayout = banks[self.layers[0]].layout
+        self.arrays, self.views = {}, {}
         for s in layout.sections:
-            arr = _alloc_slots((capacity, *s.shape), slot_dtype(s.dtype, activation_dtype))
+            arr = alloc_aligned((capacity, *s.shape), slot_dtype(s.dtype, activation_dtype))
             self.arrays[s.name] = arr
-            self.views[s.name] = _np_view(arr)
+            self.views[s.name] = np_view(arr)
 
-        # mlx-lm's own SwitchGLU, over the slots instead of all experts: the
-        # arithmetic is exactly mlx-lm's, only the indices are slot numbers.
-        # (Its random initial weights are lazy and never evaluated.)
-        hidden, packed_in = layout.section("gate_proj.weight").shape
-        in_dim = packed_in * 32 // quant["bits"]
-        self.inner = SwitchGLU(in_dim, hidden, capacity, activation=activation)
-        for proj, (i, o) in (("gate_proj", (in_dim, hidden)), ("up_proj", (in_dim, hidden)),
-                             ("down_proj", (hidden, in_dim))):
-            lin = QuantizedSwitchLinear(i, o, capacity, False, quant["group_size"],
-                                        quant["bits"], mode=quant["mode"])
-            lin.weight = self.arrays[f"{proj}.weight"]
-            lin.scales = self.arrays[f"{proj}.scales"]
-            lin.biases = self.arrays.get(f"{proj}.biases")
-            self.inner[proj] = lin
+    def key(self, layer: int, expert: int) -> int:
+        return self.position[layer] * self.num_experts + int(expert)
 
-    def targets(self, slot: int) -> Dict[str, np.ndarray]:
+    def _targets(self, slot: int):
         return {name: v[slot] for name, v in self.views.items()}
 
-    def _assign(self, expert: int, slot: int):
-        old = self.slot_expert[slot]
+    def _assign(self, key: int, slot: int):
+        old = int(self.slot_key[slot])
         if old >= 0:
-            self.fresh_speculative.discard(int(old))
-        self.slot_expert[slot] = expert
+            self.fresh_speculative.discard(old)
+        self.slot_key[slot] = key
 
-    def request(self, experts: np.ndarray) -> List[ReadJob]:
-        """Start reads for the misses among `experts` (at most `capacity` of them)."""
-        self.slotmap.use(experts)
-        protected = set(int(e) for e in experts) | set(self.pending)
+    def request(self, layer: int, experts: np.ndarray, tokens: int) -> List[ReadJob]:
+        """Start reads for the misses among `experts` of `layer` (at most
+        `capacity` distinct experts) for a call routing `tokens` tokens (0 for
+        a later group of the same call); returns the reads to wait for."""
+        keys = [self.key(layer, e) for e in experts]
+        # The policy's clock counts tokens: it moves at the first MoE layer only.
+        self.slotmap.use(keys, tokens=tokens if layer == self.layers[0] else 0)
+        wanted = set(keys)
+        protected = wanted | set(self.pending)
         jobs = []
-        for e in experts:
-            e = int(e)
-            if e in self.pending:
-                jobs.append(self.pending[e])
-            if self.slotmap.slot_of(e) is not None:
+        for key, e in zip(keys, experts):
+            if key in self.pending:
+                jobs.append(self.pending[key])
+            if self.slotmap.slot_of(key) is not None:
                 self.stats.hits += 1
-                if e in self.fresh_speculative:
-                    self.fresh_speculative.discard(e)
+                if key in self.fresh_speculative:
+                    self.fresh_speculative.discard(key)
                     self.stats.speculative_used += 1
                 continue
             self.stats.misses += 1
             try:
-                slot = self.slotmap.place(e, protected)
+                slot = self.slotmap.place(key, protected)
             except RuntimeError:
                 # Every other slot is being filled by a speculative read: drop
                 # the guesses (or let them finish), then there is room.
-                self._retire_speculation(keep=set(int(x) for x in experts))
-                protected = set(int(x) for x in experts) | set(self.pending)
-                slot = self.slotmap.place(e, protected)
-            self._assign(e, slot)
-            job = ReadJob(self.bank, e, self.targets(slot), speculative=False)
-            self.pending[e] = job
+                self._retire_speculation(keep=wanted)
+                protected = wanted | set(self.pending)
+                slot = self.slotmap.place(key, protected)
+            self._assign(key, slot)
+            job = ReadJob(self.banks[layer], int(e), self._targets(slot), speculative=False)
+            self.pending[key] = job
             jobs.append(self.reader.submit(job))
         return jobs
 
-    def prefetch(self, experts: np.ndarray, limit: int):
-        """Queue speculative reads for predicted experts not yet resident."""
-        protected = set(self.pending)
+    def prefetch(self, layer: int, experts: np.ndarray, in_use: set, limit: int):
+        """Queue speculative reads for `layer`'s predicted experts, never evicting
+        what the call in flight uses (`in_use`, keys) or reads are filling."""
+        protected = set(self.pending) | in_use
         issued = 0
         for e in experts:
-            e = int(e)
             if issued >= limit:
                 break
-            if self.slotmap.slot_of(e) is not None:
+            key = self.key(layer, e)
+            if self.slotmap.slot_of(key) is not None:
                 continue
-            slot = self.slotmap.place(e, protected | {e}, speculative=True)
+            slot = self.slotmap.place(key, protected, speculative=True)
             if slot is None:
                 continue
-            self._assign(e, slot)
-            job = ReadJob(self.bank, e, self.targets(slot), speculative=True)
-            self.pending[e] = job
-            self.fresh_speculative.add(e)
+            self._assign(key, slot)
+            job = ReadJob(self.banks[layer], int(e), self._targets(slot), speculative=True)
+            self.pending[key] = job
+            self.fresh_speculative.add(key)
             self.reader.submit(job)
-            protected.add(e)
+            protected.add(key)
             issued += 1
         self.stats.speculative_issued += issued
 
     def _retire_speculation(self, keep):
-        for e, job in list(self.pending.items()):
-            if job.speculative and e not in keep:
+        for key, job in list(self.pending.items()):
+            if job.speculative and key not in keep:
                 job.cancelled = True
                 job.done.wait()
         self.collect()
@@ -194,25 +204,29 @@ class LayerCache:
                 raise job.error
 
     def collect(self):
-        """Retire finished reads; a failed one leaves its slot empty."""
-        for e, job in list(self.pending.items()):
+        """Retire finished reads; a failed or cancelled one leaves its slot empty."""
+        for key, job in list(self.pending.items()):
             if job.done.is_set():
-                del self.pending[e]
+                del self.pending[key]
                 if job.error is not None:
-                    self.slotmap.evict(e)
-                    self.fresh_speculative.discard(e)
-                    slot = np.nonzero(self.slot_expert == e)[0]
-                    self.slot_expert[slot] = -1
+                    slot = self.slotmap.slot_of(key)
+                    self.slotmap.evict(key)
+                    self.fresh_speculative.discard(key)
+                    if slot is not None:
+                        self.slot_key[slot] = -1
 
     def drain(self):
-        """Wait for every read in flight (before slots may be reused elsewhere)."""
+        """Wait for every read in flight."""
         for job in list(self.pending.values()):
             job.done.wait()
         self.collect()
 
-    def slot_map(self) -> np.ndarray:
-        """expert -> slot (-1 when not resident), for building slot indices."""
-        out = np.full(self.num_experts, -1, dtype=np.int64)
-        for e, s in self.slotmap.resident().items():
-            out[e] = s
-        return out
+    def slots_of(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """The slot of each of `layer`'s (resident) `experts`."""
+        return np.array([self.slotmap.slot_of(self.key(layer, e)) for e in experts],
+                        dtype=np.int64)
+
+    def resident(self):
+        """{(layer, expert): slot} for every resident expert."""
+        return {(self.layers[k // self.num_experts], k % self.num_experts): s
+                for k, s in self.slotmap.resident().items()}

@@ -9,7 +9,7 @@ import mlx.nn as nn
 from mlx_lm.utils import _get_classes, load_config
 
 from .bank import BankError, read_layout
-from .cache import CacheStats, LayerCache
+from .cache import CacheStats, ExpertCache, switch_over_slots
 from .manifest import ModelError, read_manifest
 from .planner import MemoryPlan, plan_memory
 from .reader import Reader, open_bank
@@ -101,7 +101,8 @@ def load(
     lookahead: queue the next MoE layer's predicted experts as speculative reads.
     verify: check every record's CRC-32 as it is read.
     read_mode: "direct" (O_DIRECT / F_NOCACHE) or "mmap".
-    cache_slots: cap on expert slots per MoE layer (tests and benchmarks).
+    cache_slots: cap on the expert cache's slots, shared by all MoE layers
+        (tests and benchmarks).
     """
     if read_mode not in READ_MODES:
         raise ValueError(f"read_mode must be one of {READ_MODES}")
@@ -138,19 +139,15 @@ def load(
     stats = CacheStats()
     reader = Reader(manifest.experts["record_size"], threads=reader_threads, verify=verify)
     quant = manifest.quantization["experts"]
-    caches = {}
-    switches = {}
+    banks = {layer: open_bank(manifest.bank_path(layer), layouts[layer], read_mode)
+             for layer in manifest.moe_layers}
+    cache = ExpertCache(banks, plan.slots, manifest.experts["num_experts"], act, reader, stats)
+    store = ExpertStore(cache, reader, stats, manifest.experts["experts_per_token"], lookahead)
     for layer in manifest.moe_layers:
         sp = manifest.switch_path(layer)
         original = get_module(model, sp)
-        bank = open_bank(manifest.bank_path(layer), layouts[layer], read_mode)
-        caches[layer] = LayerCache(bank, plan.slots_per_layer, manifest.experts["num_experts"],
-                                   original.activation, act, quant, reader, stats)
-        switches[layer] = sp
-    store = ExpertStore(caches, reader, stats, manifest.experts["experts_per_token"], lookahead)
-    for layer, sp in switches.items():
-        original = get_module(model, sp)
-        streaming = StreamingSwitchGLU(layer, store, original.activation)
+        inner = switch_over_slots(cache.arrays, plan.slots, quant, original.activation)
+        streaming = StreamingSwitchGLU(layer, store, inner)
         set_module(model, sp, streaming)
         moe = get_module(model, sp.rpartition(".")[0])
         store.moe_blocks[layer] = moe
@@ -176,9 +173,9 @@ def load_tokenizer(path: Path, manifest, config: dict):
         from .tokenizer import load_kimi_tokenizer
 
         return load_kimi_tokenizer(path, eos_token_ids=eos)
-    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+    from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
-    return mlx_lm_load_tokenizer(path, eos_token_ids=eos)
+    return load_hf_tokenizer(Path(path), eos_token_ids=eos)
 
 
 class DeltafinState:

@@ -7,11 +7,20 @@ in the middle of a generation.
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional
 
-from .bank import FORMAT_VERSION
+from .bank import (
+    ALIGN,
+    FORMAT_VERSION,
+    MAX_EXPERTS,
+    Section,
+    _is_int,
+    record_size_of,
+    sections_from_dicts,
+)
 
 MANIFEST_NAME = "deltafin.json"
 PARTIAL_NAME = "deltafin.partial.json"
@@ -104,32 +113,167 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
             f"(this Deltafin reads version {FORMAT_VERSION})"
         )
     try:
+        _check_fields(d)
         m = Manifest(
             path=path,
-            model_type=str(d["model_type"]),
-            dtype=str(d["dtype"]),
-            num_layers=int(d["num_layers"]),
-            quantization=dict(d["quantization"]),
-            trunk_files={str(k): str(v) for k, v in d["trunk_files"].items()},
-            tensors=dict(d["tensors"]),
-            experts=dict(d["experts"]),
-            tokenizer=dict(d["tokenizer"]),
-            files={str(k): int(v) for k, v in d["files"].items()},
-            source=dict(d.get("source", {})),
+            model_type=d["model_type"],
+            dtype=d["dtype"],
+            num_layers=d["num_layers"],
+            quantization=d["quantization"],
+            trunk_files=d["trunk_files"],
+            tensors=d["tensors"],
+            experts=d["experts"],
+            tokenizer=d["tokenizer"],
+            files=d["files"],
+            source=d.get("source", {}),
         )
-        for key in ("num_experts", "experts_per_token", "record_size"):
-            if int(m.experts[key]) <= 0:
-                raise ValueError(f"experts.{key} must be positive")
-        for layer, entry in m.experts["layers"].items():
-            int(layer), str(entry["bank"]), str(entry["switch_path"]), int(entry["header_size"])
+    except _Leaves as e:
+        raise ModelError(f"{mpath}: corrupt manifest ({e})") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ModelError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e})") from None
-    for rel in m.files:
-        if os.path.isabs(rel) or ".." in Path(rel).parts:
-            raise ModelError(f"{mpath}: corrupt manifest (file path {rel!r} leaves the model)")
     if check_files:
         check_model_files(m)
     return m
+
+
+class _Leaves(ValueError):
+    """A path in the manifest that does not name a file inside the model."""
+
+
+ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")
+_NAME = r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+"
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _need(ok: bool, what: str):
+    if not ok:
+        raise ValueError(what)
+
+
+def _rel_path(rel, what: str, files: dict) -> str:
+    """A relative path inside the model directory that `files` lists."""
+    if (not isinstance(rel, str) or not rel or "\x00" in rel or os.path.isabs(rel)
+            or ".." in Path(rel).parts or not Path(rel).parts):
+        raise _Leaves(f"{what} {rel!r:.200} leaves the model directory or is not a file path")
+    if files is not None and rel not in files:
+        raise ValueError(f"{what} {rel!r:.200} is not in the manifest's file list")
+    return rel
+
+
+def _check_fields(d: dict):
+    """Every field the runtime uses has the type, range and cross-references the
+    format promises, so damage is refused here instead of failing somewhere later
+    (or reading outside the model directory). Raises ValueError saying what."""
+    for key in ("model_type", "dtype", "num_layers", "quantization", "trunk_files",
+                "tensors", "experts", "tokenizer", "files"):
+        _need(key in d, f"no {key!r}")
+    files = d["files"]
+    _need(isinstance(files, dict) and files, "files must be a non-empty object")
+    for rel, size in files.items():
+        _rel_path(rel, "file path", None)
+        _need(_is_int(size) and 0 <= size < 1 << 56, f"size of {rel!r} is {size!r:.40}")
+    _need(isinstance(d["model_type"], str), "model_type must be a string")
+    _need(d["dtype"] in ACTIVATION_DTYPES, f"dtype {d['dtype']!r:.40} is not one of {ACTIVATION_DTYPES}")
+    num_layers = d["num_layers"]
+    _need(_is_int(num_layers) and 0 < num_layers <= 1 << 16, f"num_layers {num_layers!r:.40}")
+    _need(isinstance(d.get("source", {}), dict), "source must be an object")
+
+    trunk_files = d["trunk_files"]
+    _need(isinstance(trunk_files, dict) and trunk_files, "trunk_files must be a non-empty object")
+    for key, rel in trunk_files.items():
+        _rel_path(rel, f"trunk file {key!r}", files)
+    tensors = d["tensors"]
+    _need(isinstance(tensors, dict), "tensors must be an object")
+    trunk_set = set(trunk_files.values())
+    for name, info in tensors.items():
+        _need(isinstance(info, dict), f"tensor {name!r} is not an object")
+        shape, dtype, rel = info.get("shape"), info.get("dtype"), info.get("file")
+        _need(isinstance(dtype, str), f"tensor {name!r} has dtype {dtype!r:.40}")
+        _need(isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape),
+              f"tensor {name!r} has shape {shape!r:.80}")
+        _need(rel in trunk_set, f"tensor {name!r} is in {rel!r:.200}, not a trunk file")
+        numel = 1
+        for s in shape:
+            numel *= s
+        # Every element takes at least a byte: a tensor never outgrows its file.
+        _need(numel <= files[rel], f"tensor {name!r} of shape {shape} does not fit in {rel}")
+
+    quant = d["quantization"]
+    _need(isinstance(quant, dict), "quantization must be an object")
+    _need(quant.get("trunk") is None or isinstance(quant["trunk"], dict),
+          "quantization.trunk must be an object or null")
+    eq = quant.get("experts")
+    _need(isinstance(eq, dict) and isinstance(eq.get("mode"), str)
+          and _is_int(eq.get("bits")) and 1 <= eq["bits"] <= 8
+          and _is_int(eq.get("group_size")) and 1 <= eq["group_size"] <= 1 << 16,
+          f"quantization.experts {eq!r:.200}")
+
+    ex = d["experts"]
+    _need(isinstance(ex, dict), "experts must be an object")
+    n, k, record_size = ex.get("num_experts"), ex.get("experts_per_token"), ex.get("record_size")
+    _need(_is_int(n) and 0 < n <= MAX_EXPERTS, f"experts.num_experts {n!r:.40}")
+    _need(_is_int(k) and 0 < k <= n, f"experts.experts_per_token {k!r:.40}")
+    _need(_is_int(record_size) and record_size > 0 and record_size % ALIGN == 0,
+          f"experts.record_size {record_size!r:.40}")
+    sections = sections_from_dicts(ex.get("sections"))
+    _need(record_size == record_size_of(sections), "experts.record_size does not match the sections")
+    _check_expert_sections({s.name: s for s in sections}, eq)
+
+    layers = ex.get("layers")
+    _need(isinstance(layers, dict) and layers, "experts.layers must be a non-empty object")
+    prefixes = {name.rsplit(".", 1)[0] for name in tensors}
+    for key, entry in layers.items():
+        _need(re.fullmatch(r"0|[1-9][0-9]*", key) is not None and int(key) < num_layers,
+              f"experts.layers key {key!r:.40}")
+        _need(isinstance(entry, dict), f"experts.layers[{key}] is not an object")
+        bank = _rel_path(entry.get("bank"), f"bank of layer {key}", files)
+        header_size = entry.get("header_size")
+        _need(_is_int(header_size) and header_size > 0 and header_size % ALIGN == 0,
+              f"header_size {header_size!r:.40} of layer {key}")
+        _need(files[bank] == header_size + n * record_size,
+              f"{bank} is listed as {files[bank]} bytes, its layout needs "
+              f"{header_size + n * record_size}")
+        sp = entry.get("switch_path")
+        _need(isinstance(sp, str)
+              and re.fullmatch(rf"(?:(?:{_NAME})\.)*layers\.{key}\.(?:(?:{_NAME})\.)*switch_mlp", sp)
+              is not None,
+              f"switch_path {sp!r:.200} of layer {key}")
+        block = sp.rsplit(".", 1)[0]
+        # The MoE block holding the experts also holds its router: trunk tensors.
+        _need(any(p == block or p.startswith(block + ".") for p in prefixes),
+              f"switch_path {sp!r} of layer {key}: no trunk tensors under {block!r}")
+
+    tok = d["tokenizer"]
+    _need(isinstance(tok, dict) and isinstance(tok.get("kind"), str)
+          and isinstance(tok.get("files", []), list), "tokenizer must be an object with a kind")
+    for rel in tok.get("files", []):
+        _rel_path(rel, "tokenizer file", None)
+
+
+def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
+    """The sections are SwitchGLU's quantized projections at the experts' quantization."""
+    affine = quant["mode"] == "affine"
+    kinds = ("weight", "scales", "biases") if affine else ("weight", "scales")
+    expected = {f"{p}.{k}" for p in PROJECTIONS for k in kinds}
+    _need(set(by_name) == expected, f"expert sections {sorted(by_name)} are not {sorted(expected)}")
+    bits, group = quant["bits"], quant["group_size"]
+    dims = {}
+    for p in PROJECTIONS:
+        w, sc = by_name[f"{p}.weight"], by_name[f"{p}.scales"]
+        _need(w.dtype == "uint32" and len(w.shape) == 2 and len(sc.shape) == 2,
+              f"expert section {p}.weight/scales")
+        out, packed = w.shape
+        _need(packed * 32 % bits == 0, f"{p}.weight: {packed} words at {bits} bits")
+        in_dim = packed * 32 // bits
+        _need(sc.shape == (out, in_dim // group) and in_dim % group == 0,
+              f"{p}.scales shape {sc.shape} does not fit {p}.weight {w.shape} "
+              f"at {bits} bits, group size {group}")
+        if affine:
+            _need(by_name[f"{p}.biases"].shape == sc.shape, f"{p}.biases shape")
+        dims[p] = (out, in_dim)
+    _need(dims["up_proj"] == dims["gate_proj"]
+          and dims["down_proj"] == dims["gate_proj"][::-1],
+          f"expert projections {dims} do not form a SwitchGLU")
 
 
 def check_model_files(m: Manifest):
@@ -137,7 +281,7 @@ def check_model_files(m: Manifest):
         p = m.path / rel
         try:
             actual = p.stat().st_size
-        except OSError:
+        except (OSError, ValueError):
             raise ModelError(f"{p}: missing (the manifest lists it)") from None
         if actual != size:
             raise ModelError(

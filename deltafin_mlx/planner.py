@@ -18,7 +18,7 @@ from .cache import slot_bytes
 from .bank import Section
 from .manifest import Manifest
 
-WORKING_BYTES = 64 << 20  # activations, router outputs, Python: measured well below this
+WORKING_BYTES = 16 << 20  # activations, router outputs and read bookkeeping of small models
 HEADROOM = 0.85  # of available memory, for the default budget
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 1 << 10, "M": 1e6, "MB": 1e6,
@@ -139,20 +139,22 @@ class MemoryPlan:
     moe_layers: int
     experts_per_token: int
     num_experts: int
-    slots_per_layer: int
+    slots: int  # expert cache slots, shared by all MoE layers
 
     @property
     def floor(self) -> int:
+        """The smallest budget that runs: one token's experts for one layer."""
         return (self.trunk_bytes + self.state_bytes + self.working_bytes
-                + self.moe_layers * self.experts_per_token * self.slot_bytes)
+                + self.experts_per_token * self.slot_bytes)
 
     @property
     def cache_bytes(self) -> int:
-        return self.moe_layers * self.slots_per_layer * self.slot_bytes
+        return self.slots * self.slot_bytes
 
     @property
     def cache_fraction(self) -> float:
-        return self.slots_per_layer / self.num_experts
+        """The share of all experts (of all MoE layers) the cache holds."""
+        return self.slots / (self.num_experts * self.moe_layers)
 
 
 def plan_memory(manifest: Manifest, config: dict, budget, activation_dtype: mx.Dtype,
@@ -167,8 +169,8 @@ def plan_memory(manifest: Manifest, config: dict, budget, activation_dtype: mx.D
     working = WORKING_BYTES + (reader_threads + 1) * manifest.experts["record_size"]
     plan = MemoryPlan(budget, trunk, state_bytes(config, context, activation_dtype), working,
                       one, n_moe, k, num_experts, 0)
-    spare = budget - (plan.floor - n_moe * k * one)
-    slots = min(num_experts, spare // (n_moe * one)) if spare > 0 else 0
+    spare = budget - (plan.floor - k * one)
+    slots = min(num_experts * n_moe, spare // one) if spare > 0 else 0
     if max_slots is not None:
         slots = min(slots, max_slots)
     if slots < k:
@@ -176,7 +178,7 @@ def plan_memory(manifest: Manifest, config: dict, budget, activation_dtype: mx.D
             f"memory budget {budget / 1e9:.3f} GB is below this model's floor of "
             f"{plan.floor / 1e9:.3f} GB ({plan.floor} bytes: trunk {trunk / 1e9:.3f} GB, "
             f"KV/state {plan.state_bytes / 1e9:.3f} GB at {context} tokens, "
-            f"{k} experts x {n_moe} layers {n_moe * k * one / 1e9:.3f} GB)"
+            f"one token's {k} experts {k * one / 1e9:.3f} GB)"
         )
-    plan.slots_per_layer = int(slots)
+    plan.slots = int(slots)
     return plan

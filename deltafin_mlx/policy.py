@@ -9,8 +9,8 @@ exponentially decayed count of uses (the LRFU family, leaning to frequency):
     rate = decayed use count * (1 - keep),   keep = 0.5 ** (1 / half_life)
 
 an estimate of how many times per token the expert is used. Two corrections
-make the estimate fit routing traffic better (each worth about one point of
-hit rate in bench/simulate_cache.py):
+fit it to routing traffic (together about one point of hit rate on drifting
+traffic in bench/simulate_cache.py, and none lost on steady traffic):
 
 * A use in the call right after another use of the same expert counts only
   `repeat_weight`. Consecutive tokens share a third or so of their experts;
@@ -21,9 +21,10 @@ hit rate in bench/simulate_cache.py):
   its value falls off exponentially, well before the decay would catch up.
 
 The victim is the resident, unprotected expert of lowest value; ties go to
-the lowest slot. The time unit is the token: `use` advances the clock
-by the number of tokens the call routed, so a batched call ages popularity
-as much as the same tokens one at a time.
+the lowest slot. The time unit is the token: `use` advances the clock by the
+number of tokens the call routed, so a batched call ages popularity as much
+as the same tokens one at a time. The defaults were tuned with
+bench/simulate_cache.py on Zipf-skewed traces, steady and drifting.
 """
 
 import numpy as np
@@ -66,7 +67,7 @@ class SlotMap:
         self._counts = np.zeros(num_experts)
         self._last_use = np.full(num_experts, -(2**62), dtype=np.int64)
         self._now = 0  # tokens seen
-        self._prev = None  # clock of the previous call
+        self._prev = 0  # clock at the previous call
         self._values = None  # value() at the current clock, once asked for
 
     def slot_of(self, expert: int) -> int | None:
@@ -79,14 +80,17 @@ class SlotMap:
 
     def use(self, experts, tokens: int = 1) -> None:
         """Record one access per distinct expert id in `experts`, for one
-        layer call that routed `tokens` tokens."""
-        self._prev = self._now
-        self._now += tokens
+        layer call that routed `tokens` tokens (0: more of the same tokens)."""
+        # tokens=0: another layer's call for the same tokens (one cache shared
+        # by all layers); the clock has already moved for them.
+        if tokens:
+            self._prev = self._now
+            self._now += tokens
+            self._inc /= self._keep**tokens
+            if self._inc > 1e100:
+                self._counts /= self._inc
+                self._inc = 1.0
         self._values = None
-        self._inc /= self._keep**tokens
-        if self._inc > 1e100:
-            self._counts /= self._inc
-            self._inc = 1.0
         idx = np.asarray(experts, dtype=np.int64)
         back_to_back = self._last_use[idx] == self._prev
         self._counts[idx] += np.where(back_to_back, self.repeat_weight * self._inc, self._inc)
@@ -98,9 +102,8 @@ class SlotMap:
         is kept longer; only comparisons at one moment mean anything."""
         idx = slice(None) if experts is None else np.asarray(experts, dtype=np.int64)
         rate = self._counts[idx] * ((1.0 - self._keep) / self._inc)
-        # Expected uses since the last one, minus the allowance. Written as
-        # a product, not rate * age, so that an expert never used (age about
-        # 2**62, rate 0) comes out 0 instead of nan.
+        # Uses the rate predicts since the expert's last one, beyond the
+        # allowance; that many missing uses means the rate is out of date.
         overdue = rate * (self._now - self._last_use[idx]) - self.stale_after
         return rate * np.exp(-np.maximum(overdue, 0.0))
 
@@ -115,8 +118,9 @@ class SlotMap:
         With `speculative=True` (a prefetch the router has not asked for
         yet), a full cache gives up a slot only if its victim is valued
         strictly below `expert` itself; otherwise nothing changes and None is
-        returned. A guess must not push out an expert the policy expects to
-        be used sooner than the guess.
+        returned (also when every slot is protected). A guess must not push
+        out an expert the policy expects to be used sooner than the guess,
+        and an expert never used is worth 0, so it only ever fills free slots.
         """
         if self._slot_of[expert] >= 0:
             raise ValueError(f"expert {expert} is already resident")
@@ -132,10 +136,10 @@ class SlotMap:
                 values[np.fromiter(protected, dtype=np.int64)] = np.inf
             values = values[self._expert_in]
             slot = int(values.argmin())  # ties: lowest slot
-            if values[slot] == np.inf:
-                raise RuntimeError(f"all {self.num_slots} cache slots are protected")
             if speculative and not values[slot] < self._values[expert]:
                 return None
+            if values[slot] == np.inf:
+                raise RuntimeError(f"all {self.num_slots} cache slots are protected")
             self._slot_of[self._expert_in[slot]] = -1
         self._expert_in[slot] = expert
         self._slot_of[expert] = slot

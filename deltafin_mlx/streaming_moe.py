@@ -1,46 +1,46 @@
 """The streaming MoE module that replaces mlx-lm's SwitchGLU inside the model.
 
 Routing is data-dependent, so at each MoE layer the router's choice is evaluated
-first; then the misses are read from the layer's bank (all at once, in background
+first; then the misses are read from the layer's bank (all at once, on background
 threads), the next MoE layer's router is applied to this layer's input to queue
 speculative reads behind them (lookahead: it changes timing only; routing always
 uses the real router), and mlx-lm's own SwitchGLU runs over the slot arrays.
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import CacheStats, LayerCache
+from .cache import CacheStats, ExpertCache
 from .reader import Reader
 
 
 class ExpertStore:
-    """Every MoE layer's cache, the reader they share, and the counters."""
+    """The expert cache, the reader it uses, the counters, and lookahead wiring."""
 
-    def __init__(self, caches: Dict[int, LayerCache], reader: Reader, stats: CacheStats,
+    def __init__(self, cache: ExpertCache, reader: Reader, stats: CacheStats,
                  experts_per_token: int, lookahead: bool):
-        self.caches = caches
+        self.cache = cache
         self.reader = reader
         self.stats = stats
         self.k = experts_per_token
         self.lookahead = lookahead
-        self.layers = sorted(caches)
+        self.layers = cache.layers
         self.next_layer = {a: b for a, b in zip(self.layers, self.layers[1:])}
         self.moe_blocks: Dict[int, nn.Module] = {}  # layer -> the block owning the router
+        self.on_route = None  # optional callback(layer, indices), e.g. a RoutingTrace
 
     @property
     def bytes_read(self) -> int:
         return self.reader.bytes_read
 
     def close(self):
-        for c in self.caches.values():
-            c.drain()
+        self.cache.drain()
         self.reader.close()
-        for c in self.caches.values():
-            c.bank.close()
+        for bank in self.cache.banks.values():
+            bank.close()
 
 
 def predict_experts(moe: nn.Module, h: mx.array, k: int) -> Optional[mx.array]:
@@ -61,42 +61,42 @@ def predict_experts(moe: nn.Module, h: mx.array, k: int) -> Optional[mx.array]:
 class StreamingSwitchGLU(nn.Module):
     """Drop-in for mlx-lm's SwitchGLU: `(x, indices) -> (..., k, D)`."""
 
-    def __init__(self, layer: int, store: ExpertStore, activation):
+    def __init__(self, layer: int, store: ExpertStore, inner):
         super().__init__()
-        self.activation = activation
         self._layer = layer
         self._store = store
+        self._inner = inner  # mlx-lm's SwitchGLU over the shared slot arrays
         self._moe_input = None  # set by the MoE block's tap, for lookahead
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        store = self._store
-        cache = store.caches[self._layer]
-        nxt = store.next_layer.get(self._layer)
+        store, cache, layer = self._store, self._store.cache, self._layer
+        nxt = store.next_layer.get(layer)
         predicted = None
         if store.lookahead and nxt is not None and self._moe_input is not None:
             predicted = predict_experts(store.moe_blocks[nxt], self._moe_input, store.k)
         self._moe_input = None
-        if predicted is not None:
-            mx.eval(indices, predicted)
-        else:
-            mx.eval(indices)
+        mx.eval(indices, predicted) if predicted is not None else mx.eval(indices)
         idx = np.array(indices).astype(np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= cache.num_experts):
-            raise ValueError(f"layer {self._layer}: router chose an expert out of range")
+            raise ValueError(f"layer {layer}: router chose an expert out of range")
         needed = np.unique(idx)
+        tokens = idx.size // idx.shape[-1]
+        if store.on_route is not None:
+            store.on_route(layer, idx)
 
-        if needed.size <= cache.capacity:
-            jobs = cache.request(needed)
-            if predicted is not None:
-                order = _by_votes(np.array(predicted))
-                store.caches[nxt].prefetch(order, limit=store.caches[nxt].capacity)
-            cache.wait(jobs)
-            emap = cache.slot_map()
-            slots = mx.array(emap[idx].astype(np.uint32))
-            return cache.inner(x, slots)
-        return self._chunked(cache, x, idx, needed)
+        if needed.size > cache.capacity:
+            return self._chunked(cache, x, idx, needed, tokens)
+        jobs = cache.request(layer, needed, tokens)
+        if predicted is not None:
+            in_use = {cache.key(layer, e) for e in needed}
+            cache.prefetch(nxt, _by_votes(np.array(predicted)), in_use,
+                           limit=cache.capacity - needed.size)
+        cache.wait(jobs)
+        emap = np.zeros(cache.num_experts, dtype=np.int64)
+        emap[needed] = cache.slots_of(layer, needed)
+        return self._inner(x, mx.array(emap[idx].astype(np.uint32)))
 
-    def _chunked(self, cache: LayerCache, x, idx, needed):
+    def _chunked(self, cache: ExpertCache, x, idx, needed, tokens):
         """More distinct experts than slots (a long prompt, a big batch): run the
         (token, expert) pairs in groups of experts that fit, each evaluated before
         the next group's reads reuse the slots. Each pair's arithmetic is the same
@@ -109,11 +109,12 @@ class StreamingSwitchGLU(nn.Module):
         for start in range(0, needed.size, cache.capacity):
             group = needed[start : start + cache.capacity]
             pairs = np.nonzero(np.isin(flat, group))[0]
-            cache.wait(cache.request(group))
-            emap = cache.slot_map()
+            cache.wait(cache.request(self._layer, group, tokens if start == 0 else 0))
+            emap = np.zeros(cache.num_experts, dtype=np.int64)
+            emap[group] = cache.slots_of(self._layer, group)
             slots = mx.array(emap[flat[pairs]].astype(np.uint32)).reshape(1, -1, 1)
-            tokens = mx.array((pairs // k).astype(np.uint32))
-            y = cache.inner(xs[tokens][None], slots)  # (1, P, 1, D)
+            rows = mx.array((pairs // k).astype(np.uint32))
+            y = self._inner(xs[rows][None], slots)  # (1, P, 1, D)
             mx.eval(y)
             outs.append(y.reshape(len(pairs), -1))
             order.append(pairs)

@@ -1,0 +1,93 @@
+"""The mlx-lm drop-in: a converted directory loads with `mlx_lm.load`,
+`mlx_lm.generate --model DIR --trust-remote-code` and `mlx_lm.server`.
+
+deltafin-convert writes `deltafin_model.py` into the model directory and names it
+as `model_file` in config.json; mlx-lm imports it (with --trust-remote-code) and
+builds its `Model`, which loads the directory with `deltafin_mlx.load` and holds the
+streaming model as `_inner` (an underscore attribute, so mlx-lm's strict weight
+loading sees no parameters to fill). Importing it also teaches mlx-lm's tokenizer
+loading to use Deltafin's tokenizer for Deltafin directories (K3 ships no
+tokenizer.json, only a tiktoken vocabulary).
+
+Environment: DELTAFIN_BUDGET (e.g. "8GB") sets the memory budget.
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.nn as nn
+import mlx_lm.utils as mlx_lm_utils
+from mlx_lm.models.base import BaseModelArgs
+
+from .manifest import MANIFEST_NAME, read_manifest
+
+SHIM_FILE = "deltafin_model.py"
+PLACEHOLDER_WEIGHTS = "model-deltafin-placeholder.safetensors"
+SHIM_SOURCE = '''"""Written by deltafin-convert: lets mlx-lm run this directory through Deltafin."""
+from pathlib import Path
+
+from deltafin_mlx.mlx_lm_shim import make_classes
+
+Model, ModelArgs = make_classes(Path(__file__).parent)
+'''
+
+
+def make_classes(path: Path):
+    path = Path(path)
+
+    @dataclass
+    class ModelArgs(BaseModelArgs):
+        model_type: str = "deltafin"
+
+        @classmethod
+        def from_dict(cls, params):
+            return cls(model_type=params.get("model_type", "deltafin"))
+
+    class Model(nn.Module):
+        def __init__(self, args: ModelArgs):
+            super().__init__()
+            from .loader import load
+
+            self.model_type = args.model_type
+            self.args = args
+            self._inner, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
+                                  tokenizer=False)
+
+        def __call__(self, inputs, cache=None, **kwargs):
+            return self._inner(inputs, cache=cache, **kwargs)
+
+        @property
+        def layers(self):
+            return self._inner.layers
+
+        def make_cache(self):
+            from mlx_lm.models.cache import make_prompt_cache
+
+            return make_prompt_cache(self._inner)
+
+        def sanitize(self, weights):
+            return {}
+
+        @property
+        def _deltafin(self):
+            return self._inner._deltafin
+
+    return Model, ModelArgs
+
+
+_mlx_lm_load_tokenizer = mlx_lm_utils.load_tokenizer
+
+
+def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
+    p = Path(model_path)
+    if (p / MANIFEST_NAME).exists():
+        from mlx_lm.utils import load_config
+
+        from .loader import load_tokenizer as deltafin_tokenizer
+
+        return deltafin_tokenizer(p, read_manifest(p, check_files=False), load_config(p))
+    return _mlx_lm_load_tokenizer(model_path, tokenizer_config_extra, eos_token_ids)
+
+
+mlx_lm_utils.load_tokenizer = load_tokenizer

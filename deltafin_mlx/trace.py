@@ -1,0 +1,33 @@
+"""Routing traces: each token's routed experts per MoE layer, as JSONL.
+
+One line per token: {"tok": i, "layers": [[expert ids of the 1st MoE layer], ...]},
+the input of bench/simulate_cache.py. Only the first sequence of a batch is traced.
+"""
+
+import json
+
+
+class RoutingTrace:
+    def __init__(self, model, path):
+        self.store = model._deltafin.store
+        self.file = open(path, "w")
+        self.layers = self.store.layers
+        self.pending = {}
+        self.tok = 0
+        self.store.on_route = self.record
+
+    def record(self, layer, idx):
+        self.pending[layer] = idx[0].reshape(-1, idx.shape[-1])  # (positions, k)
+        if layer != self.layers[-1]:
+            return
+        if all(l in self.pending for l in self.layers):
+            rows = [self.pending[l] for l in self.layers]
+            for pos in range(rows[0].shape[0]):
+                line = {"tok": self.tok, "layers": [sorted(int(e) for e in r[pos]) for r in rows]}
+                self.file.write(json.dumps(line) + "\n")
+                self.tok += 1
+        self.pending = {}
+
+    def close(self):
+        self.store.on_route = None
+        self.file.close()
