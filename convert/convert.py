@@ -108,7 +108,13 @@ def _write_atomic_json(path: Path, obj):
 
 def _save_safetensors(path: Path, arrays: dict):
     tmp = path.with_name(path.name + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays)
+    try:
+        mx.save_safetensors(str(tmp), arrays)
+    except RuntimeError as e:  # MLX reports a failed write (e.g. a full disk) this way
+        tmp.unlink(missing_ok=True)
+        raise ConvertError(
+            f"writing {path} failed ({e}); is the disk full? Free space and rerun to resume"
+        ) from None
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -125,10 +131,10 @@ def _tensor_info(name, a, rel, quantized):
 
 
 def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
-    """Check OUT, and return the finished units of a conversion to resume."""
+    """Check OUT (creating nothing), and return the state of the conversion to run:
+    fresh, or the finished units of an interrupted run of the same conversion."""
     fresh = {"fingerprint": source.fingerprint, "options": options.recorded(), "done": {}}
     if not out.exists():
-        out.mkdir(parents=True)
         return fresh
     if not out.is_dir():
         raise ConvertError(f"{out}: exists and is not a directory")
@@ -152,18 +158,29 @@ def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
         for name in (MANIFEST_NAME, PARTIAL_NAME, "config.json"):
             (out / name).unlink(missing_ok=True)
         return fresh
-    if manifest.exists():
+    if manifest.exists() and not same:
         raise ConvertError(f"{out}: already holds a converted model (use --force to overwrite)")
     if same:
-        return state
+        return state  # (with a manifest: stopped just before its last step, rerun it)
     if state is not None:
         raise ConvertError(
             f"{out}: holds an unfinished conversion of another source or with other "
             "options (use --force to start over)"
         )
-    if any(out.iterdir()):
+    if not _only_our_leftovers(out):
         raise ConvertError(f"{out}: exists and is not empty (use --force to write into it)")
     return fresh
+
+
+def _only_our_leftovers(out: Path) -> bool:
+    """Empty, or what a run stopped before its first state file can leave behind."""
+    for p in out.iterdir():
+        if p.name in ("trunk", "experts") and p.is_dir():
+            if any(not q.name.endswith((".tmp", ".tmp.safetensors")) for q in p.iterdir()):
+                return False
+        elif not p.name.endswith(".tmp"):
+            return False
+    return True
 
 
 def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest:
@@ -234,10 +251,9 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
             )
 
     state = prepare_output(out, source, options)
-    (out / "trunk").mkdir(exist_ok=True)
-    (out / "experts").mkdir(exist_ok=True)
 
-    # Disk: banks are exact; the trunk needs at most its source size.
+    # Disk, checked before anything is written: banks are exact; the trunk needs
+    # at most its source size.
     trunk_src = {
         u: sum(source.nbytes(n) for n in names if n not in _expert_names(experts, u))
         for u, names in units.items()
@@ -249,12 +265,16 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
     needed = sum(
         trunk_src[u] + bank_bytes.get(u, 0) for u in units if str(u) not in state["done"]
     )
-    free = free_bytes(out)
+    free = free_bytes(_existing_parent(out))
     if needed > free:
         raise ConvertError(
             f"not enough free disk space in {out}: the conversion needs up to {needed} bytes "
             f"({needed / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free"
         )
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomic_json(out / PARTIAL_NAME, state)
+    (out / "trunk").mkdir(exist_ok=True)
+    (out / "experts").mkdir(exist_ok=True)
 
     notes = []
     if skipped:
@@ -360,6 +380,12 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
             release(module)
         state["done"][key] = result
         _write_atomic_json(partial_path, state)
+
+
+def _existing_parent(p: Path) -> Path:
+    while not p.exists():
+        p = p.parent
+    return p
 
 
 def _expert_names(experts, unit):

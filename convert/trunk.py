@@ -11,8 +11,9 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
-from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import _get_classes
+
+from deltafin_mlx.modules import get_module, layer_paths, switch_path  # noqa: F401
 
 from .source import ConvertError
 
@@ -31,30 +32,6 @@ def source_dtype(config: dict) -> Optional[mx.Dtype]:
     """The dtype mlx_lm.convert casts floating weights to (None: leave as is)."""
     dtype = config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
     return getattr(mx, dtype) if dtype in CONVERSION_DTYPES else None
-
-
-def layer_paths(model: nn.Module) -> list:
-    """The module path of every decoder layer, in order."""
-    ids = {id(layer): i for i, layer in enumerate(model.layers)}
-    paths = [None] * len(ids)
-    for path, module in model.named_modules():
-        if id(module) in ids:
-            paths[ids[id(module)]] = path
-    return paths
-
-
-def switch_path(layer: nn.Module) -> Optional[str]:
-    for path, module in layer.named_modules():
-        if isinstance(module, SwitchGLU):
-            return path
-    return None
-
-
-def get_module(model: nn.Module, path: str):
-    m = model
-    for part in path.split("."):
-        m = m[int(part)] if isinstance(m, list) else m[part]
-    return m
 
 
 def release(module: nn.Module):
@@ -112,27 +89,35 @@ def convert_unit(
 
         module.update(tree_map_with_path(set_dtype, module.parameters()))
 
-    quantized = {}
-    if trunk_quant is not None:
-        group_size, bits = trunk_quant["group_size"], trunk_quant["bits"]
-        model_predicate = getattr(model, "quant_predicate", None)
-
-        # mlx_lm.utils.quantize_model's rules, on full paths.
-        def predicate(p, m):
-            p = full(p)
-            if skipped(p) or not hasattr(m, "to_quantized"):
-                return False
-            if m.weight.shape[-1] % group_size != 0:
-                return False
-            params = model_predicate(p, m) if model_predicate is not None else True
-            if params is False:
-                return False
-            if params is True:
-                params = dict(trunk_quant)
-            quantized[p] = params
-            return params
-
-        nn.quantize(module, group_size, bits, mode=trunk_quant["mode"], class_predicate=predicate)
-
+    quantized = quantize_like_mlx_lm(model, module, prefix, skip, trunk_quant)
     params = {full(k): v for k, v in tree_flatten(module.parameters()) if not skipped(full(k))}
     return params, quantized
+
+
+def quantize_like_mlx_lm(model: nn.Module, module: nn.Module, prefix: str,
+                         skip: Callable[[str], bool], trunk_quant: Optional[dict]) -> Dict[str, dict]:
+    """Quantize `module` (found at `prefix` in `model`) with mlx_lm.utils.quantize_model's
+    rules on full paths: modules with `to_quantized` whose input size the group size
+    divides, as the model's own `quant_predicate` says. Returns path -> params."""
+    quantized = {}
+    if trunk_quant is None:
+        return quantized
+    group_size, bits = trunk_quant["group_size"], trunk_quant["bits"]
+    model_predicate = getattr(model, "quant_predicate", None)
+
+    def predicate(p, m):
+        p = f"{prefix}.{p}" if prefix else p
+        if skip(p) or not hasattr(m, "to_quantized"):
+            return False
+        if m.weight.shape[-1] % group_size != 0:
+            return False
+        params = model_predicate(p, m) if model_predicate is not None else True
+        if params is False:
+            return False
+        if params is True:
+            params = dict(trunk_quant)
+        quantized[p] = params
+        return params
+
+    nn.quantize(module, group_size, bits, mode=trunk_quant["mode"], class_predicate=predicate)
+    return quantized

@@ -76,6 +76,9 @@ def plan_parser():
                    help="disk read bandwidth (default: measured)")
     p.add_argument("--compute-gwps", type=float, default=None,
                    help="quantized matvec rate, G weights/s (default: measured)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="activation dtype to plan for (default: float32 on CPU; the model's "
+                   "dtype on GPU — plan an Apple GPU with bfloat16)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--debug", action="store_true")
     return p

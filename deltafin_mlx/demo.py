@@ -58,17 +58,17 @@ def demo_budget(model_dir: Path, args) -> int:
     import mlx.core as mx
     from mlx_lm.utils import load_config
 
+    from .inventory import inventory_from_manifest
     from .loader import default_activation_dtype
     from .manifest import read_manifest
     from .planner import plan_memory
 
     m = read_manifest(model_dir)
-    act = default_activation_dtype() or mx.bfloat16
-    plan = plan_memory(m, load_config(model_dir), 1 << 50, act,
-                       reader_threads=args.reader_threads)
+    inv = inventory_from_manifest(m, load_config(model_dir), default_activation_dtype() or mx.bfloat16)
+    plan = plan_memory(inv, 1 << 50, reader_threads=args.reader_threads)
     total = m.experts["num_experts"] * len(m.moe_layers)
     slots = max(m.experts["experts_per_token"], int(total * CACHE_FRACTION))
-    return plan.floor + (slots - plan.experts_per_token) * plan.slot_bytes
+    return plan.state_bytes + plan.working_bytes + inv.trunk_bytes + slots * plan.slot_bytes
 
 
 def run_demo(args) -> int:

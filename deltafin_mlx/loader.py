@@ -6,14 +6,18 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, load_config
 
 from .bank import BankError, read_layout
 from .cache import CacheStats, ExpertCache, switch_over_slots
 from .manifest import ModelError, read_manifest
+from .modules import find_path, get_module, layer_paths, set_module
+from .inventory import inventory_from_manifest
 from .planner import MemoryPlan, plan_memory
 from .reader import Reader, open_bank
 from .streaming_moe import ExpertStore, StreamingSwitchGLU, tap_moe_input
+from .trunk_stream import RowEmbedding, TrunkStreamer
 
 READ_MODES = ("direct", "mmap")
 
@@ -22,22 +26,6 @@ def default_activation_dtype() -> mx.Dtype:
     # MLX's CPU backend is far faster (and more accurate) in float32; Apple GPUs
     # run the model's own dtype.
     return mx.float32 if mx.default_device() == mx.cpu else None
-
-
-def get_module(model: nn.Module, path: str):
-    m = model
-    for part in path.split("."):
-        m = m[int(part)] if isinstance(m, list) else m[part]
-    return m
-
-
-def set_module(model: nn.Module, path: str, new: nn.Module):
-    parent_path, _, last = path.rpartition(".")
-    parent = get_module(model, parent_path) if parent_path else model
-    if isinstance(parent, list):
-        parent[int(last)] = new
-    else:
-        parent[last] = new
 
 
 def build_model(path: Path, config: dict) -> nn.Module:
@@ -63,20 +51,30 @@ def quantize_like_config(model: nn.Module, config: dict):
                 class_predicate=predicate)
 
 
-def load_trunk(model: nn.Module, manifest, dtype: Optional[mx.Dtype]):
+def load_trunk(model: nn.Module, manifest, dtype: Optional[mx.Dtype], skip=lambda name: False):
+    """Load the trunk files into the model, all but the tensors `skip` accepts
+    (streamed layers, an embedding read on demand), cast floats to `dtype`."""
     weights = []
     for rel in sorted(set(manifest.trunk_files.values())):
         try:
-            weights.extend(mx.load(str(manifest.path / rel)).items())
+            weights.extend((k, v) for k, v in mx.load(str(manifest.path / rel)).items()
+                           if not skip(k))
         except Exception as e:
             raise ModelError(f"{manifest.path / rel}: unreadable trunk file ({e})") from None
+    expected = {k for k, _ in tree_flatten(model.parameters()) if not skip(k)}
+    missing = expected - {k for k, _ in weights}
+    if missing:
+        raise ModelError(f"{manifest.path}: trunk lacks {sorted(missing)[0]}")
     try:
-        model.load_weights(weights, strict=True)
+        model.load_weights(weights, strict=False)
     except ValueError as e:
         raise ModelError(f"{manifest.path}: trunk does not fit the model ({e})") from None
+    params = [(k, v) for k, v in tree_flatten(model.parameters()) if not skip(k)]
     if dtype is not None:
-        model.set_dtype(dtype)
-    mx.eval(model.parameters())
+        params = [(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v)
+                  for k, v in params]
+        model.update(tree_unflatten(params))
+    mx.eval([v for _, v in params])
 
 
 def load(
@@ -90,6 +88,7 @@ def load(
     read_mode: str = "direct",
     context: int = 4096,
     cache_slots: Optional[int] = None,
+    stream_trunk: bool = True,
     tokenizer: bool = True,
 ) -> Tuple[nn.Module, object]:
     """Load a Deltafin model directory. Returns (model, tokenizer).
@@ -103,6 +102,8 @@ def load(
     read_mode: "direct" (O_DIRECT / F_NOCACHE) or "mmap".
     cache_slots: cap on the expert cache's slots, shared by all MoE layers
         (tests and benchmarks).
+    stream_trunk: allow the plan to stream trunk layers and embedding rows when
+        the budget is below the whole trunk.
     """
     if read_mode not in READ_MODES:
         raise ValueError(f"read_mode must be one of {READ_MODES}")
@@ -114,8 +115,10 @@ def load(
     if activation_dtype == "auto":
         activation_dtype = default_activation_dtype()
     act = activation_dtype or getattr(mx, manifest.dtype, mx.bfloat16)
-    plan = plan_memory(manifest, config, memory_budget, act, context=context,
-                       reader_threads=reader_threads, max_slots=cache_slots)
+    inventory = inventory_from_manifest(manifest, config, act)
+    plan = plan_memory(inventory, memory_budget, context=context,
+                       reader_threads=reader_threads, max_slots=cache_slots,
+                       stream_trunk=stream_trunk)
 
     # Banks are checked before anything big is allocated.
     layouts = {}
@@ -156,9 +159,22 @@ def load(
     # The quantized classes, minus the experts (their config entries now point at
     # streaming modules, which nn.quantize leaves alone).
     quantize_like_config(model, config)
-    load_trunk(model, manifest, activation_dtype)
+    paths = layer_paths(model)
+    streamed = sorted(int(k) for k in plan.streamed)
+    prefixes = tuple(paths[i] + "." for i in streamed)
+    embed = find_path(model, "embed_tokens") if plan.embed_on_demand else None
+    if embed is not None:
+        prefixes += (embed + ".",)
+        set_module(model, embed, RowEmbedding(get_module(model, embed),
+                                              path / manifest.trunk_files["globals"], embed,
+                                              activation_dtype))
+    load_trunk(model, manifest, activation_dtype, skip=lambda k: k.startswith(prefixes))
+    trunk = None
+    if streamed:
+        trunk = TrunkStreamer(model, manifest, dict(enumerate(paths)), streamed,
+                              activation_dtype)
     model.eval()
-    model._deltafin = DeltafinState(manifest, plan, store)
+    model._deltafin = DeltafinState(manifest, plan, store, trunk)
 
     tok = None
     if tokenizer:
@@ -181,10 +197,12 @@ def load_tokenizer(path: Path, manifest, config: dict):
 class DeltafinState:
     """What the runtime attaches to a loaded model (as `model._deltafin`)."""
 
-    def __init__(self, manifest, plan: MemoryPlan, store: ExpertStore):
+    def __init__(self, manifest, plan: MemoryPlan, store: ExpertStore,
+                 trunk: Optional[TrunkStreamer] = None):
         self.manifest = manifest
         self.plan = plan
         self.store = store
+        self.trunk = trunk
 
     @property
     def stats(self):
@@ -192,6 +210,8 @@ class DeltafinState:
 
     def close(self):
         self.store.close()
+        if self.trunk is not None:
+            self.trunk.close()
 
 
 def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Module:

@@ -143,6 +143,13 @@ class _Leaves(ValueError):
 ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# mode -> (bits, group sizes) that MLX's quantized matmuls take
+QUANT_MODES = {
+    "affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128)),
+    "mxfp4": ((4,), (32,)),
+    "mxfp8": ((8,), (32,)),
+    "nvfp4": ((4,), (16,)),
+}
 
 
 def _need(ok: bool, what: str):
@@ -179,9 +186,13 @@ def _check_fields(d: dict):
     _need(isinstance(d.get("source", {}), dict), "source must be an object")
 
     trunk_files = d["trunk_files"]
-    _need(isinstance(trunk_files, dict) and trunk_files, "trunk_files must be a non-empty object")
+    _need(isinstance(trunk_files, dict), "trunk_files must be an object")
+    units = {"globals"} | {str(i) for i in range(num_layers)}
+    _need(set(trunk_files) == units,
+          f"trunk_files must name \"globals\" and layers 0..{num_layers - 1}, one file each")
     for key, rel in trunk_files.items():
         _rel_path(rel, f"trunk file {key!r}", files)
+    _need(len(set(trunk_files.values())) == len(trunk_files), "trunk_files repeats a file")
     tensors = d["tensors"]
     _need(isinstance(tensors, dict), "tensors must be an object")
     trunk_set = set(trunk_files.values())
@@ -192,6 +203,10 @@ def _check_fields(d: dict):
         _need(isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape),
               f"tensor {name!r} has shape {shape!r:.80}")
         _need(rel in trunk_set, f"tensor {name!r} is in {rel!r:.200}, not a trunk file")
+        q = info.get("quantization")
+        _need(q is None or (isinstance(q, dict) and _is_int(q.get("bits")) and 1 <= q["bits"] <= 8
+                            and _is_int(q.get("group_size")) and q["group_size"] > 0),
+              f"tensor {name!r} has quantization {q!r:.80}")
         numel = 1
         for s in shape:
             numel *= s
@@ -252,16 +267,20 @@ def _check_fields(d: dict):
 
 def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
     """The sections are SwitchGLU's quantized projections at the experts' quantization."""
-    affine = quant["mode"] == "affine"
+    mode, bits, group = quant["mode"], quant["bits"], quant["group_size"]
+    _need(mode in QUANT_MODES and bits in QUANT_MODES[mode][0] and group in QUANT_MODES[mode][1],
+          f"expert quantization {mode!r:.40} at {bits} bits, group size {group} is not one "
+          "MLX has")
+    affine = mode == "affine"
     kinds = ("weight", "scales", "biases") if affine else ("weight", "scales")
     expected = {f"{p}.{k}" for p in PROJECTIONS for k in kinds}
     _need(set(by_name) == expected, f"expert sections {sorted(by_name)} are not {sorted(expected)}")
-    bits, group = quant["bits"], quant["group_size"]
     dims = {}
     for p in PROJECTIONS:
         w, sc = by_name[f"{p}.weight"], by_name[f"{p}.scales"]
-        _need(w.dtype == "uint32" and len(w.shape) == 2 and len(sc.shape) == 2,
-              f"expert section {p}.weight/scales")
+        _need(w.dtype == "uint32" and len(w.shape) == 2 and len(sc.shape) == 2
+              and (sc.dtype != "uint8") == affine,
+              f"expert section {p}.weight/scales dtypes or ranks")
         out, packed = w.shape
         _need(packed * 32 % bits == 0, f"{p}.weight: {packed} words at {bits} bits")
         in_dim = packed * 32 // bits

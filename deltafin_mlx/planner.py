@@ -1,25 +1,31 @@
-"""The memory plan: from the manifest and a budget, what is resident and how many
-expert slots each MoE layer gets.
+"""The memory plan: from a model's inventory and a budget, what is pinned in memory,
+what is streamed, and how many expert slots remain.
 
-The budget covers the trunk (held at the activation dtype), the KV cache and
-recurrent state at the planned context, the reader's staging buffers and a working
-margin for activations; what remains is expert cache, split evenly over the MoE
-layers. The floor is the budget at which each layer keeps just the experts one
-token needs.
+The budget covers the KV cache and recurrent state at the planned context, working
+buffers, the trunk's resident part, the buffers streamed trunk layers pass through,
+and the expert cache. Use per byte decides: a trunk layer is used every token, an
+expert only when routed, and of the embedding table only a row per token. So:
+
+* the floor streams every trunk layer that has a twin (layers of the same shape
+  share two buffers, read one layer ahead), reads embedding rows on demand, and
+  holds just the experts one token needs in one layer;
+* above the floor, trunk layers are pinned first, then the rest becomes expert
+  cache, then the embedding table is pinned if everything else fits.
 """
 
 import os
 import re
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, List
 
 import mlx.core as mx
 
-from .cache import slot_bytes
-from .bank import Section
-from .manifest import Manifest
+from .inventory import Inventory
 
 WORKING_BYTES = 16 << 20  # activations, router outputs and read bookkeeping of small models
 HEADROOM = 0.85  # of available memory, for the default budget
+RING = 2  # buffers per streamed layer shape: one in use, one being read
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 1 << 10, "M": 1e6, "MB": 1e6,
           "MIB": 1 << 20, "G": 1e9, "GB": 1e9, "GIB": 1 << 30, "T": 1e12, "TB": 1e12,
@@ -33,15 +39,18 @@ class BudgetError(ValueError):
 def parse_size(value) -> int:
     """Bytes from an int or a string like "8GB", "512MiB", "1.5G"."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise BudgetError(f"memory budget must be positive (got {value})")
+        if not value > 0 or value == float("inf"):
+            raise BudgetError(f"memory budget must be a positive, finite size (got {value})")
         return int(value)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).upper() not in _UNITS:
         raise BudgetError(
             f"bad memory size {value!r} (examples: 8GB, 512MB, 1.5GiB, 1000000000)"
         )
-    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    n = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if not n < 1e18:
+        raise BudgetError(f"memory budget {value!r} is not a sensible size")
+    n = int(n)
     if n <= 0:
         raise BudgetError(f"memory budget must be positive (got {value!r})")
     return n
@@ -58,10 +67,7 @@ def available_memory() -> int:
     except OSError:
         pass
     if avail is None:
-        try:
-            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):
-            avail = 8 << 30
+        avail = physical_memory() or 8 << 30
     for limit_file, usage_file in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
@@ -92,21 +98,6 @@ def default_budget() -> int:
     return int(available_memory() * HEADROOM)
 
 
-_DTYPE_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "uint32": 4, "uint8": 1,
-               "int32": 4, "uint16": 2, "int8": 1, "int64": 8}
-
-
-def tensor_bytes(info: dict, activation_dtype: mx.Dtype) -> int:
-    """Memory one trunk tensor takes once loaded (floats at the activation dtype)."""
-    n = 1
-    for s in info["shape"]:
-        n *= s
-    dt = info["dtype"]
-    if dt in ("bfloat16", "float16", "float32"):
-        return n * activation_dtype.size
-    return n * _DTYPE_SIZE.get(dt, 4)
-
-
 def state_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:
     """KV cache and recurrent state for one sequence of `context` tokens."""
     tc = config.get("text_config", config)
@@ -132,20 +123,23 @@ def state_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:
 @dataclass
 class MemoryPlan:
     budget: int
-    trunk_bytes: int
+    context: int
     state_bytes: int
     working_bytes: int
+    pinned: List[str]  # trunk units held in memory
+    streamed: List[str]  # trunk units read into shared buffers each token
+    ring_bytes: int  # those buffers
+    embed_on_demand: bool
+    embed_bytes: int
+    resident_bytes: int  # pinned units (less the embedding table when on demand)
     slot_bytes: int  # one expert in memory
-    moe_layers: int
+    slots: int  # expert cache slots, shared by all MoE layers
+    floor: int  # the smallest budget that runs
     experts_per_token: int
     num_experts: int
-    slots: int  # expert cache slots, shared by all MoE layers
-
-    @property
-    def floor(self) -> int:
-        """The smallest budget that runs: one token's experts for one layer."""
-        return (self.trunk_bytes + self.state_bytes + self.working_bytes
-                + self.experts_per_token * self.slot_bytes)
+    moe_layers: int
+    streamed_read_bytes: int  # trunk bytes read per token
+    notes: List[str] = field(default_factory=list)
 
     @property
     def cache_bytes(self) -> int:
@@ -156,29 +150,86 @@ class MemoryPlan:
         """The share of all experts (of all MoE layers) the cache holds."""
         return self.slots / (self.num_experts * self.moe_layers)
 
+    @property
+    def used_bytes(self) -> int:
+        return (self.state_bytes + self.working_bytes + self.resident_bytes + self.ring_bytes
+                + self.cache_bytes)
 
-def plan_memory(manifest: Manifest, config: dict, budget, activation_dtype: mx.Dtype,
-                context: int = 4096, reader_threads: int = 1, max_slots: int = None) -> MemoryPlan:
+
+def _trunk_layout(inv: Inventory, streamed: set, embed_on_demand: bool):
+    """(resident bytes, ring bytes, bytes read per token) for a choice of streamed units."""
+    by_sig = defaultdict(list)
+    for key in streamed:
+        by_sig[inv.units[key].signature].append(key)
+    resident = sum(u.memory_bytes for k, u in inv.units.items() if k not in streamed)
+    if embed_on_demand:
+        resident -= inv.embed_bytes
+    ring = 0
+    read = 0
+    for keys in by_sig.values():
+        size = inv.units[keys[0]].memory_bytes
+        ring += min(RING, len(keys)) * size
+        if len(keys) > RING:
+            read += sum(inv.units[k].disk_bytes for k in keys)
+    return resident, ring, read
+
+
+def streamable_units(inv: Inventory) -> List[str]:
+    """Decoder layers whose shape another layer shares: streaming them saves memory."""
+    count = defaultdict(int)
+    for key, u in inv.units.items():
+        if key != "globals":
+            count[u.signature] += 1
+    keys = [k for k, u in inv.units.items() if k != "globals" and count[u.signature] > RING]
+    return sorted(keys, key=int)
+
+
+def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int = 1,
+                max_slots: int = None, stream_trunk: bool = True) -> MemoryPlan:
     budget = default_budget() if budget is None else parse_size(budget)
-    trunk = sum(tensor_bytes(t, activation_dtype) for t in manifest.tensors.values())
-    sections = [Section.from_dict(d) for d in manifest.experts["sections"]]
-    one = slot_bytes(sections, activation_dtype)
-    num_experts = manifest.experts["num_experts"]
-    k = manifest.experts["experts_per_token"]
-    n_moe = len(manifest.moe_layers)
-    working = WORKING_BYTES + (reader_threads + 1) * manifest.experts["record_size"]
-    plan = MemoryPlan(budget, trunk, state_bytes(config, context, activation_dtype), working,
-                      one, n_moe, k, num_experts, 0)
-    spare = budget - (plan.floor - k * one)
-    slots = min(num_experts * n_moe, spare // one) if spare > 0 else 0
-    if max_slots is not None:
-        slots = min(slots, max_slots)
-    if slots < k:
+    k = inv.experts_per_token
+    one = inv.slot_bytes
+    all_experts = inv.num_experts * len(inv.moe_layers)
+    state = state_bytes(inv.config, context, inv.activation_dtype)
+    working = WORKING_BYTES + (reader_threads + 1) * inv.record_size
+    fixed = state + working
+
+    candidates = streamable_units(inv) if stream_trunk else []
+    on_demand_ok = stream_trunk and not inv.embed_tied and inv.embed_bytes > 0
+    res, ring, _ = _trunk_layout(inv, set(candidates), on_demand_ok)
+    floor = fixed + res + ring + k * one
+    if budget < floor:
         raise BudgetError(
             f"memory budget {budget / 1e9:.3f} GB is below this model's floor of "
-            f"{plan.floor / 1e9:.3f} GB ({plan.floor} bytes: trunk {trunk / 1e9:.3f} GB, "
-            f"KV/state {plan.state_bytes / 1e9:.3f} GB at {context} tokens, "
-            f"one token's {k} experts {k * one / 1e9:.3f} GB)"
+            f"{floor / 1e9:.3f} GB ({floor} bytes: resident trunk {res / 1e9:.3f} GB, "
+            f"streamed-layer buffers {ring / 1e9:.3f} GB, KV/state {state / 1e9:.3f} GB at "
+            f"{context} tokens, one token's {k} experts {k * one / 1e9:.3f} GB)"
         )
-    plan.slots = int(slots)
-    return plan
+
+    # Pin trunk layers while they fit (each saves its size in reads per token),
+    # keeping room for the experts one token needs.
+    streamed = list(candidates)
+    while streamed:
+        trial = set(streamed[:-1])
+        r, g, _ = _trunk_layout(inv, trial, on_demand_ok)
+        if fixed + r + g + k * one > budget:
+            break
+        streamed.pop()
+    res, ring, read = _trunk_layout(inv, set(streamed), on_demand_ok)
+    spare = budget - (fixed + res + ring)
+    slots = min(all_experts, spare // one)
+    if max_slots is not None:
+        slots = min(slots, max_slots)
+    embed_on_demand = on_demand_ok
+    if on_demand_ok and slots == all_experts and not streamed:
+        if spare - slots * one >= inv.embed_bytes:
+            embed_on_demand = False
+            res += inv.embed_bytes
+    pinned = [key for key in inv.units if key not in set(streamed)]
+    return MemoryPlan(
+        budget=budget, context=context, state_bytes=state, working_bytes=working,
+        pinned=pinned, streamed=streamed, ring_bytes=ring, embed_on_demand=embed_on_demand,
+        embed_bytes=inv.embed_bytes, resident_bytes=res, slot_bytes=one, slots=int(slots),
+        floor=floor, experts_per_token=k, num_experts=inv.num_experts,
+        moe_layers=len(inv.moe_layers), streamed_read_bytes=read,
+    )

@@ -209,10 +209,23 @@ def read_record(bank: BankFile, expert: int, targets: Dict[str, np.ndarray],
     offset = layout.record_offset(expert)
     size = layout.record_size
     if bank.mapping is not None:
+        # Touching a mapped page past the end of a file truncated since it was
+        # mapped kills the process (SIGBUS): check the size first.
+        actual = os.fstat(bank.fd).st_size
+        if actual < offset + size:
+            raise ReadError(
+                f"{bank.path}: short read at offset {offset} (the file is {actual} bytes, "
+                f"the record ends at {offset + size}; file truncated?)"
+            )
         record = np.frombuffer(bank.mapping, dtype=np.uint8, count=size, offset=offset)
-        if verify:
-            _check(bank, expert, zlib.crc32(record))
-        _copy_sections(layout, record, targets)
+        try:
+            if verify:
+                _check(bank, expert, zlib.crc32(record))
+            _copy_sections(layout, record, targets)
+        finally:
+            # An error's traceback keeps this frame: holding the view there would
+            # keep the mapping from ever being closed (BufferError at close).
+            del record
         return
     if bank.direct and _direct_scatter_ok(layout, targets):
         views = [memoryview(targets[s.name].reshape(-1).view(np.uint8)) for s in layout.sections]

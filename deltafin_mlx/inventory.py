@@ -1,0 +1,207 @@
+"""What a model is made of, in bytes: the planner's input.
+
+From a converted model's manifest, or — before anything is downloaded — from a
+source `config.json` plus the conversion options, by building mlx-lm's model class
+lazily (no weight is ever allocated) and applying the converter's own cast and
+quantization rules to it.
+"""
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+
+from .bank import Section
+from .cache import slot_bytes
+
+LAYER_RE = re.compile(r"\blayers\.(\d+)\.")
+FLOATS = ("bfloat16", "float16", "float32")
+DTYPE_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "uint32": 4, "uint8": 1,
+              "int32": 4, "uint16": 2, "int8": 1, "int64": 8}
+
+
+@dataclass
+class Unit:
+    """A piece of trunk loaded as one: a decoder layer's trunk, or the globals."""
+
+    key: str  # "globals" or the decoder layer index
+    memory_bytes: int  # once loaded, floats at the activation dtype
+    disk_bytes: int
+    weights: int  # matrix elements read per token (compute cost)
+    signature: tuple = ()  # units with equal signatures can share buffers
+
+
+@dataclass
+class Inventory:
+    model_type: str
+    config: dict
+    units: Dict[str, Unit]
+    embed_bytes: int  # the embedding table's share of the globals (rows read on demand)
+    embed_tied: bool
+    moe_layers: List[int]
+    num_experts: int
+    experts_per_token: int
+    record_size: int
+    sections: List[Section]
+    expert_weights: int  # matrix elements of one expert
+    activation_dtype: mx.Dtype
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def slot_bytes(self) -> int:
+        return slot_bytes(self.sections, self.activation_dtype)
+
+    @property
+    def trunk_bytes(self) -> int:
+        return sum(u.memory_bytes for u in self.units.values())
+
+    @property
+    def expert_disk_bytes(self) -> int:
+        return self.record_size * self.num_experts * len(self.moe_layers)
+
+
+def _tensor_memory(dtype: str, shape, act: mx.Dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    size = DTYPE_SIZE.get(dtype, 4)
+    # Floats are cast up to float32 activations (CPU); nothing is cast down (GPU).
+    return n * (max(size, act.size) if dtype in FLOATS else size)
+
+
+def _tensor_disk(dtype: str, shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * DTYPE_SIZE.get(dtype, 4)
+
+
+def _matrix_elements(name: str, dtype: str, shape, quant: Optional[dict]) -> int:
+    if not name.endswith(".weight") or len(shape) < 2:
+        return 0
+    rows = 1
+    for s in shape[:-1]:
+        rows *= s
+    cols = shape[-1] * 32 // quant["bits"] if quant and dtype == "uint32" else shape[-1]
+    return rows * cols
+
+
+def _build(units_tensors: Dict[str, List[tuple]], act: mx.Dtype) -> Dict[str, Unit]:
+    units = {}
+    for key, tensors in units_tensors.items():
+        mem = sum(_tensor_memory(d, s, act) for _, d, s, _ in tensors)
+        disk = sum(_tensor_disk(d, s) for _, d, s, _ in tensors)
+        weights = sum(_matrix_elements(n, d, s, q) for n, d, s, q in tensors
+                      if "embed_tokens" not in n)
+        sig = tuple(sorted((LAYER_RE.sub("layers.#.", n), d, tuple(s)) for n, d, s, _ in tensors))
+        units[key] = Unit(key, mem, disk, weights, sig)
+    return units
+
+
+def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
+    by_unit: Dict[str, List[tuple]] = {}
+    file_unit = {f: k for k, f in manifest.trunk_files.items()}
+    embed = 0
+    for name, info in manifest.tensors.items():
+        key = file_unit[info["file"]]
+        by_unit.setdefault(key, []).append((name, info["dtype"], info["shape"],
+                                            info.get("quantization")))
+        if "embed_tokens" in name:
+            embed += _tensor_memory(info["dtype"], info["shape"], act)
+    sections = [Section.from_dict(d) for d in manifest.experts["sections"]]
+    quant = manifest.quantization["experts"]
+    return Inventory(
+        model_type=manifest.model_type,
+        config=config,
+        units=_build(by_unit, act),
+        embed_bytes=embed,
+        embed_tied=_tied(config),
+        moe_layers=manifest.moe_layers,
+        num_experts=manifest.experts["num_experts"],
+        experts_per_token=manifest.experts["experts_per_token"],
+        record_size=manifest.experts["record_size"],
+        sections=sections,
+        expert_weights=_expert_weights(sections, quant),
+        activation_dtype=act,
+    )
+
+
+def _tied(config: dict) -> bool:
+    tc = config.get("text_config", config)
+    return bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+
+
+def _expert_weights(sections: List[Section], quant: dict) -> int:
+    return sum(s.shape[0] * s.shape[1] * 32 // quant["bits"]
+               for s in sections if s.name.endswith(".weight"))
+
+
+def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
+                          group_size: int = 64, expert_bits: int = 4,
+                          expert_group_size: int = 64) -> Inventory:
+    """The inventory deltafin-convert would produce from a source with this config."""
+    from mlx.utils import tree_flatten, tree_map_with_path
+
+    from deltafin_convert.convert import (ConvertOptions, expert_quantization,
+                                          experts_per_token)
+    from deltafin_convert.experts import PROJECTIONS, expert_sections
+    from deltafin_convert.trunk import (build_skeleton, get_module, layer_paths,
+                                        quantize_like_mlx_lm, source_dtype, switch_path)
+
+    from .bank import record_size_of
+
+    options = ConvertOptions(bits=bits, group_size=group_size, expert_bits=expert_bits,
+                             expert_group_size=expert_group_size)
+    options.check()
+    model = build_skeleton(config)
+    dtype = source_dtype(config)
+    paths = layer_paths(model)
+    switches = {}
+    for i, p in enumerate(paths):
+        sp = switch_path(get_module(model, p))
+        if sp is not None:
+            switches[i] = f"{p}.{sp}"
+
+    def skip(p):
+        return any(p == s or p.startswith(s + ".") for s in switches.values())
+
+    if dtype is not None:
+        cast = getattr(model, "cast_predicate", lambda _: True)
+        model.update(tree_map_with_path(
+            lambda k, v: v.astype(dtype) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
+            model.parameters()))
+    trunk_quant = {"group_size": group_size, "bits": bits, "mode": "affine"} if bits else None
+    quantized = quantize_like_mlx_lm(model, model, "", skip, trunk_quant)
+
+    by_unit: Dict[str, List[tuple]] = {}
+    embed = 0
+    for name, a in tree_flatten(model.parameters()):
+        if skip(name):
+            continue
+        m = LAYER_RE.search(name)
+        key = m.group(1) if m else "globals"
+        d = str(a.dtype).split(".")[-1]
+        by_unit.setdefault(key, []).append((name, d, tuple(a.shape),
+                                            quantized.get(name.rsplit(".", 1)[0])))
+        if "embed_tokens" in name:
+            embed += _tensor_memory(d, a.shape, act)
+
+    quant = expert_quantization(config, options)
+    first = get_module(model, next(iter(switches.values())))
+    shapes = {p: tuple(getattr(first, p).weight.shape[1:]) for p in PROJECTIONS}
+    sections = expert_sections(shapes, quant, str(dtype or mx.bfloat16).split(".")[-1])
+    return Inventory(
+        model_type=config.get("model_type", "?"),
+        config=config,
+        units=_build(by_unit, act),
+        embed_bytes=embed,
+        embed_tied=_tied(config),
+        moe_layers=sorted(switches),
+        num_experts=first.gate_proj.weight.shape[0],
+        experts_per_token=experts_per_token(config),
+        record_size=record_size_of(sections),
+        sections=sections,
+        expert_weights=_expert_weights(sections, quant),
+        activation_dtype=act,
+    )

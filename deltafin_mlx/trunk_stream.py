@@ -1,0 +1,278 @@
+"""Streaming trunk layers and embedding rows, for budgets below the whole trunk.
+
+Decoder layers of the same shape (the plan's "streamed" units) share two sets of
+weight buffers. The order layers run in is known, so while one layer computes, the
+next layer of its shape is read into the other buffer on a background thread:
+read-ahead that is exact, not speculative. A buffer is refilled only after
+everything that used it has been evaluated: at the entry of a streamed layer its
+input, and the cache state of the layer that last used the buffer, are evaluated
+first.
+
+The embedding table can instead stay on disk: each call reads only the rows of the
+tokens it embeds and dequantizes them exactly as mlx-lm's QuantizedEmbedding does.
+"""
+
+import json
+import os
+import struct
+import threading
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
+
+from .cache import np_view
+from .modules import get_module
+
+_ST_DTYPES = {"BF16": ("bfloat16", np.uint16), "F16": ("float16", np.float16),
+              "F32": ("float32", np.float32), "U32": ("uint32", np.uint32),
+              "U8": ("uint8", np.uint8), "I32": ("int32", np.int32)}
+
+
+class TrunkReadError(RuntimeError):
+    pass
+
+
+def safetensors_index(path) -> Dict[str, tuple]:
+    """name -> (dtype name, shape, absolute offset, nbytes) for one trunk file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    out = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = e["data_offsets"]
+        out[name] = (_ST_DTYPES[e["dtype"]][0], tuple(e["shape"]), 8 + n + start, end - start)
+    return out
+
+
+def _read_into(fd: int, path, dst: np.ndarray, disk_dtype: str, offset: int, nbytes: int,
+               scratch: np.ndarray):
+    """Read one tensor into `dst` (converting bf16/f16 to a wider float dtype)."""
+    direct = dst.dtype == _numpy_disk(disk_dtype) and dst.nbytes == nbytes
+    target = dst.reshape(-1).view(np.uint8) if direct else scratch[:nbytes]
+    got = os.preadv(fd, [memoryview(target)], offset)
+    if got != nbytes:
+        raise TrunkReadError(f"{path}: short read at offset {offset} ({got} of {nbytes} bytes)")
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    if direct:
+        return
+    src = target.view(_numpy_disk(disk_dtype)).reshape(dst.shape)
+    if disk_dtype == "bfloat16" and dst.dtype == np.float32:
+        dst.view(np.uint32)[...] = src.astype(np.uint32) << 16  # exact
+    else:
+        dst[...] = src.astype(dst.dtype)
+
+
+def _numpy_disk(dtype: str):
+    return {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32,
+            "uint32": np.uint32, "uint8": np.uint8, "int32": np.int32}[dtype]
+
+
+def _dtype_in_memory(disk_dtype: str, act) -> mx.Dtype:
+    """As the resident path holds it: floats cast to `act` (None: kept as stored)."""
+    if act is not None and disk_dtype in ("bfloat16", "float16", "float32"):
+        return act
+    return getattr(mx, disk_dtype)
+
+
+class Buffer:
+    """One set of weight arrays shaped like a layer of one signature."""
+
+    def __init__(self, template: Dict[str, tuple], act: mx.Dtype):
+        self.arrays = {}
+        self.views = {}
+        for rel, (dtype, shape) in template.items():
+            a = mx.zeros(shape, dtype=_dtype_in_memory(dtype, act))
+            mx.eval(a)
+            self.arrays[rel] = a
+            self.views[rel] = np_view(a)
+        self.holds = None  # the layer whose weights are in it
+        self.future = None  # its read in flight
+        self.last_user = None  # the layer that computed with it last
+        self.tree = tree_unflatten(list(self.arrays.items()))
+
+
+class TrunkStreamer:
+    """Feeds the plan's streamed decoder layers through shared buffers."""
+
+    def __init__(self, model, manifest, layer_paths: Dict[int, str], streamed: List[int],
+                 act: mx.Dtype):
+        self.act = act
+        self.order = sorted(streamed)
+        self.paths = layer_paths
+        self.modules = {i: get_module(model, layer_paths[i]) for i in self.order}
+        self.files = {i: manifest.path / manifest.trunk_files[str(i)] for i in self.order}
+        self.index = {i: safetensors_index(self.files[i]) for i in self.order}
+        self.fds = {i: os.open(self.files[i], os.O_RDONLY) for i in self.order}
+        self.caches = {}  # layer -> the cache object of its last call
+        self.bytes_read = 0
+        self.stall_seconds = 0.0
+        self._lock = threading.Lock()
+
+        # Layers with the same tensor names, dtypes and shapes share buffers.
+        self.signature = {}
+        templates = {}
+        for i in self.order:
+            prefix = layer_paths[i] + "."
+            tmpl = {name[len(prefix):]: (d, s) for name, (d, s, _, _) in self.index[i].items()}
+            sig = tuple(sorted((k, d, s) for k, (d, s) in tmpl.items()))
+            self.signature[i] = sig
+            templates[sig] = tmpl
+        self.group = defaultdict(list)
+        for i in self.order:
+            self.group[self.signature[i]].append(i)
+        self.buffers = {sig: [Buffer(t, act) for _ in range(min(2, len(self.group[sig])))]
+                        for sig, t in templates.items()}
+        self.scratch = np.empty(max(n for idx in self.index.values() for *_, n in idx.values()),
+                                dtype=np.uint8)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-trunk")
+        for i in self.order:
+            _tap_layer(self.modules[i], self, i)
+            # Drop the skeleton's (never evaluated) initial weights.
+            self.modules[i].update(self.buffers[self.signature[i]][0].tree)
+        # The first layer of each shape is read now; the rest follow one ahead.
+        for sig, layers in self.group.items():
+            self._start(self.buffers[sig][0], layers[0])
+
+    def _start(self, buf: Buffer, layer: int):
+        if buf.holds == layer:
+            return
+        buf.holds = layer
+        buf.future = self.pool.submit(self._read, buf, layer)
+
+    def _read(self, buf: Buffer, layer: int):
+        prefix = self.paths[layer] + "."
+        fd, path = self.fds[layer], self.files[layer]
+        for name, (dtype, shape, offset, nbytes) in self.index[layer].items():
+            _read_into(fd, path, buf.views[name[len(prefix):]], dtype, offset, nbytes,
+                       self.scratch)
+            with self._lock:
+                self.bytes_read += nbytes
+
+    def _buffer_of(self, layer: int) -> Buffer:
+        for buf in self.buffers[self.signature[layer]]:
+            if buf.holds == layer:
+                return buf
+        return None
+
+    def enter(self, layer: int, x: mx.array, cache):
+        """Called as `layer` starts: make its weights present, read the next ahead."""
+        import time
+
+        sig = self.signature[layer]
+        layers = self.group[sig]
+        buf = self._buffer_of(layer)
+        # Everything computed before this layer, and the recurrent/KV state the
+        # previous users of this shape's buffers produced, must be evaluated
+        # before a buffer is refilled.
+        pending = [x]
+        for b in self.buffers[sig]:
+            c = self.caches.get(b.last_user)
+            if c is not None:
+                pending.extend(a for a in _state_arrays(c))
+        mx.eval(pending)
+        if buf is None:  # not read ahead (first call, or an unusual order)
+            others = [b for b in self.buffers[sig]]
+            buf = others[0] if others[0].last_user != layer else others[-1]
+            self._start(buf, layer)
+        start = time.perf_counter()
+        try:
+            buf.future.result()
+        except OSError as e:
+            buf.holds = None
+            raise TrunkReadError(f"{self.files[layer]}: read failed ({e.strerror or e})") from None
+        self.stall_seconds += time.perf_counter() - start
+        self.modules[layer].update(buf.tree)
+        buf.last_user = layer
+        self.caches[layer] = cache
+        # Read the next layer of this shape into the other buffer.
+        nxt = layers[(layers.index(layer) + 1) % len(layers)]
+        if nxt != layer:
+            other = next((b for b in self.buffers[sig] if b is not buf), None)
+            if other is not None:
+                self._start(other, nxt)
+
+    def close(self):
+        self.pool.shutdown(wait=True)
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _state_arrays(cache):
+    try:
+        state = cache.state
+    except Exception:
+        return []
+    out = []
+    stack = [state]
+    while stack:
+        s = stack.pop()
+        if isinstance(s, mx.array):
+            out.append(s)
+        elif isinstance(s, (list, tuple)):
+            stack.extend(s)
+    return out
+
+
+def _tap_layer(module: nn.Module, streamer: TrunkStreamer, layer: int):
+    base = type(module)
+
+    def __call__(self, x, *args, **kwargs):
+        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        streamer.enter(layer, x, cache)
+        return base.__call__(self, x, *args, **kwargs)
+
+    module.__class__ = type(f"Streamed{base.__name__}", (base,), {"__call__": __call__})
+
+
+class RowEmbedding(nn.Module):
+    """An embedding whose table stays on disk: each call reads just its rows.
+
+    Exactly mlx-lm's Embedding / QuantizedEmbedding arithmetic, on those rows."""
+
+    def __init__(self, original: nn.Module, path, prefix: str, act: mx.Dtype):
+        super().__init__()
+        self._path = str(path)
+        index = safetensors_index(path)
+        self._parts = {}
+        for part in ("weight", "scales", "biases"):
+            if f"{prefix}.{part}" in index:
+                self._parts[part] = index[f"{prefix}.{part}"]
+        self._quant = {k: getattr(original, k) for k in ("group_size", "bits", "mode")
+                       if hasattr(original, k)} if "scales" in self._parts else None
+        self._act = act
+        self._fd = os.open(self._path, os.O_RDONLY)
+        self._scratch = np.empty(max(n // s[0] for _, s, _, n in self._parts.values()),
+                                 dtype=np.uint8)
+
+    def _rows(self, part: str, ids: np.ndarray) -> mx.array:
+        dtype, shape, offset, nbytes = self._parts[part]
+        row = nbytes // shape[0]
+        dst_dtype = _dtype_in_memory(dtype, self._act)
+        out = np.empty((len(ids), *shape[1:]), dtype=np.uint16 if dst_dtype == mx.bfloat16
+                       else np.dtype(str(dst_dtype).split(".")[-1]))
+        for j, t in enumerate(ids):
+            _read_into(self._fd, self._path, out[j], dtype, offset + int(t) * row, row,
+                       self._scratch)
+        a = mx.array(out)
+        return a.view(mx.bfloat16) if dst_dtype == mx.bfloat16 else a
+
+    def __call__(self, x: mx.array) -> mx.array:
+        mx.eval(x)
+        flat = np.array(x).reshape(-1).astype(np.int64)
+        ids, inverse = np.unique(flat, return_inverse=True)
+        pos = mx.array(inverse.reshape(x.shape).astype(np.uint32))
+        w = self._rows("weight", ids)
+        if self._quant is None:
+            return w[pos]
+        s = self._rows("scales", ids)
+        b = self._rows("biases", ids) if "biases" in self._parts else None
+        return mx.dequantize(w[pos], scales=s[pos], biases=b[pos] if b is not None else None,
+                             **self._quant)
