@@ -107,6 +107,8 @@ class ExpertCache:
         self.slot_key = np.full(capacity, -1, dtype=np.int64)
         self.pending: Dict[int, ReadJob] = {}  # key -> read in flight
         self.fresh_speculative = set()  # keys read ahead and not yet demanded
+        self.all_resident = False  # set by preload_all
+        self.slot_maps = {}
 
         layout: BankLayout = banks[self.layers[0]].layout
         self.arrays, self.views = {}, {}
@@ -225,6 +227,34 @@ class ExpertCache:
         """The slot of each of `layer`'s (resident) `experts`."""
         return np.array([self.slotmap.slot_of(self.key(layer, e)) for e in experts],
                         dtype=np.int64)
+
+    def preload_all(self, progress=None):
+        """With room for every expert: read them all now, in file order, and switch
+        to the lazy path (no per-layer evaluation, no bookkeeping per token)."""
+        assert self.capacity >= len(self.layers) * self.num_experts
+        jobs = []
+        for layer in self.layers:
+            for e in range(self.num_experts):
+                key = self.key(layer, e)
+                if self.slotmap.slot_of(key) is None:
+                    slot = self.slotmap.place(key)
+                    self._assign(key, slot)
+                    job = ReadJob(self.banks[layer], e, self._targets(slot), speculative=False)
+                    self.pending[key] = job
+                    jobs.append(self.reader.submit(job))
+        for i, job in enumerate(jobs):
+            job.done.wait()
+            if progress is not None:
+                progress(i + 1, len(jobs))
+        self.collect()
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
+        self.slot_maps = {
+            layer: mx.array(self.slots_of(layer, np.arange(self.num_experts)).astype(np.uint32))
+            for layer in self.layers
+        }
+        self.all_resident = True
 
     def resident(self):
         """{(layer, expert): slot} for every resident expert."""

@@ -90,6 +90,7 @@ def load(
     cache_slots: Optional[int] = None,
     stream_trunk: bool = True,
     tokenizer: bool = True,
+    progress: bool = False,
 ) -> Tuple[nn.Module, object]:
     """Load a Deltafin model directory. Returns (model, tokenizer).
 
@@ -104,6 +105,7 @@ def load(
         (tests and benchmarks).
     stream_trunk: allow the plan to stream trunk layers and embedding rows when
         the budget is below the whole trunk.
+    progress: show a progress bar while experts are loaded (when they all fit).
     """
     if read_mode not in READ_MODES:
         raise ValueError(f"read_mode must be one of {READ_MODES}")
@@ -173,6 +175,8 @@ def load(
     if streamed:
         trunk = TrunkStreamer(model, manifest, dict(enumerate(paths)), streamed,
                               activation_dtype)
+    if plan.slots >= plan.num_experts * plan.moe_layers:
+        cache.preload_all(_progress("loading experts") if progress else None)
     model.eval()
     model._deltafin = DeltafinState(manifest, plan, store, trunk)
 
@@ -180,6 +184,21 @@ def load(
     if tokenizer:
         tok = load_tokenizer(path, manifest, config)
     return model, tok
+
+
+def _progress(desc):
+    from tqdm import tqdm
+
+    bar = {}
+
+    def update(done, total):
+        if "bar" not in bar:
+            bar["bar"] = tqdm(total=total, desc=desc, unit="expert", leave=False)
+        bar["bar"].update(done - bar["bar"].n)
+        if done == total:
+            bar["bar"].close()
+
+    return update
 
 
 def load_tokenizer(path: Path, manifest, config: dict):

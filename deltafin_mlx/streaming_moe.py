@@ -70,6 +70,12 @@ class StreamingSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         store, cache, layer = self._store, self._store.cache, self._layer
+        if cache.all_resident and store.on_route is None:
+            # Every expert is in memory: map ids to slots lazily, like mlx-lm
+            # would index its stacked tensor, with no evaluation here.
+            self._moe_input = None
+            store.stats.hits += indices.size
+            return self._inner(x, cache.slot_maps[layer][indices])
         nxt = store.next_layer.get(layer)
         predicted = None
         if store.lookahead and nxt is not None and self._moe_input is not None:

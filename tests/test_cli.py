@@ -113,7 +113,7 @@ def test_demo_builds_converts_and_streams(tmp_path):
 
 
 def test_python_api_generate_and_stream_generate(converted):
-    model, tokenizer = deltafin_mlx.load(converted("kimi_k3"), memory_budget="200MB")
+    model, tokenizer = deltafin_mlx.load(converted("kimi_k3"), memory_budget="200MB", cache_slots=6)
     done = deltafin_mlx.generate(model, tokenizer, "Hello", max_tokens=6)
     assert len(done.tokens) == 6 and done.stats.tokens == 6 and done.stats.misses > 0
     streamed = list(deltafin_mlx.stream_generate(model, tokenizer, "Hello", max_tokens=6))
