@@ -8,6 +8,7 @@ complete; `deltafin.partial.json` records what is finished, so an interrupted ru
 resumes at the first unfinished layer; the manifest is written last.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -453,7 +454,13 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
         },
         tokenizer={"kind": kind, "files": tok_files},
         files=files,
-        source={"id": source.id, "fingerprint": source.fingerprint, "converted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "options": options.recorded()},
+        source={
+            "id": source.id,
+            "fingerprint": source.fingerprint,
+            "converted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "options": options.recorded(),
+            "config_sha256": hashlib.sha256((out / "config.json").read_bytes()).hexdigest(),
+        },
     )
     manifest.write()
     (out / PARTIAL_NAME).unlink(missing_ok=True)

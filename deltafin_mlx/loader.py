@@ -28,6 +28,22 @@ def default_activation_dtype() -> mx.Dtype:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
+def read_config(path: Path, manifest) -> dict:
+    """config.json, checked against the manifest (it is what builds the model)."""
+    import hashlib
+
+    cpath = path / "config.json"
+    try:
+        raw = cpath.read_bytes()
+        config = load_config(path)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{cpath}: unreadable ({e})") from None
+    want = manifest.source.get("config_sha256")
+    if want and hashlib.sha256(raw).hexdigest() != want:
+        raise ModelError(f"{cpath}: modified since conversion (its checksum differs)")
+    return config
+
+
 def build_model(path: Path, config: dict) -> nn.Module:
     try:
         model_class, args_class = _get_classes(config)
@@ -113,7 +129,7 @@ def load(
         raise ValueError("reader_threads must be >= 0")
     path = Path(path)
     manifest = read_manifest(path)
-    config = load_config(path)
+    config = read_config(path, manifest)
     if activation_dtype == "auto":
         activation_dtype = default_activation_dtype()
     act = activation_dtype or getattr(mx, manifest.dtype, mx.bfloat16)
@@ -242,7 +258,7 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
 
     path = Path(path)
     manifest = read_manifest(path)
-    config = load_config(path)
+    config = read_config(path, manifest)
     model = build_model(path, config)
     quantize_like_config(model, config)
     weights = []

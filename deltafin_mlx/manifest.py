@@ -102,7 +102,7 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
     try:
         with open(mpath) as f:
             d = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ModelError(f"{mpath}: unreadable manifest ({e})") from None
     if not isinstance(d, dict) or d.get("format") != "deltafin":
         raise ModelError(f"{mpath}: not a Deltafin manifest")

@@ -10,6 +10,7 @@ when every section is a whole number of 4096-byte blocks, as all of Kimi K3's ar
 otherwise it goes through an aligned staging buffer and is copied into the slot.
 """
 
+import errno
 import mmap
 import os
 import queue
@@ -50,11 +51,13 @@ class BankFile:
     fd: int
     direct: bool
     mapping: Optional[mmap.mmap] = None
+    retired_fds: List[int] = field(default_factory=list)
 
     def close(self):
         if self.mapping is not None:
             self.mapping.close()
-        os.close(self.fd)
+        for fd in [self.fd, *self.retired_fds]:
+            os.close(fd)
 
 
 def open_bank(path, layout: BankLayout, mode: str = "direct") -> BankFile:
@@ -188,6 +191,11 @@ def _pread_full(bank: BankFile, buffers: List[memoryview], offset: int, nbytes: 
         try:
             n = os.preadv(bank.fd, buffers, offset)
         except OSError as e:
+            if e.errno == errno.EINVAL and bank.direct and sys.platform != "darwin":
+                # A filesystem that accepted O_DIRECT at open but refuses the read:
+                # carry on with buffered reads (their pages are dropped after use).
+                _reopen_buffered(bank)
+                continue
             if attempt == READ_RETRIES:
                 raise ReadError(
                     f"{bank.path}: read of {nbytes} bytes at offset {offset} failed "
@@ -201,6 +209,13 @@ def _pread_full(bank: BankFile, buffers: List[memoryview], offset: int, nbytes: 
                 f"{bank.path}: short read at offset {offset} ({n} of {nbytes} bytes; "
                 "file truncated?)"
             )
+
+
+def _reopen_buffered(bank: BankFile):
+    # The old descriptor stays open until the bank closes: another reader
+    # thread may be using it right now.
+    bank.retired_fds.append(bank.fd)
+    bank.fd, bank.direct = os.open(bank.path, os.O_RDONLY), False
 
 
 def read_record(bank: BankFile, expert: int, targets: Dict[str, np.ndarray],

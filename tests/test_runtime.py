@@ -250,3 +250,42 @@ def test_unknown_format_version_is_refused(converted, copy_of):
     (path / "deltafin.json").write_text(json.dumps(d))
     with pytest.raises(ModelError, match="format version 99 is not supported"):
         load(path, tokenizer=False)
+
+
+def test_config_edited_after_conversion_is_refused(converted, copy_of):
+    path = copy_of(converted("mixtral"))
+    cfg = (path / "config.json").read_text()
+    assert '"num_experts_per_tok": 4' in cfg
+    (path / "config.json").write_text(cfg.replace('"num_experts_per_tok": 4', '"num_experts_per_tok": 8'))
+    with pytest.raises(ModelError, match="config.json: modified since conversion"):
+        load(path, tokenizer=False)
+    (path / "config.json").write_text("x" + cfg[1:])
+    with pytest.raises(ModelError, match="config.json"):
+        load(path, tokenizer=False)
+
+
+def test_a_read_refused_with_einval_falls_back_to_buffered_reads(converted, expected, monkeypatch):
+    import errno
+    import os as real_os
+
+    import deltafin_mlx.reader as reader
+
+    real = real_os.preadv
+
+    def refuse_direct(fd, buffers, offset):
+        if real_os.get_blocking(fd) and fcntl_flags(fd) & getattr(real_os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    def fcntl_flags(fd):
+        import fcntl
+
+        return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+    monkeypatch.setattr(reader.os, "preadv", refuse_direct)
+    model, _ = load(converted("kimi_k3"), cache_slots=6, tokenizer=False)
+    tokens, logits = greedy(model, prompt_of(12), 8)
+    ref_tokens, ref_logits = expected("kimi_k3", 1, 12, 8)
+    assert (tokens == ref_tokens).all() and mx.array_equal(logits, ref_logits).item()
+    assert not any(b.direct for b in model._deltafin.store.cache.banks.values())
+    model._deltafin.close()
