@@ -159,12 +159,6 @@ def test_mlx_lm_generate_runs_a_converted_directory(converted):
     assert "Generation: 8 tokens" in p.stdout
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(port, path, body):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
@@ -173,23 +167,12 @@ def post(port, path, body):
 
 
 @pytest.fixture
-def server(converted):
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(BIN / "mlx_lm.server"), "--model", str(converted("kimi_k3")), "--trust-remote-code",
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "DELTAFIN_BUDGET": "200MB"},
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
-            break
-        except OSError:
-            if proc.poll() is not None:
-                pytest.fail(proc.stderr.read())
-            time.sleep(0.3)
+def server(converted, tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from stress_server import free_port as port_of, start_server
+
+    port = port_of()
+    proc = start_server(converted("kimi_k3"), port, "200MB", tmp_path / "server.log")
     yield port
     proc.terminate()
     proc.wait(timeout=30)

@@ -1,0 +1,23 @@
+"""mlx_lm.server serving a Deltafin model under 8 concurrent clients on localhost, for a
+bounded time: every request answered correctly (or refused cleanly), memory within
+budget, no crash."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import stress_server  # noqa: E402
+
+
+def test_eight_concurrent_clients_are_all_answered_correctly(converted, capsys):
+    report = stress_server.run(converted("kimi_k3"), clients=8, seconds=12, budget="40MB",
+                               max_tokens=8)
+    with capsys.disabled():
+        print(f"\n[server load] {report['requests']} requests, outcomes {report['outcomes']}, "
+              f"p50 {report['latency_p50_s']:.3f} s, p99 {report['latency_p99_s']:.3f} s, "
+              f"peak RSS {report['server_peak_rss_bytes'] >> 20} MiB "
+              f"(baseline {report['baseline_rss_bytes'] >> 20} MiB)")
+    assert report["requests"] >= 16
+    assert report["outcomes"].get("ok", 0) >= 16
+    assert stress_server.healthy(report), report
