@@ -100,7 +100,7 @@ def load_model(args, **extra):
 
     return load(args.model, memory_budget=args.budget, reader_threads=args.reader_threads,
                 lookahead=not args.no_lookahead, verify=args.verify, read_mode=args.read_mode,
-                **extra)
+                progress=sys.stderr.isatty(), **extra)
 
 
 class StopFilter:

@@ -194,3 +194,26 @@ def test_mlx_lm_server_replies_equal_deltafin_run(server, converted):
             text += (delta.get("reasoning") or delta.get("reasoning_content") or "") + (
                 delta.get("content") or "")
     assert text == expected
+
+
+def test_mlx_lm_load_uses_deltafin_tokenizer_and_never_remote_tokenizer_code(converted, copy_of):
+    """K3 ships tokenization_kimi.py for transformers; mlx-lm loading a Deltafin
+    directory must use Deltafin's tokenizer instead, even with remote code allowed
+    for the model and refused for the tokenizer."""
+    import mlx_lm
+
+    from deltafin_mlx.tokenizer import KimiTokenizer
+
+    path = copy_of(converted("kimi_k3"))
+    assert "tokenization_kimi" in (path / "tokenizer_config.json").read_text()  # auto_map
+    (path / "tokenization_kimi.py").write_text("raise RuntimeError('remote tokenizer code ran')\n")
+    os.environ["DELTAFIN_BUDGET"] = "200MB"
+    try:
+        model, tokenizer = mlx_lm.load(str(path), tokenizer_config={"trust_remote_code": False},
+                                       trust_remote_code=True)
+    finally:
+        del os.environ["DELTAFIN_BUDGET"]
+    assert isinstance(tokenizer._tokenizer, KimiTokenizer)
+    text = mlx_lm.generate(model, tokenizer, "Hello", max_tokens=4)
+    assert isinstance(text, str)
+    model._deltafin.close()
