@@ -1,6 +1,10 @@
-"""Simulate per-layer expert caches on a routing trace and compare policies.
+"""Simulate expert caches on a routing trace and compare policies.
 
-Each MoE layer is its own cache of `fraction * num_experts` slots. Fetching is
+By default the cache is what the runtime has: one pool of `fraction` of all
+experts (of every layer), filled by the MoE layers in order for each token;
+"SlotMap" is then the runtime's own ExpertPool (per-layer partitions when every
+layer has room for a token's experts, one shared map below that). `--per-layer`
+gives each layer a cache of its own instead. Fetching is
 on demand only: every access to a non-resident expert is a miss and the
 expert must be placed, and the experts of the current token in that layer
 are protected while it runs. Policies: LRU, LFU, the runtime's SlotMap
@@ -26,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from deltafin_mlx.policy import SlotMap  # noqa: E402
+from deltafin_mlx.policy import ExpertPool, SlotMap  # noqa: E402
 
 # Generated-trace presets. `repeat` is the chance that a pick copies one of
 # the previous token's experts; together with the skew it gives consecutive
@@ -283,14 +287,65 @@ def hit_rate(policy: str, trace, num_experts: int, fraction: float, make=None) -
     return hits / accesses
 
 
-def run(trace, num_experts: int, fractions=FRACTIONS, policies=tuple(POLICIES)) -> dict:
+class RuntimePool:
+    """The runtime's ExpertPool (the same code) behind the simulator's interface:
+    keys are layer * num_experts + expert, calls come layer by layer."""
+
+    def __init__(self, num_slots, num_experts, num_layers, experts_per_token):
+        self.pool = ExpertPool(num_slots, num_experts, range(num_layers), experts_per_token)
+        self.n = num_experts
+        self.num_layers = num_layers
+        self.calls = 0
+
+    def use(self, keys):
+        layer = self.calls % self.num_layers
+        self.pool.use(layer, [k % self.n for k in keys], tokens=1)
+        self.calls += 1
+
+    def slot_of(self, key):
+        return self.pool.slot_of(key // self.n, key % self.n)
+
+    def place(self, key, protected=()):
+        return self.pool.place(key // self.n, key % self.n,
+                               {(k // self.n, k % self.n) for k in protected})
+
+
+def shared_calls(trace, num_experts: int) -> list[list[int]]:
+    """The accesses in the order the runtime makes them: token by token, layer by
+    layer, with each layer's experts as keys of one pool."""
+    return [[layer * num_experts + e for e in trace[layer][t]]
+            for t in range(len(trace[0])) for layer in range(len(trace))]
+
+
+def shared_hit_rate(policy: str, trace, num_experts: int, fraction: float) -> float:
+    """Hit rate of `policy` with one pool of `fraction` of all experts."""
+    total = num_experts * len(trace)
+    calls = shared_calls(trace, num_experts)
+    widest = max(len(set(c)) for c in calls)
+    slots = min(total, max(widest, round(fraction * total)))
+    make = {
+        "LRU": lambda: LRU(slots, total),
+        "LFU": lambda: LFU(slots, total),
+        "SlotMap": lambda: RuntimePool(slots, num_experts, len(trace), widest),
+        "Belady": lambda: Belady(slots, calls),
+    }[policy]
+    hits, accesses = simulate_layer(make(), calls)
+    return hits / accesses
+
+
+def run(trace, num_experts: int, fractions=FRACTIONS, policies=tuple(POLICIES),
+        shared: bool = False) -> dict:
     """Hit rates {fraction: {policy: rate}} plus SlotMap/Belady ratios."""
     rows = {}
     for fraction in fractions:
-        row = {p: hit_rate(p, trace, num_experts, fraction) for p in policies}
+        if shared:
+            row = {p: shared_hit_rate(p, trace, num_experts, fraction) for p in policies}
+        else:
+            row = {p: hit_rate(p, trace, num_experts, fraction) for p in policies}
         if "SlotMap" in row and "Belady" in row and row["Belady"] > 0:
             row["SlotMap/Belady"] = row["SlotMap"] / row["Belady"]
-        row["slots"] = num_slots_for(fraction, num_experts, trace)
+        row["slots"] = (round(fraction * num_experts * len(trace)) if shared
+                        else num_slots_for(fraction, num_experts, trace))
         rows[fraction] = row
     return rows
 
@@ -319,6 +374,8 @@ def main(argv=None):
     parser.add_argument("--drift-frac", type=float, help="override the preset's share of experts re-ranked")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS)
+    parser.add_argument("--per-layer", action="store_true",
+                        help="one cache per layer instead of the runtime's shared pool")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if (args.experts is None) != (args.k is None) and not args.trace:
@@ -343,13 +400,14 @@ def main(argv=None):
     results = {}
     for name, trace, n in cases:
         start = time.perf_counter()
-        rows = run(trace, n, args.fractions)
+        rows = run(trace, n, args.fractions, shared=not args.per_layer)
         shared = np.mean([overlap(layer) for layer in trace])
         took = time.perf_counter() - start
         print(format_table(f"{name}  (overlap {shared:.0%}, {len(trace[0])} tokens x "
                            f"{len(trace)} layers, {took:.1f}s)", rows))
         print()
         results[name] = {
+            "cache": "per layer" if args.per_layer else "shared pool",
             "overlap": shared,
             "tokens": len(trace[0]),
             "layers": len(trace),

@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
 from .bank import ALIGN, BankLayout
-from .policy import SlotMap
+from .policy import ExpertPool
 from .reader import BankFile, ReadCancelled, ReadJob, Reader
 
 
@@ -92,20 +92,20 @@ def switch_over_slots(arrays: Dict[str, mx.array], capacity: int, quant: dict, a
 
 
 class ExpertCache:
-    """The slot pool, its slot map (keyed by (layer, expert)) and reads in flight."""
+    """The slot pool, its policy (keyed by (layer, expert)) and reads in flight."""
 
     def __init__(self, banks: Dict[int, BankFile], capacity: int, num_experts: int,
-                 activation_dtype: mx.Dtype, reader: Reader, stats: CacheStats):
+                 experts_per_token: int, activation_dtype: mx.Dtype, reader: Reader,
+                 stats: CacheStats):
         self.banks = banks
         self.layers = sorted(banks)
-        self.position = {layer: i for i, layer in enumerate(self.layers)}
         self.capacity = capacity
         self.num_experts = num_experts
         self.reader = reader
         self.stats = stats
-        self.slotmap = SlotMap(capacity, len(self.layers) * num_experts)
-        self.slot_key = np.full(capacity, -1, dtype=np.int64)
-        self.pending: Dict[int, ReadJob] = {}  # key -> read in flight
+        self.pool = ExpertPool(capacity, num_experts, self.layers, experts_per_token)
+        self.slot_key = [None] * capacity  # slot -> (layer, expert)
+        self.pending: Dict[tuple, ReadJob] = {}  # (layer, expert) -> read in flight
         self.fresh_speculative = set()  # keys read ahead and not yet demanded
         self.all_resident = False  # set by preload_all
         self.slot_maps = {}
@@ -117,15 +117,15 @@ class ExpertCache:
             self.arrays[s.name] = arr
             self.views[s.name] = np_view(arr)
 
-    def key(self, layer: int, expert: int) -> int:
-        return self.position[layer] * self.num_experts + int(expert)
+    def key(self, layer: int, expert: int) -> tuple:
+        return (layer, int(expert))
 
     def _targets(self, slot: int):
         return {name: v[slot] for name, v in self.views.items()}
 
-    def _assign(self, key: int, slot: int):
-        old = int(self.slot_key[slot])
-        if old >= 0:
+    def _assign(self, key: tuple, slot: int):
+        old = self.slot_key[slot]
+        if old is not None:
             self.fresh_speculative.discard(old)
         self.slot_key[slot] = key
 
@@ -134,15 +134,14 @@ class ExpertCache:
         `capacity` distinct experts) for a call routing `tokens` tokens (0 for
         a later group of the same call); returns the reads to wait for."""
         keys = [self.key(layer, e) for e in experts]
-        # The policy's clock counts tokens: it moves at the first MoE layer only.
-        self.slotmap.use(keys, tokens=tokens if layer == self.layers[0] else 0)
+        self.pool.use(layer, experts, tokens)
         wanted = set(keys)
         protected = wanted | set(self.pending)
         jobs = []
         for key, e in zip(keys, experts):
             if key in self.pending:
                 jobs.append(self.pending[key])
-            if self.slotmap.slot_of(key) is not None:
+            if self.pool.slot_of(layer, e) is not None:
                 self.stats.hits += 1
                 if key in self.fresh_speculative:
                     self.fresh_speculative.discard(key)
@@ -150,13 +149,13 @@ class ExpertCache:
                 continue
             self.stats.misses += 1
             try:
-                slot = self.slotmap.place(key, protected)
+                slot = self.pool.place(layer, e, protected)
             except RuntimeError:
                 # Every other slot is being filled by a speculative read: drop
                 # the guesses (or let them finish), then there is room.
                 self._retire_speculation(keep=wanted)
                 protected = wanted | set(self.pending)
-                slot = self.slotmap.place(key, protected)
+                slot = self.pool.place(layer, e, protected)
             self._assign(key, slot)
             job = ReadJob(self.banks[layer], int(e), self._targets(slot), speculative=False)
             self.pending[key] = job
@@ -172,9 +171,9 @@ class ExpertCache:
             if issued >= limit:
                 break
             key = self.key(layer, e)
-            if self.slotmap.slot_of(key) is not None:
+            if self.pool.slot_of(layer, e) is not None:
                 continue
-            slot = self.slotmap.place(key, protected, speculative=True)
+            slot = self.pool.place(layer, e, protected, speculative=True)
             if slot is None:
                 continue
             self._assign(key, slot)
@@ -211,11 +210,11 @@ class ExpertCache:
             if job.done.is_set():
                 del self.pending[key]
                 if job.error is not None:
-                    slot = self.slotmap.slot_of(key)
-                    self.slotmap.evict(key)
+                    slot = self.pool.slot_of(*key)
+                    self.pool.evict(*key)
                     self.fresh_speculative.discard(key)
                     if slot is not None:
-                        self.slot_key[slot] = -1
+                        self.slot_key[slot] = None
 
     def drain(self):
         """Wait for every read in flight."""
@@ -225,8 +224,7 @@ class ExpertCache:
 
     def slots_of(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """The slot of each of `layer`'s (resident) `experts`."""
-        return np.array([self.slotmap.slot_of(self.key(layer, e)) for e in experts],
-                        dtype=np.int64)
+        return np.array([self.pool.slot_of(layer, e) for e in experts], dtype=np.int64)
 
     def preload_all(self, progress=None):
         """With room for every expert: read them all now, in file order, and switch
@@ -236,8 +234,8 @@ class ExpertCache:
         for layer in self.layers:
             for e in range(self.num_experts):
                 key = self.key(layer, e)
-                if self.slotmap.slot_of(key) is None:
-                    slot = self.slotmap.place(key)
+                if self.pool.slot_of(layer, e) is None:
+                    slot = self.pool.place(layer, e)
                     self._assign(key, slot)
                     job = ReadJob(self.banks[layer], e, self._targets(slot), speculative=False)
                     self.pending[key] = job
@@ -258,5 +256,4 @@ class ExpertCache:
 
     def resident(self):
         """{(layer, expert): slot} for every resident expert."""
-        return {(self.layers[k // self.num_experts], k % self.num_experts): s
-                for k, s in self.slotmap.resident().items()}
+        return self.pool.resident()

@@ -162,7 +162,8 @@ def load(
     quant = manifest.quantization["experts"]
     banks = {layer: open_bank(manifest.bank_path(layer), layouts[layer], read_mode)
              for layer in manifest.moe_layers}
-    cache = ExpertCache(banks, plan.slots, manifest.experts["num_experts"], act, reader, stats)
+    cache = ExpertCache(banks, plan.slots, manifest.experts["num_experts"],
+                        manifest.experts["experts_per_token"], act, reader, stats)
     store = ExpertStore(cache, reader, stats, manifest.experts["experts_per_token"], lookahead)
     for layer in manifest.moe_layers:
         sp = manifest.switch_path(layer)

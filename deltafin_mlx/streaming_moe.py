@@ -90,19 +90,22 @@ class StreamingSwitchGLU(nn.Module):
         if store.on_route is not None:
             store.on_route(layer, idx)
 
-        if needed.size > cache.capacity:
-            return self._chunked(cache, x, idx, needed, tokens)
+        room = cache.pool.capacity_of(layer)
+        if needed.size > room:
+            return self._chunked(cache, x, idx, needed, tokens, room)
         jobs = cache.request(layer, needed, tokens)
         if predicted is not None:
             in_use = {cache.key(layer, e) for e in needed}
-            cache.prefetch(nxt, _by_votes(np.array(predicted)), in_use,
-                           limit=cache.capacity - needed.size)
+            limit = cache.pool.capacity_of(nxt)
+            if not cache.pool.partitioned:
+                limit -= needed.size
+            cache.prefetch(nxt, _by_votes(np.array(predicted)), in_use, limit=limit)
         cache.wait(jobs)
         emap = np.zeros(cache.num_experts, dtype=np.int64)
         emap[needed] = cache.slots_of(layer, needed)
         return self._inner(x, mx.array(emap[idx].astype(np.uint32)))
 
-    def _chunked(self, cache: ExpertCache, x, idx, needed, tokens):
+    def _chunked(self, cache: ExpertCache, x, idx, needed, tokens, room):
         """More distinct experts than slots (a long prompt, a big batch): run the
         (token, expert) pairs in groups of experts that fit, each evaluated before
         the next group's reads reuse the slots. Each pair's arithmetic is the same
@@ -112,8 +115,8 @@ class StreamingSwitchGLU(nn.Module):
         flat = idx.reshape(-1)
         xs = x.reshape(-1, x.shape[-1])
         outs, order = [], []
-        for start in range(0, needed.size, cache.capacity):
-            group = needed[start : start + cache.capacity]
+        for start in range(0, needed.size, room):
+            group = needed[start : start + room]
             pairs = np.nonzero(np.isin(flat, group))[0]
             cache.wait(cache.request(self._layer, group, tokens if start == 0 else 0))
             emap = np.zeros(cache.num_experts, dtype=np.int64)
