@@ -100,6 +100,7 @@ def load(
     activation_dtype: Optional[mx.Dtype] = "auto",
     reader_threads: int = 1,
     lookahead: bool = True,
+    pipeline="auto",
     verify: bool = False,
     read_mode: str = "direct",
     context: int = 4096,
@@ -115,6 +116,8 @@ def load(
     activation_dtype: float32 on MLX's CPU backend, the model's dtype on GPU.
     reader_threads: background threads reading experts (0: read in the caller).
     lookahead: queue the next MoE layer's predicted experts as speculative reads.
+    pipeline: compute resident experts while missing ones are read ("auto": on
+        MLX's CPU backend, where it is bit-identical).
     verify: check every record's CRC-32 as it is read.
     read_mode: "direct" (O_DIRECT / F_NOCACHE) or "mmap".
     cache_slots: cap on the expert cache's slots, shared by all MoE layers
@@ -164,7 +167,12 @@ def load(
              for layer in manifest.moe_layers}
     cache = ExpertCache(banks, plan.slots, manifest.experts["num_experts"],
                         manifest.experts["experts_per_token"], act, reader, stats)
-    store = ExpertStore(cache, reader, stats, manifest.experts["experts_per_token"], lookahead)
+    if pipeline == "auto":
+        # Exact on MLX's CPU backend (a pair's result does not depend on the rest
+        # of the call); on a GPU, kernels chosen by batch size could differ.
+        pipeline = mx.default_device() == mx.cpu
+    store = ExpertStore(cache, reader, stats, manifest.experts["experts_per_token"], lookahead,
+                        pipeline)
     for layer in manifest.moe_layers:
         sp = manifest.switch_path(layer)
         original = get_module(model, sp)

@@ -21,12 +21,13 @@ class ExpertStore:
     """The expert cache, the reader it uses, the counters, and lookahead wiring."""
 
     def __init__(self, cache: ExpertCache, reader: Reader, stats: CacheStats,
-                 experts_per_token: int, lookahead: bool):
+                 experts_per_token: int, lookahead: bool, pipeline: bool = True):
         self.cache = cache
         self.reader = reader
         self.stats = stats
         self.k = experts_per_token
         self.lookahead = lookahead
+        self.pipeline = pipeline
         self.layers = cache.layers
         self.next_layer = {a: b for a, b in zip(self.layers, self.layers[1:])}
         self.moe_blocks: Dict[int, nn.Module] = {}  # layer -> the block owning the router
@@ -100,10 +101,54 @@ class StreamingSwitchGLU(nn.Module):
             if not cache.pool.partitioned:
                 limit -= needed.size
             cache.prefetch(nxt, _by_votes(np.array(predicted)), in_use, limit=limit)
+        if jobs and store.pipeline:
+            return self._pipelined(cache, x, idx, needed, jobs)
         cache.wait(jobs)
         emap = np.zeros(cache.num_experts, dtype=np.int64)
         emap[needed] = cache.slots_of(layer, needed)
         return self._inner(x, mx.array(emap[idx].astype(np.uint32)))
+
+    def _pairs(self, cache: ExpertCache, xs, flat, k, group):
+        """mlx-lm's SwitchGLU on the (token, expert) pairs whose expert is in `group`."""
+        pairs = np.nonzero(np.isin(flat, group))[0]
+        emap = np.zeros(cache.num_experts, dtype=np.int64)
+        emap[group] = cache.slots_of(self._layer, group)
+        slots = mx.array(emap[flat[pairs]].astype(np.uint32)).reshape(1, -1, 1)
+        rows = mx.array((pairs // k).astype(np.uint32))
+        y = self._inner(xs[rows][None], slots)  # (1, P, 1, D)
+        return pairs, y.reshape(len(pairs), -1)
+
+    @staticmethod
+    def _assemble(outs, order, lead, k, size):
+        inverse = np.empty(size, dtype=np.int64)
+        inverse[np.concatenate(order)] = np.arange(size)
+        y = mx.concatenate(outs)[mx.array(inverse.astype(np.uint32))]
+        return y.reshape(*lead, k, -1)
+
+    def _pipelined(self, cache: ExpertCache, x, idx, needed, jobs):
+        """Compute while reading: the resident experts' pairs start at once (on
+        MLX's stream, in the background), then each missing expert's pairs as its
+        read lands. Each pair's arithmetic is the same as in one call (on MLX's
+        CPU backend a pair's result does not depend on what else is in the call),
+        so the result is too; `pipeline=False` keeps the single call."""
+        k, lead = idx.shape[-1], idx.shape[:-1]
+        flat = idx.reshape(-1)
+        xs = x.reshape(-1, x.shape[-1])
+        reading = [job.expert for job in jobs]
+        ready = np.setdiff1d(needed, reading)
+        outs, order = [], []
+        if ready.size:
+            pairs, y = self._pairs(cache, xs, flat, k, ready)
+            mx.async_eval(y)
+            outs.append(y)
+            order.append(pairs)
+        for job in jobs:
+            cache.wait([job])
+            pairs, y = self._pairs(cache, xs, flat, k, np.array([job.expert]))
+            mx.async_eval(y)
+            outs.append(y)
+            order.append(pairs)
+        return self._assemble(outs, order, lead, k, flat.size)
 
     def _chunked(self, cache: ExpertCache, x, idx, needed, tokens, room):
         """More distinct experts than slots (a long prompt, a big batch): run the
@@ -117,20 +162,12 @@ class StreamingSwitchGLU(nn.Module):
         outs, order = [], []
         for start in range(0, needed.size, room):
             group = needed[start : start + room]
-            pairs = np.nonzero(np.isin(flat, group))[0]
             cache.wait(cache.request(self._layer, group, tokens if start == 0 else 0))
-            emap = np.zeros(cache.num_experts, dtype=np.int64)
-            emap[group] = cache.slots_of(self._layer, group)
-            slots = mx.array(emap[flat[pairs]].astype(np.uint32)).reshape(1, -1, 1)
-            rows = mx.array((pairs // k).astype(np.uint32))
-            y = self._inner(xs[rows][None], slots)  # (1, P, 1, D)
+            pairs, y = self._pairs(cache, xs, flat, k, group)
             mx.eval(y)
-            outs.append(y.reshape(len(pairs), -1))
+            outs.append(y)
             order.append(pairs)
-        inverse = np.empty(flat.size, dtype=np.int64)
-        inverse[np.concatenate(order)] = np.arange(flat.size)
-        y = mx.concatenate(outs)[mx.array(inverse.astype(np.uint32))]
-        return y.reshape(*lead, k, -1)
+        return self._assemble(outs, order, lead, k, flat.size)
 
 
 def _by_votes(predicted: np.ndarray) -> np.ndarray:

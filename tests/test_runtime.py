@@ -81,9 +81,10 @@ def test_batch_2_with_an_80_token_prompt_equals_mlx_lm(arch, converted, expected
 
 
 SETTINGS = [  # the fixture has 3 MoE layers x 16 experts, 4 per token
-    dict(cache_slots=4, reader_threads=0, lookahead=False, verify=False),
+    dict(cache_slots=4, reader_threads=0, lookahead=False, verify=False, pipeline=False),
     dict(cache_slots=6, reader_threads=1, lookahead=True, verify=True),
-    dict(cache_slots=12, reader_threads=2, lookahead=True, verify=False),
+    dict(cache_slots=12, reader_threads=2, lookahead=True, verify=False, pipeline=False),
+    dict(cache_slots=12, reader_threads=2, lookahead=True, verify=False, pipeline=True),
     dict(cache_slots=20, reader_threads=2, lookahead=False, verify=True, read_mode="mmap"),
     dict(cache_slots=30, reader_threads=1, lookahead=True, verify=False, read_mode="mmap"),
     dict(cache_slots=None, reader_threads=1, lookahead=True, verify=True),
