@@ -166,6 +166,8 @@ class ExpertCache:
         """Queue speculative reads for `layer`'s predicted experts, never evicting
         what the call in flight uses (`in_use`, keys) or reads are filling."""
         protected = set(self.pending) | in_use
+        # How often guesses have been right so far (a prior of one in two).
+        worth = (self.stats.speculative_used + 1) / (self.stats.speculative_issued + 2)
         issued = 0
         for e in experts:
             if issued >= limit:
@@ -173,7 +175,7 @@ class ExpertCache:
             key = self.key(layer, e)
             if self.pool.slot_of(layer, e) is not None:
                 continue
-            slot = self.pool.place(layer, e, protected, speculative=True)
+            slot = self.pool.place(layer, e, protected, speculative=True, worth=worth)
             if slot is None:
                 continue
             self._assign(key, slot)
