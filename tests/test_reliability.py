@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import make_prompt_cache
 
 import deltafin_convert.convert as conv
 import deltafin_mlx.loader as loader_mod
@@ -36,6 +35,7 @@ from deltafin_mlx.loader import load
 from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, ModelError, read_manifest
 from deltafin_mlx.planner import BudgetError
 from deltafin_mlx.reader import ReadError, aligned_empty, open_bank, read_record
+from test_runtime import greedy
 
 CLEAR = (ModelError, BankError, ReadError, BudgetError)
 PROMPT = mx.array([[1, 5, 9, 200, 17, 33]])
@@ -101,19 +101,6 @@ def first_logits(model):
     y = model(PROMPT)
     mx.eval(y)
     return y
-
-
-def greedy(model, prompt, steps):
-    cache = make_prompt_cache(model)
-    logits = model(prompt, cache=cache)[:, -1]
-    all_logits, tokens = [logits], []
-    for _ in range(steps):
-        y = mx.argmax(logits, axis=-1)
-        tokens.append(y)
-        logits = model(y[:, None], cache=cache)[:, -1]
-        all_logits.append(logits)
-    mx.eval(tokens, all_logits)
-    return np.array(mx.stack(tokens, axis=1)), mx.stack(all_logits, axis=1)
 
 
 def close(model):
