@@ -102,7 +102,7 @@ def test_k3_plan_streams_most_layers_at_16_gb_and_states_a_projection(k3):
     assert 0 < p["tokens_per_second_serial"] <= p["tokens_per_second_overlapped"]
 
 
-def test_budget_below_the_k3_floor_is_refused_stating_the_floor(capsys):
+def test_budget_below_the_k3_floor_is_refused_stating_the_floor(k3, capsys):
     code = main(["plan", str(K3_CONFIG), "--dtype", "bfloat16", "--budget", "2GB",
                  "--disk-gbps", "5", "--compute-gwps", "400"])
     err = capsys.readouterr().err
