@@ -54,13 +54,6 @@ class Manifest:
     def switch_path(self, layer: int) -> str:
         return self.experts["layers"][str(layer)]["switch_path"]
 
-    @property
-    def expert_bytes(self) -> int:
-        return self.experts["record_size"]
-
-    def trunk_bytes(self, key: str) -> int:
-        return self.files[self.trunk_files[key]]
-
     def to_dict(self) -> dict:
         return {
             "format": "deltafin",
