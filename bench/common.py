@@ -134,10 +134,15 @@ def cgroups_writable() -> bool:
 
 
 def remove_stale_cgroups():
-    """Remove empty cgroups left by an interrupted earlier run of this benchmark."""
+    """Remove empty cgroups left by an interrupted earlier run of this benchmark:
+    only those whose creating process (the pid in the name) is gone, so that a
+    benchmark running beside this one keeps its own."""
     if not CGROUP_ROOT.is_dir():
         return
     for d in CGROUP_ROOT.glob(CGROUP_PREFIX + "*"):
+        owner = d.name[len(CGROUP_PREFIX):].split("-", 1)[0]
+        if not owner.isdigit() or Path(f"/proc/{owner}").exists():
+            continue
         try:
             if not (d / "cgroup.procs").read_text().strip():
                 d.rmdir()

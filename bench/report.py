@@ -47,7 +47,9 @@ def decode_table(scale) -> list:
     L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, r in a["rows"].items():
         if not r.get("ok"):
-            L.append(f"| {label} | | | {', '.join(map(str, r['statuses']))} | | | | | | | | | | |")
+            err = "; ".join(r.get("errors", [])).replace("|", "/")
+            L.append(f"| {label} | | | {', '.join(map(str, r['statuses']))}"
+                     f"{': ' + err if err else ''} | | | | | | | | | | |")
             continue
         budget = f"{r['budget'] / 1e9:.2f} GB" if r.get("budget") else "all in memory"
         cache = (f"{r['slots']} slots ({r['cache_fraction']:.0%})" if r.get("slots") is not None
@@ -166,7 +168,8 @@ def simulation_table(sim) -> list:
 
 def markdown(results) -> str:
     m = results["machine"]
-    L = [f"# Deltafin benchmark: `{results['command']}`", ""]
+    L = [f"# Deltafin benchmark: `{results['command']}`"
+         + (" (PARTIAL: the run was interrupted)" if results.get("partial") else ""), ""]
     L.append(f"Started {results['started']}, took {results.get('elapsed_s', 0) / 60:.1f} min. "
              f"Machine: {m.get('cpu', '?')}, {m.get('cpus')} CPUs, "
              f"{m.get('mem_total_bytes', 0) / 2**30:.0f} GiB RAM, {m.get('platform')}, "

@@ -227,7 +227,10 @@ def analyze(scale: dict, disk: dict):
     ref_tokens = res_ok[0]["tokens"] if res_ok else None
     for label, rs in runs.items():
         ok = [r for r in rs if r.get("status") == "ok"]
-        row = {"runs": len(rs), "ok": len(ok), "statuses": [r.get("status") for r in rs]}
+        row = {"runs": len(rs), "ok": len(ok), "statuses": [r.get("status") for r in rs],
+               "errors": sorted({(r.get("stderr_tail") or "").strip().splitlines()[-1][:200]
+                                 for r in rs if r.get("status") != "ok"
+                                 and (r.get("stderr_tail") or "").strip()})}
         if ok:
             row.update(
                 s_per_token=summary([r["s_per_token"] for r in ok]),
@@ -302,6 +305,8 @@ def main(argv=None):
                     help="bench models are generated here once and reused")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
     ap.add_argument("--plots", default=str(ROOT / "docs" / "perf"))
+    ap.add_argument("--scale", action="append",
+                    help="run only this model scale (repeatable; names as in SCALES)")
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--tokens", type=int)
     ap.add_argument("--no-cgroup", action="store_true", help="skip the capped mlx-lm runs")
@@ -341,11 +346,26 @@ def main(argv=None):
         "cap_rule": f"cap = budget + {INTERPRETER_ALLOWANCE >> 20} MiB (interpreter allowance)",
         "scales": [],
     }
+    scales = SCALES[mode]
+    if args.scale:
+        known = {s[0]: s for m in SCALES.values() for s in m}
+        unknown = [n for n in args.scale if n not in known]
+        if unknown:
+            ap.error(f"unknown scale(s) {unknown}; known: {sorted(known)}")
+        scales = [known[n] for n in args.scale]
+        results["command"] += "".join(f" --scale {n}" for n in args.scale)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     disk = None
-    for name, hidden, layers, experts in SCALES[mode]:
+    for name, hidden, layers, experts in scales:
         scale, disk = bench_scale(name, hidden, layers, experts, args, cfg, disk, can_cap, drops)
         results["scales"].append(scale)
         results["disk_start"] = disk
+        # Written after every scale, so an interrupted run leaves what it measured.
+        partial = dict(results, partial=True)
+        partial["scales"] = [dict(sc, analysis=analyze(sc, disk)) for sc in results["scales"]]
+        out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=1))
+        log(f"partial results so far: {out.with_suffix('.partial.json')}")
 
     from diskprobe import run_probe
 
@@ -371,14 +391,14 @@ def main(argv=None):
 
     results["simulation"] = simulate_all(results, mode)
     results["elapsed_s"] = time.time() - t_start
+    results["partial"] = False
     results["code_at_end"] = code_fingerprint()
     if results["code_at_end"]["sha256"] != results["code"]["sha256"]:
         changed = [f for f, h in results["code_at_end"]["files"].items()
                    if results["code"]["files"].get(f) != h]
         log(f"warning: the runtime's sources changed during the run: {changed}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
+    out.with_suffix(".partial.json").unlink(missing_ok=True)
     log(f"wrote {out}")
 
     from report import write_reports
