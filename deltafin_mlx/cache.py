@@ -62,15 +62,34 @@ def np_view(a: mx.array) -> np.ndarray:
     return np.asarray(a)
 
 
+# MLX array dimensions are int32: no axis, including the flat one the aligned
+# allocation below slices, may hold 2**31 elements or more.
+MAX_ELEMENTS = 2**31 - 1 - ALIGN
+
+
 def alloc_aligned(shape, dtype: mx.Dtype) -> mx.array:
-    """An MLX array whose data starts 4096-aligned (O_DIRECT reads land in it)."""
-    nbytes = int(np.prod(shape)) * dtype.size
-    raw = mx.zeros((nbytes + ALIGN,), dtype=mx.uint8)
+    """An MLX array whose data starts 4096-aligned (O_DIRECT reads land in it).
+
+    The flat allocation is made in `dtype` itself, not in bytes, so that arrays
+    up to MAX_ELEMENTS elements (8 GB of uint32 weights) fit MLX's int32 shapes.
+    """
+    n = int(np.prod(shape))
+    if n > MAX_ELEMENTS:
+        raise ValueError(f"slot array of {n} elements exceeds MLX's limit of {MAX_ELEMENTS}")
+    raw = mx.zeros((n + ALIGN // dtype.size,), dtype=dtype)
     mx.eval(raw)
-    off = (-np.asarray(raw).ctypes.data) % ALIGN
-    arr = raw[off : off + nbytes].view(dtype).reshape(shape)
+    off = (-np_view(raw).ctypes.data) % ALIGN
+    if off % dtype.size:  # never seen: MLX buffers are at least 8-aligned
+        arr = mx.zeros(shape, dtype=dtype)  # reads then go through the staging buffer
+    else:
+        arr = raw[off // dtype.size : off // dtype.size + n].reshape(shape)
     mx.eval(arr)
     return arr
+
+
+def max_slots(sections, activation_dtype: mx.Dtype) -> int:
+    """The most slots one pool can have (see MAX_ELEMENTS)."""
+    return min(MAX_ELEMENTS // int(np.prod(s.shape)) for s in sections)
 
 
 def switch_over_slots(arrays: Dict[str, mx.array], capacity: int, quant: dict, activation):

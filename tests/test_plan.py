@@ -132,3 +132,10 @@ def test_plan_measures_disk_and_compute_when_not_given(converted):
 
     assert measure_disk_gbps(nbytes=32 << 20, block=4 << 20) > 0.01
     assert measure_compute_gwps(dim=1024) > 0.01
+
+
+def test_k3_expert_cache_is_capped_where_mlx_shapes_end(k3):
+    """MLX dimensions are int32: one slot array holds at most 2**31 - 1 - 4096
+    elements, so at 3072 x 448 uint32 per K3 gate weight, 1560 slots (27 GB)."""
+    r = plan_json(K3_CONFIG, "--bits", "4", "--dtype", "bfloat16", "--budget", "200GB")
+    assert r["expert_cache_slots"] == (2**31 - 1 - 4096) // (3072 * 448) == 1560
