@@ -18,7 +18,6 @@ with like (see bench/README.md and docs/PERFORMANCE.md):
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path

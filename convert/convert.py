@@ -27,15 +27,9 @@ from deltafin_mlx.mlx_lm_shim import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE
 
 from .experts import PROJECTIONS, expert_record, expert_sections, group_experts
 from .source import ConvertError, Source, free_bytes, open_source, tokenizer_files
-from .trunk import (
-    build_skeleton,
-    convert_unit,
-    release,
-    get_module,
-    layer_paths,
-    source_dtype,
-    switch_path,
-)
+from deltafin_mlx.modules import get_module, layer_paths, switch_path
+
+from .trunk import build_skeleton, convert_unit, release, source_dtype
 
 SUPPORTED = {
     "kimi_k3": "Kimi K3",

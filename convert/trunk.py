@@ -13,8 +13,6 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from mlx_lm.utils import _get_classes
 
-from deltafin_mlx.modules import get_module, layer_paths, switch_path  # noqa: F401
-
 from .source import ConvertError
 
 CONVERSION_DTYPES = ("float16", "bfloat16", "float32")

@@ -10,7 +10,6 @@
 import argparse
 import json
 import sys
-import time
 
 RUN_HELP = __doc__
 
@@ -183,8 +182,6 @@ def cmd_run(args):
 
 
 def cmd_chat(args):
-    from .generate import RunStats
-
     model, tokenizer = load_model(args)
     history, total = [], []
     print("Deltafin chat: /reset clears the history, /stats shows counters, /quit ends.",

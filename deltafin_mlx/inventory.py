@@ -146,8 +146,9 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     from deltafin_convert.convert import (ConvertOptions, expert_quantization,
                                           experts_per_token)
     from deltafin_convert.experts import PROJECTIONS, expert_sections
-    from deltafin_convert.trunk import (build_skeleton, get_module, layer_paths,
-                                        quantize_like_mlx_lm, source_dtype, switch_path)
+    from deltafin_convert.trunk import build_skeleton, quantize_like_mlx_lm, source_dtype
+
+    from .modules import get_module, layer_paths, switch_path
 
     from .bank import record_size_of
 

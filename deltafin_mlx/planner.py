@@ -17,7 +17,7 @@ import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import List
 
 import mlx.core as mx
 

@@ -16,10 +16,9 @@ import os
 import queue
 import sys
 import threading
-import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 

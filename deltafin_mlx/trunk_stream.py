@@ -16,6 +16,7 @@ import json
 import os
 import struct
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List
@@ -164,8 +165,6 @@ class TrunkStreamer:
 
     def enter(self, layer: int, x: mx.array, cache):
         """Called as `layer` starts: make its weights present, read the next ahead."""
-        import time
-
         sig = self.signature[layer]
         layers = self.group[sig]
         buf = self._buffer_of(layer)
@@ -179,8 +178,8 @@ class TrunkStreamer:
                 pending.extend(a for a in _state_arrays(c))
         mx.eval(pending)
         if buf is None:  # not read ahead (first call, or an unusual order)
-            others = [b for b in self.buffers[sig]]
-            buf = others[0] if others[0].last_user != layer else others[-1]
+            ring = self.buffers[sig]
+            buf = ring[0] if ring[0].last_user != layer else ring[-1]
             self._start(buf, layer)
         start = time.perf_counter()
         try:

@@ -3,17 +3,14 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 import deltafin_mlx
-from deltafin_mlx.cli import main
 
 BIN = Path(sys.executable).parent
 

@@ -2,7 +2,6 @@
 can be interrupted and resumed; memory stays bounded; bad input is one clear line."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,7 +12,6 @@ import pytest
 from conftest import make_source, reference_model
 from deltafin_convert import cli
 from deltafin_convert.convert import ConvertOptions, convert
-from deltafin_convert.source import ConvertError
 from deltafin_mlx.bank import read_layout
 from deltafin_mlx.loader import load_resident
 from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, read_manifest

@@ -3,7 +3,6 @@ embedding rows are read on demand — and the tokens and logits stay exactly
 mlx-lm's, at every budget down to the floor."""
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.utils import load_config
 
