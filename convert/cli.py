@@ -2,6 +2,10 @@
 
 import argparse
 import sys
+from pathlib import Path
+
+from deltafin_mlx.cliutil import HelpFormatter, add_version, human_bytes, quiet_broken_pipe
+from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME
 
 from .convert import EXPERT_BITS, GROUP_SIZES, SUPPORTED, ConvertOptions, convert
 from .source import ConvertError
@@ -12,28 +16,36 @@ def build_parser():
         prog="deltafin-convert",
         description="Rewrite a Hugging Face MoE checkpoint into Deltafin's streaming format. "
         "Supported: " + ", ".join(SUPPORTED.values()) + ".",
+        epilog="Rerun the same command to resume an interrupted conversion; rerunning a "
+        "finished one does nothing. Then: deltafin-run OUT \"PROMPT\".",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("src", help="local Hugging Face model directory, or a hub repo id")
     p.add_argument("out", help="output directory")
     p.add_argument("--bits", type=int, default=4, choices=EXPERT_BITS,
-                   help="trunk quantization bits (default 4)")
+                   help="trunk quantization bits")
     p.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES,
-                   help="trunk quantization group size (default 64)")
+                   help="trunk quantization group size")
     p.add_argument("--no-trunk-quant", action="store_true",
                    help="keep the trunk (non-expert weights) unquantized")
     p.add_argument("--expert-bits", type=int, default=4, choices=EXPERT_BITS,
                    help="bits for bf16/fp16 experts (K3's MXFP4 experts are kept as they are)")
     p.add_argument("--expert-group-size", type=int, default=64, choices=GROUP_SIZES,
-                   help="group size for bf16/fp16 experts (default 64)")
+                   help="group size for bf16/fp16 experts")
     p.add_argument("--force", action="store_true",
                    help="overwrite OUT even if it holds another model or conversion")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no notes")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_version(p)
     return p
 
 
+@quiet_broken_pipe
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    out = Path(args.out).expanduser()
+    finished_before = (not args.force and (out / MANIFEST_NAME).exists()
+                       and not (out / PARTIAL_NAME).exists())
     options = ConvertOptions(
         bits=None if args.no_trunk_quant else args.bits,
         group_size=args.group_size,
@@ -47,6 +59,8 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("\ndeltafin-convert: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        raise  # quiet_broken_pipe ends quietly
     except (ConvertError, OSError) as e:
         if args.debug:
             raise
@@ -55,8 +69,12 @@ def main(argv=None):
             msg = f"disk full while writing {e.filename or args.out}; free space and rerun to resume"
         print(f"deltafin-convert: error: {msg}", file=sys.stderr)
         return 1
+    if finished_before:  # convert() refuses a finished OUT of another conversion
+        print(f"{args.out}: already holds this conversion of {args.src} (same source and "
+              "options); nothing to do", file=sys.stderr)
+        return 0
     size = sum(manifest.files.values())
-    print(f"converted {args.src} -> {args.out} ({size / 1e9:.3f} GB, "
+    print(f"converted {args.src} -> {args.out} ({human_bytes(size)}, "
           f"{len(manifest.moe_layers)} expert banks)")
     return 0
 

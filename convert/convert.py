@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,8 +22,9 @@ from typing import Optional
 import mlx.core as mx
 from tqdm import tqdm
 
+from deltafin_mlx import __version__ as deltafin_version
 from deltafin_mlx.bank import BankWriter, bank_header_size, record_size_of
-from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
+from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, read_manifest
 from deltafin_mlx.mlx_lm_shim import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE
 
 from .experts import PROJECTIONS, expert_record, expert_sections, group_experts
@@ -153,8 +155,13 @@ def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
         for name in (MANIFEST_NAME, PARTIAL_NAME, "config.json"):
             (out / name).unlink(missing_ok=True)
         return fresh
+    if manifest.exists() and state is None and finished_conversion(out, source, options):
+        return {**fresh, "finished": True}
     if manifest.exists() and not same:
-        raise ConvertError(f"{out}: already holds a converted model (use --force to overwrite)")
+        raise ConvertError(
+            f"{out}: already holds a converted model of another source or with other options "
+            "(use --force to overwrite)"
+        )
     if same:
         return state  # (with a manifest: stopped just before its last step, rerun it)
     if state is not None:
@@ -165,6 +172,16 @@ def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
     if not _only_our_leftovers(out):
         raise ConvertError(f"{out}: exists and is not empty (use --force to write into it)")
     return fresh
+
+
+def finished_conversion(out: Path, source: Source, options: ConvertOptions) -> bool:
+    """OUT holds a finished conversion of this very source with these options."""
+    try:
+        recorded = json.loads((out / MANIFEST_NAME).read_text()).get("source", {})
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (recorded.get("fingerprint") == source.fingerprint
+            and recorded.get("options") == options.recorded())
 
 
 def _only_our_leftovers(out: Path) -> bool:
@@ -181,7 +198,7 @@ def _only_our_leftovers(out: Path) -> bool:
 def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest:
     options = options or ConvertOptions()
     options.check()
-    out = Path(out)
+    out = Path(out).expanduser()
     source = open_source(src)
     config = dict(source.config)
     model_type = config.get("model_type")
@@ -246,6 +263,8 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
             )
 
     state = prepare_output(out, source, options)
+    if state.get("finished"):
+        return read_manifest(out)
 
     # Disk, checked before anything is written: banks are exact; the trunk needs
     # at most its source size.
@@ -276,28 +295,29 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
         notes.append(f"skipping {len(skipped)} vision/projector tensors (text model only)")
     if dropped:
         notes.append(f"skipping {len(dropped)} tensors of layers beyond num_hidden_layers")
+    done_layers = sorted(int(k) for k in state["done"] if k != "globals")
+    if state["done"]:
+        todo = [i for i in range(num_layers) if str(i) not in state["done"]]
+        notes.append(
+            f"resuming {out}: {len(done_layers)} of {num_layers} layers already converted, "
+            + (f"picking up at layer {todo[0]} (layers are numbered 0-{num_layers - 1})" if todo
+               else "only the embeddings/head and the manifest are left")
+        )
     if options.progress:
         for n in notes:
-            print(f"note: {n}", flush=True)
+            print(f"note: {n}", file=sys.stderr, flush=True)
 
-    total = sum(trunk_src.values()) + sum(
-        source.nbytes(n) for layer in experts for e in experts[layer].values() for n in e.values()
-    )
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        desc="converting",
-        disable=not options.progress,
-        dynamic_ncols=True,
-        leave=False,
-    )
+    bar = ConvertProgress(
+        {u: _unit_source_bytes(source, trunk_src, experts, u) for u in units},
+        state["done"], options.progress)
     try:
         _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
                        num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
                        dtype, state, bar)
-    finally:
-        bar.close()
+    except BaseException:
+        bar.close(failed=True)
+        raise
+    bar.close()
     return _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
                    num_layers, moe_layers, num_experts, record_size, sections)
 
@@ -311,15 +331,11 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
     order = list(range(num_layers)) + ["globals"]
     for unit in order:
         key = str(unit)
-        unit_src = trunk_src[unit] + sum(
-            source.nbytes(n) for e in experts.get(unit, {}).values() for n in e.values()
-        ) if unit != "globals" else trunk_src[unit]
         if key in state["done"]:
-            bar.update(unit_src)
             if unit != "globals":
                 release(get_module(model, paths[unit]))
             continue
-        bar.set_description(f"layer {unit}" if unit != "globals" else "embeddings/head")
+        bar.start_unit(unit)
         result = {"files": {}, "tensors": {}, "quantized": {}}
 
         # Trunk.
@@ -375,6 +391,52 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
             release(module)
         state["done"][key] = result
         _write_atomic_json(partial_path, state)
+        bar.end_unit(unit)
+
+
+def _unit_source_bytes(source, trunk_src, experts, unit) -> int:
+    """Source bytes a unit reads: its trunk tensors and, for a layer, its experts."""
+    if unit == "globals":
+        return trunk_src[unit]
+    return trunk_src[unit] + sum(
+        source.nbytes(n) for e in experts.get(unit, {}).values() for n in e.values())
+
+
+class ConvertProgress:
+    """The progress bar on stderr: source bytes converted (so MB/s is the real
+    rate, not counting what a resumed run had already done) and layers per second;
+    it ends at 100% because its total is the sum of exactly what is counted."""
+
+    def __init__(self, unit_bytes: dict, done: dict, enabled: bool):
+        self.unit_bytes = unit_bytes
+        self.layers = sum(1 for u in unit_bytes if u != "globals")
+        self.start = time.perf_counter()
+        self.finished = 0
+        self.bar = tqdm(
+            total=sum(unit_bytes.values()),
+            initial=sum(b for u, b in unit_bytes.items() if str(u) in done),
+            unit="B", unit_scale=True, desc="converting", disable=not enabled,
+            dynamic_ncols=True, leave=True, file=sys.stderr,
+        )
+
+    def update(self, nbytes: int):
+        self.bar.update(nbytes)
+
+    def start_unit(self, unit):
+        self.bar.set_description(f"layer {unit} (0-{self.layers - 1})" if unit != "globals"
+                                 else "embeddings/head")
+
+    def end_unit(self, unit):
+        self.finished += unit != "globals"
+        rate = self.finished / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{rate:.2f} layers/s", refresh=True)
+
+    def close(self, failed: bool = False):
+        if failed:
+            self.bar.leave = False  # the error line follows, alone
+        else:
+            self.bar.set_description("converted")
+        self.bar.close()
 
 
 def _existing_parent(p: Path) -> Path:
@@ -452,6 +514,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
             "id": source.id,
             "fingerprint": source.fingerprint,
             "converted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "deltafin_version": deltafin_version,
             "options": options.recorded(),
             "config_sha256": hashlib.sha256((out / "config.json").read_bytes()).hexdigest(),
         },

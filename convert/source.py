@@ -15,6 +15,9 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
+from deltafin_mlx.hub import hub_failure, looks_like_hub_id, quiet_hub
+from deltafin_mlx.manifest import MANIFEST_NAME
+
 
 class ConvertError(Exception):
     """A conversion that cannot proceed; the message is shown to the user as is."""
@@ -148,27 +151,29 @@ def resolve_source(src: str) -> Path:
         if not p.is_dir():
             raise ConvertError(f"{src}: not a directory")
         return p
-    if src.count("/") != 1 or src.startswith((".", "/", "~")):
+    if not looks_like_hub_id(src):
         raise ConvertError(f"{src}: no such directory")
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(
-            snapshot_download(
-                src,
-                allow_patterns=["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"],
+        with quiet_hub():
+            return Path(
+                snapshot_download(
+                    src,
+                    allow_patterns=["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"],
+                )
             )
-        )
-    except Exception as e:  # the hub raises many types; the message is what matters
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConvertError(
-            f"{src}: not a local directory, and downloading it from the Hugging Face hub "
-            f"failed ({type(e).__name__}: {msg})"
-        ) from None
+    except Exception as e:  # the hub raises many types; hub_failure says which
+        raise ConvertError(hub_failure(src, e, "it")) from None
 
 
 def open_source(src: str) -> Source:
     path = resolve_source(src)
+    if (path / MANIFEST_NAME).exists():
+        raise ConvertError(
+            f"{src}: already a Deltafin model (converted); run it: deltafin-run {src} \"PROMPT\""
+            f" (or see it: deltafin-run info {src})"
+        )
     config_path = path / "config.json"
     if not config_path.exists():
         raise ConvertError(f"{path}: no config.json (not a Hugging Face model directory)")

@@ -5,6 +5,8 @@
     print(deltafin_mlx.generate(model, tokenizer, "Hello", max_tokens=64).text)
 """
 
+__version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
+
 from .generate import Completion, RunStats, generate, stream_generate
 from .loader import load
 

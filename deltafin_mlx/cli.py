@@ -1,17 +1,34 @@
-"""`deltafin-run`: run, chat, plan and bench a Deltafin model, or try the demo.
-
-    deltafin-run MODEL "prompt" [-n N] [--budget B] [--temp T] ... [--json]
-    deltafin-run MODEL --chat
-    deltafin-run plan MODEL|CONFIG.json [--budget B] [--context N]
-    deltafin-run bench MODEL [--budget B] [-n N]
-    deltafin-run --demo
-"""
+"""`deltafin-run`: run, chat, plan, bench, describe and verify a Deltafin model, or
+try the demo (the commands are listed in COMMANDS)."""
 
 import argparse
 import json
 import sys
 
-RUN_HELP = __doc__
+from .cliutil import HelpFormatter, add_version, quiet_broken_pipe
+
+USAGE = """
+  deltafin-run MODEL PROMPT [options]
+  deltafin-run MODEL --chat [options]
+  deltafin-run plan MODEL|CONFIG.json|HUB_ID [options]
+  deltafin-run bench MODEL [options]
+  deltafin-run info MODEL
+  deltafin-run verify MODEL
+  deltafin-run --demo [PROMPT] [options]"""
+
+COMMANDS = """commands:
+  MODEL PROMPT      generate from one prompt ('-' reads it from stdin)
+  MODEL --chat      an interactive chat
+  plan              the memory plan and a projected speed, without loading weights
+                    (of a converted model, a source config.json or a hub id)
+  bench             a short decode benchmark
+  info              what a converted model is: architecture, experts, quantization,
+                    sizes, source, when it was converted
+  verify            check every file and every expert record's checksum
+  --demo            build a small synthetic K3-layout model and run it streaming
+
+'deltafin-run COMMAND --help' shows a command's options. MODEL is a directory
+written by deltafin-convert (convert a Hugging Face checkpoint with it first)."""
 
 
 class CliError(Exception):
@@ -20,6 +37,9 @@ class CliError(Exception):
 
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit code 2)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -31,65 +51,77 @@ def add_load_options(p):
     p.add_argument("--reader-threads", type=int, default=1, help="background read threads")
     p.add_argument("--no-lookahead", action="store_true", help="no speculative expert reads")
     p.add_argument("--verify", action="store_true", help="check expert checksums on read")
-    p.add_argument("--read-mode", choices=("direct", "mmap"), default="direct")
+    p.add_argument("--read-mode", choices=("direct", "mmap"), default="direct",
+                   help="how experts are read: O_DIRECT (F_NOCACHE on macOS), or mmap")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 def run_parser():
-    p = Parser(prog="deltafin-run", description="Run a Deltafin model (streams MoE experts "
-               "from disk; output identical to running it fully in memory).",
-               epilog="Subcommands: 'deltafin-run plan ...', 'deltafin-run bench ...'. "
-               "Try 'deltafin-run --demo' first.")
+    p = Parser(prog="deltafin-run", usage=USAGE, epilog=COMMANDS,
+               description="Run a Deltafin model (streams MoE experts from disk; output "
+               "identical to running it fully in memory). Try 'deltafin-run --demo' first.")
     p.add_argument("model", nargs="?", help="a directory written by deltafin-convert")
     p.add_argument("prompt", nargs="?", help="the prompt ('-' reads it from stdin)")
-    p.add_argument("-n", "--max-tokens", type=int, default=256)
+    p.add_argument("-n", "--max-tokens", type=int, default=None,
+                   help="tokens to generate (default: 256; 64 with --demo)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", nargs="+", default=[], metavar="STR", help="stop at any of these")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: not fixed)")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop before this text; repeat the option for several")
     p.add_argument("--no-think", action="store_true", help="thinking off (K3 prompt format)")
     p.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--chat", action="store_true", help="interactive chat")
     p.add_argument("--demo", action="store_true",
                    help="build a small synthetic K3-layout model and run it streaming")
-    p.add_argument("--demo-dir", default=None, help="where the demo model lives")
+    p.add_argument("--demo-dir", default=None,
+                   help="where the demo model lives (default: ~/.cache/deltafin/demo)")
     p.add_argument("--trace-routing", metavar="FILE", default=None,
                    help="write each token's routed experts as JSONL (for bench/simulate_cache.py)")
     add_load_options(p)
+    add_version(p)
     return p
 
 
 def plan_parser():
     p = Parser(prog="deltafin-run plan", description="Show the memory plan for a model, "
                "without loading its weights.")
-    p.add_argument("model", help="a Deltafin model directory, or a source config.json")
-    p.add_argument("--budget", default=None)
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--bits", type=int, default=4, help="trunk bits (for a config.json)")
-    p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--expert-bits", type=int, default=4)
-    p.add_argument("--expert-group-size", type=int, default=64)
+    p.add_argument("model", help="a Deltafin model directory, a source directory or "
+                   "config.json, or a Hugging Face hub id (only its config.json is fetched)")
+    p.add_argument("--budget", default=None,
+                   help="memory budget, e.g. 8GB (default: from available memory)")
+    p.add_argument("--context", type=int, default=4096,
+                   help="tokens of context to hold KV/state for (at most the model's maximum)")
+    for flag, default, what in (("--bits", 4, "trunk quantization bits"),
+                                ("--group-size", 64, "trunk quantization group size"),
+                                ("--expert-bits", 4, "bits for bf16/fp16 experts"),
+                                ("--expert-group-size", 64, "group size for bf16/fp16 experts")):
+        p.add_argument(flag, type=int, default=None,
+                       help=f"{what}, as deltafin-convert would use them; only for planning a "
+                       f"source (default: {default})")
     p.add_argument("--disk-gbps", type=float, default=None,
-                   help="disk read bandwidth (default: measured)")
+                   help="disk read bandwidth in GB/s (default: measured once, then cached)")
     p.add_argument("--compute-gwps", type=float, default=None,
-                   help="quantized matvec rate, G weights/s (default: measured)")
+                   help="quantized matvec rate, G weights/s (default: measured once, then cached)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure the disk and compute rates again instead of using cached ones")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activation dtype to plan for (default: float32 on CPU; the model's "
                    "dtype on GPU — plan an Apple GPU with bfloat16)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--debug", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
 
 def bench_parser():
     p = Parser(prog="deltafin-run bench", description="A short decode benchmark.")
-    p.add_argument("model")
-    p.add_argument("-n", "--max-tokens", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("model", help="a directory written by deltafin-convert")
+    p.add_argument("-n", "--max-tokens", type=int, default=32, help="tokens decoded per run")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length of each run")
+    p.add_argument("--repeats", type=int, default=3, help="runs (the median is reported)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_load_options(p)
     return p
 
@@ -274,6 +306,42 @@ def cmd_demo(args):
     return run_demo(args)
 
 
+def cmd_info(argv):
+    from .info import run_info
+
+    return run_info(argv)
+
+
+def cmd_verify(argv):
+    from .verify import run_verify
+
+    return run_verify(argv)
+
+
+def refuse_ignored_options(args):
+    """An option that would do nothing in the mode asked for is refused, not ignored."""
+    if args.demo and args.model is not None:
+        if args.prompt is not None:
+            raise CliError("--demo runs its own model: give it only a prompt "
+                           "(deltafin-run --demo \"PROMPT\")")
+        args.model, args.prompt = None, args.model  # `--demo PROMPT`: the one positional
+    if args.demo_dir and not args.demo:
+        raise CliError("--demo-dir only applies with --demo")
+    if args.chat:
+        if args.prompt is not None:
+            raise CliError("--chat reads each turn from the terminal: drop the prompt argument")
+        for flag, given, why in (
+                ("--json", args.json, "a chat streams its replies as text"),
+                ("--trace-routing", args.trace_routing, "trace a one-shot run instead"),
+                ("--raw", args.raw, "a chat needs the model's chat template")):
+            if given:
+                raise CliError(f"{flag} does not work with --chat ({why})")
+    if args.raw and args.no_think:
+        raise CliError("--no-think changes the chat template, which --raw leaves out")
+    if args.max_tokens is None:
+        args.max_tokens = 64 if args.demo else 256
+
+
 def start_trace(model, path):
     if not path:
         return None
@@ -282,6 +350,7 @@ def start_trace(model, path):
     return RoutingTrace(model, path)
 
 
+@quiet_broken_pipe
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -290,7 +359,12 @@ def main(argv=None):
             return cmd_plan(argv[1:])
         if argv and argv[0] == "bench":
             return cmd_bench(argv[1:])
+        if argv and argv[0] == "info":
+            return cmd_info(argv[1:])
+        if argv and argv[0] == "verify":
+            return cmd_verify(argv[1:])
         args = run_parser().parse_args(argv)
+        refuse_ignored_options(args)
         if args.demo:
             return cmd_demo(args)
         if args.model is None:
@@ -301,6 +375,8 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("\ndeltafin-run: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        raise  # stdout closed early (`| head`): quiet_broken_pipe ends quietly
     except Exception as e:  # every failure is one line unless --debug
         if debug:
             raise

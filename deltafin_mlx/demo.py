@@ -25,7 +25,7 @@ CACHE_FRACTION = 0.25
 
 def demo_dir(args) -> Path:
     if args.demo_dir:
-        return Path(args.demo_dir)
+        return Path(args.demo_dir).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "deltafin" / "demo"
 
@@ -53,8 +53,9 @@ def prepare(root: Path) -> Path:
     return model
 
 
-def demo_budget(model_dir: Path, args) -> int:
-    """A budget that holds the trunk and a quarter of the experts."""
+def demo_plan(model_dir: Path, args):
+    """A plan whose budget holds the trunk and a quarter of the experts (the same
+    plan `load` then makes from that budget)."""
     import mlx.core as mx
     from mlx_lm.utils import load_config
 
@@ -64,23 +65,25 @@ def demo_budget(model_dir: Path, args) -> int:
     from .planner import plan_memory
 
     m = read_manifest(model_dir)
-    inv = inventory_from_manifest(m, load_config(model_dir), default_activation_dtype() or mx.bfloat16)
-    plan = plan_memory(inv, 1 << 50, reader_threads=args.reader_threads)
-    total = m.experts["num_experts"] * len(m.moe_layers)
-    slots = max(m.experts["experts_per_token"], int(total * CACHE_FRACTION))
-    return plan.state_bytes + plan.working_bytes + inv.trunk_bytes + slots * plan.slot_bytes
+    act = default_activation_dtype() or getattr(mx, m.dtype)
+    inv = inventory_from_manifest(m, load_config(model_dir), act)
+    budget = args.budget
+    if budget is None:
+        plan = plan_memory(inv, 1 << 50, reader_threads=args.reader_threads)
+        total = m.experts["num_experts"] * len(m.moe_layers)
+        slots = max(m.experts["experts_per_token"], int(total * CACHE_FRACTION))
+        budget = plan.state_bytes + plan.working_bytes + inv.trunk_bytes + slots * plan.slot_bytes
+    return plan_memory(inv, budget, reader_threads=args.reader_threads), m
 
 
 def run_demo(args) -> int:
-    from .cli import generate_reply, load_model, make_prompt
+    """The demo model, then an ordinary run (or chat) of it: every option of
+    deltafin-run works as it does on any model."""
+    from .cli import cmd_chat, cmd_run
 
     model_dir = prepare(demo_dir(args))
-    args.model = str(model_dir)
-    if args.budget is None:
-        args.budget = demo_budget(model_dir, args)
-    model, tokenizer = load_model(args)
-    plan = model._deltafin.plan
-    banks = sum(s for rel, s in model._deltafin.manifest.files.items() if rel.endswith(".bank"))
+    plan, manifest = demo_plan(model_dir, args)
+    banks = sum(s for rel, s in manifest.files.items() if rel.endswith(".bank"))
     print(
         f"[demo] budget {plan.budget / 1e6:.1f} MB for a model whose experts take "
         f"{banks / 1e6:.1f} MB on disk: {plan.slots} of "
@@ -89,11 +92,9 @@ def run_demo(args) -> int:
         file=sys.stderr,
     )
     print("[demo] the weights are random, so the text below is meaningless.", file=sys.stderr)
-    prompt_text = args.prompt or "Explain how Deltafin runs a model larger than memory."
-    args.max_tokens = min(args.max_tokens, 64)
-    prompt = make_prompt(tokenizer, prompt_text, args)
-    _, _, stats, _ = generate_reply(model, tokenizer, prompt, args)
-    print()
-    print(f"[deltafin] {stats.line()}", file=sys.stderr)
-    model._deltafin.close()
-    return 0
+    args.model, args.budget = str(model_dir), plan.budget
+    if args.chat:
+        return cmd_chat(args)
+    if args.prompt is None:
+        args.prompt = "Explain how Deltafin runs a model larger than memory."
+    return cmd_run(args)

@@ -130,7 +130,7 @@ def load(
         raise ValueError(f"read_mode must be one of {READ_MODES}")
     if reader_threads < 0:
         raise ValueError("reader_threads must be >= 0")
-    path = Path(path)
+    path = Path(path).expanduser()
     manifest = read_manifest(path)
     config = read_config(path, manifest)
     if activation_dtype == "auto":
@@ -265,7 +265,7 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
 
     from .bank import NUMPY_DTYPES
 
-    path = Path(path)
+    path = Path(path).expanduser()
     manifest = read_manifest(path)
     config = read_config(path, manifest)
     model = build_model(path, config)

@@ -80,7 +80,7 @@ class Manifest:
 
 
 def read_manifest(path, check_files: bool = True) -> Manifest:
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.exists():
         raise ModelError(f"{path}: no such model directory")
     if not path.is_dir():
@@ -90,6 +90,11 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
         if (path / PARTIAL_NAME).exists():
             raise ModelError(
                 f"{path}: conversion not finished (rerun deltafin-convert to resume it)"
+            )
+        if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+            raise ModelError(
+                f"{path}: a Hugging Face checkpoint, not yet converted; convert it first: "
+                f"deltafin-convert {path} {path}-deltafin"
             )
         raise ModelError(f"{path}: not a Deltafin model (no {MANIFEST_NAME})")
     try:

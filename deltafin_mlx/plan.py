@@ -10,6 +10,8 @@ Works on a converted model, or on a source `config.json` plus the conversion opt
 
 with the expert hit rate taken as the cache's share of all experts (no skew assumed:
 real routing is skewed, so measured hit rates are higher; see docs/PERFORMANCE.md).
+The disk and compute rates are measured once per machine and cached (rates.py), or
+given with --disk-gbps / --compute-gwps.
 """
 
 import json
@@ -21,20 +23,25 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .cliutil import human_bytes
+from .hub import HubError, fetch_config, looks_like_hub_id
 from .inventory import Inventory, inventory_from_config, inventory_from_manifest
 from .manifest import MANIFEST_NAME, ModelError, read_manifest
 from .planner import MemoryPlan, plan_memory
+from .rates import cached_rate, compute_key, disk_key
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-def measure_disk_gbps(path=None, nbytes: int = 256 << 20, block: int = 16 << 20) -> float:
-    """O_DIRECT reads of `block`-sized pieces of a bank (or of a scratch file)."""
+def measure_disk_gbps(path=None, nbytes: int = 256 << 20, block: int = 16 << 20,
+                      scratch_dir=None) -> float:
+    """O_DIRECT reads of `block`-sized pieces of a bank (or of a scratch file written
+    in `scratch_dir`, default the temporary directory)."""
     from .reader import aligned_empty
 
     scratch = None
     if path is None:
-        fd, scratch = tempfile.mkstemp(prefix="deltafin-disk-", dir=os.environ.get("TMPDIR"))
+        fd, scratch = tempfile.mkstemp(prefix="deltafin-disk-", dir=scratch_dir)
         with os.fdopen(fd, "wb") as f:
             chunk = np.random.default_rng(0).integers(0, 255, block, dtype=np.uint8).tobytes()
             for _ in range(nbytes // block):
@@ -100,38 +107,85 @@ def project(inv: Inventory, plan: MemoryPlan, disk_gbps: float, compute_gwps: fl
     }
 
 
+# deltafin-convert's options a source is planned with, and their defaults there.
+CONVERSION_OPTIONS = {"bits": 4, "group_size": 64, "expert_bits": 4, "expert_group_size": 64}
+
+
+def check_context(context: int, config: dict):
+    """A context the model can hold: at least one token, at most its maximum."""
+    limit = config.get("text_config", config).get("max_position_embeddings")
+    if context < 1:
+        raise ModelError(f"--context must be at least 1 token (got {context})")
+    if isinstance(limit, int) and context > limit:
+        raise ModelError(f"--context {context:,} is beyond this model's maximum of {limit:,} tokens "
+                         "(max_position_embeddings)")
+
+
+def _config_path(target: Path, name: str) -> Path:
+    """The config.json to plan: a file, a source directory's, or a hub repo's."""
+    if target.exists():
+        return target / "config.json" if target.is_dir() else target
+    if looks_like_hub_id(name):
+        try:
+            return fetch_config(name)
+        except HubError as e:
+            raise ModelError(str(e)) from None
+    raise ModelError(f"{target}: no such model directory or config.json")
+
+
 def plan_from_path(args) -> dict:
     target = Path(args.model).expanduser()
     act = DTYPES[args.dtype] if getattr(args, "dtype", None) else (
         mx.float32 if mx.default_device() == mx.cpu else None)
+    given = {k: getattr(args, k, None) for k in CONVERSION_OPTIONS}
     bank = None
     if target.is_dir() and (target / MANIFEST_NAME).exists():
         from mlx_lm.utils import load_config
 
         manifest = read_manifest(target)
+        named = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+        if named:
+            q = manifest.quantization
+            raise ModelError(
+                f"{' '.join(named)}: {target} is already converted (trunk "
+                + (f"{q['trunk']['bits']}-bit" if q.get("trunk") else "unquantized")
+                + f", experts {q['experts']['mode']} {q['experts']['bits']}-bit); these options "
+                "plan a source: pass its config.json or hub id instead")
+        config = load_config(target)
+        check_context(args.context, config)
         act = act or getattr(mx, manifest.dtype)
-        inv = inventory_from_manifest(manifest, load_config(target), act)
+        inv = inventory_from_manifest(manifest, config, act)
         bank = manifest.bank_path(manifest.moe_layers[0])
         source = str(target)
     else:
-        config_path = target / "config.json" if target.is_dir() else target
-        if not config_path.exists():
-            raise ModelError(f"{target}: no such model directory or config.json")
+        config_path = _config_path(target, args.model)
         try:
             config = json.loads(config_path.read_text())
         except (OSError, ValueError) as e:
             raise ModelError(f"{config_path}: unreadable config ({e})") from None
+        if not isinstance(config, dict):
+            raise ModelError(f"{config_path}: not a model config (not a JSON object)")
+        check_context(args.context, config)
+        opts = {k: CONVERSION_OPTIONS[k] if v is None else v for k, v in given.items()}
         act = act or mx.bfloat16
-        inv = inventory_from_config(config, act, bits=args.bits or None,
-                                    group_size=args.group_size, expert_bits=args.expert_bits,
-                                    expert_group_size=args.expert_group_size)
-        source = str(config_path)
+        inv = inventory_from_config(config, act, bits=opts["bits"] or None,
+                                    group_size=opts["group_size"],
+                                    expert_bits=opts["expert_bits"],
+                                    expert_group_size=opts["expert_group_size"])
+        source = args.model if not target.exists() else str(config_path)
     plan = plan_memory(inv, args.budget, context=args.context)
-    disk = args.disk_gbps or measure_disk_gbps(bank if bank and os.path.getsize(bank) > 64 << 20 else None)
+    remeasure = getattr(args, "remeasure", False)
+    disk, disk_from = _disk_rate(args.disk_gbps, bank, source, remeasure)
     mode = "mxfp4" if inv.sections[0].dtype == "uint32" and any(
         s.dtype == "uint8" for s in inv.sections) else "affine"
-    compute = args.compute_gwps or measure_compute_gwps(
-        mode, group_size=32 if mode == "mxfp4" else 64, act=act)
+    group = 32 if mode == "mxfp4" else 64
+    if args.compute_gwps:
+        compute, compute_from = args.compute_gwps, "given"
+    else:
+        compute, entry = cached_rate(
+            compute_key(mode, 4, group, act),
+            lambda: measure_compute_gwps(mode, group_size=group, act=act), remeasure)
+        compute_from = _rate_origin(entry)
     streamed = [int(k) for k in plan.streamed]
     return {
         "model": source,
@@ -139,7 +193,9 @@ def plan_from_path(args) -> dict:
         "activation_dtype": str(act).split(".")[-1],
         "budget_bytes": plan.budget,
         "context": plan.context,
+        "max_context": inv.config.get("text_config", inv.config).get("max_position_embeddings"),
         "floor_bytes": plan.floor,
+        "floor_parts": plan.floor_parts,
         "trunk_bytes": inv.trunk_bytes,
         "resident_trunk_bytes": plan.resident_bytes,
         "pinned_layers": sorted(int(k) for k in plan.pinned if k != "globals"),
@@ -151,19 +207,45 @@ def plan_from_path(args) -> dict:
         "working_bytes": plan.working_bytes,
         "expert_record_bytes": inv.record_size,
         "expert_slot_bytes": plan.slot_bytes,
+        "experts_per_layer": inv.num_experts,
+        "experts_per_token": inv.experts_per_token,
+        "moe_layers": len(inv.moe_layers),
         "experts_total": inv.num_experts * len(inv.moe_layers),
         "expert_bytes_on_disk": inv.expert_disk_bytes,
         "expert_cache_slots": plan.slots,
         "expert_cache_bytes": plan.cache_bytes,
         "expert_cache_fraction": plan.cache_fraction,
         "disk_gbps": disk,
+        "disk_rate_from": disk_from,
         "compute_gweights_per_second": compute,
+        "compute_rate_from": compute_from,
         "projection": project(inv, plan, disk, compute),
     }
 
 
-def _gb(n):
-    return f"{n / 1e9:.2f} GB"
+def _disk_rate(given, bank, source, remeasure):
+    """(GB/s, where it came from): given, or measured on the disk the model is on
+    (its bank when big enough to measure, else a scratch file beside it) and cached."""
+    if given:
+        return given, "given"
+    if bank is not None and os.path.getsize(bank) > 64 << 20:
+        path, scratch_dir = bank, None
+    else:
+        here = Path(source) if bank is not None else None
+        scratch_dir = str(here) if here is not None and os.access(here, os.W_OK) else None
+        path = None
+    where = path or scratch_dir or tempfile.gettempdir()
+    value, entry = cached_rate(disk_key(where),
+                               lambda: measure_disk_gbps(path, scratch_dir=scratch_dir), remeasure)
+    return value, _rate_origin(entry)
+
+
+def _rate_origin(entry: dict) -> str:
+    if entry["cached"]:
+        return f"measured {entry['measured']}, cached in {entry['file']}"
+    return f"measured now, cached in {entry['file']}"
+
+
 
 
 def _ranges(xs):
@@ -180,27 +262,45 @@ def _ranges(xs):
     return ", ".join(out)
 
 
+def _count(n: float) -> str:
+    """A count in the unit that suits it: 980, 12.3 K, 104 G (weights)."""
+    return human_bytes(n).replace(" B", "").replace("KB", "K").replace("MB", "M").replace(
+        "GB", "G").replace("TB", "T")
+
+
+def _percent(f: float) -> str:
+    """A share that stays readable when small: 25.0%, 0.034%."""
+    return f"{100 * f:.1f}%" if f >= 0.001 or f == 0 else f"{100 * f:.2g}%"
+
+
 def format_plan(r: dict) -> str:
     p = r["projection"]
+    maximum = f" (the model's maximum: {r['max_context']:,})" if r.get("max_context") else ""
+    parts = " + ".join(f"{what} {human_bytes(n)}" for what, n in r["floor_parts"].items())
     lines = [
         f"model          {r['model']} ({r['model_type']}), activations {r['activation_dtype']}",
-        f"budget         {_gb(r['budget_bytes'])}   floor {_gb(r['floor_bytes'])} "
-        f"({r['floor_bytes']} bytes) at {r['context']} tokens of context",
-        f"trunk          {_gb(r['trunk_bytes'])} in all; resident {_gb(r['resident_trunk_bytes'])}",
+        f"context        {r['context']:,} tokens{maximum}",
+        f"budget         {human_bytes(r['budget_bytes'])}",
+        f"floor          {human_bytes(r['floor_bytes'])} = {parts}",
+        f"trunk          {human_bytes(r['trunk_bytes'])} in all; resident {human_bytes(r['resident_trunk_bytes'])}",
         f"  pinned       layers {_ranges(r['pinned_layers'])}",
-        f"  streamed     layers {_ranges(r['streamed_layers'])} "
-        f"(through {_gb(r['stream_buffer_bytes'])} of buffers, read ahead in order)",
-        f"  embedding    {_gb(r['embedding_bytes'])}, "
+        f"  streamed     layers {_ranges(r['streamed_layers'])}"
+        + (f" (through {human_bytes(r['stream_buffer_bytes'])} of buffers, read ahead in order)"
+           if r["streamed_layers"] else ""),
+        f"  embedding    {human_bytes(r['embedding_bytes'])}, "
         + ("rows read on demand" if r["embedding_on_demand"] else "resident"),
-        f"KV/state       {_gb(r['state_bytes'])}",
-        f"experts        {r['experts_total']} of {r['expert_record_bytes']} bytes "
-        f"({_gb(r['expert_bytes_on_disk'])} on disk); cache {r['expert_cache_slots']} slots, "
-        f"{_gb(r['expert_cache_bytes'])} ({r['expert_cache_fraction']:.1%} of experts)",
-        f"machine        disk {r['disk_gbps']:.2f} GB/s, quantized matvec "
-        f"{r['compute_gweights_per_second']:.2f} G weights/s",
-        f"projection     {p['weights_per_token'] / 1e9:.2f} G weights and "
-        f"{p['read_bytes_per_token'] / 1e9:.3f} GB read per token: "
-        f"{p['tokens_per_second_serial']:.3f}-{p['tokens_per_second_overlapped']:.3f} tok/s "
+        f"KV/state       {human_bytes(r['state_bytes'])} at {r['context']:,} tokens",
+        f"experts        {r['experts_total']:,} experts ({r['moe_layers']} MoE layers x "
+        f"{r['experts_per_layer']}, {r['experts_per_token']} per token), "
+        f"{human_bytes(r['expert_record_bytes'])} each, {human_bytes(r['expert_bytes_on_disk'])} on disk",
+        f"  cache        {r['expert_cache_slots']:,} experts, {human_bytes(r['expert_cache_bytes'])} "
+        f"({_percent(r['expert_cache_fraction'])} of all experts)",
+        f"disk           {r['disk_gbps']:.2f} GB/s ({r['disk_rate_from']})",
+        f"compute        {r['compute_gweights_per_second']:.2f} G weights/s quantized matvec "
+        f"({r['compute_rate_from']})",
+        f"projection     {_count(p['weights_per_token'])} weights and "
+        f"{human_bytes(p['read_bytes_per_token'])} read per token: "
+        f"{p['tokens_per_second_serial']:.3g}-{p['tokens_per_second_overlapped']:.3g} tok/s "
         "(no overlap .. full overlap; hit rate taken as the cache share)",
     ]
     return "\n".join(lines)

@@ -17,11 +17,12 @@ import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List
 
 import mlx.core as mx
 
 from .cache import max_slots as max_pool_slots
+from .cliutil import human_bytes
 from .inventory import Inventory
 
 WORKING_BYTES = 16 << 20  # activations, router outputs and read bookkeeping of small models
@@ -141,6 +142,7 @@ class MemoryPlan:
     moe_layers: int
     streamed_read_bytes: int  # trunk bytes read per token
     notes: List[str] = field(default_factory=list)
+    floor_parts: Dict[str, int] = field(default_factory=dict)  # what the floor is made of; sums to it
 
     @property
     def cache_bytes(self) -> int:
@@ -198,13 +200,15 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     candidates = streamable_units(inv) if stream_trunk else []
     on_demand_ok = stream_trunk and not inv.embed_tied and inv.embed_bytes > 0
     res, ring, _ = _trunk_layout(inv, set(candidates), on_demand_ok)
-    floor = fixed + res + ring + k * one
+    floor_parts = {"resident trunk": res, "streamed-layer buffers": ring,
+                   f"KV/state at {context} tokens": state, "working buffers": working,
+                   f"one token's {k} experts": k * one}
+    floor = sum(floor_parts.values())
     if budget < floor:
         raise BudgetError(
-            f"memory budget {budget / 1e9:.3f} GB is below this model's floor of "
-            f"{floor / 1e9:.3f} GB ({floor} bytes: resident trunk {res / 1e9:.3f} GB, "
-            f"streamed-layer buffers {ring / 1e9:.3f} GB, KV/state {state / 1e9:.3f} GB at "
-            f"{context} tokens, one token's {k} experts {k * one / 1e9:.3f} GB)"
+            f"memory budget {human_bytes(budget)} is below this model's floor of {human_bytes(floor)} "
+            f"({floor} bytes = " + " + ".join(f"{what} {human_bytes(n)}" for what, n in floor_parts.items())
+            + ")"
         )
 
     # Pin trunk layers while they fit (each saves its size in reads per token),
@@ -232,5 +236,5 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         pinned=pinned, streamed=streamed, ring_bytes=ring, embed_on_demand=embed_on_demand,
         embed_bytes=inv.embed_bytes, resident_bytes=res, slot_bytes=one, slots=int(slots),
         floor=floor, experts_per_token=k, num_experts=inv.num_experts,
-        moe_layers=len(inv.moe_layers), streamed_read_bytes=read,
+        moe_layers=len(inv.moe_layers), streamed_read_bytes=read, floor_parts=floor_parts,
     )

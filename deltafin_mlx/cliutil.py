@@ -1,0 +1,59 @@
+"""What deltafin-run and deltafin-convert share as command-line tools: the version,
+help that shows every default, and a quiet end when the reader of stdout goes away
+(`deltafin-run plan ... | head`)."""
+
+import argparse
+import functools
+import os
+import sys
+
+
+def add_version(p: argparse.ArgumentParser):
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                   help="show the version and exit")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, where it has one worth saying
+    (an option whose default is None or off says in its help what that means)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or "default:" in text or not action.option_strings
+                or default in (None, False, argparse.SUPPRESS) or default == []):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def quiet_broken_pipe(main):
+    """Wrap a CLI entry point: output cut short by a closed pipe ends the program
+    quietly (exit status 141, as a shell reports SIGPIPE), without a traceback —
+    also when the pipe breaks only as Python flushes stdout at exit."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            code = main(*args, **kwargs)
+            sys.stdout.flush()
+            return code
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so the flush at exit writes nowhere
+            return 141
+
+    return wrapper
+
+
+def human_bytes(n: float) -> str:
+    """A size in the unit that suits it: 512 B, 8.19 KB, 17.5 MB, 3.41 GB, 1.45 TB."""
+    n = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 999.5 or unit == "TB":
+            break
+        n /= 1000
+    if unit == "B":
+        return f"{int(n)} B"
+    return f"{n:.2f} {unit}" if abs(n) < 10 else f"{n:.1f} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"

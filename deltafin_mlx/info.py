@@ -1,0 +1,103 @@
+"""`deltafin-run info MODEL`: what a converted model is, from its manifest and
+config.json alone (nothing big is read): architecture, layers, experts,
+quantization, sizes on disk, where it came from and when it was converted."""
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from .cliutil import human_bytes
+from .manifest import read_manifest
+
+ARCHITECTURES = {"kimi_k3": "Kimi K3", "kimi_k2": "Kimi K2", "deepseek_v3": "DeepSeek-V3",
+                 "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral"}
+
+
+def model_info(path) -> dict:
+    path = Path(path).expanduser()
+    m = read_manifest(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+        tc = config.get("text_config", config)
+    except (OSError, ValueError, AttributeError):
+        tc = {}
+    sizes = defaultdict(int)
+    for rel, size in m.files.items():
+        kind = rel.split("/", 1)[0] if "/" in rel else (
+            "tokenizer" if rel in m.tokenizer.get("files", []) else "other")
+        sizes[kind] += size
+    ex = m.experts
+    return {
+        "model": str(path),
+        "architecture": m.model_type,
+        "architecture_name": ARCHITECTURES.get(m.model_type, m.model_type),
+        "layers": m.num_layers,
+        "moe_layers": len(m.moe_layers),
+        "experts_per_layer": ex["num_experts"],
+        "experts_per_token": ex["experts_per_token"],
+        "experts_total": ex["num_experts"] * len(m.moe_layers),
+        "expert_record_bytes": ex["record_size"],
+        "hidden_size": tc.get("hidden_size"),
+        "max_context": tc.get("max_position_embeddings"),
+        "dtype": m.dtype,
+        "quantization": m.quantization,
+        "bytes": {"trunk": sizes["trunk"], "experts": sizes["experts"],
+                  "tokenizer": sizes["tokenizer"], "other": sizes["other"],
+                  "total": sum(m.files.values())},
+        "files": len(m.files),
+        "tokenizer": m.tokenizer.get("kind"),
+        "source": m.source.get("id"),
+        "source_fingerprint": m.source.get("fingerprint"),
+        "converted": m.source.get("converted"),
+        "converted_by": m.source.get("deltafin_version"),  # absent in older manifests
+        "conversion_options": m.source.get("options"),
+    }
+
+
+def _quant(q) -> str:
+    if not q:
+        return "unquantized"
+    text = f"{q['mode']} {q['bits']}-bit, group size {q['group_size']}"
+    return text + (" (carried over from the source as is)" if q.get("carried_over") else "")
+
+
+def format_info(r: dict) -> str:
+    b = r["bytes"]
+    context = f", context up to {r['max_context']:,} tokens" if r.get("max_context") else ""
+    converted = r["converted"] or "unknown"
+    if r["converted_by"]:
+        converted += f" by deltafin {r['converted_by']}"
+    lines = [
+        f"model          {r['model']}",
+        f"architecture   {r['architecture_name']} ({r['architecture']}), {r['layers']} layers, "
+        f"{r['moe_layers']} of them MoE, hidden size {r['hidden_size']}{context}",
+        f"experts        {r['experts_per_layer']} per MoE layer, {r['experts_per_token']} per "
+        f"token, {r['experts_total']:,} in all; {human_bytes(r['expert_record_bytes'])} each",
+        f"quantization   trunk {_quant(r['quantization'].get('trunk'))}; "
+        f"experts {_quant(r['quantization'].get('experts'))}; weights dtype {r['dtype']}",
+        f"size on disk   {human_bytes(b['total'])} in {r['files']} files: trunk "
+        f"{human_bytes(b['trunk'])}, experts {human_bytes(b['experts'])}, tokenizer "
+        f"{human_bytes(b['tokenizer'])} ({r['tokenizer']}), other {human_bytes(b['other'])}",
+        f"source         {r['source'] or 'unknown'}",
+        f"converted      {converted}",
+    ]
+    return "\n".join(lines)
+
+
+def info_parser():
+    from .cli import Parser
+
+    p = Parser(prog="deltafin-run info", description="Describe a converted model (reads "
+               "only its manifest and config.json).")
+    p.add_argument("model", help="a directory written by deltafin-convert")
+    p.add_argument("--json", action="store_true", help="print it as JSON")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def run_info(argv) -> int:
+    args = info_parser().parse_args(argv)
+    r = model_info(args.model)
+    print(json.dumps(r, indent=1) if args.json else format_info(r))
+    return 0
