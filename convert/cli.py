@@ -14,9 +14,9 @@ from .source import ConvertError
 def build_parser():
     p = argparse.ArgumentParser(
         prog="deltafin-convert",
-        description="Rewrite a Hugging Face MoE checkpoint into Deltafin's streaming format. "
+        description="Rewrite a Hugging Face MoE checkpoint into Deltafin's streaming format.\n"
         "Supported: " + ", ".join(SUPPORTED.values()) + ".",
-        epilog="Rerun the same command to resume an interrupted conversion; rerunning a "
+        epilog="Rerun the same command to resume an interrupted conversion; rerunning a\n"
         "finished one does nothing. Then: deltafin-run OUT \"PROMPT\".",
         formatter_class=HelpFormatter,
     )

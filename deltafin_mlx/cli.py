@@ -7,14 +7,13 @@ import sys
 
 from .cliutil import HelpFormatter, add_version, quiet_broken_pipe
 
-USAGE = """
-  deltafin-run MODEL PROMPT [options]
-  deltafin-run MODEL --chat [options]
-  deltafin-run plan MODEL|CONFIG.json|HUB_ID [options]
-  deltafin-run bench MODEL [options]
-  deltafin-run info MODEL
-  deltafin-run verify MODEL
-  deltafin-run --demo [PROMPT] [options]"""
+USAGE = """deltafin-run MODEL PROMPT [options]
+       deltafin-run MODEL --chat [options]
+       deltafin-run plan MODEL|CONFIG.json|HUB_ID [options]
+       deltafin-run bench MODEL [options]
+       deltafin-run info MODEL
+       deltafin-run verify MODEL
+       deltafin-run --demo [PROMPT] [options]"""
 
 COMMANDS = """commands:
   MODEL PROMPT      generate from one prompt ('-' reads it from stdin)
@@ -58,8 +57,8 @@ def add_load_options(p):
 
 def run_parser():
     p = Parser(prog="deltafin-run", usage=USAGE, epilog=COMMANDS,
-               description="Run a Deltafin model (streams MoE experts from disk; output "
-               "identical to running it fully in memory). Try 'deltafin-run --demo' first.")
+               description="Run a Deltafin model: MoE experts stream from disk, the output is\n"
+               "identical to running it fully in memory. Try 'deltafin-run --demo' first.")
     p.add_argument("model", nargs="?", help="a directory written by deltafin-convert")
     p.add_argument("prompt", nargs="?", help="the prompt ('-' reads it from stdin)")
     p.add_argument("-n", "--max-tokens", type=int, default=None,
@@ -69,7 +68,7 @@ def run_parser():
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: not fixed)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
-                   help="stop before this text; repeat the option for several")
+                   help="stop before this text; repeat the option for several (default: none)")
     p.add_argument("--no-think", action="store_true", help="thinking off (K3 prompt format)")
     p.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -79,7 +78,8 @@ def run_parser():
     p.add_argument("--demo-dir", default=None,
                    help="where the demo model lives (default: ~/.cache/deltafin/demo)")
     p.add_argument("--trace-routing", metavar="FILE", default=None,
-                   help="write each token's routed experts as JSONL (for bench/simulate_cache.py)")
+                   help="write each token's routed experts as JSONL, for bench/simulate_cache.py "
+                   "(default: no trace)")
     add_load_options(p)
     add_version(p)
     return p
@@ -363,7 +363,8 @@ def main(argv=None):
             return cmd_info(argv[1:])
         if argv and argv[0] == "verify":
             return cmd_verify(argv[1:])
-        args = run_parser().parse_args(argv)
+        # intermixed: `MODEL --stop X PROMPT` fills both positionals
+        args = run_parser().parse_intermixed_args(argv)
         refuse_ignored_options(args)
         if args.demo:
             return cmd_demo(args)

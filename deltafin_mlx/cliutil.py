@@ -23,7 +23,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         text = action.help or ""
         default = action.default
         if ("%(default)" in text or "default:" in text or not action.option_strings
-                or default in (None, False, argparse.SUPPRESS) or default == []):
+                or default is None or default is False or default == argparse.SUPPRESS
+                or default == []):
             return text
         return f"{text} (default: %(default)s)"
 

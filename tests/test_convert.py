@@ -287,11 +287,13 @@ def test_unfinished_conversion_of_another_source_is_refused(tmp_path, sources, c
     assert_one_error_line(code, err, "unfinished conversion of another source")
 
 
-def test_finished_output_is_not_overwritten(tmp_path, sources, capsys):
+def test_finished_output_of_another_conversion_is_not_overwritten(tmp_path, sources, capsys):
     out = tmp_path / "o"
     assert run_cli([sources("mixtral"), out, "--quiet"], capsys)[0] == 0
-    code, err = run_cli([sources("mixtral"), out], capsys)
-    assert_one_error_line(code, err, "already holds a converted model")
+    code, err = run_cli([sources("mixtral"), out, "--bits", "8"], capsys)
+    assert_one_error_line(code, err, "already holds a converted model", "other options")
+    code, err = run_cli([sources("qwen3_moe"), out, "--quiet"], capsys)
+    assert_one_error_line(code, err, "already holds a converted model", "another source")
 
 
 def test_missing_source_and_offline_hub_id(tmp_path, capsys, monkeypatch):

@@ -3,6 +3,7 @@ computed by hand from CHECKPOINT.md, its floor at 4K context is at most 8 GB, an
 a converted model plans without loading its weights."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,9 @@ import pytest
 
 from deltafin_mlx.cli import main
 
-K3_CONFIG = Path(__file__).resolve().parents[1].parent / "shared" / "kimi-k3" / "config.json"
+# Kimi K3's release config.json: $DELTAFIN_K3_CONFIG, else ../shared/kimi-k3/ beside the checkout.
+K3_CONFIG = Path(os.environ.get("DELTAFIN_K3_CONFIG") or
+                 Path(__file__).resolve().parents[1].parent / "shared" / "kimi-k3" / "config.json")
 GB = 1e9
 
 
@@ -59,7 +62,7 @@ def plan_json(*args):
 @pytest.fixture(scope="module")
 def k3():
     if not K3_CONFIG.exists():
-        pytest.skip(f"{K3_CONFIG} not present")
+        pytest.skip(f"{K3_CONFIG} not present (set DELTAFIN_K3_CONFIG to K3's config.json)")
     return plan_json(K3_CONFIG, "--bits", "4", "--dtype", "bfloat16", "--budget", "16GB")
 
 
