@@ -38,7 +38,8 @@ class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit code 2)."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
+        kwargs.setdefault("formatter_class", HelpFormatter)  # every option shows its default
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -319,7 +320,8 @@ def cmd_verify(argv):
 
 
 def refuse_ignored_options(args):
-    """An option that would do nothing in the mode asked for is refused, not ignored."""
+    """An option that would do nothing in the mode asked for is refused, not ignored
+    (and -n gets the default of the mode)."""
     if args.demo and args.model is not None:
         if args.prompt is not None:
             raise CliError("--demo runs its own model: give it only a prompt "

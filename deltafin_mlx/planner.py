@@ -200,15 +200,15 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     candidates = streamable_units(inv) if stream_trunk else []
     on_demand_ok = stream_trunk and not inv.embed_tied and inv.embed_bytes > 0
     res, ring, _ = _trunk_layout(inv, set(candidates), on_demand_ok)
-    floor_parts = {"resident trunk": res, "streamed-layer buffers": ring,
-                   f"KV/state at {context} tokens": state, "working buffers": working,
-                   f"one token's {k} experts": k * one}
+    floor_parts = {"resident trunk": res, "streamed-layer buffers": ring, "KV/state": state,
+                   "working buffers": working, "one token's experts": k * one}
     floor = sum(floor_parts.values())
     if budget < floor:
         raise BudgetError(
-            f"memory budget {human_bytes(budget)} is below this model's floor of {human_bytes(floor)} "
-            f"({floor} bytes = " + " + ".join(f"{what} {human_bytes(n)}" for what, n in floor_parts.items())
-            + ")"
+            f"memory budget {human_bytes(budget)} is below this model's floor of "
+            f"{human_bytes(floor)} ({floor} bytes = "
+            + " + ".join(f"{what} {human_bytes(n)}" for what, n in floor_parts.items())
+            + f"; KV/state at {context} tokens of context, {k} experts per token)"
         )
 
     # Pin trunk layers while they fit (each saves its size in reads per token),

@@ -5,12 +5,13 @@ the input of bench/simulate_cache.py. Only the first sequence of a batch is trac
 """
 
 import json
+import os
 
 
 class RoutingTrace:
     def __init__(self, model, path):
         self.store = model._deltafin.store
-        self.file = open(path, "w")
+        self.file = open(os.path.expanduser(path), "w")
         self.layers = self.store.layers
         self.pending = {}
         self.tok = 0

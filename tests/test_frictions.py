@@ -204,8 +204,10 @@ def test_plan_floor_parts_add_up_and_every_size_is_in_a_fitting_unit(converted, 
     r = plan_json(converted("kimi_k3"), "--budget", "50MB", "--disk-gbps", "2",
                   "--compute-gwps", "3")
     assert sum(r["floor_parts"].values()) == r["floor_bytes"]
-    assert set(r["floor_parts"]) >= {"resident trunk", "streamed-layer buffers",
-                                     "working buffers"}
+    assert list(r["floor_parts"]) == ["resident trunk", "streamed-layer buffers", "KV/state",
+                                      "working buffers", "one token's experts"]
+    assert r["floor_parts"]["KV/state"] == r["state_bytes"]
+    assert r["floor_parts"]["one token's experts"] == 4 * r["expert_slot_bytes"]
     assert main(["plan", str(converted("kimi_k3")), "--budget", "50MB", "--disk-gbps", "2",
                  "--compute-gwps", "3"]) == 0
     text = capsys.readouterr().out
@@ -218,13 +220,15 @@ def test_plan_floor_parts_add_up_and_every_size_is_in_a_fitting_unit(converted, 
 
 
 def test_k3_floor_parts_add_up_in_the_budget_error(capsys):
-    from test_plan import K3_CONFIG
+    from test_plan import EXPERT, K3_CONFIG, STATE_4K
 
     if not K3_CONFIG.exists():
         pytest.skip(f"{K3_CONFIG} not present (set DELTAFIN_K3_CONFIG)")
     r = plan_json(K3_CONFIG, "--dtype", "bfloat16", "--budget", "16GB", "--disk-gbps", "5",
                   "--compute-gwps", "400")
     assert sum(r["floor_parts"].values()) == r["floor_bytes"]
+    assert r["floor_parts"]["KV/state"] == STATE_4K  # hand-computed in test_plan.py
+    assert r["floor_parts"]["one token's experts"] == 16 * EXPERT
     assert main(["plan", str(K3_CONFIG), "--dtype", "bfloat16", "--budget", "2GB",
                  "--disk-gbps", "5", "--compute-gwps", "400"]) == 1
     err = one_error_line(capsys.readouterr().err, f"({r['floor_bytes']} bytes = ")

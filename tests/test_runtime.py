@@ -157,7 +157,7 @@ def test_stats_count_hits_misses_speculation_bytes_and_stalls(converted):
 
 
 def test_budget_below_the_floor_is_refused_stating_the_floor(converted):
-    with pytest.raises(BudgetError, match=r"below this model's floor of [0-9.]+ GB \(\d+ bytes"):
+    with pytest.raises(BudgetError, match=r"below this model's floor of [0-9.]+ [KMGT]?B \(\d+ bytes"):
         load(converted("kimi_k3"), memory_budget="1MB", tokenizer=False)
 
 
