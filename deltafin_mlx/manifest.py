@@ -80,8 +80,16 @@ class Manifest:
 
 
 def read_manifest(path, check_files: bool = True) -> Manifest:
+    from .hub import looks_like_hub_id
+
+    given = str(path)
     path = Path(path).expanduser()
     if not path.exists():
+        if looks_like_hub_id(given):
+            raise ModelError(
+                f"{path}: no such model directory (to run the hub model {given}, convert it "
+                f"first: deltafin-convert {given} ~/models/{given.split('/')[1]})"
+            )
         raise ModelError(f"{path}: no such model directory")
     if not path.is_dir():
         raise ModelError(f"{path}: not a directory")
