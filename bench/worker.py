@@ -201,6 +201,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reader-threads", type=int, default=1)
+    ap.add_argument("--cache-slots", type=int, help="cap on the expert cache's slots")
     ap.add_argument("--lookahead", type=int, default=1)
     ap.add_argument("--pipeline", choices=("default", "on", "off"), default="default",
                     help="load(pipeline=...) where the runtime has that option")
@@ -237,6 +238,8 @@ def main(argv=None):
             if "pipeline" not in inspect.signature(load).parameters:
                 raise SystemExit("this runtime's load() has no pipeline option")
             extra["pipeline"] = args.pipeline == "on"
+        if args.cache_slots:
+            extra["cache_slots"] = args.cache_slots
         model, _ = load(args.model, memory_budget=args.budget, tokenizer=False,
                         reader_threads=args.reader_threads, lookahead=bool(args.lookahead),
                         **extra)

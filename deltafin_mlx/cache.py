@@ -33,6 +33,7 @@ class CacheStats:
     misses: int = 0
     speculative_issued: int = 0
     speculative_used: int = 0
+    speculative_cancelled: int = 0  # dropped unread: their layer chose otherwise
     stall_seconds: float = 0.0
 
     @property
@@ -155,6 +156,8 @@ class ExpertCache:
         keys = [self.key(layer, e) for e in experts]
         self.pool.use(layer, experts, tokens)
         wanted = set(keys)
+        if tokens:
+            self._cancel_stale(layer, wanted)
         protected = wanted | set(self.pending)
         jobs = []
         for key, e in zip(keys, experts):
@@ -181,12 +184,15 @@ class ExpertCache:
             jobs.append(self.reader.submit(job))
         return jobs
 
+    def guess_precision(self) -> float:
+        """How often reads ahead have been used so far (a prior of one in two)."""
+        return (self.stats.speculative_used + 1) / (self.stats.speculative_issued + 2)
+
     def prefetch(self, layer: int, experts: np.ndarray, in_use: set, limit: int):
         """Queue speculative reads for `layer`'s predicted experts, never evicting
         what the call in flight uses (`in_use`, keys) or reads are filling."""
         protected = set(self.pending) | in_use
-        # How often guesses have been right so far (a prior of one in two).
-        worth = (self.stats.speculative_used + 1) / (self.stats.speculative_issued + 2)
+        worth = self.guess_precision()
         issued = 0
         for e in experts:
             if issued >= limit:
@@ -205,6 +211,21 @@ class ExpertCache:
             protected.add(key)
             issued += 1
         self.stats.speculative_issued += issued
+
+    def _cancel_stale(self, layer: int, wanted: set):
+        """This layer's router has chosen: its guesses that it did not choose and
+        that no reader has started are dropped, so they spend no disk time, and
+        their slots are free again at once (nothing will write them)."""
+        for key, job in list(self.pending.items()):
+            if (job.speculative and key[0] == layer and key not in wanted
+                    and self.reader.cancel(job)):
+                del self.pending[key]
+                slot = self.pool.slot_of(*key)
+                self.pool.evict(*key)
+                self.fresh_speculative.discard(key)
+                self.stats.speculative_cancelled += 1
+                if slot is not None:
+                    self.slot_key[slot] = None
 
     def _retire_speculation(self, keep):
         for key, job in list(self.pending.items()):

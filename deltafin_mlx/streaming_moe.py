@@ -5,8 +5,17 @@ first; then the misses are read from the layer's bank (all at once, on backgroun
 threads), the next MoE layer's router is applied to this layer's input to queue
 speculative reads behind them (lookahead: it changes timing only; routing always
 uses the real router), and mlx-lm's own SwitchGLU runs over the slot arrays.
+
+Reads ahead must pay for themselves. A right guess hides at most one read behind
+one layer's computation; a wrong one spends a read's disk time that demand reads
+then wait for, in proportion to how busy the disk is. So guesses are queued only
+while (chance right) x min(read time, layer time) > (chance wrong) x read time x
+disk busy share, all measured as the run goes: guesses stop where reading an
+expert costs many times computing it (a Mac's SSD against its GPU, a throttled
+disk) and run where the disk has time to spare.
 """
 
+import time
 from typing import Dict, Optional
 
 import mlx.core as mx
@@ -32,6 +41,7 @@ class ExpertStore:
         self.next_layer = {a: b for a, b in zip(self.layers, self.layers[1:])}
         self.moe_blocks: Dict[int, nn.Module] = {}  # layer -> the block owning the router
         self.on_route = None  # optional callback(layer, indices), e.g. a RoutingTrace
+        self.rates = IORates()
 
     @property
     def bytes_read(self) -> int:
@@ -42,6 +52,45 @@ class ExpertStore:
         self.reader.close()
         for bank in self.cache.banks.values():
             bank.close()
+
+
+class IORates:
+    """Running estimates, per MoE layer call, of the time between calls (what a
+    read started at one call can hide behind), one read's time, and the share of
+    that time the disk is busy; `guesses_pay` is the rule in the module docstring."""
+
+    SMOOTH = 0.1  # weight of the newest call in the running means
+
+    def __init__(self):
+        self.layer_s = None
+        self.read_s = None
+        self.busy = 0.0
+        self._last = None  # (time, reader busy seconds, reads, stall seconds)
+
+    def tick(self, reader: Reader, stats: CacheStats, now: float = None):
+        """Called once per MoE layer call."""
+        now = time.perf_counter() if now is None else now
+        mark = (now, reader.busy_seconds, reader.reads, stats.stall_seconds)
+        if self._last is not None:
+            t0, busy0, reads0, _ = self._last
+            wall = now - t0
+            a = self.SMOOTH
+            if wall > 0:
+                self.layer_s = wall if self.layer_s is None else (1 - a) * self.layer_s + a * wall
+                share = min(1.0, (mark[1] - busy0) / wall / max(reader.threads, 1))
+                self.busy = (1 - a) * self.busy + a * share
+            if mark[2] > reads0:
+                per_read = (mark[1] - busy0) / (mark[2] - reads0)
+                self.read_s = per_read if self.read_s is None else (1 - a) * self.read_s + a * per_read
+        self._last = mark
+
+    def guesses_pay(self, right: float) -> bool:
+        """Does a guess right with probability `right` pay for its disk time?"""
+        if self.layer_s is None or self.read_s is None:
+            return True  # nothing measured yet: guesses also measure the disk
+        gain = right * min(self.read_s, self.layer_s)
+        cost = (1.0 - right) * self.read_s * self.busy
+        return gain > cost
 
 
 def predict_experts(moe: nn.Module, h: mx.array, k: int) -> Optional[mx.array]:
@@ -79,7 +128,9 @@ class StreamingSwitchGLU(nn.Module):
             return self._inner(x, cache.slot_maps[layer][indices])
         nxt = store.next_layer.get(layer)
         predicted = None
-        if store.lookahead and nxt is not None and self._moe_input is not None:
+        store.rates.tick(store.reader, store.stats)
+        if (store.lookahead and nxt is not None and self._moe_input is not None
+                and store.rates.guesses_pay(cache.guess_precision())):
             predicted = predict_experts(store.moe_blocks[nxt], self._moe_input, store.k)
         self._moe_input = None
         mx.eval(indices, predicted) if predicted is not None else mx.eval(indices)
