@@ -30,22 +30,26 @@ import common  # noqa: E402
 import simulate_cache as sc  # noqa: E402
 
 BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
-# A small K3-layout model: routed experts of 512 x 512 in MXFP4 (a 400 KB record,
-# K3's shape is 44x larger), 64 per layer, 8 per token, 4 MoE layers; the router's
-# correction bias spread wide so that routing is skewed (see PERFORMANCE.md).
+# A small K3-layout model: routed experts of 512 x 512 in MXFP4 (a 408 KiB record,
+# K3's is 42x larger), 64 per layer, 8 per token, 4 MoE layers; the router's
+# correction bias spread wider than the fixture's default so that routing is
+# skewed (see PERFORMANCE.md).
 MODEL = dict(hidden_size=256, num_layers=5, num_experts=64, experts_per_token=8,
              routed_expert_hidden_size=512, moe_intermediate_size=512, vocab_size=1024,
              router_bias_std=0.3)
 
 
 class ReadThrottle:
-    """A blkio cgroup capping reads from one device at `bps` bytes/s."""
+    """A blkio cgroup capping reads from one device at `bps` bytes/s. The worker
+    in it writes the cap itself when its timed tokens start (`worker_args`), so
+    loading and warming the cache run at full speed."""
 
     def __init__(self, device: str, bps: int, tag: str):
         self.path = BLKIO_ROOT / f"{common.CGROUP_PREFIX}{os.getpid()}-{tag}"
         self.path.mkdir()
-        (self.path / "blkio.throttle.read_bps_device").write_text(f"{device} {int(bps)}")
         self.bps = int(bps)
+        self.worker_args = ["--throttle", self.path / "blkio.throttle.read_bps_device",
+                            f"{device} {self.bps}"]
 
     def preexec(self):
         procs = str(self.path / "cgroup.procs")
@@ -94,35 +98,16 @@ def disk_of(path: Path) -> str:
     return f"{major}:{minor}"
 
 
-def expert_compute_s(record_size: int) -> float:
-    """Seconds to compute one routed expert for one token here: the model's
-    three MXFP4 projections at batch 1 (median of 50, after warm-up)."""
-    import mlx.core as mx
-
-    d, f = MODEL["routed_expert_hidden_size"], MODEL["moe_intermediate_size"]
-    x = mx.random.normal((1, d))
-    mats = []
-    for o, i in ((f, d), (f, d), (d, f)):
-        w, s, *_ = mx.quantize(mx.random.normal((o, i)) * i**-0.5, group_size=32, bits=4,
-                               mode="mxfp4")
-        mats.append((w, s))
-    mx.eval(x, mats)
-
-    def once():
-        g = mx.quantized_matmul(x, *mats[0], transpose=True, group_size=32, bits=4, mode="mxfp4")
-        u = mx.quantized_matmul(x, *mats[1], transpose=True, group_size=32, bits=4, mode="mxfp4")
-        y = mx.quantized_matmul(g * u, *mats[2], transpose=True, group_size=32, bits=4,
-                                mode="mxfp4")
-        mx.eval(y)
-
-    for _ in range(10):
-        once()
-    times = []
-    for _ in range(50):
-        t = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def expert_compute_s(model: Path, info: dict, args) -> float:
+    """Seconds of computation per routed expert here: mlx-lm's decode with every
+    expert in memory (bench/worker.py --mode resident, no reads at all), per token,
+    divided by the experts a token uses. The trunk's share is included, so R is
+    the read time of one expert over everything a token computes per expert."""
+    res = common.run_worker(["--model", model, "--mode", "resident", "--tokens", args.tokens,
+                             "--warmup", args.warmup], timeout=600)
+    if res.get("status") != "ok":
+        raise SystemExit(f"iobound: the compute-bound run failed: {res}")
+    return res["s_per_token"] / (info["experts_per_token"] * info["moe_layers"])
 
 
 def optimal_reads(trace_file: Path, slots: int, timed: int) -> dict:
@@ -151,7 +136,7 @@ def run_one(model: Path, info: dict, slots: int, throttle, args, lookahead: int,
     worker = ["--model", model, "--mode", "deltafin", "--budget", 64 << 30,
               "--cache-slots", slots, "--tokens", args.tokens, "--warmup", args.warmup,
               "--lookahead", lookahead, "--reader-threads", args.reader_threads,
-              "--trace-out", trace_file]
+              "--trace-out", trace_file, *throttle.worker_args]
     common.drop_caches()
     res = common.run_worker(worker, timeout=600, cap=throttle)
     if res.get("status") != "ok":
@@ -228,6 +213,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--reader-threads", type=int, default=1)
+    ap.add_argument("--router-bias-std", type=float, default=MODEL["router_bias_std"],
+                    help="spread of the fixture's router bias (0.1: near-uniform routing)")
     ap.add_argument("--workdir", default="/tmp/deltafin-iobound")
     ap.add_argument("--out", default=str(common.BENCH / "results" / "iobound.json"))
     args = ap.parse_args(argv)
@@ -237,13 +224,15 @@ def main(argv=None):
         print(f"iobound: skipped, cannot set a read throttle ({why}); run as root on a "
               "machine with the cgroup v1 blkio controller")
         return 0
-    model = common.ensure_model(Path(args.workdir), "iobound", MODEL, seed=0)
+    spec = {**MODEL, "router_bias_std": args.router_bias_std}
+    model = common.ensure_model(Path(args.workdir), f"iobound-bias{args.router_bias_std:g}",
+                                spec, seed=0)
     info = common.model_info(model)
     device = disk_of(model)
-    compute = expert_compute_s(info["record_size"])
+    compute = expert_compute_s(model, info, args)
     total = info["num_experts"] * info["moe_layers"]
     common.log(f"model: {info['moe_layers']} MoE layers x {info['num_experts']} experts, "
-               f"record {info['record_size']} B; one expert computes in {compute * 1e3:.3f} ms; "
+               f"record {info['record_size']} B; compute per expert {compute * 1e3:.3f} ms; "
                f"disk {device}")
     looks = {"on": [1], "off": [0], "both": [1, 0]}[args.lookahead]
     rows = []

@@ -55,9 +55,11 @@ class ExpertStore:
 
 
 class IORates:
-    """Running estimates, per MoE layer call, of the time between calls (what a
-    read started at one call can hide behind), one read's time, and the share of
-    that time the disk is busy; `guesses_pay` is the rule in the module docstring."""
+    """Running estimates, per MoE layer call, of the computation between calls
+    (what a read started at one call can hide behind: the time between calls less
+    the time stalled on reads, since while a call stalls the disk is already busy
+    with demand reads), one read's time, and the share of the time the disk is
+    busy; `guesses_pay` is the rule in the module docstring."""
 
     SMOOTH = 0.1  # weight of the newest call in the running means
 
@@ -65,18 +67,32 @@ class IORates:
         self.layer_s = None
         self.read_s = None
         self.busy = 0.0
-        self._last = None  # (time, reader busy seconds, reads, stall seconds)
+        self.issued, self.used = 2.0, 1.0  # recent guesses and their hits (prior 1/2)
+        self._last = None  # (time, reader busy s, reads, stall s, guesses, used)
+
+    @property
+    def right(self) -> float:
+        """Recent share of guesses that were used (prefill's guesses, made from
+        many tokens at once, say little about decoding's)."""
+        return self.used / self.issued
 
     def tick(self, reader: Reader, stats: CacheStats, now: float = None):
         """Called once per MoE layer call."""
         now = time.perf_counter() if now is None else now
-        mark = (now, reader.busy_seconds, reader.reads, stats.stall_seconds)
+        mark = (now, reader.busy_seconds, reader.reads, stats.stall_seconds,
+                stats.speculative_issued, stats.speculative_used)
         if self._last is not None:
-            t0, busy0, reads0, _ = self._last
+            t0, busy0, reads0, stall0, issued0, used0 = self._last
+            keep = 1 - self.SMOOTH
+            self.issued = keep * self.issued + (mark[4] - issued0)
+            self.used = keep * self.used + (mark[5] - used0)
+            if self.issued < 1.0:  # too few recent guesses to judge: back to the prior
+                self.issued, self.used = self.issued + 2.0, self.used + 1.0
             wall = now - t0
             a = self.SMOOTH
             if wall > 0:
-                self.layer_s = wall if self.layer_s is None else (1 - a) * self.layer_s + a * wall
+                compute = max(wall - (mark[3] - stall0), 0.0)
+                self.layer_s = compute if self.layer_s is None else (1 - a) * self.layer_s + a * compute
                 share = min(1.0, (mark[1] - busy0) / wall / max(reader.threads, 1))
                 self.busy = (1 - a) * self.busy + a * share
             if mark[2] > reads0:
@@ -84,8 +100,10 @@ class IORates:
                 self.read_s = per_read if self.read_s is None else (1 - a) * self.read_s + a * per_read
         self._last = mark
 
-    def guesses_pay(self, right: float) -> bool:
-        """Does a guess right with probability `right` pay for its disk time?"""
+    def guesses_pay(self, right: float = None) -> bool:
+        """Does a guess right with probability `right` (default: the recent
+        share) pay for its disk time?"""
+        right = self.right if right is None else right
         if self.layer_s is None or self.read_s is None:
             return True  # nothing measured yet: guesses also measure the disk
         gain = right * min(self.read_s, self.layer_s)
@@ -130,7 +148,7 @@ class StreamingSwitchGLU(nn.Module):
         predicted = None
         store.rates.tick(store.reader, store.stats)
         if (store.lookahead and nxt is not None and self._moe_input is not None
-                and store.rates.guesses_pay(cache.guess_precision())):
+                and store.rates.guesses_pay()):
             predicted = predict_experts(store.moe_blocks[nxt], self._moe_input, store.k)
         self._moe_input = None
         mx.eval(indices, predicted) if predicted is not None else mx.eval(indices)

@@ -113,15 +113,16 @@ def fake_reader(busy, reads, threads=1):
     return SimpleNamespace(busy_seconds=busy, reads=reads, threads=threads)
 
 
-def rates_after(calls, layer_s, read_s, reads_per_call):
-    """IORates fed `calls` layer calls `layer_s` apart, each with that many reads
-    of `read_s` seconds on one thread."""
+def rates_after(calls, layer_s, read_s, reads_per_call, stall_s=0.0):
+    """IORates fed `calls` layer calls `layer_s` apart (of which `stall_s` stalled
+    on reads), each with that many reads of `read_s` seconds on one thread."""
     rates, stats = IORates(), CacheStats()
     busy = reads = 0
     for i in range(calls):
         rates.tick(fake_reader(busy, reads), stats, now=i * layer_s)
         reads += reads_per_call
         busy += reads_per_call * read_s
+        stats.stall_seconds += stall_s
     return rates
 
 
@@ -140,6 +141,14 @@ def test_guesses_stop_where_reading_an_expert_costs_many_times_computing_it():
     assert rates.guesses_pay(0.95)  # a near-certain guess still pays
 
 
+def test_time_stalled_on_reads_hides_no_guess():
+    # Calls 40 ms apart, 32 of them waiting for the 32 ms read each call needs:
+    # only 8 ms of computation could hide a read started early.
+    rates = rates_after(50, layer_s=0.040, read_s=0.032, reads_per_call=1, stall_s=0.032)
+    assert rates.layer_s == pytest.approx(0.008)
+    assert not rates.guesses_pay(0.5)
+
+
 def test_guesses_allowed_before_anything_is_measured():
     assert IORates().guesses_pay(0.5)
 
@@ -156,7 +165,7 @@ def test_stale_guesses_are_dropped_unread_and_tokens_stay_exact(converted, expec
         return real(*a, **k)
 
     monkeypatch.setattr(rd, "read_record", slow)
-    monkeypatch.setattr(IORates, "guesses_pay", lambda self, right: True)
+    monkeypatch.setattr(IORates, "guesses_pay", lambda self, right=None: True)
     path = converted("kimi_k3")
     model, _ = load(path, cache_slots=12, reader_threads=1, lookahead=True, tokenizer=False)
     tokens, logits = greedy(model, prompt_of(12), 16)
