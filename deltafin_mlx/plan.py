@@ -133,6 +133,10 @@ def plan_from_path(args) -> dict:
     compute = args.compute_gwps or measure_compute_gwps(
         mode, group_size=32 if mode == "mxfp4" else 64, act=act)
     streamed = [int(k) for k in plan.streamed]
+    from .cache import max_slots, pool_chunks, pool_limit
+
+    chunk = max_slots(inv.sections, act)
+    limit = pool_limit(len(inv.moe_layers), inv.experts_per_token, inv.num_experts, chunk)
     return {
         "model": source,
         "model_type": inv.model_type,
@@ -156,6 +160,10 @@ def plan_from_path(args) -> dict:
         "expert_cache_slots": plan.slots,
         "expert_cache_bytes": plan.cache_bytes,
         "expert_cache_fraction": plan.cache_fraction,
+        "expert_cache_arrays": len(pool_chunks(plan.slots, len(inv.moe_layers),
+                                               inv.experts_per_token, inv.num_experts, chunk)),
+        "expert_slots_per_array": chunk,
+        "expert_pool_limit_slots": limit,
         "disk_gbps": disk,
         "compute_gweights_per_second": compute,
         "projection": project(inv, plan, disk, compute),
@@ -196,6 +204,11 @@ def format_plan(r: dict) -> str:
         f"experts        {r['experts_total']} of {r['expert_record_bytes']} bytes "
         f"({_gb(r['expert_bytes_on_disk'])} on disk); cache {r['expert_cache_slots']} slots, "
         f"{_gb(r['expert_cache_bytes'])} ({r['expert_cache_fraction']:.1%} of experts)",
+        f"  pool         {r['expert_cache_arrays']} set(s) of slot arrays of up to "
+        f"{r['expert_slots_per_array']} slots (MLX's int32 shapes); the pool can hold "
+        f"{r['expert_pool_limit_slots']} slots"
+        + (" (every expert)" if r["expert_pool_limit_slots"] >= r["experts_total"] else
+           " at most: larger pools would need partitions this model's routing cannot fill"),
         f"machine        disk {r['disk_gbps']:.2f} GB/s, quantized matvec "
         f"{r['compute_gweights_per_second']:.2f} G weights/s",
         f"projection     {p['weights_per_token'] / 1e9:.2f} G weights and "

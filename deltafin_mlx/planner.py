@@ -21,7 +21,8 @@ from typing import List
 
 import mlx.core as mx
 
-from .cache import max_slots as max_pool_slots
+from .cache import max_slots as max_chunk_slots
+from .cache import pool_limit
 from .inventory import Inventory
 
 WORKING_BYTES = 16 << 20  # activations, router outputs and read bookkeeping of small models
@@ -218,7 +219,9 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         streamed.pop()
     res, ring, read = _trunk_layout(inv, set(streamed), on_demand_ok)
     spare = budget - (fixed + res + ring)
-    slots = min(all_experts, spare // one, max_pool_slots(inv.sections, inv.activation_dtype))
+    limit = pool_limit(len(inv.moe_layers), k, inv.num_experts,
+                       max_chunk_slots(inv.sections, inv.activation_dtype))
+    slots = min(all_experts, spare // one, limit)
     if max_slots is not None:
         slots = min(slots, max_slots)
     embed_on_demand = on_demand_ok

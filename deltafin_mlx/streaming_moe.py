@@ -61,7 +61,7 @@ class IORates:
     with demand reads), one read's time, and the share of the time the disk is
     busy; `guesses_pay` is the rule in the module docstring."""
 
-    SMOOTH = 0.1  # weight of the newest call in the running means
+    SMOOTH = 0.25  # weight of the newest call in the running means
 
     def __init__(self):
         self.layer_s = None
