@@ -7,7 +7,7 @@ record cost R times computing it (R in --ratios), at several expert-cache shares
 and compares the bytes read with Belady's MIN replayed on the same routing with
 the same number of slots (the optimal demand cache).
 
-    sudo .venv/bin/python bench/iobound.py            # ~3 minutes; see bench/README.md
+    sudo .venv/bin/python bench/iobound.py            # ~8 minutes; see bench/README.md
     .venv/bin/python bench/iobound.py --ratios 32 --shares 0.25 --repeats 3
 
 Where the blkio controller is not writable (not root, no cgroup v1), it says so
@@ -17,6 +17,7 @@ and exits 0 without measuring.
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -210,8 +211,8 @@ def main(argv=None):
                     help="expert cache slots as a share of all experts")
     ap.add_argument("--lookahead", choices=("on", "off", "both"), default="both")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--reader-threads", type=int, default=1)
     ap.add_argument("--router-bias-std", type=float, default=MODEL["router_bias_std"],
                     help="spread of the fixture's router bias (0.1: near-uniform routing)")
@@ -219,6 +220,8 @@ def main(argv=None):
     ap.add_argument("--out", default=str(common.BENCH / "results" / "iobound.json"))
     args = ap.parse_args(argv)
 
+    # Terminated from outside: unwind, so that the cgroups are removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     why = blkio_writable()
     if why:
         print(f"iobound: skipped, cannot set a read throttle ({why}); run as root on a "

@@ -144,15 +144,18 @@ class SlotMap:
             # Values only change when `use` moves the clock, so the misses of
             # one call share a single evaluation over all experts.
             if self._values is None:
-                self._values = self.value()
-                if self.weight is not None:
-                    self._values *= self.weight()
+                self._raw = self.value()
+                self._values = self._raw if self.weight is None else self._raw * self.weight()
             values = self._values.copy()
             if protected:
                 values[np.fromiter(protected, dtype=np.int64)] = np.inf
             values = values[self._expert_in]
             slot = int(values.argmin())  # ties: lowest slot
-            if speculative and not values[slot] < max(self._values[expert], worth):
+            # A guess is judged in uses per token, without `weight`: it is for the
+            # layer that runs next, so weighted it would outrank nearly everything.
+            victim = self._expert_in[slot]
+            if speculative and not (values[slot] < np.inf
+                                    and self._raw[victim] < max(self._raw[expert], worth)):
                 return None
             if values[slot] == np.inf:
                 raise RuntimeError(f"all {self.num_slots} cache slots are protected")

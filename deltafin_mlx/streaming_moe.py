@@ -6,13 +6,17 @@ threads), the next MoE layer's router is applied to this layer's input to queue
 speculative reads behind them (lookahead: it changes timing only; routing always
 uses the real router), and mlx-lm's own SwitchGLU runs over the slot arrays.
 
-Reads ahead must pay for themselves. A right guess hides at most one read behind
-one layer's computation; a wrong one spends a read's disk time that demand reads
-then wait for, in proportion to how busy the disk is. So guesses are queued only
-while (chance right) x min(read time, layer time) > (chance wrong) x read time x
-disk busy share, all measured as the run goes: guesses stop where reading an
-expert costs many times computing it (a Mac's SSD against its GPU, a throttled
-disk) and run where the disk has time to spare.
+Reads ahead must pay for themselves. A right guess hides a read behind one layer's
+computation, but only in disk time that would otherwise sit idle; a wrong one
+spends disk time, which costs a token that much whenever the disk is the
+bottleneck. So guesses are queued only while
+
+    (chance right) x min(read time, layer computation) x (1 - disk busy share)
+        > (chance wrong) x read time x disk busy share,
+
+all measured as the run goes: guesses stop where reads saturate the disk (a Mac's
+SSD against its GPU, a throttled disk, a small cache) and run where the disk has
+time to spare.
 """
 
 import time
@@ -93,7 +97,9 @@ class IORates:
             if wall > 0:
                 compute = max(wall - (mark[3] - stall0), 0.0)
                 self.layer_s = compute if self.layer_s is None else (1 - a) * self.layer_s + a * compute
-                share = min(1.0, (mark[1] - busy0) / wall / max(reader.threads, 1))
+                # Uncapped per call (a read is counted when it ends, perhaps in a
+                # later call than it ran in); the mean is capped where it is used.
+                share = (mark[1] - busy0) / wall / max(reader.threads, 1)
                 self.busy = (1 - a) * self.busy + a * share
             if mark[2] > reads0:
                 per_read = (mark[1] - busy0) / (mark[2] - reads0)
@@ -106,8 +112,9 @@ class IORates:
         right = self.right if right is None else right
         if self.layer_s is None or self.read_s is None:
             return True  # nothing measured yet: guesses also measure the disk
-        gain = right * min(self.read_s, self.layer_s)
-        cost = (1.0 - right) * self.read_s * self.busy
+        busy = min(self.busy, 1.0)
+        gain = right * min(self.read_s, self.layer_s) * (1.0 - busy)
+        cost = (1.0 - right) * self.read_s * busy
         return gain > cost
 
 

@@ -131,6 +131,15 @@ def test_guesses_run_while_the_disk_has_time_to_spare():
     rates = rates_after(50, layer_s=0.010, read_s=0.001, reads_per_call=2)
     assert rates.busy == pytest.approx(0.2, abs=0.05)
     assert rates.guesses_pay(0.3)
+    assert not rates.guesses_pay(0.1)
+
+
+def test_guesses_stop_when_reads_saturate_the_disk_even_if_reads_are_cheap():
+    # Reads as cheap as a tenth of a layer, but so many that the disk never rests
+    # (a small cache): a right guess saves no disk time, a wrong one costs it.
+    rates = rates_after(50, layer_s=0.010, read_s=0.001, reads_per_call=10)
+    assert rates.busy == pytest.approx(1.0, abs=0.05)
+    assert not rates.guesses_pay(0.9)
 
 
 def test_guesses_stop_where_reading_an_expert_costs_many_times_computing_it():
@@ -138,7 +147,7 @@ def test_guesses_stop_where_reading_an_expert_costs_many_times_computing_it():
     rates = rates_after(50, layer_s=0.008, read_s=0.032, reads_per_call=0.25)
     assert rates.busy == pytest.approx(1.0, abs=0.05)
     assert not rates.guesses_pay(0.5)
-    assert rates.guesses_pay(0.95)  # a near-certain guess still pays
+    assert not rates.guesses_pay(0.95)  # a saturated disk has no time to hide reads in
 
 
 def test_time_stalled_on_reads_hides_no_guess():
