@@ -148,7 +148,9 @@ def run_one(model: Path, info: dict, slots: int, throttle, args, lookahead: int,
     bpt = res["bytes_read_per_token"]
     opt_bpt = opt["misses"] * rec / args.tokens
     s = res["stats"]
-    wasted = max(s["speculative_issued"] - s["speculative_used"], 0)
+    # Guess reads = reads - demand misses; those never used were wasted (guesses
+    # cancelled before a reader took them cost nothing and are not counted).
+    wasted = max(s["bytes_read"] / rec - s["misses"] - s["speculative_used"], 0)
     out = {
         "slots": res["plan"].get("slots", slots), "lookahead": bool(lookahead),
         "tokens_per_s": res["tokens_per_s"], "s_per_token": res["s_per_token"],
