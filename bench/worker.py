@@ -201,9 +201,12 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reader-threads", type=int, default=1)
+    ap.add_argument("--cache-slots", type=int, help="cap on the expert cache's slots")
     ap.add_argument("--lookahead", type=int, default=1)
     ap.add_argument("--pipeline", choices=("default", "on", "off"), default="default",
                     help="load(pipeline=...) where the runtime has that option")
+    ap.add_argument("--throttle", nargs=2, metavar=("FILE", "VALUE"),
+                    help="write VALUE into FILE (a blkio throttle) when timing starts")
     ap.add_argument("--trace-out", help="write the routing trace (simulate_cache.py JSONL)")
     ap.add_argument("--routing", action="store_true",
                     help="record routing (overlap with the previous token) via on_route")
@@ -237,6 +240,8 @@ def main(argv=None):
             if "pipeline" not in inspect.signature(load).parameters:
                 raise SystemExit("this runtime's load() has no pipeline option")
             extra["pipeline"] = args.pipeline == "on"
+        if args.cache_slots:
+            extra["cache_slots"] = args.cache_slots
         model, _ = load(args.model, memory_budget=args.budget, tokenizer=False,
                         reader_threads=args.reader_threads, lookahead=bool(args.lookahead),
                         **extra)
@@ -298,6 +303,11 @@ def main(argv=None):
         warm.append(time.perf_counter() - t)
     result["warmup_token_s"] = warm
 
+    if args.throttle:
+        # The warm-up filled the cache at full disk speed; only timed tokens
+        # run under the throttle (bench/iobound.py).
+        with open(args.throttle[0], "w") as f:
+            f.write(args.throttle[1])
     phase("decode")
     before = counters()
     per_token, build, final = [], [], []

@@ -33,6 +33,7 @@ class CacheStats:
     misses: int = 0
     speculative_issued: int = 0
     speculative_used: int = 0
+    speculative_cancelled: int = 0  # dropped unread: their layer chose otherwise
     stall_seconds: float = 0.0
 
     @property
@@ -88,8 +89,43 @@ def alloc_aligned(shape, dtype: mx.Dtype) -> mx.array:
 
 
 def max_slots(sections, activation_dtype: mx.Dtype) -> int:
-    """The most slots one pool can have (see MAX_ELEMENTS)."""
+    """The most slots one set of slot arrays can have (see MAX_ELEMENTS)."""
     return min(MAX_ELEMENTS // int(np.prod(s.shape)) for s in sections)
+
+
+def pool_chunks(num_slots: int, num_layers: int, experts_per_token: int, num_experts: int,
+                chunk_limit: int):
+    """How a pool of `num_slots` is split into sets of slot arrays ("chunks") of at
+    most `chunk_limit` slots each: a list of (first slot, slots). One chunk when it
+    fits. Otherwise the pool is partitioned by layer (ExpertPool), and chunks are cut
+    at partition boundaries, so that every layer's experts live in one chunk and its
+    computation is one mlx-lm call over that chunk, as with a single chunk.
+    Raises ValueError where that is impossible (see `pool_limit`)."""
+    if num_slots <= chunk_limit:
+        return [(0, num_slots)]
+    if num_slots > pool_limit(num_layers, experts_per_token, num_experts, chunk_limit):
+        raise ValueError(f"an expert pool of {num_slots} slots cannot be allocated: at most "
+                         f"{pool_limit(num_layers, experts_per_token, num_experts, chunk_limit)}")
+    share = min(num_experts, num_slots // num_layers)  # ExpertPool's partition size
+    per_chunk = chunk_limit // share
+    chunks, start = [], 0
+    for first in range(0, num_layers, per_chunk):
+        n = min(per_chunk, num_layers - first) * share
+        chunks.append((start, n))
+        start += n
+    return chunks
+
+
+def pool_limit(num_layers: int, experts_per_token: int, num_experts: int,
+               chunk_limit: int) -> int:
+    """The most slots a pool can have. A pool above one chunk must be partitioned
+    by layer (at least one token's experts per layer), each partition within one
+    chunk: up to every expert of the model. Where a partitioned pool would not fit
+    one chunk's partition (a layer's share over the limit) or the pool is below
+    the partition threshold, one chunk is the limit."""
+    if num_layers * experts_per_token > chunk_limit + 1:
+        return chunk_limit  # pools between the limit and the threshold cannot be split
+    return num_layers * min(num_experts, chunk_limit)
 
 
 def switch_over_slots(arrays: Dict[str, mx.array], capacity: int, quant: dict, activation):
@@ -130,17 +166,37 @@ class ExpertCache:
         self.slot_maps = {}
 
         layout: BankLayout = banks[self.layers[0]].layout
-        self.arrays, self.views = {}, {}
-        for s in layout.sections:
-            arr = alloc_aligned((capacity, *s.shape), slot_dtype(s.dtype, activation_dtype))
-            self.arrays[s.name] = arr
-            self.views[s.name] = np_view(arr)
+        limit = max_slots(layout.sections, activation_dtype)
+        self.chunks = pool_chunks(capacity, len(self.layers), experts_per_token, num_experts,
+                                  limit)
+        self.chunk_arrays, self.chunk_views = [], []
+        for _, size in self.chunks:
+            arrays = {s.name: alloc_aligned((size, *s.shape), slot_dtype(s.dtype, activation_dtype))
+                      for s in layout.sections}
+            self.chunk_arrays.append(arrays)
+            self.chunk_views.append({name: np_view(a) for name, a in arrays.items()})
+        # With one chunk (every pool up to 27 GB of K3 experts) these are the pool.
+        self.arrays, self.views = self.chunk_arrays[0], self.chunk_views[0]
+        self._chunk_of_slot = np.repeat(np.arange(len(self.chunks)),
+                                        [size for _, size in self.chunks])
+        self.layer_chunk = {}  # layer -> its chunk, when there are several
+        if len(self.chunks) > 1:
+            for layer in self.layers:
+                first = self.pool.offset[layer]
+                self.layer_chunk[layer] = int(self._chunk_of_slot[first])
+
+    def arrays_of(self, layer: int):
+        """(slot arrays, slots) of the chunk holding `layer`'s experts."""
+        c = self.layer_chunk.get(layer, 0)
+        return self.chunk_arrays[c], self.chunks[c][1]
 
     def key(self, layer: int, expert: int) -> tuple:
         return (layer, int(expert))
 
     def _targets(self, slot: int):
-        return {name: v[slot] for name, v in self.views.items()}
+        c = int(self._chunk_of_slot[slot])
+        local = slot - self.chunks[c][0]
+        return {name: v[local] for name, v in self.chunk_views[c].items()}
 
     def _assign(self, key: tuple, slot: int):
         old = self.slot_key[slot]
@@ -155,6 +211,8 @@ class ExpertCache:
         keys = [self.key(layer, e) for e in experts]
         self.pool.use(layer, experts, tokens)
         wanted = set(keys)
+        if tokens:
+            self._cancel_stale(layer, wanted)
         protected = wanted | set(self.pending)
         jobs = []
         for key, e in zip(keys, experts):
@@ -181,12 +239,15 @@ class ExpertCache:
             jobs.append(self.reader.submit(job))
         return jobs
 
+    def guess_precision(self) -> float:
+        """How often reads ahead have been used so far (a prior of one in two)."""
+        return (self.stats.speculative_used + 1) / (self.stats.speculative_issued + 2)
+
     def prefetch(self, layer: int, experts: np.ndarray, in_use: set, limit: int):
         """Queue speculative reads for `layer`'s predicted experts, never evicting
         what the call in flight uses (`in_use`, keys) or reads are filling."""
         protected = set(self.pending) | in_use
-        # How often guesses have been right so far (a prior of one in two).
-        worth = (self.stats.speculative_used + 1) / (self.stats.speculative_issued + 2)
+        worth = self.guess_precision()
         issued = 0
         for e in experts:
             if issued >= limit:
@@ -205,6 +266,21 @@ class ExpertCache:
             protected.add(key)
             issued += 1
         self.stats.speculative_issued += issued
+
+    def _cancel_stale(self, layer: int, wanted: set):
+        """This layer's router has chosen: its guesses that it did not choose and
+        that no reader has started are dropped, so they spend no disk time, and
+        their slots are free again at once (nothing will write them)."""
+        for key, job in list(self.pending.items()):
+            if (job.speculative and key[0] == layer and key not in wanted
+                    and self.reader.cancel(job)):
+                del self.pending[key]
+                slot = self.pool.slot_of(*key)
+                self.pool.evict(*key)
+                self.fresh_speculative.discard(key)
+                self.stats.speculative_cancelled += 1
+                if slot is not None:
+                    self.slot_key[slot] = None
 
     def _retire_speculation(self, keep):
         for key, job in list(self.pending.items()):
@@ -244,8 +320,10 @@ class ExpertCache:
         self.collect()
 
     def slots_of(self, layer: int, experts: np.ndarray) -> np.ndarray:
-        """The slot of each of `layer`'s (resident) `experts`."""
-        return np.array([self.pool.slot_of(layer, e) for e in experts], dtype=np.int64)
+        """The slot of each of `layer`'s (resident) `experts`, counted within the
+        chunk holding the layer (`arrays_of`): the index its computation uses."""
+        first = self.chunks[self.layer_chunk.get(layer, 0)][0]
+        return np.array([self.pool.slot_of(layer, e) - first for e in experts], dtype=np.int64)
 
     def preload_all(self, progress=None):
         """With room for every expert: read them all now, in file order, and switch

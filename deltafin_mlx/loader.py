@@ -176,7 +176,7 @@ def load(
     for layer in manifest.moe_layers:
         sp = manifest.switch_path(layer)
         original = get_module(model, sp)
-        inner = switch_over_slots(cache.arrays, plan.slots, quant, original.activation)
+        inner = switch_over_slots(*cache.arrays_of(layer), quant, original.activation)
         streaming = StreamingSwitchGLU(layer, store, inner)
         set_module(model, sp, streaming)
         moe = get_module(model, sp.rpartition(".")[0])

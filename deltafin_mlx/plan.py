@@ -8,8 +8,11 @@ Works on a converted model, or on a source `config.json` plus the conversion opt
     time per token    = max(compute, reads / disk bandwidth)  (reads overlap compute)
                         .. compute + reads / disk bandwidth     (no overlap)
 
-with the expert hit rate taken as the cache's share of all experts (no skew assumed:
-real routing is skewed, so measured hit rates are higher; see docs/PERFORMANCE.md).
+with the expert hit rate taken two ways: the cache's share of all experts (no skew,
+a floor), and the hit rate the runtime's pool policy reaches on real routing at the
+same number of slots per layer per routed expert (bench/simulate_cache.py on
+../shared/traces/olmoe_299.jsonl, REAL_ROUTING_HITS). bench/iobound.py measures the
+model: where reads dominate, time per token is bytes read / disk bandwidth.
 The disk and compute rates are measured once per machine and cached (rates.py), or
 given with --disk-gbps / --compute-gwps.
 """
@@ -31,6 +34,20 @@ from .planner import MemoryPlan, plan_memory
 from .rates import cached_rate, compute_key, disk_key
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+# Hit rate of the shipped pool policy on OLMoE's real routing (16 layers x 64 experts,
+# 8 per token; bench/simulate_cache.py --trace ../shared/traces/olmoe_299.jsonl), by
+# cache slots per layer per routed expert: 10%, 25% and 50% of its experts.
+REAL_ROUTING_HITS = ((0.0, 0.0), (0.8, 0.369), (2.0, 0.614), (4.0, 0.819), (8.0, 1.0))
+
+
+def real_routing_hit_rate(slots: int, moe_layers: int, experts_per_token: int,
+                          cache_fraction: float) -> float:
+    """The hit rate REAL_ROUTING_HITS gives for this many slots per layer per routed
+    expert (linear between the measured points), never below the cache's share."""
+    per = slots / max(moe_layers * experts_per_token, 1)
+    xs, ys = zip(*REAL_ROUTING_HITS)
+    return max(cache_fraction, float(np.interp(per, xs, ys)))
 
 
 def measure_disk_gbps(path=None, nbytes: int = 256 << 20, block: int = 16 << 20,
@@ -94,9 +111,13 @@ def project(inv: Inventory, plan: MemoryPlan, disk_gbps: float, compute_gwps: fl
     weights = sum(u.weights for u in inv.units.values())
     weights += len(inv.moe_layers) * inv.experts_per_token * inv.expert_weights
     compute = weights / (compute_gwps * 1e9)
-    misses = len(inv.moe_layers) * inv.experts_per_token * (1 - plan.cache_fraction)
-    read = plan.streamed_read_bytes + misses * inv.record_size
+    routed = len(inv.moe_layers) * inv.experts_per_token
+    read = plan.streamed_read_bytes + routed * (1 - plan.cache_fraction) * inv.record_size
     io = read / (disk_gbps * 1e9)
+    hit = real_routing_hit_rate(plan.slots, len(inv.moe_layers), inv.experts_per_token,
+                                plan.cache_fraction)
+    real_read = plan.streamed_read_bytes + routed * (1 - hit) * inv.record_size
+    real_io = real_read / (disk_gbps * 1e9)
     return {
         "weights_per_token": weights,
         "compute_seconds": compute,
@@ -104,6 +125,9 @@ def project(inv: Inventory, plan: MemoryPlan, disk_gbps: float, compute_gwps: fl
         "read_seconds": io,
         "tokens_per_second_overlapped": 1 / max(compute, io),
         "tokens_per_second_serial": 1 / (compute + io),
+        "real_routing_hit_rate": hit,
+        "real_routing_read_bytes_per_token": real_read,
+        "real_routing_tokens_per_second": 1 / max(compute, real_io),
     }
 
 
@@ -187,6 +211,10 @@ def plan_from_path(args) -> dict:
             lambda: measure_compute_gwps(mode, group_size=group, act=act), remeasure)
         compute_from = _rate_origin(entry)
     streamed = [int(k) for k in plan.streamed]
+    from .cache import max_slots, pool_chunks, pool_limit
+
+    chunk = max_slots(inv.sections, act)
+    limit = pool_limit(len(inv.moe_layers), inv.experts_per_token, inv.num_experts, chunk)
     return {
         "model": source,
         "model_type": inv.model_type,
@@ -215,6 +243,10 @@ def plan_from_path(args) -> dict:
         "expert_cache_slots": plan.slots,
         "expert_cache_bytes": plan.cache_bytes,
         "expert_cache_fraction": plan.cache_fraction,
+        "expert_cache_arrays": len(pool_chunks(plan.slots, len(inv.moe_layers),
+                                               inv.experts_per_token, inv.num_experts, chunk)),
+        "expert_slots_per_array": chunk,
+        "expert_pool_limit_slots": limit,
         "disk_gbps": disk,
         "disk_rate_from": disk_from,
         "compute_gweights_per_second": compute,
@@ -295,6 +327,11 @@ def format_plan(r: dict) -> str:
         f"{human_bytes(r['expert_record_bytes'])} each, {human_bytes(r['expert_bytes_on_disk'])} on disk",
         f"  cache        {r['expert_cache_slots']:,} experts, {human_bytes(r['expert_cache_bytes'])} "
         f"({_percent(r['expert_cache_fraction'])} of all experts)",
+        f"  pool         {r['expert_cache_arrays']} set(s) of slot arrays of up to "
+        f"{r['expert_slots_per_array']:,} slots (MLX's int32 shapes); the pool can hold "
+        f"{r['expert_pool_limit_slots']:,} experts"
+        + (" (every expert)" if r["expert_pool_limit_slots"] >= r["experts_total"] else
+           " at most: larger pools would need partitions this model's routing cannot fill"),
         f"disk           {r['disk_gbps']:.2f} GB/s ({r['disk_rate_from']})",
         f"compute        {r['compute_gweights_per_second']:.2f} G weights/s quantized matvec "
         f"({r['compute_rate_from']})",
@@ -302,5 +339,9 @@ def format_plan(r: dict) -> str:
         f"{human_bytes(p['read_bytes_per_token'])} read per token: "
         f"{p['tokens_per_second_serial']:.3g}-{p['tokens_per_second_overlapped']:.3g} tok/s "
         "(no overlap .. full overlap; hit rate taken as the cache share)",
+        f"  real routing hit rate {p['real_routing_hit_rate']:.0%} (the pool policy on OLMoE's "
+        f"routing at as many slots per routed expert): "
+        f"{human_bytes(p['real_routing_read_bytes_per_token'])} read per token, "
+        f"{p['real_routing_tokens_per_second']:.3g} tok/s where reads overlap compute",
     ]
     return "\n".join(lines)

@@ -21,7 +21,8 @@ from typing import Dict, List
 
 import mlx.core as mx
 
-from .cache import max_slots as max_pool_slots
+from .cache import max_slots as max_chunk_slots
+from .cache import pool_limit
 from .cliutil import human_bytes
 from .inventory import Inventory
 
@@ -222,7 +223,9 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         streamed.pop()
     res, ring, read = _trunk_layout(inv, set(streamed), on_demand_ok)
     spare = budget - (fixed + res + ring)
-    slots = min(all_experts, spare // one, max_pool_slots(inv.sections, inv.activation_dtype))
+    limit = pool_limit(len(inv.moe_layers), k, inv.num_experts,
+                       max_chunk_slots(inv.sections, inv.activation_dtype))
+    slots = min(all_experts, spare // one, limit)
     if max_slots is not None:
         slots = min(slots, max_slots)
     embed_on_demand = on_demand_ok

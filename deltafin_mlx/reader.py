@@ -16,6 +16,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -92,6 +93,7 @@ class ReadJob:
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
     cancelled: bool = False
+    started: bool = False  # a thread has taken it (set under the reader's lock)
 
 
 class Reader:
@@ -102,6 +104,8 @@ class Reader:
         self.verify = verify
         self.threads = threads
         self.bytes_read = 0
+        self.reads = 0
+        self.busy_seconds = 0.0  # summed over threads: wall time inside reads
         self._lock = threading.Lock()
         self._queue: "queue.PriorityQueue" = queue.PriorityQueue()
         self._seq = 0
@@ -114,6 +118,9 @@ class Reader:
             w.start()
 
     def submit(self, job: ReadJob) -> ReadJob:
+        """Queue `job`: demand reads before every speculative one (in order of
+        submission within each kind); a speculative job cancelled before a
+        thread takes it is dropped unread."""
         if self.threads == 0:
             self._run(job)
             return job
@@ -122,6 +129,15 @@ class Reader:
             seq = self._seq
         self._queue.put((1 if job.speculative else 0, seq, job))
         return job
+
+    def cancel(self, job: ReadJob) -> bool:
+        """Drop `job` if no thread has taken it yet: True when it is certain the
+        job will never write its targets."""
+        with self._lock:
+            if job.started:
+                return False
+            job.cancelled = True
+            return True
 
     def wait(self, job: ReadJob):
         job.done.wait()
@@ -149,11 +165,17 @@ class Reader:
 
     def _run(self, job: ReadJob):
         try:
+            with self._lock:
+                job.started = not job.cancelled
             if job.cancelled:
                 raise ReadCancelled()
+            start = time.perf_counter()
             read_record(job.bank, job.expert, job.targets, self._staging(), self.verify)
+            took = time.perf_counter() - start
             with self._lock:
                 self.bytes_read += self.record_size
+                self.reads += 1
+                self.busy_seconds += took
         except BaseException as e:  # handed to the waiting thread
             job.error = e
         finally:

@@ -5,8 +5,21 @@ first; then the misses are read from the layer's bank (all at once, on backgroun
 threads), the next MoE layer's router is applied to this layer's input to queue
 speculative reads behind them (lookahead: it changes timing only; routing always
 uses the real router), and mlx-lm's own SwitchGLU runs over the slot arrays.
+
+Reads ahead must pay for themselves. A right guess hides a read behind one layer's
+computation, but only in disk time that would otherwise sit idle; a wrong one
+spends disk time, which costs a token that much whenever the disk is the
+bottleneck. So guesses are queued only while
+
+    (chance right) x min(read time, layer computation) x (1 - disk busy share)
+        > (chance wrong) x read time x disk busy share,
+
+all measured as the run goes: guesses stop where reads saturate the disk (a Mac's
+SSD against its GPU, a throttled disk, a small cache) and run where the disk has
+time to spare.
 """
 
+import time
 from typing import Dict, Optional
 
 import mlx.core as mx
@@ -32,6 +45,7 @@ class ExpertStore:
         self.next_layer = {a: b for a, b in zip(self.layers, self.layers[1:])}
         self.moe_blocks: Dict[int, nn.Module] = {}  # layer -> the block owning the router
         self.on_route = None  # optional callback(layer, indices), e.g. a RoutingTrace
+        self.rates = IORates()
 
     @property
     def bytes_read(self) -> int:
@@ -42,6 +56,66 @@ class ExpertStore:
         self.reader.close()
         for bank in self.cache.banks.values():
             bank.close()
+
+
+class IORates:
+    """Running estimates, per MoE layer call, of the computation between calls
+    (what a read started at one call can hide behind: the time between calls less
+    the time stalled on reads, since while a call stalls the disk is already busy
+    with demand reads), one read's time, and the share of the time the disk is
+    busy; `guesses_pay` is the rule in the module docstring."""
+
+    SMOOTH = 0.25  # weight of the newest call in the running means
+
+    def __init__(self):
+        self.layer_s = None
+        self.read_s = None
+        self.busy = 0.0
+        self.issued, self.used = 2.0, 1.0  # recent guesses and their hits (prior 1/2)
+        self._last = None  # (time, reader busy s, reads, stall s, guesses, used)
+
+    @property
+    def right(self) -> float:
+        """Recent share of guesses that were used (prefill's guesses, made from
+        many tokens at once, say little about decoding's)."""
+        return self.used / self.issued
+
+    def tick(self, reader: Reader, stats: CacheStats, now: float = None):
+        """Called once per MoE layer call."""
+        now = time.perf_counter() if now is None else now
+        mark = (now, reader.busy_seconds, reader.reads, stats.stall_seconds,
+                stats.speculative_issued, stats.speculative_used)
+        if self._last is not None:
+            t0, busy0, reads0, stall0, issued0, used0 = self._last
+            keep = 1 - self.SMOOTH
+            self.issued = keep * self.issued + (mark[4] - issued0)
+            self.used = keep * self.used + (mark[5] - used0)
+            if self.issued < 1.0:  # too few recent guesses to judge: back to the prior
+                self.issued, self.used = self.issued + 2.0, self.used + 1.0
+            wall = now - t0
+            a = self.SMOOTH
+            if wall > 0:
+                compute = max(wall - (mark[3] - stall0), 0.0)
+                self.layer_s = compute if self.layer_s is None else (1 - a) * self.layer_s + a * compute
+                # Uncapped per call (a read is counted when it ends, perhaps in a
+                # later call than it ran in); the mean is capped where it is used.
+                share = (mark[1] - busy0) / wall / max(reader.threads, 1)
+                self.busy = (1 - a) * self.busy + a * share
+            if mark[2] > reads0:
+                per_read = (mark[1] - busy0) / (mark[2] - reads0)
+                self.read_s = per_read if self.read_s is None else (1 - a) * self.read_s + a * per_read
+        self._last = mark
+
+    def guesses_pay(self, right: float = None) -> bool:
+        """Does a guess right with probability `right` (default: the recent
+        share) pay for its disk time?"""
+        right = self.right if right is None else right
+        if self.layer_s is None or self.read_s is None:
+            return True  # nothing measured yet: guesses also measure the disk
+        busy = min(self.busy, 1.0)
+        gain = right * min(self.read_s, self.layer_s) * (1.0 - busy)
+        cost = (1.0 - right) * self.read_s * busy
+        return gain > cost
 
 
 def predict_experts(moe: nn.Module, h: mx.array, k: int) -> Optional[mx.array]:
@@ -79,7 +153,9 @@ class StreamingSwitchGLU(nn.Module):
             return self._inner(x, cache.slot_maps[layer][indices])
         nxt = store.next_layer.get(layer)
         predicted = None
-        if store.lookahead and nxt is not None and self._moe_input is not None:
+        store.rates.tick(store.reader, store.stats)
+        if (store.lookahead and nxt is not None and self._moe_input is not None
+                and store.rates.guesses_pay()):
             predicted = predict_experts(store.moe_blocks[nxt], self._moe_input, store.k)
         self._moe_input = None
         mx.eval(indices, predicted) if predicted is not None else mx.eval(indices)

@@ -62,6 +62,10 @@ class SyntheticConfig:
     full_attn_every: int = 4  # every Nth layer (1-indexed) and the last is MLA
     attn_res_block_size: int = 2
     a_log_pad_to: int = 128  # A_log rounds heads up to this (release: 96 -> 128)
+    # Spread of the Kimi routers' score-correction bias. Random weights route
+    # almost uniformly; a larger spread makes a few experts popular, as trained
+    # routers are (bench/iobound.py uses it to get skewed routing).
+    router_bias_std: float = 0.1
 
 
 _DEFAULTS = {
@@ -223,10 +227,10 @@ def _embedding(name, vocab, hidden):
     return _Tensor(name, (vocab, hidden), "BF16", _normal(1.0))
 
 
-def _router_bias(name, n):
-    # Small against the sigmoid scores (~0.2 spread), so it shifts selection
-    # without pinning every token to the same experts.
-    return _Tensor(name, (n,), "F32", _normal(0.1))
+def _router_bias(name, n, std=0.1):
+    # Small against the sigmoid scores (~0.2 spread) by default, so it shifts
+    # selection without pinning every token to the same experts.
+    return _Tensor(name, (n,), "F32", _normal(std))
 
 
 # MXFP4: E2M1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}; uniformly random codes
@@ -556,7 +560,7 @@ def _k3_layer(layer: int, c: SyntheticConfig) -> List[_Tensor]:
     latent, inner = c.routed_expert_hidden_size, c.moe_intermediate_size
     tensors += [
         _linear(f"{m}.gate.weight", c.num_experts, h),
-        _router_bias(f"{m}.gate.e_score_correction_bias", c.num_experts),
+        _router_bias(f"{m}.gate.e_score_correction_bias", c.num_experts, c.router_bias_std),
         _linear(f"{m}.routed_expert_down_proj.weight", latent, h),
         _linear(f"{m}.routed_expert_up_proj.weight", h, latent),
         _norm(f"{m}.routed_expert_norm.weight", latent),
@@ -696,7 +700,7 @@ def _k2_layer(layer: int, c: SyntheticConfig) -> List[_Tensor]:
         return tensors + _glu(f"{p}.mlp", h, c.intermediate_size)
     tensors += [
         _linear(f"{p}.mlp.gate.weight", c.num_experts, h),
-        _router_bias(f"{p}.mlp.gate.e_score_correction_bias", c.num_experts),
+        _router_bias(f"{p}.mlp.gate.e_score_correction_bias", c.num_experts, c.router_bias_std),
     ]
     tensors += _glu(
         f"{p}.mlp.shared_experts", h, c.moe_intermediate_size * c.num_shared_experts

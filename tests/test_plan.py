@@ -137,8 +137,13 @@ def test_plan_measures_disk_and_compute_when_not_given(converted):
     assert measure_compute_gwps(dim=1024) > 0.01
 
 
-def test_k3_expert_cache_is_capped_where_mlx_shapes_end(k3):
+def test_k3_expert_cache_goes_past_one_mlx_array(k3):
     """MLX dimensions are int32: one slot array holds at most 2**31 - 1 - 4096
-    elements, so at 3072 x 448 uint32 per K3 gate weight, 1560 slots (27 GB)."""
+    elements, so at 3072 x 448 uint32 per K3 gate weight, 1560 slots (27 GB). A
+    200 GB budget buys more, in several sets of slot arrays, and plan says so."""
     r = plan_json(K3_CONFIG, "--bits", "4", "--dtype", "bfloat16", "--budget", "200GB")
-    assert r["expert_cache_slots"] == (2**31 - 1 - 4096) // (3072 * 448) == 1560
+    assert r["expert_slots_per_array"] == (2**31 - 1 - 4096) // (3072 * 448) == 1560
+    assert r["expert_cache_slots"] > 1560
+    assert r["expert_cache_bytes"] > 150 * GB
+    assert r["expert_cache_arrays"] > 1
+    assert r["expert_pool_limit_slots"] == r["experts_total"]

@@ -1,0 +1,191 @@
+"""Scheduling rules for expert reads: demand reads go before guesses, a guess never
+takes a slot in use, stale guesses are dropped unread, guesses are only queued when
+their measured gain beats their disk time, and none of it changes a token."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import deltafin_mlx.reader as rd
+from deltafin_mlx.cache import CacheStats
+from deltafin_mlx.loader import load
+from deltafin_mlx.policy import ExpertPool
+from deltafin_mlx.reader import ReadCancelled, ReadJob, Reader
+from deltafin_mlx.streaming_moe import IORates
+from test_runtime import expected, greedy, prompt_of  # noqa: F401  (fixture)
+
+
+class GatedReads:
+    """Stands in for read_record: records the order of reads; every read waits
+    until `release` is set."""
+
+    def __init__(self):
+        self.order = []
+        self.release = threading.Event()
+        self.first_taken = threading.Event()
+
+    def __call__(self, bank, expert, targets, staging, verify):
+        self.first_taken.set()
+        self.release.wait(10)
+        self.order.append(expert)
+
+
+def job(expert, speculative):
+    return ReadJob(bank=None, expert=expert, targets={}, speculative=speculative)
+
+
+def test_demand_reads_are_served_before_queued_guesses(monkeypatch):
+    gate = GatedReads()
+    monkeypatch.setattr(rd, "read_record", gate)
+    reader = Reader(record_size=1, threads=1)
+    first = reader.submit(job(0, speculative=False))
+    assert gate.first_taken.wait(5)  # the thread is busy with read 0
+    guesses = [reader.submit(job(e, speculative=True)) for e in (1, 2, 3)]
+    demands = [reader.submit(job(e, speculative=False)) for e in (4, 5)]
+    gate.release.set()
+    for j in [first, *guesses, *demands]:
+        assert j.done.wait(5)
+    reader.close()
+    assert gate.order == [0, 4, 5, 1, 2, 3]
+
+
+def test_a_cancelled_guess_is_never_read_and_a_started_one_cannot_be_cancelled(monkeypatch):
+    gate = GatedReads()
+    monkeypatch.setattr(rd, "read_record", gate)
+    reader = Reader(record_size=1, threads=1)
+    started = reader.submit(job(0, speculative=True))
+    assert gate.first_taken.wait(5)
+    queued = reader.submit(job(1, speculative=True))
+    assert not reader.cancel(started)  # its bytes may already be landing
+    assert reader.cancel(queued)
+    gate.release.set()
+    assert started.done.wait(5) and queued.done.wait(5)
+    reader.close()
+    assert gate.order == [0]
+    assert started.error is None
+    assert isinstance(queued.error, ReadCancelled)
+    assert reader.reads == 1
+
+
+# A random history of calls and guesses on a pool: guesses with the highest
+# possible worth still never take a protected slot.
+pool_steps = st.lists(
+    st.tuples(st.integers(0, 2), st.lists(st.integers(0, 7), min_size=1, max_size=3, unique=True),
+              st.lists(st.integers(0, 7), max_size=4, unique=True)),
+    min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pool_steps, st.sampled_from([4, 9]))  # 4 slots: one shared map; 9: partitions
+def test_a_guess_never_evicts_a_slot_in_use(history, slots):
+    pool = ExpertPool(slots, 8, [0, 1, 2], experts_per_token=3)
+    for layer, experts, guesses in history:
+        pool.use(layer, experts, tokens=1)
+        in_use = {(layer, e) for e in experts}
+        for e in experts:
+            if pool.slot_of(layer, e) is None:
+                try:
+                    pool.place(layer, e, in_use)
+                except RuntimeError:
+                    pass
+        nxt = (layer + 1) % 3
+        for e in guesses:
+            if pool.slot_of(nxt, e) is not None:
+                continue
+            before = pool.resident()
+            slot = pool.place(nxt, e, in_use, speculative=True, worth=1.0)
+            if slot is None:
+                assert pool.resident() == before
+                continue
+            displaced = [k for k, s in before.items() if s == slot]
+            assert not (set(displaced) & in_use)
+            for key in in_use:  # what the call uses stays where it was
+                assert pool.resident().get(key) == before.get(key)
+
+
+def fake_reader(busy, reads, threads=1):
+    return SimpleNamespace(busy_seconds=busy, reads=reads, threads=threads)
+
+
+def rates_after(calls, layer_s, read_s, reads_per_call, stall_s=0.0):
+    """IORates fed `calls` layer calls `layer_s` apart (of which `stall_s` stalled
+    on reads), each with that many reads of `read_s` seconds on one thread."""
+    rates, stats = IORates(), CacheStats()
+    busy = reads = 0
+    for i in range(calls):
+        rates.tick(fake_reader(busy, reads), stats, now=i * layer_s)
+        reads += reads_per_call
+        busy += reads_per_call * read_s
+        stats.stall_seconds += stall_s
+    return rates
+
+
+def test_guesses_run_while_the_disk_has_time_to_spare():
+    # Reads take a tenth of a layer's computation, the disk idles 80% of the time.
+    rates = rates_after(50, layer_s=0.010, read_s=0.001, reads_per_call=2)
+    assert rates.busy == pytest.approx(0.2, abs=0.05)
+    assert rates.guesses_pay(0.3)
+    assert not rates.guesses_pay(0.1)
+
+
+def test_guesses_stop_when_reads_saturate_the_disk_even_if_reads_are_cheap():
+    # Reads as cheap as a tenth of a layer, but so many that the disk never rests
+    # (a small cache): a right guess saves no disk time, a wrong one costs it.
+    rates = rates_after(50, layer_s=0.010, read_s=0.001, reads_per_call=10)
+    assert rates.busy == pytest.approx(1.0, abs=0.05)
+    assert not rates.guesses_pay(0.9)
+
+
+def test_guesses_stop_where_reading_an_expert_costs_many_times_computing_it():
+    # R = 32: a read costs 4 layer calls' time and the disk never rests.
+    rates = rates_after(50, layer_s=0.008, read_s=0.032, reads_per_call=0.25)
+    assert rates.busy == pytest.approx(1.0, abs=0.05)
+    assert not rates.guesses_pay(0.5)
+    assert not rates.guesses_pay(0.95)  # a saturated disk has no time to hide reads in
+
+
+def test_time_stalled_on_reads_hides_no_guess():
+    # Calls 40 ms apart, 32 of them waiting for the 32 ms read each call needs:
+    # only 8 ms of computation could hide a read started early.
+    rates = rates_after(50, layer_s=0.040, read_s=0.032, reads_per_call=1, stall_s=0.032)
+    assert rates.layer_s == pytest.approx(0.008)
+    assert not rates.guesses_pay(0.5)
+
+
+def test_guesses_allowed_before_anything_is_measured():
+    assert IORates().guesses_pay(0.5)
+
+
+def test_stale_guesses_are_dropped_unread_and_tokens_stay_exact(converted, expected,
+                                                              monkeypatch):
+    """With reads slow enough that guesses are still queued when their layer
+    routes, the unchosen ones are cancelled (never read, slots freed) and the
+    tokens and logits stay those of mlx-lm."""
+    real = rd.read_record
+
+    def slow(*a, **k):
+        time.sleep(0.004)
+        return real(*a, **k)
+
+    monkeypatch.setattr(rd, "read_record", slow)
+    monkeypatch.setattr(IORates, "guesses_pay", lambda self, right=None: True)
+    path = converted("kimi_k3")
+    model, _ = load(path, cache_slots=12, reader_threads=1, lookahead=True, tokenizer=False)
+    tokens, logits = greedy(model, prompt_of(12), 16)
+    ref_tokens, ref_logits = expected("kimi_k3", 1, 12, 16)
+    stats = model._deltafin.stats
+    store = model._deltafin.store
+    cache = store.cache
+    assert stats.speculative_cancelled > 0
+    # Every read counted was a real read: demand misses plus guesses not dropped.
+    assert store.reader.reads <= stats.misses + stats.speculative_issued - stats.speculative_cancelled
+    assert all(not j.cancelled for j in cache.pending.values())
+    assert (tokens == ref_tokens).all()
+    assert mx.array_equal(logits, ref_logits).item()
+    model._deltafin.close()
