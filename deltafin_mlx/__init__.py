@@ -5,7 +5,8 @@
     print(deltafin_mlx.generate(model, tokenizer, "Hello", max_tokens=64).text)
 """
 
+from .batch import batch_generate
 from .generate import Completion, RunStats, generate, stream_generate
 from .loader import load
 
-__all__ = ["load", "generate", "stream_generate", "Completion", "RunStats"]
+__all__ = ["load", "generate", "stream_generate", "batch_generate", "Completion", "RunStats"]

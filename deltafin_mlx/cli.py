@@ -4,6 +4,7 @@
     deltafin-run MODEL --chat
     deltafin-run plan MODEL|CONFIG.json [--budget B] [--context N]
     deltafin-run bench MODEL [--budget B] [-n N]
+    deltafin-run batch MODEL IN.jsonl -o OUT.jsonl [--batch-size B] [-n N] ...
     deltafin-run --demo
 """
 
@@ -23,6 +24,18 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_or_auto(value):
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    return n
 
 
 def add_load_options(p):
@@ -67,6 +80,8 @@ def plan_parser():
     p.add_argument("model", help="a Deltafin model directory, or a source config.json")
     p.add_argument("--budget", default=None)
     p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--sequences", type=positive_or_auto, default=1, metavar="N|auto",
+                   help="sequences decoded together (a batch job); auto: the most that fit")
     p.add_argument("--bits", type=int, default=4, help="trunk bits (for a config.json)")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--expert-bits", type=int, default=4)
@@ -92,6 +107,56 @@ def bench_parser():
     p.add_argument("--json", action="store_true")
     add_load_options(p)
     return p
+
+
+def batch_parser():
+    p = Parser(prog="deltafin-run batch", description="Answer every prompt of a JSONL file "
+               "(decoded together; rerun the same command to resume). Lines: "
+               '{"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, optional '
+               '"max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "stop".')
+    p.add_argument("model")
+    p.add_argument("input", help="JSONL requests")
+    p.add_argument("-o", "--output", required=True, help="JSONL results (appended)")
+    p.add_argument("--batch-size", type=positive_or_auto, default="auto", metavar="N|auto",
+                   help="sequences decoded together (default: what the budget allows, <= 32)")
+    p.add_argument("--context", type=int, default=4096,
+                   help="longest prompt + max_tokens of a request (planned per sequence)")
+    p.add_argument("-n", "--max-tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", nargs="+", default=[], metavar="STR")
+    p.add_argument("--no-think", action="store_true", help="thinking off (K3 prompt format)")
+    p.add_argument("--raw", action="store_true", help="no chat template: prompts as they are")
+    p.add_argument("--logprobs", action="store_true", help="each token's log-probability")
+    p.add_argument("--no-progress", action="store_true")
+    add_load_options(p)
+    return p
+
+
+def cmd_batch(argv):
+    from .batch import run_job, summary_line
+
+    args = batch_parser().parse_args(argv)
+    opts = batch_options(args)
+    model, tokenizer = load_model(args, context=args.context, sequences=args.batch_size)
+    opts.batch_size = model._deltafin.plan.sequences
+    summary = run_job(model, tokenizer, args.input, args.output, opts,
+                      show_progress=False if args.no_progress else None)
+    print(f"[deltafin] {summary_line(summary)}", file=sys.stderr)
+    model._deltafin.close()
+    return 0
+
+
+def batch_options(args):
+    from .batch import BatchOptions
+
+    return BatchOptions(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
+                        top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                        raw=args.raw, thinking=not args.no_think, context=args.context,
+                        logprobs=args.logprobs)
 
 
 def load_model(args, **extra):
@@ -290,6 +355,8 @@ def main(argv=None):
             return cmd_plan(argv[1:])
         if argv and argv[0] == "bench":
             return cmd_bench(argv[1:])
+        if argv and argv[0] == "batch":
+            return cmd_batch(argv[1:])
         args = run_parser().parse_args(argv)
         if args.demo:
             return cmd_demo(args)
@@ -309,12 +376,13 @@ def main(argv=None):
 
 
 def one_line(e: BaseException) -> str:
+    from .batch import BatchError
     from .manifest import ModelError
     from .planner import BudgetError
     from .reader import ReadError
 
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, (CliError, ModelError, BudgetError, ReadError)):
+    if isinstance(e, (CliError, ModelError, BudgetError, ReadError, BatchError)):
         return msg
     if isinstance(e, OSError) and e.filename:
         return f"{e.filename}: {e.strerror}"

@@ -126,7 +126,8 @@ def plan_from_path(args) -> dict:
                                     group_size=args.group_size, expert_bits=args.expert_bits,
                                     expert_group_size=args.expert_group_size)
         source = str(config_path)
-    plan = plan_memory(inv, args.budget, context=args.context)
+    plan = plan_memory(inv, args.budget, context=args.context,
+                       sequences=getattr(args, "sequences", 1))
     disk = args.disk_gbps or measure_disk_gbps(bank if bank and os.path.getsize(bank) > 64 << 20 else None)
     mode = "mxfp4" if inv.sections[0].dtype == "uint32" and any(
         s.dtype == "uint8" for s in inv.sections) else "affine"
@@ -148,6 +149,9 @@ def plan_from_path(args) -> dict:
         "embedding_on_demand": plan.embed_on_demand,
         "embedding_bytes": inv.embed_bytes,
         "state_bytes": plan.state_bytes,
+        "sequences": plan.sequences,
+        "sequence_recurrent_bytes": plan.sequence_recurrent_bytes,
+        "sequence_kv_bytes": plan.sequence_kv_bytes,
         "working_bytes": plan.working_bytes,
         "expert_record_bytes": inv.record_size,
         "expert_slot_bytes": plan.slot_bytes,
@@ -192,7 +196,10 @@ def format_plan(r: dict) -> str:
         f"(through {_gb(r['stream_buffer_bytes'])} of buffers, read ahead in order)",
         f"  embedding    {_gb(r['embedding_bytes'])}, "
         + ("rows read on demand" if r["embedding_on_demand"] else "resident"),
-        f"KV/state       {_gb(r['state_bytes'])}",
+        f"KV/state       {_gb(r['state_bytes'])} for {r['sequences']} "
+        f"sequence{'s' if r['sequences'] > 1 else ''}; per sequence "
+        f"{_gb(r['sequence_recurrent_bytes'])} recurrent + {_gb(r['sequence_kv_bytes'])} KV "
+        f"at {r['context']} tokens",
         f"experts        {r['experts_total']} of {r['expert_record_bytes']} bytes "
         f"({_gb(r['expert_bytes_on_disk'])} on disk); cache {r['expert_cache_slots']} slots, "
         f"{_gb(r['expert_cache_bytes'])} ({r['expert_cache_fraction']:.1%} of experts)",
