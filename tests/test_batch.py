@@ -289,3 +289,32 @@ def test_a_job_killed_at_random_points_answers_every_id_once(converted, tmp_path
     assert {key(r): (r.get("text"), r.get("tokens"), r.get("error")) for r in got} == {
         key(r): (r.get("text"), r.get("tokens"), r.get("error")) for r in want}
     assert out.read_bytes().endswith(b"\n")
+
+
+def test_plan_shows_the_state_of_each_sequence(converted, capsys):
+    args = ["plan", str(converted("kimi_k3")), "--budget", "1GB", "--context", "256",
+            "--disk-gbps", "1", "--compute-gwps", "1"]
+    assert main(args + ["--sequences", "3", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    per = r["sequence_recurrent_bytes"] + r["sequence_kv_bytes"]
+    assert r["sequences"] == 3 and r["state_bytes"] == 3 * per
+    assert main(args + ["--sequences", "auto"]) == 0
+    assert "for 32 sequences; per sequence" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--sequences", "0"])
+    assert e.value.code == 2 and "--sequences" in capsys.readouterr().err
+
+
+def test_progress_shows_requests_tokens_per_second_and_eta(streamed, tmp_path, capsys):
+    from deltafin_mlx.batch import BatchOptions, run_job, summary_line
+
+    model, tok = streamed("qwen3_moe")
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"p{i}"}) + "\n" for i in range(5)))
+    s = run_job(model, tok, src, out, BatchOptions(max_tokens=4, raw=True, batch_size=2),
+                show_progress=True)
+    err = capsys.readouterr().err
+    assert "[batch] 1/5 requests" in err and "[batch] 5/5 requests (0 errors)" in err
+    assert "tok/s, ETA 0:00:" in err
+    assert s["answered"] == 5 and s["tokens"] == 20 and s["skipped"] == 0
+    assert "5 requests: 5 answered now (0 errors), 0 already answered; 20 tokens" in summary_line(s)
