@@ -166,7 +166,7 @@ def throttle_available(path: Path) -> str:
 # --- mlx_lm.server under 8 clients -----------------------------------------
 
 
-def serve(model, extra, clients, seconds, max_tokens, budget):
+def serve(model, extra, clients, seconds, max_tokens, budget, blkio=None):
     from stress_server import free_port, start_server
 
     import tempfile
@@ -174,20 +174,21 @@ def serve(model, extra, clients, seconds, max_tokens, budget):
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="deltafin-batch-srv-")) / "server.log"
     proc = start_server(model, port, budget, log_path, extra)
+    if blkio is not None:  # the model is loaded: throttle the expert reads from here on
+        (blkio / "cgroup.procs").write_text(str(proc.pid))
+    # Plain completions of short, distinct prompts: the chat template's ~280-token system
+    # prompt would make this a prefill benchmark, confounded by the server's prompt cache
+    # (sequential requests reuse the cached prefix, concurrent ones cannot yet).
     prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(16)]
 
     def ask(prompt):
-        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                "temperature": 0.0}
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
                                      json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as r:
             out = json.loads(r.read())
-        msg = out["choices"][0]["message"]
-        text = (msg.get("reasoning") or msg.get("reasoning_content") or "") + (
-            msg.get("content") or "")
-        return text, out["usage"]["completion_tokens"]
+        return out["choices"][0]["text"], out["usage"]["completion_tokens"]
 
     try:
         ask(prompts[0])  # warm up
@@ -228,11 +229,14 @@ def serve(model, extra, clients, seconds, max_tokens, budget):
 # --- report ------------------------------------------------------------------
 
 
-def table(rows, io_mbps=None):
+def table(rows, io_mbps=None, compute=None):
+    """Markdown rows. In the I/O-bound mode: the I/O bound (union bytes / bandwidth),
+    and the overlapped bound max(I/O time, compute time) with the compute-bound rate
+    of the same B."""
     b1 = next((r for r in rows if r["B"] == 1), rows[0])
     head = "| B | tok/s | gain vs B=1 | expert MB read / token | union bound MB / token | ratio |"
     if io_mbps:
-        head += " tok/s bound | tok/s ratio |"
+        head += " I/O bound tok/s | ratio | max(I/O, compute) bound tok/s | ratio |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ub = r.get("union_bound_bytes_per_token")
@@ -245,6 +249,10 @@ def table(rows, io_mbps=None):
             tb = io_mbps * 1e6 / ub if ub else None
             cells += [f"{tb:.2f}" if tb else "-",
                       f"{tb / r['tokens_per_second']:.2f}" if tb else "-"]
+            c = (compute or {}).get(r["B"])
+            both = 1 / max(1 / tb, 1 / c) if tb and c else None
+            cells += [f"{both:.2f}" if both else "-",
+                      f"{both / r['tokens_per_second']:.2f}" if both else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -265,6 +273,8 @@ def main():
     p.add_argument("--io-sizes", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 4, 16, 32])
     p.add_argument("--server-seconds", type=float, default=30.0)
+    p.add_argument("--parts", default="compute,io,server",
+                   help="what to run; the others are kept from an existing --json")
     p.add_argument("--json", default=str(ROOT / "bench/results/batch.json"))
     a = p.parse_args()
     if a.worker:
@@ -275,7 +285,7 @@ def main():
 
     from deltafin_mlx.inventory import inventory_from_manifest
     from deltafin_mlx.manifest import read_manifest
-    from deltafin_mlx.planner import choose_sequences
+    from deltafin_mlx.planner import choose_sequences, plan_memory
 
     import mlx.core as mx
 
@@ -285,21 +295,27 @@ def main():
     full_budget = "1GB"
     max_b = choose_sequences(inv, full_budget, context=256, cap=64)
     sizes = a.sizes or sorted({1, 4, 16, 32, max_b})
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": machine_info(), "model": str(model), "tokens": a.tokens,
+    parts = set(a.parts.split(","))
+    old = json.loads(Path(a.json).read_text()) if Path(a.json).exists() else {}
+    report = {**old, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": machine_info(), "model": str(model),
               "load_average": os.getloadavg(), "union": union_table(sorted({*sizes, 64}))}
 
-    log(f"compute-bound: every expert resident, B in {sizes} (max B the 1 GB budget "
-        f"allows at context 256, capped at 64: {max_b})")
-    report["compute"] = run_child(["--model", model, "--budget", full_budget, "--tokens",
-                                   a.tokens, "--sizes", ",".join(map(str, sizes))])
+    if "compute" in parts:
+        report["tokens"] = a.tokens
+        log(f"compute-bound: every expert resident, B in {sizes} (max B the 1 GB budget "
+            f"allows at context 256, capped at 64: {max_b})")
+        report["compute"] = run_child(["--model", model, "--budget", full_budget, "--tokens",
+                                       a.tokens, "--sizes", ",".join(map(str, sizes))])
     slots = all_experts // 4
     why = throttle_available(model)
-    if why:
+    if "io" not in parts:
+        pass
+    elif why:
         log(f"I/O-bound: skipped ({why})")
         report["io"] = {"skipped": why}
     else:
-        report["io"] = {"mbps": a.io_mbps, "cache_slots": slots}
+        report["io"] = {"mbps": a.io_mbps, "cache_slots": slots, "tokens": a.io_tokens}
         for name, extra in (("lookahead", []), ("no_lookahead", ["--no-lookahead"])):
             log(f"I/O-bound ({name}): reads capped at {a.io_mbps} MB/s, cache {slots} of "
                 f"{all_experts} experts, B in {a.io_sizes}")
@@ -310,15 +326,26 @@ def main():
                      "--sizes", ",".join(map(str, a.io_sizes))] + extra, blkio=th.dir)
             finally:
                 th.close()
-    if a.server_seconds > 0:
+    if "server" in parts and a.server_seconds > 0:
         report["server"] = {}
-        for name, extra in (("sequential", ["--decode-concurrency", "1",
-                                            "--prompt-concurrency", "1"]), ("batched", [])):
-            log(f"server ({name}): 8 clients for {a.server_seconds:.0f} s")
-            report["server"][name] = serve(model, extra, 8, a.server_seconds, 12, "1GB")
-        s = report["server"]
-        s["same_replies"] = s["sequential"]["replies"] == {
-            k: v for k, v in s["batched"]["replies"].items() if k in s["sequential"]["replies"]}
+        modes = [("compute", "1GB", None)]
+        if not why:
+            one = plan_memory(inv, "1GB", context=4096)
+            budget = one.used_bytes - one.cache_bytes + slots * one.slot_bytes
+            modes.append(("io", str(budget), a.io_mbps))
+        for mode, budget, mbps in modes:
+            for name, extra in (("sequential", ["--decode-concurrency", "1",
+                                                "--prompt-concurrency", "1"]), ("batched", [])):
+                log(f"server ({mode}, {name}): 8 clients for {a.server_seconds:.0f} s")
+                th = Throttle(model, int(mbps * 1e6)) if mbps else None
+                try:
+                    report["server"][f"{mode}_{name}"] = serve(
+                        model, extra, 8, a.server_seconds, 16, budget, th.dir if th else None)
+                finally:
+                    if th:
+                        th.close()
+            s, b = (report["server"][f"{mode}_{n}"]["replies"] for n in ("sequential", "batched"))
+            report["server"][f"{mode}_same_replies"] = all(s[k] == b[k] for k in s if k in b)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(report, indent=1))
     print(markdown(report))
@@ -326,13 +353,16 @@ def main():
 
 def markdown(r):
     out = [f"{r['date']}, load average {r['load_average'][0]:.1f} on {r['machine'].get('cpus')} "
-           f"CPUs, {r['tokens']} tokens per request", "", "Compute-bound (all experts resident):",
+           f"CPUs", "", f"Compute-bound (all experts resident), {r.get('tokens')} tokens per "
+           "request:",
            "", table(r["compute"])]
     io = r.get("io", {})
     for name in ("lookahead", "no_lookahead"):
         if name in io:
-            out += ["", f"I/O-bound, {io['mbps']} MB/s, cache {io['cache_slots']} slots "
-                    f"({name.replace('_', ' ')}):", "", table(io[name], io["mbps"])]
+            out += ["", f"I/O-bound, {io['mbps']} MB/s, cache {io['cache_slots']} slots, "
+                    f"{io.get('tokens')} tokens per request ({name.replace('_', ' ')}):", "",
+                    table(io[name], io["mbps"],
+                          {c["B"]: c["tokens_per_second"] for c in r.get("compute", [])})]
     if "skipped" in io:
         out += ["", f"I/O-bound: skipped ({io['skipped']})"]
     out += ["", "| B | K3 uniform: union / gain | fixture uniform: union / gain | "
@@ -343,12 +373,17 @@ def markdown(r):
                    f"{u['fixture_uniform_union']:.1f} / {u['fixture_uniform_gain']:.2f}x | {t} |")
     if "server" in r:
         s = r["server"]
-        out += ["", "| server, 8 clients | requests | tokens | tok/s |", "|---|---|---|---|"]
-        for name in ("sequential", "batched"):
-            x = s[name]
-            out.append(f"| {name} | {x['requests']} | {x['tokens']} | "
-                       f"{x['tokens_per_second']:.2f} |")
-        out.append(f"\nsame replies in both modes: {s['same_replies']}")
+        out += ["", "| mlx_lm.server, 8 clients | requests | tokens | tok/s | gain |",
+                "|---|---|---|---|---|"]
+        for mode in ("compute", "io"):
+            if f"{mode}_sequential" not in s:
+                continue
+            base = s[f"{mode}_sequential"]["tokens_per_second"]
+            for name in ("sequential", "batched"):
+                x = s[f"{mode}_{name}"]
+                out.append(f"| {mode}, {name} | {x['requests']} | {x['tokens']} | "
+                           f"{x['tokens_per_second']:.2f} | {x['tokens_per_second'] / base:.2f}x |")
+            out.append(f"\n{mode}: same replies in both modes: {s[f'{mode}_same_replies']}")
     return "\n".join(out)
 
 
