@@ -348,6 +348,7 @@ def main():
             report["server"][f"{mode}_same_replies"] = all(s[k] == b[k] for k in s if k in b)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(report, indent=1))
+    Path(a.json).with_suffix(".md").write_text(markdown(report) + "\n")
     print(markdown(report))
 
 
