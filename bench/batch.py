@@ -81,8 +81,6 @@ def union_table(sizes):
 
 
 def worker(args):
-    import mlx.core as mx  # noqa: F401
-
     from deltafin_mlx.batch import batch_generate
     from deltafin_mlx.loader import load
 

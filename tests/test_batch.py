@@ -18,7 +18,6 @@ import sys
 import time
 
 import mlx.core as mx
-import mlx_lm
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
