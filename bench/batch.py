@@ -352,9 +352,10 @@ def main():
 
 def markdown(r):
     out = [f"{r['date']}, load average {r['load_average'][0]:.1f} on {r['machine'].get('cpus')} "
-           f"CPUs", "", f"Compute-bound (all experts resident), {r.get('tokens')} tokens per "
-           "request:",
-           "", table(r["compute"])]
+           "CPUs"]
+    if "compute" in r:
+        out += ["", f"Compute-bound (all experts resident), {r.get('tokens')} tokens per "
+                "request:", "", table(r["compute"])]
     io = r.get("io", {})
     for name in ("lookahead", "no_lookahead"):
         if name in io:
