@@ -39,7 +39,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model, port, budget, log_path):
+def start_server(model, port, budget, log_path, extra=()):
     """The server logs every request: to a file (a pipe nobody drains would fill
     up and block the server)."""
     bin_dir = Path(sys.executable).parent
@@ -47,7 +47,7 @@ def start_server(model, port, budget, log_path):
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [str(bin_dir / "mlx_lm.server"), "--model", str(model), "--trust-remote-code",
-         "--host", "127.0.0.1", "--port", str(port)],
+         "--host", "127.0.0.1", "--port", str(port), *extra],
         stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 180
     while time.time() < deadline:

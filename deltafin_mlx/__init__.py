@@ -7,7 +7,8 @@
 
 __version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
 
+from .batch import batch_generate
 from .generate import Completion, RunStats, generate, stream_generate
 from .loader import load
 
-__all__ = ["load", "generate", "stream_generate", "Completion", "RunStats"]
+__all__ = ["load", "generate", "stream_generate", "batch_generate", "Completion", "RunStats"]

@@ -1,5 +1,5 @@
-"""`deltafin-run`: run, chat, plan, bench, describe and verify a Deltafin model, or
-try the demo (the commands are listed in COMMANDS)."""
+"""`deltafin-run`: run, chat, plan, bench, describe and verify a Deltafin model,
+run batch jobs, or try the demo (the commands are listed in COMMANDS)."""
 
 import argparse
 import json
@@ -43,6 +43,18 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_or_auto(value):
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    return n
 
 
 def add_load_options(p):
@@ -95,6 +107,9 @@ def plan_parser():
                    help="memory budget, e.g. 8GB (default: from available memory)")
     p.add_argument("--context", type=int, default=4096,
                    help="tokens of context to hold KV/state for (at most the model's maximum)")
+    p.add_argument("--sequences", type=positive_or_auto, default=1, metavar="N|auto",
+                   help="sequences decoded together (a batch job); auto: the most that fit "
+                   "(default: 1)")
     for flag, default, what in (("--bits", 4, "trunk quantization bits"),
                                 ("--group-size", 64, "trunk quantization group size"),
                                 ("--expert-bits", 4, "bits for bf16/fp16 experts"),
@@ -125,6 +140,59 @@ def bench_parser():
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_load_options(p)
     return p
+
+
+def batch_parser():
+    p = Parser(prog="deltafin-run batch", description="Answer every prompt of a JSONL file "
+               "(decoded together; rerun the same command to resume). Lines: "
+               '{"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, optional '
+               '"max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "stop".')
+    p.add_argument("model", help="a directory written by deltafin-convert")
+    p.add_argument("input", help="JSONL requests")
+    p.add_argument("-o", "--output", required=True, help="JSONL results (appended)")
+    p.add_argument("--batch-size", type=positive_or_auto, default="auto", metavar="N|auto",
+                   help="sequences decoded together (default: what the budget allows, <= 32)")
+    p.add_argument("--context", type=int, default=4096,
+                   help="longest prompt + max_tokens of a request (planned per sequence)")
+    p.add_argument("-n", "--max-tokens", type=int, default=256,
+                   help="tokens to generate per request")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed of sampled requests (default: not fixed)")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop before this text; repeat the option for several (default: none)")
+    p.add_argument("--no-think", action="store_true", help="thinking off (K3 prompt format)")
+    p.add_argument("--raw", action="store_true", help="no chat template: prompts as they are")
+    p.add_argument("--logprobs", action="store_true", help="each token's log-probability")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on a terminal")
+    add_load_options(p)
+    return p
+
+
+def cmd_batch(argv):
+    from .batch import run_job, summary_line
+
+    args = batch_parser().parse_args(argv)
+    opts = batch_options(args)
+    model, tokenizer = load_model(args, context=args.context, sequences=args.batch_size)
+    opts.batch_size = model._deltafin.plan.sequences
+    summary = run_job(model, tokenizer, args.input, args.output, opts,
+                      show_progress=False if args.no_progress else None)
+    print(f"[deltafin] {summary_line(summary)}", file=sys.stderr)
+    model._deltafin.close()
+    return 0
+
+
+def batch_options(args):
+    from .batch import BatchOptions
+
+    return BatchOptions(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
+                        top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                        raw=args.raw, thinking=not args.no_think, context=args.context,
+                        logprobs=args.logprobs)
 
 
 def load_model(args, **extra):
@@ -361,6 +429,8 @@ def main(argv=None):
             return cmd_plan(argv[1:])
         if argv and argv[0] == "bench":
             return cmd_bench(argv[1:])
+        if argv and argv[0] == "batch":
+            return cmd_batch(argv[1:])
         if argv and argv[0] == "info":
             return cmd_info(argv[1:])
         if argv and argv[0] == "verify":
@@ -388,12 +458,13 @@ def main(argv=None):
 
 
 def one_line(e: BaseException) -> str:
+    from .batch import BatchError
     from .manifest import ModelError
     from .planner import BudgetError
     from .reader import ReadError
 
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, (CliError, ModelError, BudgetError, ReadError)):
+    if isinstance(e, (CliError, ModelError, BudgetError, ReadError, BatchError)):
         return msg
     if isinstance(e, OSError) and e.filename:
         return f"{e.filename}: {e.strerror}"

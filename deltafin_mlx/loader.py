@@ -108,6 +108,7 @@ def load(
     stream_trunk: bool = True,
     tokenizer: bool = True,
     progress: bool = False,
+    sequences=1,
 ) -> Tuple[nn.Module, object]:
     """Load a Deltafin model directory. Returns (model, tokenizer).
 
@@ -125,6 +126,8 @@ def load(
     stream_trunk: allow the plan to stream trunk layers and embedding rows when
         the budget is below the whole trunk.
     progress: show a progress bar while experts are loaded (when they all fit).
+    sequences: sequences decoded together (batch jobs), each with its KV/recurrent
+        state at `context` tokens in the budget; "auto" lets the planner choose.
     """
     if read_mode not in READ_MODES:
         raise ValueError(f"read_mode must be one of {READ_MODES}")
@@ -139,7 +142,7 @@ def load(
     inventory = inventory_from_manifest(manifest, config, act)
     plan = plan_memory(inventory, memory_budget, context=context,
                        reader_threads=reader_threads, max_slots=cache_slots,
-                       stream_trunk=stream_trunk)
+                       stream_trunk=stream_trunk, sequences=sequences)
 
     # Banks are checked before anything big is allocated.
     layouts = {}

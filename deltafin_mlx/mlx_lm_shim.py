@@ -9,7 +9,9 @@ loading sees no parameters to fill). Importing it also teaches mlx-lm's tokenize
 loading to use Deltafin's tokenizer for Deltafin directories (K3 ships no
 tokenizer.json, only a tiktoken vocabulary).
 
-Environment: DELTAFIN_BUDGET (e.g. "8GB") sets the memory budget.
+Environment: DELTAFIN_BUDGET (e.g. "8GB") sets the memory budget; DELTAFIN_SEQUENCES
+(a number or "auto", default 1) the sequences whose KV/recurrent state it must hold —
+mlx_lm.server batches up to --decode-concurrency of them when the caches merge.
 """
 
 import os
@@ -51,8 +53,10 @@ def make_classes(path: Path):
 
             self.model_type = args.model_type
             self.args = args
+            seqs = os.environ.get("DELTAFIN_SEQUENCES") or 1
             self._inner, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
-                                  tokenizer=False)
+                                  tokenizer=False,
+                                  sequences=seqs if seqs == "auto" else int(seqs))
 
         def __call__(self, inputs, cache=None, **kwargs):
             return self._inner(inputs, cache=cache, **kwargs)

@@ -197,7 +197,8 @@ def plan_from_path(args) -> dict:
                                     expert_bits=opts["expert_bits"],
                                     expert_group_size=opts["expert_group_size"])
         source = args.model if not target.exists() else str(config_path)
-    plan = plan_memory(inv, args.budget, context=args.context)
+    plan = plan_memory(inv, args.budget, context=args.context,
+                       sequences=getattr(args, "sequences", 1))
     remeasure = getattr(args, "remeasure", False)
     disk, disk_from = _disk_rate(args.disk_gbps, bank, source, remeasure)
     mode = "mxfp4" if inv.sections[0].dtype == "uint32" and any(
@@ -232,6 +233,9 @@ def plan_from_path(args) -> dict:
         "embedding_on_demand": plan.embed_on_demand,
         "embedding_bytes": inv.embed_bytes,
         "state_bytes": plan.state_bytes,
+        "sequences": plan.sequences,
+        "sequence_recurrent_bytes": plan.sequence_recurrent_bytes,
+        "sequence_kv_bytes": plan.sequence_kv_bytes,
         "working_bytes": plan.working_bytes,
         "expert_record_bytes": inv.record_size,
         "expert_slot_bytes": plan.slot_bytes,
@@ -321,7 +325,10 @@ def format_plan(r: dict) -> str:
            if r["streamed_layers"] else ""),
         f"  embedding    {human_bytes(r['embedding_bytes'])}, "
         + ("rows read on demand" if r["embedding_on_demand"] else "resident"),
-        f"KV/state       {human_bytes(r['state_bytes'])} at {r['context']:,} tokens",
+        f"KV/state       {human_bytes(r['state_bytes'])} for {r['sequences']} "
+        f"sequence{'s' if r['sequences'] > 1 else ''}; per sequence "
+        f"{human_bytes(r['sequence_recurrent_bytes'])} recurrent + "
+        f"{human_bytes(r['sequence_kv_bytes'])} KV at {r['context']:,} tokens",
         f"experts        {r['experts_total']:,} experts ({r['moe_layers']} MoE layers x "
         f"{r['experts_per_layer']}, {r['experts_per_token']} per token), "
         f"{human_bytes(r['expert_record_bytes'])} each, {human_bytes(r['expert_bytes_on_disk'])} on disk",

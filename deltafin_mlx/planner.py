@@ -103,24 +103,31 @@ def default_budget() -> int:
 
 def state_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:
     """KV cache and recurrent state for one sequence of `context` tokens."""
+    return sum(sequence_state(config, context, activation_dtype))
+
+
+def sequence_state(config: dict, context: int, activation_dtype: mx.Dtype):
+    """(recurrent, KV) bytes of one sequence of `context` tokens: the recurrent part
+    (K3's KDA layers: a head_dim x head_dim float32 matrix per head, plus the short
+    convolution's window) does not grow with context; the KV cache does."""
     tc = config.get("text_config", config)
     layers = tc.get("num_hidden_layers", 0)
     size = activation_dtype.size
     lin = tc.get("linear_attn_config") or {}
     kda = set(lin.get("kda_layers", []))
-    total = 0
+    recurrent = kv = 0
     for i in range(layers):
         if (i + 1) in kda:
             heads, hd = lin["num_heads"], lin["head_dim"]
             conv = (lin.get("short_conv_kernel_size", 4) - 1) * 3 * heads * hd * size
-            total += heads * hd * hd * 4 + conv
+            recurrent += heads * hd * hd * 4 + conv
         elif tc.get("kv_lora_rank"):
-            total += context * (tc["kv_lora_rank"] + tc.get("qk_rope_head_dim", 0)) * size
+            kv += context * (tc["kv_lora_rank"] + tc.get("qk_rope_head_dim", 0)) * size
         else:
             heads = tc.get("num_key_value_heads") or tc.get("num_attention_heads", 1)
             hd = tc.get("head_dim") or tc["hidden_size"] // tc.get("num_attention_heads", 1)
-            total += 2 * context * heads * hd * size
-    return total
+            kv += 2 * context * heads * hd * size
+    return recurrent, kv
 
 
 @dataclass
@@ -144,6 +151,9 @@ class MemoryPlan:
     streamed_read_bytes: int  # trunk bytes read per token
     notes: List[str] = field(default_factory=list)
     floor_parts: Dict[str, int] = field(default_factory=dict)  # what the floor is made of; sums to it
+    sequences: int = 1  # sequences decoded together; state_bytes covers all of them
+    sequence_recurrent_bytes: int = 0  # one sequence's recurrent state
+    sequence_kv_bytes: int = 0  # one sequence's KV cache at `context`
 
     @property
     def cache_bytes(self) -> int:
@@ -189,12 +199,21 @@ def streamable_units(inv: Inventory) -> List[str]:
 
 
 def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int = 1,
-                max_slots: int = None, stream_trunk: bool = True) -> MemoryPlan:
+                max_slots: int = None, stream_trunk: bool = True,
+                sequences=1) -> MemoryPlan:
+    """`sequences`: how many sequences are decoded together (a batch job), each with
+    its own KV/recurrent state; "auto" picks it with `choose_sequences`."""
     budget = default_budget() if budget is None else parse_size(budget)
     k = inv.experts_per_token
     one = inv.slot_bytes
     all_experts = inv.num_experts * len(inv.moe_layers)
-    state = state_bytes(inv.config, context, inv.activation_dtype)
+    recurrent, kv = sequence_state(inv.config, context, inv.activation_dtype)
+    if sequences == "auto":
+        sequences = choose_sequences(inv, budget, context, reader_threads, stream_trunk)
+    if int(sequences) < 1:
+        raise BudgetError(f"the number of sequences must be at least 1 (got {sequences})")
+    sequences = int(sequences)
+    state = sequences * (recurrent + kv)
     working = WORKING_BYTES + (reader_threads + 1) * inv.record_size
     fixed = state + working
 
@@ -209,7 +228,9 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
             f"memory budget {human_bytes(budget)} is below this model's floor of "
             f"{human_bytes(floor)} ({floor} bytes = "
             + " + ".join(f"{what} {human_bytes(n)}" for what, n in floor_parts.items())
-            + f"; KV/state at {context} tokens of context, {k} experts per token)"
+            + f"; KV/state at {context} tokens of context"
+            + (f" x {sequences} sequences" if sequences > 1 else "")
+            + f", {k} experts per token)"
         )
 
     # Pin trunk layers while they fit (each saves its size in reads per token),
@@ -240,4 +261,25 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         embed_bytes=inv.embed_bytes, resident_bytes=res, slot_bytes=one, slots=int(slots),
         floor=floor, experts_per_token=k, num_experts=inv.num_experts,
         moe_layers=len(inv.moe_layers), streamed_read_bytes=read, floor_parts=floor_parts,
+        sequences=sequences, sequence_recurrent_bytes=recurrent, sequence_kv_bytes=kv,
     )
+
+
+MAX_SEQUENCES = 32  # BatchGenerator's default completion batch size
+STATE_SHARE = 0.5  # of the memory above the one-sequence floor
+
+
+def choose_sequences(inv: Inventory, budget, context: int = 4096, reader_threads: int = 1,
+                     stream_trunk: bool = True, cap: int = MAX_SEQUENCES) -> int:
+    """How many sequences to decode together: the most (up to `cap`) whose extra
+    state takes at most half of the memory above the one-sequence floor, so the other
+    half stays expert cache (reads shared by more sequences are worth less when the
+    cache that would avoid them shrinks). K3's 0.45 GB of recurrent state per
+    sequence makes this the binding limit; small models reach `cap`."""
+    budget = default_budget() if budget is None else parse_size(budget)
+    one = plan_memory(inv, budget, context, reader_threads, stream_trunk=stream_trunk)
+    per = one.sequence_recurrent_bytes + one.sequence_kv_bytes
+    if per <= 0:
+        return cap
+    spare = (budget - one.floor) * STATE_SHARE
+    return max(1, min(cap, 1 + int(spare // per)))

@@ -230,7 +230,12 @@ class StreamingSwitchGLU(nn.Module):
         """More distinct experts than slots (a long prompt, a big batch): run the
         (token, expert) pairs in groups of experts that fit, each evaluated before
         the next group's reads reuse the slots. Each pair's arithmetic is the same
-        as in one call, so the result is too."""
+        as in one call, so the result is too. Resident experts go first: read
+        last, they are what stays for the next call (a batch's next step needs
+        most of the same experts), so each call reads only what is not held."""
+        held = np.array([cache.pool.slot_of(self._layer, e) is not None for e in needed],
+                        dtype=bool)
+        needed = np.concatenate([needed[held], needed[~held]])
         k = idx.shape[-1]
         lead = idx.shape[:-1]
         flat = idx.reshape(-1)

@@ -178,7 +178,7 @@ def all_parsers():
     from deltafin_mlx.info import info_parser
     from deltafin_mlx.verify import verify_parser
 
-    return [cli.run_parser(), cli.plan_parser(), cli.bench_parser(), info_parser(),
+    return [cli.run_parser(), cli.plan_parser(), cli.bench_parser(), cli.batch_parser(), info_parser(),
             verify_parser(), convert_cli.build_parser()]
 
 
@@ -188,8 +188,8 @@ def test_every_option_has_help_and_says_its_default(parser):
         if action.dest in ("help", "version"):
             continue
         assert action.help, f"{parser.prog}: {action.option_strings or action.dest} has no help"
-        if not action.option_strings or action.nargs == 0:
-            continue  # positionals and on/off flags: the help says what they are
+        if not action.option_strings or action.nargs == 0 or action.required:
+            continue  # positionals, required options and on/off flags: no default to say
         shown = " ".join(parser._get_formatter()._format_action(action).split())
         assert "(default: " in shown, shown
 
