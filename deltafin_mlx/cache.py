@@ -131,7 +131,7 @@ class ExpertCache:
 
         layout: BankLayout = banks[self.layers[0]].layout
         self.arrays, self.views = {}, {}
-        for s in layout.sections:
+        for s in layout.held_sections:  # a rank's slice under tensor parallelism
             arr = alloc_aligned((capacity, *s.shape), slot_dtype(s.dtype, activation_dtype))
             self.arrays[s.name] = arr
             self.views[s.name] = np_view(arr)
