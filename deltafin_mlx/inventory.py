@@ -109,7 +109,10 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
                                             info.get("quantization")))
         if "embed_tokens" in name:
             embed += _tensor_memory(info["dtype"], info["shape"], act)
-    sections = [Section.from_dict(d) for d in manifest.experts["sections"]]
+    from .shard import expert_layout
+
+    # The expert as one process holds it (a sliced record's slices put together).
+    sections = expert_layout(manifest).for_rank(0, 1).held_sections
     quant = manifest.quantization["experts"]
     return Inventory(
         model_type=manifest.model_type,

@@ -16,7 +16,8 @@ from .modules import find_path, get_module, layer_paths, set_module
 from .inventory import inventory_from_manifest
 from .planner import MemoryPlan, plan_memory
 from .reader import Reader, open_bank
-from .shard import check_same_model, detect_group, rank_view, shard_model, sharded_inventory
+from .shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
+                    sharded_inventory)
 from .streaming_moe import ExpertStore, StreamingSwitchGLU, tap_moe_input
 from .trunk_stream import RowEmbedding, TrunkStreamer
 
@@ -155,7 +156,8 @@ def load(
     if group is not None:
         # Streamed trunk layers would need sliced reads of their own: a rank
         # pins its (1/ranks) slice of the trunk.
-        inventory = sharded_inventory(inventory, manifest, config, ranks, rank)
+        inventory = sharded_inventory(inventory, config, ranks, rank, expert_layout(manifest),
+                                      manifest.path)
         stream_trunk = False
     plan = plan_memory(inventory, memory_budget, context=context,
                        reader_threads=reader_threads, max_slots=cache_slots,

@@ -9,7 +9,11 @@ loading sees no parameters to fill). Importing it also teaches mlx-lm's tokenize
 loading to use Deltafin's tokenizer for Deltafin directories (K3 ships no
 tokenizer.json, only a tiktoken vocabulary).
 
-Environment: DELTAFIN_BUDGET (e.g. "8GB") sets the memory budget.
+Under `mlx.launch` with more than one rank, the model is sharded (tensor parallel,
+see shard.py) and its loading waits for mlx-lm's `shard(group)` call (mlx_lm.server's
+`sharded_load` builds the model class twice; only the second one loads).
+
+Environment: DELTAFIN_BUDGET (e.g. "8GB") sets the memory budget (per rank).
 """
 
 import os
@@ -47,12 +51,33 @@ def make_classes(path: Path):
     class Model(nn.Module):
         def __init__(self, args: ModelArgs):
             super().__init__()
-            from .loader import load
+            from .shard import detect_group
 
             self.model_type = args.model_type
             self.args = args
-            self._inner, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
-                                  tokenizer=False)
+            self._loaded = None
+            if detect_group() is None:
+                self._load(None)
+
+        def _load(self, group):
+            from .loader import load
+
+            self._loaded, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
+                                   tokenizer=False, group=group)
+
+        @property
+        def _inner(self):
+            if self._loaded is None:
+                self._load("auto")
+            return self._loaded
+
+        def shard(self, group=None):
+            """mlx-lm's tensor-parallel entry point (sharded_load, mlx_lm.server)."""
+            if self._loaded is None:
+                self._load(group or "auto")
+            elif getattr(self._loaded._deltafin, "group", None) is None and group is not None \
+                    and group.size() > 1:
+                raise ValueError("this Deltafin model was loaded whole; shard() must come first")
 
         def __call__(self, inputs, cache=None, **kwargs):
             return self._inner(inputs, cache=cache, **kwargs)

@@ -24,6 +24,7 @@ import numpy as np
 from .inventory import Inventory, inventory_from_config, inventory_from_manifest
 from .manifest import MANIFEST_NAME, ModelError, read_manifest
 from .planner import MemoryPlan, plan_memory
+from .shard import expert_layout, sharded_inventory
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -110,7 +111,9 @@ def plan_from_path(args) -> dict:
 
         manifest = read_manifest(target)
         act = act or getattr(mx, manifest.dtype)
-        inv = inventory_from_manifest(manifest, load_config(target), act)
+        config = load_config(target)
+        inv = inventory_from_manifest(manifest, config, act)
+        layout = expert_layout(manifest)
         bank = manifest.bank_path(manifest.moe_layers[0])
         source = str(target)
     else:
@@ -125,8 +128,13 @@ def plan_from_path(args) -> dict:
         inv = inventory_from_config(config, act, bits=args.bits or None,
                                     group_size=args.group_size, expert_bits=args.expert_bits,
                                     expert_group_size=args.expert_group_size)
+        layout = None  # as deltafin-convert --ranks N would write it
         source = str(config_path)
-    plan = plan_memory(inv, args.budget, context=args.context)
+    ranks = getattr(args, "ranks", 1)
+    whole = inv
+    if ranks > 1:
+        inv = sharded_inventory(inv, config, ranks, 0, layout, target)
+    plan = plan_memory(inv, args.budget, context=args.context, stream_trunk=ranks == 1)
     disk = args.disk_gbps or measure_disk_gbps(bank if bank and os.path.getsize(bank) > 64 << 20 else None)
     mode = "mxfp4" if inv.sections[0].dtype == "uint32" and any(
         s.dtype == "uint8" for s in inv.sections) else "affine"
@@ -135,6 +143,9 @@ def plan_from_path(args) -> dict:
     streamed = [int(k) for k in plan.streamed]
     return {
         "model": source,
+        "ranks": ranks,  # every figure below is per rank
+        "whole_trunk_bytes": whole.trunk_bytes,
+        "whole_expert_record_bytes": whole.record_size,
         "model_type": inv.model_type,
         "activation_dtype": str(act).split(".")[-1],
         "budget_bytes": plan.budget,
@@ -184,6 +195,9 @@ def format_plan(r: dict) -> str:
     p = r["projection"]
     lines = [
         f"model          {r['model']} ({r['model_type']}), activations {r['activation_dtype']}",
+        *([f"ranks          {r['ranks']} (tensor parallel): every figure below is per rank; "
+           f"whole trunk {_gb(r['whole_trunk_bytes'])}, whole expert record "
+           f"{r['whole_expert_record_bytes']} bytes"] if r.get("ranks", 1) > 1 else []),
         f"budget         {_gb(r['budget_bytes'])}   floor {_gb(r['floor_bytes'])} "
         f"({r['floor_bytes']} bytes) at {r['context']} tokens of context",
         f"trunk          {_gb(r['trunk_bytes'])} in all; resident {_gb(r['resident_trunk_bytes'])}",

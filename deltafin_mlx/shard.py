@@ -54,13 +54,24 @@ def detect_group(group="auto") -> Optional[mx.distributed.Group]:
     return group if group.size() > 1 else None
 
 
+def quiet_other_ranks():
+    """Under mlx.launch, only rank 0 prints results (every rank computes them)."""
+    import os
+    import sys
+
+    group = detect_group()
+    if group is not None and group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+
+
 def _text_config(config: dict) -> dict:
     return config.get("text_config", config)
 
 
-def check_divisible(manifest, config: dict, ranks: int):
+def check_divisible(config: dict, sections, ranks: int, where=""):
     """ModelError unless `ranks` divides what mlx-lm's shard() splits: attention
-    heads and the experts' intermediate dimension (in whole quantization groups)."""
+    heads, and the experts' intermediate dimension into whole quantization groups
+    of down_proj's input (`sections`: one whole expert's)."""
     tc = _text_config(config)
     heads = {"attention heads": tc.get("num_attention_heads"),
              "key/value heads": tc.get("num_key_value_heads")}
@@ -69,14 +80,13 @@ def check_divisible(manifest, config: dict, ranks: int):
         heads["linear attention heads"] = linear.get("num_heads")
     for what, n in heads.items():
         if isinstance(n, int) and n % ranks:
-            raise ModelError(f"{manifest.path}: {ranks} ranks do not divide the model's "
-                             f"{n} {what}")
-    group = manifest.quantization["experts"]["group_size"]
-    gate = next(s for s in expert_layout(manifest).sections if s.name == "gate_proj.weight")
-    width = gate.shape[0] * manifest.slices
+            raise ModelError(f"{where}: {ranks} ranks do not divide the model's {n} {what}")
+    by_name = {s.name: s for s in sections}
+    width = by_name["gate_proj.weight"].shape[0]
+    group = width // by_name["down_proj.scales"].shape[1]
     if width % (ranks * group):
-        raise ModelError(f"{manifest.path}: {ranks} ranks do not divide the experts' "
-                         f"intermediate size {width} into whole quantization groups of {group}")
+        raise ModelError(f"{where}: {ranks} ranks do not divide the experts' intermediate size "
+                         f"{width} into whole quantization groups of {group}")
 
 
 def expert_layout(manifest) -> BankLayout:
@@ -140,19 +150,26 @@ def shard_model(model: nn.Module, group, switch_paths, path=""):
             set_module(model, sp, module)
 
 
-def sharded_inventory(inventory, manifest, config: dict, ranks: int, rank: int = 0):
+def sharded_inventory(inventory, config: dict, ranks: int, rank: int = 0, layout=None,
+                      where=""):
     """The inventory as one of `ranks` ranks sees it: each trunk unit's bytes as
     mlx-lm's shard() leaves them (measured on a lazily built, never evaluated
-    model), and the expert record as that rank reads and holds it."""
+    model), and the expert record as that rank reads and holds it from `layout`
+    (a manifest's `expert_layout`; None: as `deltafin-convert --ranks N` writes it)."""
+    from .bank import record_size_of, slice_sections
     from .loader import build_model, quantize_like_config
-    from .modules import layer_paths
+    from .modules import get_module, layer_paths, switch_path
 
-    check_divisible(manifest, config, ranks)
-    view = rank_view(expert_layout(manifest), rank, ranks, manifest.path)
-    model = build_model(manifest.path, config)
+    check_divisible(config, inventory.sections, ranks, where)
+    if layout is None:
+        sliced = slice_sections(inventory.sections, ranks)
+        layout = BankLayout(0, inventory.num_experts, record_size_of(sliced) * ranks, 0,
+                            sliced, None, ranks)
+    view = rank_view(layout, rank, ranks, where)
+    model = build_model(where, config)
     quantize_like_config(model, config)
-    switch = [manifest.switch_path(layer) for layer in manifest.moe_layers]
     paths = layer_paths(model)
+    switch = [f"{p}.{sp}" for p in paths if (sp := switch_path(get_module(model, p)))]
 
     def unit_bytes():
         sizes = {}
@@ -165,7 +182,7 @@ def sharded_inventory(inventory, manifest, config: dict, ranks: int, rank: int =
         return sizes
 
     before = unit_bytes()
-    shard_model(model, FakeGroup(ranks, rank), switch, manifest.path)
+    shard_model(model, FakeGroup(ranks, rank), switch, where)
     after = unit_bytes()
     units = {}
     for key, unit in inventory.units.items():
@@ -175,8 +192,7 @@ def sharded_inventory(inventory, manifest, config: dict, ranks: int, rank: int =
                              weights=round(unit.weights * ratio),
                              signature=unit.signature + (("ranks", ranks),))
     held = view.held_sections
-    quant = manifest.quantization["experts"]
+    scale = held[0].shape[0] / inventory.sections[0].shape[0]
     return replace(inventory, units=units, record_size=view.record_size, sections=held,
-                   expert_weights=sum(s.shape[0] * s.shape[1] * 32 // quant["bits"]
-                                      for s in held if s.name.endswith(".weight")),
+                   expert_weights=round(inventory.expert_weights * scale),
                    notes=inventory.notes + [f"per rank of {ranks} (tensor parallel)"])
