@@ -1,0 +1,277 @@
+"""Tensor parallelism over mx.distributed: on 2 local ranks (mlx.launch, ring
+backend) a Deltafin model gives exactly the tokens and logits of mlx-lm's own
+model sharded by its shard() over the same ranks, each rank reading only its
+slice of every expert; ranks that disagree or die stop instead of hanging.
+
+The launches are small (2 cores here); each has a timeout. Without mlx.launch,
+or where the ring backend cannot start, the launching tests skip with the reason.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import make_source
+from deltafin_convert.convert import ConvertOptions, convert
+from deltafin_mlx.bank import read_layout
+from deltafin_mlx.inventory import inventory_from_manifest
+from deltafin_mlx.loader import load, load_resident, read_config
+from deltafin_mlx.manifest import ModelError, read_manifest
+from deltafin_mlx.planner import plan_memory
+from deltafin_mlx.shard import check_divisible, expert_layout, sharded_inventory
+
+HERE = Path(__file__).parent
+WORKER = HERE / "dist_worker.py"
+BIN = Path(sys.executable).parent
+LAUNCH = BIN / "mlx.launch"
+STEPS = 12
+# Architectures whose mlx-lm model class has shard() in mlx-lm 0.32.2 (Mixtral's has none).
+SHARDABLE = ["kimi_k3", "kimi_k2", "qwen3_moe"]
+# Widths that split across 2 ranks in whole quantization groups everywhere mlx-lm
+# shards (the trunk's sharded-to-all inputs too), and K3 experts big enough that a
+# rank's half-record is mostly data, not 4096-byte padding.
+SIZES = {
+    "kimi_k3": dict(moe_intermediate_size=1024, routed_expert_hidden_size=256, v_head_dim=64,
+                    kda_head_dim=64),
+    "kimi_k2": {},
+    "qwen3_moe": {},
+    "mixtral": {},
+}
+BUDGET = "24MB"  # K3 fixture: one process caches 8 of 48 experts, a rank 22 halves
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def launch():
+    if not LAUNCH.exists():
+        pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
+
+    def run(args, timeout=240):
+        out = Path(args[1])
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+               "--starting-port", str(_free_port()), "--python", sys.executable, "--",
+               str(WORKER), *map(str, args)]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              cwd=HERE.parent)
+        ranks = {}
+        for r in (0, 1):
+            f = out / f"rank-{r}.json"
+            if f.exists():
+                ranks[r] = json.loads(f.read_text())
+        if not ranks and "ring" in proc.stderr and "error" in proc.stderr.lower():
+            pytest.skip(f"the ring backend did not start: {proc.stderr[-300:]}")
+        return ranks, proc, time.monotonic() - start
+
+    probe = run(["load", "/nonexistent-probe", "/nonexistent", "/nonexistent"], timeout=120)
+    if not probe[0]:
+        pytest.skip(f"mlx.launch ran no rank: {probe[1].stderr[-300:]}")
+    return run
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """arch -> (source, converted with --ranks 2, converted unsliced)."""
+    root = tmp_path_factory.mktemp("distributed")
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            src = make_source(root / f"src-{arch}", arch, **SIZES[arch])
+            sliced, whole = root / f"r2-{arch}", root / f"r1-{arch}"
+            convert(str(src), sliced, ConvertOptions(progress=False, ranks=2))
+            convert(str(src), whole, ConvertOptions(progress=False))
+            cache[arch] = (src, sliced, whole)
+        return cache[arch]
+
+    return get
+
+
+def single_process(path, steps=STEPS, **kw):
+    from dist_worker import greedy
+
+    model, _ = load(path, tokenizer=False, group=None, **kw)
+    tokens, logits = greedy(model, steps)
+    stats = model._deltafin
+    out = tokens, logits, stats.store.bytes_read, stats.plan.slots
+    stats.close()
+    return out
+
+
+# --- the format: one model directory for one machine and for N ---------------
+
+
+def test_a_rank_slice_is_one_aligned_contiguous_read(models):
+    _, sliced, _ = models("kimi_k3")
+    m = read_manifest(sliced)
+    assert m.slices == 2
+    layout = read_layout(m.bank_path(m.moe_layers[0]))
+    for rank in (0, 1):
+        view = layout.for_rank(rank, 2)
+        assert view.record_size * 2 == layout.record_size
+        for e in (0, 5):
+            assert view.record_offset(e) % 4096 == 0 and view.record_size % 4096 == 0
+            assert view.record_offset(e) == layout.record_offset(e) + rank * view.record_size
+
+
+def test_one_process_reads_the_sliced_directory_bit_identically(models):
+    _, sliced, whole = models("kimi_k3")
+    k = read_manifest(sliced).experts["experts_per_token"]
+    t_sliced, l_sliced, _, _ = single_process(sliced, cache_slots=k)
+    t_whole, l_whole, _, _ = single_process(whole, cache_slots=k)
+    assert t_sliced == t_whole
+    assert mx.array_equal(l_sliced, l_whole).item()
+    from dist_worker import greedy
+
+    assert mx.array_equal(greedy(load_resident(sliced), STEPS)[1], l_whole).item()
+
+
+def test_rank_counts_that_do_not_divide_are_refused_with_the_reason(models):
+    _, sliced, _ = models("kimi_k3")
+    m = read_manifest(sliced)
+    config = read_config(sliced, m)
+    sections = expert_layout(m).for_rank(0, 1).held_sections
+    with pytest.raises(ModelError, match="3 ranks do not divide the model's 2 attention heads"):
+        check_divisible(config, sections, 3, sliced)
+    with pytest.raises(ModelError, match="intermediate size 1024 into whole quantization groups"):
+        check_divisible({}, sections, 64, sliced)
+    with pytest.raises(ValueError, match="2 rank slices, which 3 ranks cannot share"):
+        read_layout(m.bank_path(m.moe_layers[0])).for_rank(0, 3)
+
+
+def test_a_bad_rank_count_at_convert_time_is_one_error(models, tmp_path):
+    src, _, _ = models("qwen3_moe")  # experts 128 wide, group 64
+    from deltafin_convert.source import ConvertError
+
+    with pytest.raises(ConvertError, match="does not split into 4 slices of whole"):
+        convert(str(src), tmp_path / "out", ConvertOptions(progress=False, ranks=4))
+
+
+def test_the_plan_per_rank_halves_the_expert_reads_and_cache_entries(models):
+    _, sliced, _ = models("kimi_k3")
+    m = read_manifest(sliced)
+    config = read_config(sliced, m)
+    whole = inventory_from_manifest(m, config, mx.float32)
+    rank = sharded_inventory(whole, config, 2, 0, expert_layout(m), sliced)
+    assert rank.record_size == whole.record_size // 2
+    assert rank.slot_bytes == whole.slot_bytes // 2
+    assert rank.trunk_bytes < whole.trunk_bytes
+    one = plan_memory(whole, BUDGET, stream_trunk=False)
+    per_rank = plan_memory(rank, BUDGET, stream_trunk=False)
+    assert per_rank.slots >= 2 * one.slots  # N machines give N times the cache
+
+
+# --- two ranks ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", SHARDABLE)
+def test_two_ranks_give_mlx_lm_sharded_tokens_and_logits(arch, models, launch, tmp_path):
+    src, sliced, _ = models(arch)
+    k = read_manifest(sliced).experts["experts_per_token"]
+    ranks, proc, _ = launch(["tokens", tmp_path, sliced, src, STEPS, k])
+    assert set(ranks) == {0, 1}, proc.stderr[-2000:]
+    single, _, _, _ = single_process(sliced, cache_slots=k)
+    for r in ranks.values():
+        assert "error" not in r, r["error"]
+        assert r["tokens"] == r["mlx_lm_tokens"]  # mlx-lm's own sharded model
+        assert r["logits_equal"]  # bit for bit
+        assert r["misses"] > 0  # the experts really streamed (k slots)
+        # Sums of partial results round differently from one process; on these
+        # fixtures the greedy tokens are still the same.
+        assert r["tokens"] == single
+
+
+def test_an_unsliced_model_also_shards_reading_whole_records(models, launch, tmp_path):
+    src, _, whole = models("qwen3_moe")
+    ranks, proc, _ = launch(["tokens", tmp_path, whole, src, 6])
+    assert set(ranks) == {0, 1}, proc.stderr[-2000:]
+    for r in ranks.values():
+        assert "error" not in r, r["error"]
+        assert r["tokens"] == r["mlx_lm_tokens"] and r["logits_equal"]
+        assert r["record_bytes"] == read_manifest(whole).experts["record_size"]
+
+
+def test_each_rank_reads_at_most_055x_the_expert_bytes_of_one_process(models, launch, tmp_path):
+    src, sliced, _ = models("kimi_k3")
+    ranks, proc, _ = launch(["tokens", tmp_path, sliced, src, STEPS, "-", BUDGET])
+    assert set(ranks) == {0, 1}, proc.stderr[-2000:]
+    tokens, _, one_bytes, one_slots = single_process(sliced, memory_budget=BUDGET)
+    assert one_bytes > 0
+    for r in ranks.values():
+        assert "error" not in r, r["error"]
+        assert r["tokens"] == tokens
+        assert r["slots"] > one_slots
+        assert r["bytes_read"] <= 0.55 * one_bytes, (r["bytes_read"], one_bytes)
+
+
+def test_ranks_that_load_different_models_stop_with_one_message(models, launch, tmp_path):
+    _, k3, _ = models("kimi_k3")
+    _, qwen, _ = models("qwen3_moe")
+    ranks, proc, seconds = launch(["load", tmp_path, k3, qwen], timeout=120)
+    assert ranks, proc.stderr[-2000:]
+    for r in ranks.values():
+        assert "loaded a different model" in r.get("error", ""), r
+
+
+def test_a_rank_that_dies_stops_the_other_without_a_hang(models, launch, tmp_path):
+    _, sliced, _ = models("qwen3_moe")
+    ranks, proc, seconds = launch(["die", tmp_path, sliced], timeout=120)
+    # The ring backend reports the lost peer to a rank in a collective; mlx.launch
+    # ends the ranks still running. Either way nothing waits forever.
+    assert not ranks.get(0, {}).get("finished"), ranks
+    assert "exited with code 3" in proc.stdout + proc.stderr
+
+
+def test_mlx_lm_server_under_mlx_launch_answers_a_request(models, tmp_path):
+    if not LAUNCH.exists():
+        pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
+    _, sliced, _ = models("qwen3_moe")
+    port = _free_port()
+    cmd = [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+           "--starting-port", str(_free_port()), "--python", sys.executable, "--",
+           str(BIN / "mlx_lm.server"), "--model", str(sliced), "--trust-remote-code",
+           "--host", "127.0.0.1", "--port", str(port)]
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    body = json.dumps({"prompt": "hello there", "max_tokens": 6, "temperature": 0}).encode()
+    answer, deadline = None, time.monotonic() + 180
+    try:
+        while answer is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+                answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
+            except OSError:
+                time.sleep(1)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    assert answer is not None, (tmp_path / "server.log").read_text()[-2000:]
+    assert answer["usage"]["completion_tokens"] == 6
+    # The same greedy text as one process running the same directory.
+    import mlx_lm
+
+    model, tok = mlx_lm.load(str(sliced), trust_remote_code=True)
+    expected = mlx_lm.generate(model, tok, "hello there", max_tokens=6)
+    assert answer["choices"][0]["text"] == expected
+    model._deltafin.close()
