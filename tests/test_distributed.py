@@ -34,7 +34,7 @@ HERE = Path(__file__).parent
 WORKER = HERE / "dist_worker.py"
 BIN = Path(sys.executable).parent
 LAUNCH = BIN / "mlx.launch"
-STEPS = 12
+STEPS = 8
 # Architectures whose mlx-lm model class has shard() in mlx-lm 0.32.2 (Mixtral's has none).
 SHARDABLE = ["kimi_k3", "kimi_k2", "qwen3_moe"]
 # Widths that split across 2 ranks in whole quantization groups everywhere mlx-lm
@@ -75,13 +75,10 @@ def launch():
             f = out / f"rank-{r}.json"
             if f.exists():
                 ranks[r] = json.loads(f.read_text())
-        if not ranks and "ring" in proc.stderr and "error" in proc.stderr.lower():
-            pytest.skip(f"the ring backend did not start: {proc.stderr[-300:]}")
+        if not ranks:
+            pytest.skip(f"mlx.launch (ring backend) ran no rank: {proc.stderr[-300:]}")
         return ranks, proc, time.monotonic() - start
 
-    probe = run(["load", "/nonexistent-probe", "/nonexistent", "/nonexistent"], timeout=120)
-    if not probe[0]:
-        pytest.skip(f"mlx.launch ran no rank: {probe[1].stderr[-300:]}")
     return run
 
 
