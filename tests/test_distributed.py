@@ -76,6 +76,8 @@ def launch():
             if f.exists():
                 ranks[r] = json.loads(f.read_text())
         if not ranks:
+            # A worker that crashed is a failure; a launch that started none, a skip.
+            assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
             pytest.skip(f"mlx.launch (ring backend) ran no rank: {proc.stderr[-300:]}")
         return ranks, proc, time.monotonic() - start
 
