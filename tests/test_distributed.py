@@ -176,6 +176,33 @@ def test_the_plan_per_rank_halves_the_expert_reads_and_cache_entries(models):
     assert per_rank.slots >= 2 * one.slots  # N machines give N times the cache
 
 
+def test_plan_ranks_shows_one_ranks_memory_and_reads(models, capsys):
+    from deltafin_mlx.cli import main
+
+    _, sliced, _ = models("kimi_k3")
+    common = [str(sliced), "--budget", BUDGET, "--disk-gbps", "1", "--compute-gwps", "1",
+              "--json"]
+    assert main(["plan", *common]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(["plan", *common, "--ranks", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["ranks"] == 2 and two["whole_trunk_bytes"] == one["trunk_bytes"]
+    assert two["expert_record_bytes"] * 2 == one["expert_record_bytes"]
+    assert two["trunk_bytes"] < one["trunk_bytes"]
+    assert two["expert_cache_slots"] > one["expert_cache_slots"]
+    assert (two["projection"]["read_bytes_per_token"]
+            < 0.55 * one["projection"]["read_bytes_per_token"])
+
+
+def test_an_architecture_mlx_lm_cannot_shard_is_refused_in_one_line(models):
+    _, sliced, _ = models("mixtral")  # mlx-lm 0.32.2's Mixtral has no shard()
+    m = read_manifest(sliced)
+    config = read_config(sliced, m)
+    whole = inventory_from_manifest(m, config, mx.float32)
+    with pytest.raises(ModelError, match="mlx-lm has no tensor-parallel shard"):
+        sharded_inventory(whole, config, 2, 0, expert_layout(m), sliced)
+
+
 # --- two ranks ----------------------------------------------------------------
 
 
@@ -235,6 +262,19 @@ def test_a_rank_that_dies_stops_the_other_without_a_hang(models, launch, tmp_pat
     # ends the ranks still running. Either way nothing waits forever.
     assert not ranks.get(0, {}).get("finished"), ranks
     assert "exited with code 3" in proc.stdout + proc.stderr
+
+
+def test_deltafin_run_under_mlx_launch_prints_one_answer_with_the_same_tokens(models, launch):
+    _, sliced, _ = models("qwen3_moe")
+    run = [str(BIN / "deltafin-run"), str(sliced), "hello", "-n", "4", "--json"]
+    alone = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    cmd = [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+           "--starting-port", str(_free_port()), "--python", sys.executable, "--", *run]
+    both = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    answers = [json.loads(line) for line in both.stdout.splitlines() if line.startswith("{")]
+    assert len(answers) == 1, both.stdout + both.stderr[-2000:]  # rank 0 only
+    assert answers[0]["tokens"] == json.loads(alone.stdout)["tokens"]
 
 
 def test_mlx_lm_server_under_mlx_launch_answers_a_request(models, tmp_path):
