@@ -1,9 +1,10 @@
 """One rank of tests/test_distributed.py, started by mlx.launch.
 
-    dist_worker.py tokens OUT MODEL SOURCE STEPS [SLOTS|- [BUDGET]]
-        greedy tokens of Deltafin sharded over the launch's ranks, and of mlx-lm's
-        own model (the same source, quantized by mlx-lm) sharded by its shard();
-        writes OUT/rank-R.json with both, bit-equality of the logits, and counters.
+    dist_worker.py tokens OUT STEPS SLOTS|- BUDGET|- NAME=MODEL,SOURCE ...
+        for each model: greedy tokens of Deltafin sharded over the launch's ranks,
+        and of mlx-lm's own model (the same source, quantized by mlx-lm) sharded by
+        its shard(); writes OUT/rank-R.json with both under NAME, whether the logits
+        are bit-equal, and the counters.
     dist_worker.py load OUT MODEL_RANK0 MODEL_RANK1
         each rank loads its own directory (ranks that disagree must stop).
     dist_worker.py die OUT MODEL
@@ -49,24 +50,26 @@ def main():
         if mode == "tokens":
             from conftest import reference_model
 
-            model_dir, source, steps = sys.argv[3], sys.argv[4], int(sys.argv[5])
-            slots = sys.argv[6] if len(sys.argv) > 6 and sys.argv[6] != "-" else None
-            budget = sys.argv[7] if len(sys.argv) > 7 else None
-            model, _ = load(model_dir, memory_budget=budget, tokenizer=False,
-                            cache_slots=int(slots) if slots else None)
-            tokens, logits = greedy(model, steps)
-            state = model._deltafin
-            result.update(tokens=tokens, bytes_read=state.store.bytes_read,
-                          misses=state.stats.misses, hits=state.stats.hits,
-                          slots=state.plan.slots, steps=steps,
-                          record_bytes=state.store.reader.record_size)
-            state.close()
-            oracle = reference_model(source)
-            oracle.shard(group)
-            mx.eval(oracle.parameters())
-            ref_tokens, ref_logits = greedy(oracle, steps)
-            result.update(mlx_lm_tokens=ref_tokens,
-                          logits_equal=bool(mx.array_equal(logits, ref_logits).item()))
+            steps, slots, budget = int(sys.argv[3]), sys.argv[4], sys.argv[5]
+            for item in sys.argv[6:]:
+                name, _, dirs = item.partition("=")
+                model_dir, source = dirs.split(",")
+                model, _ = load(model_dir, tokenizer=False,
+                                memory_budget=None if budget == "-" else budget,
+                                cache_slots=None if slots == "-" else int(slots))
+                tokens, logits = greedy(model, steps)
+                state = model._deltafin
+                run = dict(tokens=tokens, bytes_read=state.store.bytes_read,
+                           misses=state.stats.misses, hits=state.stats.hits,
+                           slots=state.plan.slots, record_bytes=state.store.reader.record_size)
+                state.close()
+                oracle = reference_model(source)
+                oracle.shard(group)
+                mx.eval(oracle.parameters())
+                ref_tokens, ref_logits = greedy(oracle, steps)
+                run.update(mlx_lm_tokens=ref_tokens,
+                           logits_equal=bool(mx.array_equal(logits, ref_logits).item()))
+                result[name] = run
         elif mode == "load":
             model, _ = load(sys.argv[3 + rank], tokenizer=False)
             result["loaded"] = True
