@@ -15,6 +15,8 @@ ranks pointed at different models stop with one line instead of computing garbag
 """
 
 import hashlib
+import os
+import sys
 from dataclasses import replace
 from typing import Optional
 
@@ -56,9 +58,6 @@ def detect_group(group="auto") -> Optional[mx.distributed.Group]:
 
 def quiet_other_ranks():
     """Under mlx.launch, only rank 0 prints results (every rank computes them)."""
-    import os
-    import sys
-
     group = detect_group()
     if group is not None and group.rank() != 0:
         sys.stdout = open(os.devnull, "w")

@@ -18,7 +18,6 @@ import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from conftest import make_source
