@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from conftest import make_source
@@ -126,6 +127,49 @@ def test_a_rank_slice_is_one_aligned_contiguous_read(models):
         for e in (0, 5):
             assert view.record_offset(e) % 4096 == 0 and view.record_size % 4096 == 0
             assert view.record_offset(e) == layout.record_offset(e) + rank * view.record_size
+
+
+def read_as_rank(bank_path, rank, ranks, expert, verify=True):
+    """What rank `rank` of `ranks` reads of one expert (through the runtime's reader)."""
+    from deltafin_mlx.bank import NUMPY_DTYPES
+    from deltafin_mlx.reader import ReadJob, Reader, open_bank
+
+    view = read_layout(bank_path).for_rank(rank, ranks)
+    bank = open_bank(bank_path, view)
+    targets = {s.name: np.zeros(s.shape, NUMPY_DTYPES[s.dtype]) for s in view.held_sections}
+    job = ReadJob(bank, expert, targets, speculative=False)
+    Reader(view.record_size, threads=0, verify=verify).submit(job)
+    bank.close()
+    if job.error is not None:
+        raise job.error
+    return targets
+
+
+def test_each_rank_reads_exactly_its_mlx_lm_shard_of_every_expert(models, copy_of):
+    from deltafin_mlx.bank import slice_axis
+    from deltafin_mlx.reader import ReadError
+
+    _, sliced, _ = models("kimi_k3")
+    m = read_manifest(sliced)
+    path = m.bank_path(m.moe_layers[0])
+    whole = read_as_rank(path, 0, 1, 3)
+    for rank in (0, 1):
+        part = read_as_rank(path, rank, 2, 3)
+        for name, full in whole.items():
+            # mlx's shard_inplace: mx.split(x, N, axis)[rank]
+            assert np.array_equal(part[name], np.split(full, 2, axis=slice_axis(name))[rank])
+    # A damaged byte in rank 1's slice: only rank 1's checked read fails, naming the bank.
+    copy = copy_of(sliced)
+    bank = read_manifest(copy).bank_path(m.moe_layers[0])
+    layout = read_layout(bank)
+    with open(bank, "r+b") as f:
+        f.seek(layout.for_rank(1, 2).record_offset(3) + 10)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    read_as_rank(bank, 0, 2, 3)
+    with pytest.raises(ReadError, match="checksum mismatch in layer"):
+        read_as_rank(bank, 1, 2, 3)
 
 
 def test_one_process_reads_the_sliced_directory_bit_identically(models):
