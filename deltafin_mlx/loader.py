@@ -1,6 +1,7 @@
 """`deltafin_mlx.load`: build mlx-lm's own model for a converted directory, with the
 trunk resident and every MoE layer's experts streamed through the cache."""
 
+from functools import partial
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -227,7 +228,7 @@ def load(
     shard = None
     if group is not None:
         switches = [manifest.switch_path(layer) for layer in manifest.moe_layers]
-        shard = lambda m: shard_model(m, group, switches, path)  # noqa: E731
+        shard = partial(shard_model, group=group, switch_paths=switches, path=path)
     load_trunk(model, manifest, activation_dtype, skip=lambda k: k.startswith(prefixes),
                shard=shard)
     trunk = None
