@@ -32,6 +32,9 @@ def build_parser():
                    help="bits for bf16/fp16 experts (K3's MXFP4 experts are kept as they are)")
     p.add_argument("--expert-group-size", type=int, default=64, choices=GROUP_SIZES,
                    help="group size for bf16/fp16 experts")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="split each expert record into this many rank slices, so that each "
+                        "of N ranks (N dividing it) reads only its slice (docs/FORMAT.md)")
     p.add_argument("--force", action="store_true",
                    help="overwrite OUT even if it holds another model or conversion")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no notes")
@@ -51,6 +54,7 @@ def main(argv=None):
         group_size=args.group_size,
         expert_bits=args.expert_bits,
         expert_group_size=args.expert_group_size,
+        ranks=args.ranks,
         force=args.force,
         progress=not args.quiet,
     )

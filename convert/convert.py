@@ -23,7 +23,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from deltafin_mlx import __version__ as deltafin_version
-from deltafin_mlx.bank import BankWriter, bank_header_size, record_size_of
+from deltafin_mlx.bank import BankWriter, bank_header_size, record_size_of, slice_sections
 from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, read_manifest
 from deltafin_mlx.mlx_lm_shim import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE
 
@@ -52,6 +52,7 @@ class ConvertOptions:
     group_size: int = 64
     expert_bits: int = 4  # for bf16/fp16 experts; K3's MXFP4 experts are kept
     expert_group_size: int = 64
+    ranks: int = 1  # rank slices per expert record (tensor parallel, see FORMAT.md)
     force: bool = False
     progress: bool = True
 
@@ -64,6 +65,8 @@ class ConvertOptions:
             raise ConvertError(f"--expert-bits must be one of {EXPERT_BITS}")
         if self.expert_group_size not in GROUP_SIZES:
             raise ConvertError(f"--expert-group-size must be one of {GROUP_SIZES}")
+        if not 1 <= self.ranks <= 1024:
+            raise ConvertError(f"--ranks must be between 1 and 1024 (got {self.ranks})")
 
     def recorded(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("force", "progress")}
@@ -254,7 +257,19 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
             )
     scales_dtype = str(dtype or mx.bfloat16).split(".")[-1]
     sections = expert_sections(shapes, expert_quant, scales_dtype)
-    record_size = record_size_of(sections)
+    slices = options.ranks
+    if slices > 1:
+        # Each rank's slice of the intermediate dimension is whole quantization
+        # groups of down_proj's input (mlx-lm's sharded-to-all split).
+        hidden = shapes["gate_proj"][0]
+        if hidden % (slices * expert_quant["group_size"]):
+            raise ConvertError(
+                f"--ranks {slices}: the experts' intermediate size {hidden} does not split "
+                f"into {slices} slices of whole quantization groups of "
+                f"{expert_quant['group_size']}"
+            )
+        sections = slice_sections(sections, slices)
+    record_size = record_size_of(sections) * slices
     for layer in moe_layers:
         found = experts.get(layer, {})
         if len(found) != num_experts or set(found) != set(range(num_experts)):
@@ -273,7 +288,7 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
         for u, names in units.items()
     }
     bank_bytes = {
-        layer: bank_header_size(layer, num_experts, sections) + num_experts * record_size
+        layer: bank_header_size(layer, num_experts, sections, slices) + num_experts * record_size
         for layer in moe_layers
     }
     needed = sum(
@@ -369,7 +384,7 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
         if unit in moe_layers:
             rel = f"experts/layer-{unit:05d}.bank"
             tmp = out / (rel + ".tmp")
-            writer = BankWriter(tmp, unit, num_experts, sections)
+            writer = BankWriter(tmp, unit, num_experts, sections, state["options"].get("ranks", 1))
             try:
                 for e in range(num_experts):
                     names = experts[unit][e]
@@ -507,6 +522,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
             "record_size": record_size,
             "sections": [s.to_dict() for s in sections],
             "layers": {str(u): done[str(u)]["bank"] for u in moe_layers},
+            **({"slices": options.ranks} if options.ranks > 1 else {}),
         },
         tokenizer={"kind": kind, "files": tok_files},
         files=files,

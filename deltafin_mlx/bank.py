@@ -15,6 +15,10 @@ import numpy as np
 
 MAGIC = b"DFBANK\x00\x01"
 FORMAT_VERSION = 1
+# Version 2: records split into rank slices (deltafin-convert --ranks N, see
+# docs/FORMAT.md). Unsliced models are still written, and read, as version 1.
+SLICED_VERSION = 2
+FORMAT_VERSIONS = (FORMAT_VERSION, SLICED_VERSION)
 ALIGN = 4096
 
 # numpy has no bfloat16: banks move bf16 as raw uint16 bit patterns.
@@ -108,13 +112,41 @@ def record_size_of(sections: Sequence[Section]) -> int:
     return align_up(last.offset + last.nbytes)
 
 
-def header_size_of(header_json: bytes, num_experts: int) -> int:
-    return align_up(align_up(12 + len(header_json), 4) + 4 * num_experts)
+def header_size_of(header_json: bytes, num_experts: int, slices: int = 1) -> int:
+    tables = num_experts * (1 + (slices if slices > 1 else 0))
+    return align_up(align_up(12 + len(header_json), 4) + 4 * tables)
 
 
-def bank_header_size(layer: int, num_experts: int, sections: Sequence[Section]) -> int:
+def bank_header_size(layer: int, num_experts: int, sections: Sequence[Section],
+                     slices: int = 1) -> int:
     """The header size of the bank BankWriter writes for these arguments."""
-    return header_size_of(_header_json(layer, num_experts, sections), num_experts)
+    return header_size_of(_header_json(layer, num_experts, sections, slices), num_experts, slices)
+
+
+def slice_axis(name: str) -> int:
+    """The axis of a section that rank slices split: the experts' intermediate
+    dimension, i.e. the output rows of gate/up and the input columns of down
+    (mlx-lm's "all-to-sharded" / "sharded-to-all")."""
+    return 1 if name.startswith("down_proj.") else 0
+
+
+def split_slices(tensors: Dict[str, np.ndarray], slices: int) -> List[Dict[str, np.ndarray]]:
+    """One expert's full tensors cut into `slices` equal rank slices."""
+    return [{name: np.split(a, slices, axis=slice_axis(name))[r] for name, a in tensors.items()}
+            for r in range(slices)]
+
+
+def slice_sections(sections: Sequence[Section], slices: int) -> List[Section]:
+    """The section layout of one rank slice of records with full `sections`."""
+    out = []
+    for s in sections:
+        shape = list(s.shape)
+        ax = slice_axis(s.name)
+        if shape[ax] % slices:
+            raise BankError(f"{s.name} {s.shape} does not split into {slices} rank slices")
+        shape[ax] //= slices
+        out.append((s.name, s.dtype, tuple(shape)))
+    return make_sections(out)
 
 
 @dataclass
@@ -125,15 +157,69 @@ class BankLayout:
     num_experts: int
     record_size: int
     header_size: int
-    sections: List[Section]
-    checksums: np.ndarray  # uint32 [num_experts]
+    sections: List[Section]  # of one record or, in a sliced bank, of one slice
+    checksums: Optional[np.ndarray]  # uint32 [num_experts], over what record_offset reads
+    slices: int = 1  # rank slices per record on disk (1: format version 1)
+    slice_checksums: Optional[np.ndarray] = None  # uint32 [num_experts, slices]
+    # A rank's view (see `for_rank`): each read covers `record_size` bytes at
+    # `base` within a record of `stride` bytes, and `parts`/`part` say which part
+    # of what was read the rank keeps.
+    stride: Optional[int] = None
+    base: int = 0
+    parts: int = 1
+    part: int = 0
+
+    @property
+    def slice_size(self) -> int:
+        return record_size_of(self.sections)
 
     def record_offset(self, expert: int) -> int:
-        return self.header_size + expert * self.record_size
+        return self.header_size + expert * (self.stride or self.record_size) + self.base
 
     @property
     def file_size(self) -> int:
-        return self.header_size + self.num_experts * self.record_size
+        return self.header_size + self.num_experts * (self.stride or self.record_size)
+
+    @property
+    def held_sections(self) -> List[Section]:
+        """The sections as this reader holds them in memory (a rank's slice)."""
+        count = self.record_size // self.slice_size
+        if count == 1 and self.parts == 1:
+            return self.sections
+        out = []
+        for s in self.sections:
+            shape = list(s.shape)
+            ax = slice_axis(s.name)
+            shape[ax] = shape[ax] * count // self.parts
+            out.append((s.name, s.dtype, tuple(shape)))
+        return make_sections(out)
+
+    def for_rank(self, rank: int, ranks: int) -> "BankLayout":
+        """What rank `rank` of `ranks` reads from this bank: one contiguous run of
+        slices per record (ranks dividing the slice count), or one slice of which
+        it keeps a part (a slice count dividing ranks: whole-record reads for
+        version 1 banks). ValueError when neither divides the other."""
+        S = self.slices
+        if ranks == 1:
+            first, count, parts, part = 0, S, 1, 0
+        elif S % ranks == 0:
+            first, count, parts, part = rank * (S // ranks), S // ranks, 1, 0
+        elif ranks % S == 0:
+            per = ranks // S
+            first, count, parts, part = rank // per, 1, per, rank % per
+        else:
+            raise ValueError(f"the model was converted with {S} rank slices, which {ranks} "
+                             "ranks cannot share (use a rank count dividing it or a multiple)")
+        if count == S:
+            sums = self.checksums
+        elif count == 1 and self.slice_checksums is not None:
+            sums = self.slice_checksums[:, first].copy()
+        else:
+            sums = None  # no checksum covers this run of slices (see FORMAT.md)
+        size = self.slice_size
+        return BankLayout(self.layer, self.num_experts, count * size, self.header_size,
+                          self.sections, sums, S, self.slice_checksums,
+                          stride=S * size, base=first * size, parts=parts, part=part)
 
     def section(self, name: str) -> Section:
         for s in self.sections:
@@ -142,26 +228,37 @@ class BankLayout:
         raise KeyError(name)
 
     def split_record(self, record: np.ndarray) -> Dict[str, np.ndarray]:
-        """Views of one record's bytes as its tensors (numpy, zero-copy)."""
+        """One read's bytes as the tensors this reader holds (numpy; zero-copy
+        views for one whole slice, else the rank's part of the slices read)."""
+        size = self.slice_size
+        count = len(record) // size
+        pieces = []
+        for c in range(count):
+            chunk = record[c * size : (c + 1) * size]
+            pieces.append({s.name: chunk[s.offset : s.offset + s.nbytes]
+                           .view(NUMPY_DTYPES[s.dtype]).reshape(s.shape) for s in self.sections})
+        if count == 1 and self.parts == 1:
+            return pieces[0]
         out = {}
         for s in self.sections:
-            raw = record[s.offset : s.offset + s.nbytes]
-            out[s.name] = raw.view(NUMPY_DTYPES[s.dtype]).reshape(s.shape)
+            ax = slice_axis(s.name)
+            full = np.concatenate([p[s.name] for p in pieces], axis=ax)
+            out[s.name] = np.split(full, self.parts, axis=ax)[self.part]
         return out
 
 
-def _header_json(layer, num_experts, sections) -> bytes:
-    return json.dumps(
-        {
-            "format_version": FORMAT_VERSION,
-            "layer": layer,
-            "num_experts": num_experts,
-            "record_size": record_size_of(sections),
-            "sections": [s.to_dict() for s in sections],
-            "checksum": "crc32",
-        },
-        sort_keys=True,
-    ).encode()
+def _header_json(layer, num_experts, sections, slices: int = 1) -> bytes:
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "layer": layer,
+        "num_experts": num_experts,
+        "record_size": record_size_of(sections) * slices,
+        "sections": [s.to_dict() for s in sections],
+        "checksum": "crc32",
+    }
+    if slices > 1:
+        meta.update(format_version=SLICED_VERSION, slices=slices)
+    return json.dumps(meta, sort_keys=True).encode()
 
 
 def read_layout(path, expect: Optional[dict] = None) -> BankLayout:
@@ -182,11 +279,14 @@ def read_layout(path, expect: Optional[dict] = None) -> BankLayout:
                 if not isinstance(meta, dict):
                     raise ValueError("not a JSON object")
                 version = meta["format_version"]
-                if version != FORMAT_VERSION:
+                if version not in FORMAT_VERSIONS:
                     raise BankError(
                         f"{path}: bank format version {version!r:.40} is not supported "
-                        f"(this Deltafin reads version {FORMAT_VERSION})"
+                        f"(this Deltafin reads versions {FORMAT_VERSIONS})"
                     )
+                slices = meta.get("slices", 1) if version == SLICED_VERSION else 1
+                if version == SLICED_VERSION and not (_is_int(slices) and 1 < slices <= 1024):
+                    raise ValueError(f"slices {slices!r:.40}")
                 num_experts = meta["num_experts"]
                 record_size = meta["record_size"]
                 layer = meta["layer"]
@@ -203,23 +303,26 @@ def read_layout(path, expect: Optional[dict] = None) -> BankLayout:
                 raise BankError(f"{path}: corrupt bank header ({e})") from None
             if num_experts <= 0 or num_experts > MAX_EXPERTS:
                 raise BankError(f"{path}: corrupt bank header (num_experts {num_experts})")
-            header_size = header_size_of(raw, num_experts)
-            if record_size != record_size_of(sections):
+            header_size = header_size_of(raw, num_experts, slices)
+            if record_size != record_size_of(sections) * slices:
                 raise BankError(f"{path}: corrupt bank header (section layout)")
             f.seek(align_up(12 + jlen, 4))
-            sums = np.frombuffer(f.read(4 * num_experts), dtype="<u4")
-            if sums.size != num_experts:
+            n_sums = num_experts * (1 + (slices if slices > 1 else 0))
+            sums = np.frombuffer(f.read(4 * n_sums), dtype="<u4")
+            if sums.size != n_sums:
                 raise BankError(f"{path}: corrupt bank header (checksum table)")
     except OSError as e:
         raise BankError(f"{path}: cannot read bank ({e.strerror})") from None
-    layout = BankLayout(layer, num_experts, record_size, header_size, sections, sums.copy())
+    slice_sums = sums[num_experts:].reshape(num_experts, slices).copy() if slices > 1 else None
+    layout = BankLayout(layer, num_experts, record_size, header_size, sections,
+                        sums[:num_experts].copy(), slices, slice_sums)
     if size != layout.file_size:
         raise BankError(
             f"{path}: bank is {size} bytes, its header says {layout.file_size} "
             "(truncated or modified file)"
         )
     if expect:
-        for key in ("num_experts", "record_size", "header_size", "layer"):
+        for key in ("num_experts", "record_size", "header_size", "layer", "slices"):
             if key in expect and expect[key] != getattr(layout, key):
                 raise BankError(
                     f"{path}: {key} is {getattr(layout, key)}, the manifest says {expect[key]}"
@@ -238,16 +341,22 @@ class BankWriter:
 
     The header (with the checksum table) is written last, into space reserved up
     front, so a partly written bank never has a valid checksum table.
+    With `slices` > 1, `sections` are one rank slice's and each record is written
+    as that many slices of the expert's tensors (`split_slices`).
     """
 
-    def __init__(self, path, layer: int, num_experts: int, sections: List[Section]):
+    def __init__(self, path, layer: int, num_experts: int, sections: List[Section],
+                 slices: int = 1):
         self.path = str(path)
         self.sections = sections
-        self.record_size = record_size_of(sections)
+        self.slices = slices
+        self.slice_size = record_size_of(sections)
+        self.record_size = self.slice_size * slices
         self.num_experts = num_experts
-        self._header_json = _header_json(layer, num_experts, sections)
-        self.header_size = header_size_of(self._header_json, num_experts)
+        self._header_json = _header_json(layer, num_experts, sections, slices)
+        self.header_size = header_size_of(self._header_json, num_experts, slices)
         self._sums = np.zeros(num_experts, dtype="<u4")
+        self._slice_sums = np.zeros((num_experts, slices), dtype="<u4")
         self._next = 0
         self._record = np.zeros(self.record_size, dtype=np.uint8)
         self._f = open(self.path, "wb")
@@ -255,16 +364,21 @@ class BankWriter:
         self._f.seek(self.header_size)
 
     def write_record(self, tensors: Dict[str, np.ndarray]):
+        """Write the next expert, given its full (unsliced) tensors."""
         rec = self._record
         rec[:] = 0
-        for s in self.sections:
-            a = np.ascontiguousarray(tensors[s.name])
-            if a.nbytes != s.nbytes or tuple(a.shape) != s.shape:
-                raise BankError(
-                    f"expert {self._next}: {s.name} has shape {a.shape} "
-                    f"({a.nbytes} bytes), expected {s.shape} ({s.nbytes} bytes)"
-                )
-            rec[s.offset : s.offset + s.nbytes] = a.reshape(-1).view(np.uint8)
+        parts = split_slices(tensors, self.slices) if self.slices > 1 else [tensors]
+        for r, part in enumerate(parts):
+            base = r * self.slice_size
+            for s in self.sections:
+                a = np.ascontiguousarray(part[s.name])
+                if a.nbytes != s.nbytes or tuple(a.shape) != s.shape:
+                    raise BankError(
+                        f"expert {self._next}: {s.name} has shape {a.shape} "
+                        f"({a.nbytes} bytes), expected {s.shape} ({s.nbytes} bytes)"
+                    )
+                rec[base + s.offset : base + s.offset + s.nbytes] = a.reshape(-1).view(np.uint8)
+            self._slice_sums[self._next, r] = crc32(rec[base : base + self.slice_size])
         self._sums[self._next] = crc32(rec)
         self._f.write(rec.data)
         self._next += 1
@@ -279,6 +393,8 @@ class BankWriter:
         self._f.write(self._header_json)
         self._f.seek(align_up(12 + len(self._header_json), 4))
         self._f.write(self._sums.tobytes())
+        if self.slices > 1:
+            self._f.write(self._slice_sums.tobytes())
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()

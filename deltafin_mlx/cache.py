@@ -166,13 +166,13 @@ class ExpertCache:
         self.slot_maps = {}
 
         layout: BankLayout = banks[self.layers[0]].layout
-        limit = max_slots(layout.sections, activation_dtype)
+        limit = max_slots(layout.held_sections, activation_dtype)
         self.chunks = pool_chunks(capacity, len(self.layers), experts_per_token, num_experts,
                                   limit)
         self.chunk_arrays, self.chunk_views = [], []
         for _, size in self.chunks:
             arrays = {s.name: alloc_aligned((size, *s.shape), slot_dtype(s.dtype, activation_dtype))
-                      for s in layout.sections}
+                      for s in layout.held_sections}  # a rank's slice under tensor parallelism
             self.chunk_arrays.append(arrays)
             self.chunk_views.append({name: np_view(a) for name, a in arrays.items()})
         # With one chunk (every pool up to 27 GB of K3 experts) these are the pool.

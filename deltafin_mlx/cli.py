@@ -128,6 +128,8 @@ def plan_parser():
                    "dtype on GPU — plan an Apple GPU with bfloat16)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="plan one rank of N running the model tensor parallel (mlx.launch)")
     return p
 
 
@@ -427,6 +429,9 @@ def main(argv=None):
     try:
         if argv and argv[0] == "plan":
             return cmd_plan(argv[1:])
+        from .shard import quiet_other_ranks
+
+        quiet_other_ranks()  # under mlx.launch: one output, from rank 0
         if argv and argv[0] == "bench":
             return cmd_bench(argv[1:])
         if argv and argv[0] == "batch":

@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from .bank import Section
 from .cache import slot_bytes
+from .shard import expert_layout
 
 LAYER_RE = re.compile(r"\blayers\.(\d+)\.")
 FLOATS = ("bfloat16", "float16", "float32")
@@ -109,7 +110,8 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
                                             info.get("quantization")))
         if "embed_tokens" in name:
             embed += _tensor_memory(info["dtype"], info["shape"], act)
-    sections = [Section.from_dict(d) for d in manifest.experts["sections"]]
+    # The expert as one process holds it (a sliced record's slices put together).
+    sections = expert_layout(manifest).for_rank(0, 1).held_sections
     quant = manifest.quantization["experts"]
     return Inventory(
         model_type=manifest.model_type,

@@ -1,6 +1,7 @@
 """`deltafin_mlx.load`: build mlx-lm's own model for a converted directory, with the
 trunk resident and every MoE layer's experts streamed through the cache."""
 
+from functools import partial
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -16,6 +17,8 @@ from .modules import find_path, get_module, layer_paths, set_module
 from .inventory import inventory_from_manifest
 from .planner import MemoryPlan, plan_memory
 from .reader import Reader, open_bank
+from .shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
+                    sharded_inventory)
 from .streaming_moe import ExpertStore, StreamingSwitchGLU, tap_moe_input
 from .trunk_stream import RowEmbedding, TrunkStreamer
 
@@ -67,9 +70,12 @@ def quantize_like_config(model: nn.Module, config: dict):
                 class_predicate=predicate)
 
 
-def load_trunk(model: nn.Module, manifest, dtype: Optional[mx.Dtype], skip=lambda name: False):
+def load_trunk(model: nn.Module, manifest, dtype: Optional[mx.Dtype], skip=lambda name: False,
+               shard=None):
     """Load the trunk files into the model, all but the tensors `skip` accepts
-    (streamed layers, an embedding read on demand), cast floats to `dtype`."""
+    (streamed layers, an embedding read on demand), cast floats to `dtype`;
+    `shard(model)`, if given, slices the loaded (still lazy) weights first, so
+    that only the rank's slices are ever evaluated and held."""
     weights = []
     for rel in sorted(set(manifest.trunk_files.values())):
         try:
@@ -85,6 +91,8 @@ def load_trunk(model: nn.Module, manifest, dtype: Optional[mx.Dtype], skip=lambd
         model.load_weights(weights, strict=False)
     except ValueError as e:
         raise ModelError(f"{manifest.path}: trunk does not fit the model ({e})") from None
+    if shard is not None:
+        shard(model)
     params = [(k, v) for k, v in tree_flatten(model.parameters()) if not skip(k)]
     if dtype is not None:
         params = [(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v)
@@ -109,6 +117,7 @@ def load(
     tokenizer: bool = True,
     progress: bool = False,
     sequences=1,
+    group="auto",
 ) -> Tuple[nn.Module, object]:
     """Load a Deltafin model directory. Returns (model, tokenizer).
 
@@ -128,18 +137,32 @@ def load(
     progress: show a progress bar while experts are loaded (when they all fit).
     sequences: sequences decoded together (batch jobs), each with its KV/recurrent
         state at `context` tokens in the budget; "auto" lets the planner choose.
+    group: a mx.distributed.Group to shard the model over (tensor parallel, as
+        mlx-lm's shard(); see shard.py), None for the whole model in this process,
+        or "auto": the global group when mlx.launch started more than one rank.
+        The budget is per rank.
     """
     if read_mode not in READ_MODES:
         raise ValueError(f"read_mode must be one of {READ_MODES}")
     if reader_threads < 0:
         raise ValueError("reader_threads must be >= 0")
     path = Path(path).expanduser()
+    group = detect_group(group)
+    ranks, rank = (group.size(), group.rank()) if group is not None else (1, 0)
     manifest = read_manifest(path)
+    if group is not None:
+        check_same_model(manifest, group)
     config = read_config(path, manifest)
     if activation_dtype == "auto":
         activation_dtype = default_activation_dtype()
     act = activation_dtype or getattr(mx, manifest.dtype, mx.bfloat16)
     inventory = inventory_from_manifest(manifest, config, act)
+    if group is not None:
+        # Streamed trunk layers would need sliced reads of their own: a rank
+        # pins its (1/ranks) slice of the trunk.
+        inventory = sharded_inventory(inventory, config, ranks, rank, expert_layout(manifest),
+                                      manifest.path)
+        stream_trunk = False
     plan = plan_memory(inventory, memory_budget, context=context,
                        reader_threads=reader_threads, max_slots=cache_slots,
                        stream_trunk=stream_trunk, sequences=sequences)
@@ -157,14 +180,21 @@ def load(
                     "record_size": manifest.experts["record_size"],
                     "header_size": entry["header_size"],
                     "sections": manifest.experts["sections"],
+                    "slices": manifest.slices,
                 },
             )
         except BankError as e:
             raise ModelError(str(e)) from None
+        # What this rank reads of each record (all of it in one process).
+        layouts[layer] = rank_view(layouts[layer], rank, ranks, manifest.bank_path(layer))
+        if verify and layouts[layer].checksums is None:
+            raise ModelError(f"{path}: --verify needs a rank count equal to the model's "
+                             f"{manifest.slices} slices, 1, or a multiple of it")
+    read_size = layouts[manifest.moe_layers[0]].record_size
 
     model = build_model(path, config)
     stats = CacheStats()
-    reader = Reader(manifest.experts["record_size"], threads=reader_threads, verify=verify)
+    reader = Reader(read_size, threads=reader_threads, verify=verify)
     quant = manifest.quantization["experts"]
     banks = {layer: open_bank(manifest.bank_path(layer), layouts[layer], read_mode)
              for layer in manifest.moe_layers}
@@ -198,7 +228,12 @@ def load(
         set_module(model, embed, RowEmbedding(get_module(model, embed),
                                               path / manifest.trunk_files["globals"], embed,
                                               activation_dtype))
-    load_trunk(model, manifest, activation_dtype, skip=lambda k: k.startswith(prefixes))
+    shard = None
+    if group is not None:
+        switches = [manifest.switch_path(layer) for layer in manifest.moe_layers]
+        shard = partial(shard_model, group=group, switch_paths=switches, path=path)
+    load_trunk(model, manifest, activation_dtype, skip=lambda k: k.startswith(prefixes),
+               shard=shard)
     trunk = None
     if streamed:
         trunk = TrunkStreamer(model, manifest, dict(enumerate(paths)), streamed,
@@ -206,7 +241,7 @@ def load(
     if plan.slots >= plan.num_experts * plan.moe_layers:
         cache.preload_all(_progress("loading experts") if progress else None)
     model.eval()
-    model._deltafin = DeltafinState(manifest, plan, store, trunk)
+    model._deltafin = DeltafinState(manifest, plan, store, trunk, group)
 
     tok = None
     if tokenizer:
@@ -245,11 +280,12 @@ class DeltafinState:
     """What the runtime attaches to a loaded model (as `model._deltafin`)."""
 
     def __init__(self, manifest, plan: MemoryPlan, store: ExpertStore,
-                 trunk: Optional[TrunkStreamer] = None):
+                 trunk: Optional[TrunkStreamer] = None, group=None):
         self.manifest = manifest
         self.plan = plan
         self.store = store
         self.trunk = trunk
+        self.group = group  # the tensor-parallel group, None in one process
 
     @property
     def stats(self):
@@ -275,12 +311,12 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
     quantize_like_config(model, config)
     weights = []
     for layer in manifest.moe_layers:
-        layout = read_layout(manifest.bank_path(layer))
+        layout = read_layout(manifest.bank_path(layer)).for_rank(0, 1)
         data = np.memmap(manifest.bank_path(layer), dtype=np.uint8, mode="r")
         records = data[layout.header_size:].reshape(layout.num_experts, layout.record_size)
-        for s in layout.sections:
-            raw = np.ascontiguousarray(records[:, s.offset : s.offset + s.nbytes])
-            arr = raw.view(NUMPY_DTYPES[s.dtype]).reshape(layout.num_experts, *s.shape)
+        experts = [layout.split_record(records[e]) for e in range(layout.num_experts)]
+        for s in layout.held_sections:
+            arr = np.stack([np.ascontiguousarray(x[s.name]) for x in experts])
             a = mx.array(arr)
             if s.dtype == "bfloat16":
                 a = a.view(mx.bfloat16)

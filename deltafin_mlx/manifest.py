@@ -15,6 +15,8 @@ from typing import Dict
 from .bank import (
     ALIGN,
     FORMAT_VERSION,
+    FORMAT_VERSIONS,
+    SLICED_VERSION,
     MAX_EXPERTS,
     Section,
     _is_int,
@@ -54,10 +56,15 @@ class Manifest:
     def switch_path(self, layer: int) -> str:
         return self.experts["layers"][str(layer)]["switch_path"]
 
+    @property
+    def slices(self) -> int:
+        """Rank slices per expert record (deltafin-convert --ranks; 1: unsliced)."""
+        return self.experts.get("slices", 1)
+
     def to_dict(self) -> dict:
         return {
             "format": "deltafin",
-            "format_version": FORMAT_VERSION,
+            "format_version": SLICED_VERSION if self.slices > 1 else FORMAT_VERSION,
             "model_type": self.model_type,
             "source": self.source,
             "dtype": self.dtype,
@@ -113,10 +120,10 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
     if not isinstance(d, dict) or d.get("format") != "deltafin":
         raise ModelError(f"{mpath}: not a Deltafin manifest")
     version = d.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in FORMAT_VERSIONS:
         raise ModelError(
             f"{mpath}: format version {version!r} is not supported "
-            f"(this Deltafin reads version {FORMAT_VERSION})"
+            f"(this Deltafin reads versions {FORMAT_VERSIONS})"
         )
     try:
         _check_fields(d)
@@ -237,7 +244,12 @@ def _check_fields(d: dict):
     _need(_is_int(record_size) and record_size > 0 and record_size % ALIGN == 0,
           f"experts.record_size {record_size!r:.40}")
     sections = sections_from_dicts(ex.get("sections"))
-    _need(record_size == record_size_of(sections), "experts.record_size does not match the sections")
+    slices = ex.get("slices", 1)
+    _need(_is_int(slices) and 1 <= slices <= 1024
+          and (slices > 1) == (d.get("format_version") == SLICED_VERSION),
+          f"experts.slices {slices!r:.40} (format version {d.get('format_version')})")
+    _need(record_size == record_size_of(sections) * slices,
+          "experts.record_size does not match the sections")
     _check_expert_sections({s.name: s for s in sections}, eq)
 
     layers = ex.get("layers")

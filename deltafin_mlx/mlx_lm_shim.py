@@ -9,9 +9,14 @@ loading sees no parameters to fill). Importing it also teaches mlx-lm's tokenize
 loading to use Deltafin's tokenizer for Deltafin directories (K3 ships no
 tokenizer.json, only a tiktoken vocabulary).
 
-Environment: DELTAFIN_BUDGET (e.g. "8GB") sets the memory budget; DELTAFIN_SEQUENCES
-(a number or "auto", default 1) the sequences whose KV/recurrent state it must hold —
-mlx_lm.server batches up to --decode-concurrency of them when the caches merge.
+Under `mlx.launch` with more than one rank, the model is sharded (tensor parallel,
+see shard.py) and its loading waits for mlx-lm's `shard(group)` call (mlx_lm.server's
+`sharded_load` builds the model class twice; only the second one loads).
+
+Environment: DELTAFIN_BUDGET (e.g. "8GB") sets the memory budget (per rank);
+DELTAFIN_SEQUENCES (a number or "auto", default 1) the sequences whose KV/recurrent
+state it must hold — mlx_lm.server batches up to --decode-concurrency of them when
+the caches merge.
 """
 
 import os
@@ -49,14 +54,35 @@ def make_classes(path: Path):
     class Model(nn.Module):
         def __init__(self, args: ModelArgs):
             super().__init__()
-            from .loader import load
+            from .shard import detect_group
 
             self.model_type = args.model_type
             self.args = args
+            self._loaded = None
+            if detect_group() is None:
+                self._load(None)
+
+        def _load(self, group):
+            from .loader import load
+
             seqs = os.environ.get("DELTAFIN_SEQUENCES") or 1
-            self._inner, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
-                                  tokenizer=False,
-                                  sequences=seqs if seqs == "auto" else int(seqs))
+            self._loaded, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
+                                   tokenizer=False, group=group,
+                                   sequences=seqs if seqs == "auto" else int(seqs))
+
+        @property
+        def _inner(self):
+            if self._loaded is None:
+                self._load("auto")
+            return self._loaded
+
+        def shard(self, group=None):
+            """mlx-lm's tensor-parallel entry point (sharded_load, mlx_lm.server)."""
+            if self._loaded is None:
+                self._load(group or "auto")
+            elif getattr(self._loaded._deltafin, "group", None) is None and group is not None \
+                    and group.size() > 1:
+                raise ValueError("this Deltafin model was loaded whole; shard() must come first")
 
         def __call__(self, inputs, cache=None, **kwargs):
             return self._inner(inputs, cache=cache, **kwargs)

@@ -32,6 +32,7 @@ from .inventory import Inventory, inventory_from_config, inventory_from_manifest
 from .manifest import MANIFEST_NAME, ModelError, read_manifest
 from .planner import MemoryPlan, plan_memory
 from .rates import cached_rate, compute_key, disk_key
+from .shard import expert_layout, sharded_inventory
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -179,6 +180,7 @@ def plan_from_path(args) -> dict:
         check_context(args.context, config)
         act = act or getattr(mx, manifest.dtype)
         inv = inventory_from_manifest(manifest, config, act)
+        layout = expert_layout(manifest)
         bank = manifest.bank_path(manifest.moe_layers[0])
         source = str(target)
     else:
@@ -196,8 +198,13 @@ def plan_from_path(args) -> dict:
                                     group_size=opts["group_size"],
                                     expert_bits=opts["expert_bits"],
                                     expert_group_size=opts["expert_group_size"])
+        layout = None  # as deltafin-convert --ranks N would write it
         source = args.model if not target.exists() else str(config_path)
-    plan = plan_memory(inv, args.budget, context=args.context,
+    ranks = getattr(args, "ranks", 1)
+    whole = inv
+    if ranks > 1:
+        inv = sharded_inventory(inv, config, ranks, 0, layout, target)
+    plan = plan_memory(inv, args.budget, context=args.context, stream_trunk=ranks == 1,
                        sequences=getattr(args, "sequences", 1))
     remeasure = getattr(args, "remeasure", False)
     disk, disk_from = _disk_rate(args.disk_gbps, bank, source, remeasure)
@@ -218,6 +225,9 @@ def plan_from_path(args) -> dict:
     limit = pool_limit(len(inv.moe_layers), inv.experts_per_token, inv.num_experts, chunk)
     return {
         "model": source,
+        "ranks": ranks,  # every figure below is per rank
+        "whole_trunk_bytes": whole.trunk_bytes,
+        "whole_expert_record_bytes": whole.record_size,
         "model_type": inv.model_type,
         "activation_dtype": str(act).split(".")[-1],
         "budget_bytes": plan.budget,
@@ -315,6 +325,9 @@ def format_plan(r: dict) -> str:
     parts = " + ".join(f"{what} {human_bytes(n)}" for what, n in r["floor_parts"].items())
     lines = [
         f"model          {r['model']} ({r['model_type']}), activations {r['activation_dtype']}",
+        *([f"ranks          {r['ranks']} (tensor parallel): every figure below is per rank; "
+           f"whole trunk {human_bytes(r['whole_trunk_bytes'])}, whole expert record "
+           f"{human_bytes(r['whole_expert_record_bytes'])}"] if r.get("ranks", 1) > 1 else []),
         f"context        {r['context']:,} tokens{maximum}",
         f"budget         {human_bytes(r['budget_bytes'])}",
         f"floor          {human_bytes(r['floor_bytes'])} = {parts}",
