@@ -27,6 +27,8 @@ from .inventory import Inventory
 WORKING_BYTES = 16 << 20  # activations, router outputs and read bookkeeping of small models
 HEADROOM = 0.85  # of available memory, for the default budget
 RING = 2  # buffers per streamed layer shape: one in use, one being read
+PREFILL_STEPS = (512, 256, 128, 64, 32, 16)  # prompt tokens per forward pass, largest first
+PREFILL_SHARE = 16  # up to 1/16 of the budget may hold a prefill chunk's activations
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 1 << 10, "M": 1e6, "MB": 1e6,
           "MIB": 1 << 20, "G": 1e9, "GB": 1e9, "GIB": 1 << 30, "T": 1e12, "TB": 1e12,
@@ -121,6 +123,37 @@ def state_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:
     return total
 
 
+def max_context(config: dict):
+    """The longest context the model was built for (None when config.json does not say)."""
+    tc = config.get("text_config", config)
+    return tc.get("max_position_embeddings") or config.get("max_position_embeddings")
+
+
+def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dtype) -> int:
+    """Activations of one forward pass over `step` prompt tokens at `context`:
+    the attention scores (float32, a few live copies) grow with step x context,
+    the rest (hidden states, projections, routed experts' inner states) with step.
+    Measured RSS on the synthetic fixtures stays below this (tests/test_chat.py)."""
+    tc = config.get("text_config", config)
+    size = activation_dtype.size
+    heads = tc.get("num_attention_heads", 1)
+    hidden = tc.get("hidden_size", 0)
+    k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 8
+    inner = max(tc.get("moe_intermediate_size") or 0, tc.get("routed_expert_hidden_size") or 0,
+                tc.get("intermediate_size") or 0)
+    scores = 4 * 4 * heads * context
+    per_token = 16 * hidden * size + 4 * k * inner * size + 4 * inner * size
+    return step * (scores + per_token)
+
+
+def prefill_step(config: dict, context: int, activation_dtype: mx.Dtype, allowance: int) -> int:
+    """The largest prefill chunk whose activations fit in `allowance` (at least the smallest)."""
+    for step in PREFILL_STEPS:
+        if prefill_bytes(config, step, context, activation_dtype) <= allowance:
+            return step
+    return PREFILL_STEPS[-1]
+
+
 @dataclass
 class MemoryPlan:
     budget: int
@@ -140,6 +173,7 @@ class MemoryPlan:
     num_experts: int
     moe_layers: int
     streamed_read_bytes: int  # trunk bytes read per token
+    prefill_step: int = PREFILL_STEPS[-1]  # prompt tokens per forward pass (bounds activations)
     notes: List[str] = field(default_factory=list)
 
     @property
@@ -188,6 +222,12 @@ def streamable_units(inv: Inventory) -> List[str]:
 def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int = 1,
                 max_slots: int = None, stream_trunk: bool = True) -> MemoryPlan:
     budget = default_budget() if budget is None else parse_size(budget)
+    limit = max_context(inv.config)
+    if not isinstance(context, int) or context < 1:
+        raise BudgetError(f"context must be a positive number of tokens (got {context!r})")
+    if limit and context > limit:
+        raise BudgetError(f"context of {context} tokens is beyond this model's maximum of "
+                          f"{limit} (max_position_embeddings)")
     k = inv.experts_per_token
     one = inv.slot_bytes
     all_experts = inv.num_experts * len(inv.moe_layers)
@@ -206,6 +246,14 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
             f"streamed-layer buffers {ring / 1e9:.3f} GB, KV/state {state / 1e9:.3f} GB at "
             f"{context} tokens, one token's {k} experts {k * one / 1e9:.3f} GB)"
         )
+
+    # Prefill activations: the chunk whose activations fit in WORKING_BYTES, or in a
+    # larger share of a larger budget (bigger chunks read each expert fewer times).
+    allowance = max(WORKING_BYTES, min(budget // PREFILL_SHARE, budget - floor + WORKING_BYTES))
+    step = prefill_step(inv.config, context, inv.activation_dtype, allowance)
+    extra = max(0, prefill_bytes(inv.config, step, context, inv.activation_dtype) - WORKING_BYTES)
+    working += extra
+    fixed += extra
 
     # Pin trunk layers while they fit (each saves its size in reads per token),
     # keeping room for the experts one token needs.
@@ -232,5 +280,5 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         pinned=pinned, streamed=streamed, ring_bytes=ring, embed_on_demand=embed_on_demand,
         embed_bytes=inv.embed_bytes, resident_bytes=res, slot_bytes=one, slots=int(slots),
         floor=floor, experts_per_token=k, num_experts=inv.num_experts,
-        moe_layers=len(inv.moe_layers), streamed_read_bytes=read,
+        moe_layers=len(inv.moe_layers), streamed_read_bytes=read, prefill_step=step,
     )
