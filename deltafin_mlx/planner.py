@@ -129,6 +129,13 @@ def max_context(config: dict):
     return tc.get("max_position_embeddings") or config.get("max_position_embeddings")
 
 
+def round_context(tokens: int, limit=None, step: int = 256) -> int:
+    """The context to reserve for `tokens` tokens: rounded up to a multiple of
+    `step`, but not past the model's maximum `limit` when `tokens` itself fits."""
+    rounded = max(step, -(-tokens // step) * step)
+    return min(rounded, limit) if limit and tokens <= limit else rounded
+
+
 def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dtype) -> int:
     """Activations of one forward pass over `step` prompt tokens at `context`:
     the attention scores (float32, a few live copies) grow with step x context,
