@@ -137,24 +137,43 @@ def round_context(tokens: int, limit=None, step: int = 256) -> int:
 
 
 def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dtype) -> int:
-    """Activations of one forward pass over `step` prompt tokens at `context`:
-    the attention scores (float32, a few live copies) grow with step x context,
-    the rest (hidden states, projections, routed experts' inner states) with step.
-    Measured RSS on the synthetic fixtures stays below this (tests/test_chat.py)."""
+    """Activations of one forward pass over `step` prompt tokens at `context`.
+
+    Per token of the chunk: hidden-sized intermediates and the routed experts'
+    inner activations. Planning for MLX's CPU backend (float32 activations) adds
+    what its reference paths keep alive: the attention scores against the whole
+    context (float32, a few copies), the linear-attention (KDA) recurrence that
+    mlx-lm runs as a loop over tokens (`gated_delta_ops`, copies of the state per
+    token), and intermediates that grow with the number of layers. The CPU terms
+    are an upper bound fitted to measured peak RSS of synthetic K3 layouts of 4 and
+    8 layers (tests/test_prefill_memory.py), not a model of MLX's allocator; on a
+    GPU (fused attention and recurrence kernels) only the first terms apply.
+    """
     tc = config.get("text_config", config)
     size = activation_dtype.size
-    heads = tc.get("num_attention_heads", 1)
     hidden = tc.get("hidden_size", 0)
     k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 8
-    inner = max(tc.get("moe_intermediate_size") or 0, tc.get("routed_expert_hidden_size") or 0,
-                tc.get("intermediate_size") or 0)
-    scores = 4 * 4 * heads * context
-    per_token = 16 * hidden * size + 4 * k * inner * size + 4 * inner * size
-    return step * (scores + per_token)
+    expert = max(tc.get("moe_intermediate_size") or 0, tc.get("routed_expert_hidden_size") or 0)
+    dense = tc.get("intermediate_size") or 0
+    per_token = 16 * hidden * size + 4 * k * expert * size + 4 * dense * size
+    if activation_dtype == mx.float32:  # the CPU backend's reference paths
+        scores = 4 * 4 * tc.get("num_attention_heads", 1) * context
+        lin = tc.get("linear_attn_config") or {}
+        recurrent = 8 * 4 * lin["num_heads"] * lin["head_dim"] ** 2 if lin.get("num_heads") else 0
+        layers = 32 * tc.get("num_hidden_layers", 1) * hidden * size
+        per_token += scores + recurrent + layers
+    return step * per_token
+
+
+def min_prefill_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:
+    """What the smallest prefill chunk needs beyond WORKING_BYTES (part of the floor)."""
+    need = prefill_bytes(config, PREFILL_STEPS[-1], context, activation_dtype)
+    return max(0, need - WORKING_BYTES)
 
 
 def prefill_step(config: dict, context: int, activation_dtype: mx.Dtype, allowance: int) -> int:
-    """The largest prefill chunk whose activations fit in `allowance` (at least the smallest)."""
+    """The largest prefill chunk whose activations fit in `allowance` (the smallest
+    when none does: the floor holds its activations)."""
     for step in PREFILL_STEPS:
         if prefill_bytes(config, step, context, activation_dtype) <= allowance:
             return step
@@ -181,6 +200,7 @@ class MemoryPlan:
     moe_layers: int
     streamed_read_bytes: int  # trunk bytes read per token
     prefill_step: int = PREFILL_STEPS[-1]  # prompt tokens per forward pass (bounds activations)
+    prefill_bytes: int = 0  # that chunk's activations beyond the working buffers
     notes: List[str] = field(default_factory=list)
 
     @property
@@ -194,8 +214,8 @@ class MemoryPlan:
 
     @property
     def used_bytes(self) -> int:
-        return (self.state_bytes + self.working_bytes + self.resident_bytes + self.ring_bytes
-                + self.cache_bytes)
+        return (self.state_bytes + self.working_bytes + self.prefill_bytes + self.resident_bytes
+                + self.ring_bytes + self.cache_bytes)
 
 
 def _trunk_layout(inv: Inventory, streamed: set, embed_on_demand: bool):
@@ -245,21 +265,25 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     candidates = streamable_units(inv) if stream_trunk else []
     on_demand_ok = stream_trunk and not inv.embed_tied and inv.embed_bytes > 0
     res, ring, _ = _trunk_layout(inv, set(candidates), on_demand_ok)
-    floor = fixed + res + ring + k * one
+    min_prefill = min_prefill_bytes(inv.config, context, inv.activation_dtype)
+    floor = fixed + min_prefill + res + ring + k * one
     if budget < floor:
+        prefill = (f", prefill activations {min_prefill / 1e9:.3f} GB"
+                   f" beyond working buffers" if min_prefill else "")
         raise BudgetError(
             f"memory budget {budget / 1e9:.3f} GB is below this model's floor of "
             f"{floor / 1e9:.3f} GB ({floor} bytes: resident trunk {res / 1e9:.3f} GB, "
             f"streamed-layer buffers {ring / 1e9:.3f} GB, KV/state {state / 1e9:.3f} GB at "
-            f"{context} tokens, one token's {k} experts {k * one / 1e9:.3f} GB)"
+            f"{context} tokens, one token's {k} experts {k * one / 1e9:.3f} GB{prefill})"
         )
 
-    # Prefill activations: the chunk whose activations fit in WORKING_BYTES, or in a
-    # larger share of a larger budget (bigger chunks read each expert fewer times).
-    allowance = max(WORKING_BYTES, min(budget // PREFILL_SHARE, budget - floor + WORKING_BYTES))
+    # Prefill activations: the largest chunk whose activations fit in WORKING_BYTES
+    # (and the floor's share), or in up to 1/16 of a larger budget: bigger chunks
+    # read each expert fewer times.
+    least = WORKING_BYTES + min_prefill
+    allowance = max(least, min(budget // PREFILL_SHARE, budget - floor + least))
     step = prefill_step(inv.config, context, inv.activation_dtype, allowance)
     extra = max(0, prefill_bytes(inv.config, step, context, inv.activation_dtype) - WORKING_BYTES)
-    working += extra
     fixed += extra
 
     # Pin trunk layers while they fit (each saves its size in reads per token),
@@ -288,4 +312,5 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         embed_bytes=inv.embed_bytes, resident_bytes=res, slot_bytes=one, slots=int(slots),
         floor=floor, experts_per_token=k, num_experts=inv.num_experts,
         moe_layers=len(inv.moe_layers), streamed_read_bytes=read, prefill_step=step,
+        prefill_bytes=extra,
     )
