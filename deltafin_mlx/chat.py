@@ -153,14 +153,16 @@ class ChatSession:
     def ask(self, text: str, max_tokens: int = 256, *, sampler=None,
             progress: Optional[Callable[[int, int], None]] = None,
             stop_requested: Callable[[], bool] = lambda: False,
-            on_text: Optional[Callable[[str, str], None]] = None, **kwargs) -> Turn:
+            on_text: Optional[Callable[[str, str], None]] = None,
+            prompt: Optional[List[int]] = None, **kwargs) -> Turn:
         """One turn: prefill what the cache lacks, generate the reply, record both.
 
         on_text(channel, text) receives the reply as it streams ("think" or
         "answer"; markup is never passed). When stop_requested() turns true (Ctrl-C),
         the turn ends at the next token or prefill chunk and the reply so far is
-        kept in the history, so the conversation stays consistent."""
-        prompt = self.prompt_for(text)
+        kept in the history, so the conversation stays consistent. `prompt`: the
+        whole conversation's tokens, when the caller built them (prompt_for's)."""
+        prompt = self.prompt_for(text) if prompt is None else list(prompt)
         reused = self.sync(prompt)
         new = prompt[reused:]
         fit_context(self.model, len(new), max_tokens, cached=reused)  # before any change

@@ -234,31 +234,42 @@ def cmd_bench(argv):
     model, _ = load_model(args, tokenizer=False)
     from mlx_lm.models.cache import make_prompt_cache
 
+    step = model._deltafin.plan.prefill_step
     runs = []
     for i in range(args.repeats):
         cache = make_prompt_cache(model)
         prompt = mx.array([[(7 * j + i) % 200 + 1 for j in range(args.prompt_tokens)]])
-        logits = model(prompt, cache=cache)
-        y = mx.argmax(logits[:, -1], axis=-1)
-        mx.eval(y)
         meter = StatsMeter(model)
+        for start in range(0, prompt.shape[1] - 1, step):  # the plan's prefill chunks
+            model(prompt[:, start : min(start + step, prompt.shape[1] - 1)], cache=cache)
+            mx.eval([c.state for c in cache])
+        y = mx.argmax(model(prompt[:, -1:], cache=cache)[:, -1], axis=-1)
+        mx.eval(y)
+        meter.first_token()
         for _ in range(args.max_tokens):
             y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
             mx.eval(y)
-        runs.append(meter.now(args.max_tokens))
-    tps = [r.tokens_per_second for r in runs]
+        runs.append(meter.now(args.max_tokens + 1, args.prompt_tokens))
+    tps = [r.decode_tokens_per_second for r in runs]
+    pps = [r.prefill_tokens_per_second for r in runs]
     result = {
         "model": args.model,
         "budget_bytes": model._deltafin.plan.budget,
         "cache_fraction": model._deltafin.plan.cache_fraction,
         "tokens_per_second_median": statistics.median(tps),
         "tokens_per_second_range": [min(tps), max(tps)],
+        "prefill_tokens_per_second_median": statistics.median(pps),
+        "prefill_tokens_per_second_range": [min(pps), max(pps)],
+        "prefill_step": step,
         "runs": [r.to_dict() for r in runs],
     }
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"decode, {args.max_tokens} tokens x {args.repeats}: median "
+        print(f"prefill, {args.prompt_tokens} tokens x {args.repeats}: median "
+              f"{result['prefill_tokens_per_second_median']:.2f} tok/s "
+              f"(range {min(pps):.2f}-{max(pps):.2f}, chunks of {step}); "
+              f"decode, {args.max_tokens} tokens: median "
               f"{result['tokens_per_second_median']:.2f} tok/s "
               f"(range {min(tps):.2f}-{max(tps):.2f}); cache {result['cache_fraction']:.0%} "
               f"of experts; last run: {runs[-1].line()}")
