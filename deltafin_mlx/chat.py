@@ -539,8 +539,8 @@ def run_chat(model, tokenizer, args) -> int:
         print(tail + ("\033[0m" if tty and shown["channel"] == "think" else ""))
         if turn.finish_reason == "interrupted" and not stop.stopped:
             print("[interrupted: the reply so far is kept in the history]", file=sys.stderr)
-        print(f"[deltafin] prefilled {turn.prefilled} tokens ({turn.reused} from the cache); "
-              f"{turn.stats.line()}", file=sys.stderr)
+        print(f"[deltafin] {turn.stats.line()}; prefilled {turn.prefilled} tokens "
+              f"({turn.reused} from the cache)", file=sys.stderr)
         if path is not None:
             session.save(path)
     print(file=sys.stderr)

@@ -61,10 +61,10 @@ class RunStats:
 
     def line(self) -> str:
         return (
-            f"prompt {self.prompt_tokens} tokens, first token after "
-            f"{self.first_token_seconds:.2f} s (prefill {self.prefill_tokens_per_second:.1f} tok/s); "
             f"{self.tokens} tokens in {self.seconds:.2f} s (decode "
-            f"{self.decode_tokens_per_second:.2f} tok/s); "
+            f"{self.decode_tokens_per_second:.2f} tok/s); prompt {self.prompt_tokens} tokens, "
+            f"first token after {self.first_token_seconds:.2f} s "
+            f"(prefill {self.prefill_tokens_per_second:.1f} tok/s); "
             f"experts: {self.hits} hits, {self.misses} misses ({self.hit_rate:.0%} hit rate), "
             f"{self.bytes_read / 1e6:.1f} MB read, stalled on reads {self.stall_share:.0%} of the time"
         )

@@ -169,7 +169,7 @@ def test_cli_chat_commands_multiline_and_a_resumed_session(converted, tmp_path):
     assert p.returncode == 0, p.stderr
     assert "unknown command /frobnicate: not sent" in p.stderr
     assert "/reset" in p.stderr and "KEPT" in p.stderr  # the help says what Ctrl-C keeps
-    assert p.stderr.count("[deltafin] prefilled") == 3  # /frobnicate and /help were not sent
+    assert p.stderr.count("from the cache)") == 3  # /frobnicate and /help were not sent
     assert "<|" not in p.stdout  # markup is never printed
     meta = json.loads(json.dumps(load_prompt_cache(str(tmp_path / "talk.safetensors"),
                                                    return_metadata=True)[1]))
