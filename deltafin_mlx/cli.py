@@ -11,6 +11,7 @@ USAGE = """deltafin-run MODEL PROMPT [options]
        deltafin-run MODEL --chat [options]
        deltafin-run plan MODEL|CONFIG.json|HUB_ID [options]
        deltafin-run bench MODEL [options]
+       deltafin-run batch MODEL IN.jsonl -o OUT.jsonl [options]
        deltafin-run info MODEL
        deltafin-run verify MODEL
        deltafin-run --demo [PROMPT] [options]"""
@@ -21,6 +22,7 @@ COMMANDS = """commands:
   plan              the memory plan and a projected speed, without loading weights
                     (of a converted model, a source config.json or a hub id)
   bench             a short decode benchmark
+  batch             answer every prompt of a JSONL file, decoded together (resumable)
   info              what a converted model is: architecture, experts, quantization,
                     sizes, source, when it was converted
   verify            check every file and every expert record's checksum
@@ -86,6 +88,15 @@ def run_parser():
     p.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--chat", action="store_true", help="interactive chat")
+    p.add_argument("--session", metavar="FILE", default=None,
+                   help="chat: save the conversation and the model's cache to FILE after "
+                   "each turn, restore it at start (.safetensors is added if missing)")
+    p.add_argument("--system", metavar="TEXT", default=None, help="chat: a system message")
+    p.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
+                   help="K3's thinking effort (default: the model's, max)")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="tokens of KV cache/state to reserve (default: prompt + max tokens, "
+                   "rounded up; 4096 in chat)")
     p.add_argument("--demo", action="store_true",
                    help="build a small synthetic K3-layout model and run it streaming")
     p.add_argument("--demo-dir", default=None,
@@ -200,6 +211,8 @@ def batch_options(args):
 def load_model(args, **extra):
     from .loader import load
 
+    if getattr(args, "context", None) is not None:
+        extra.setdefault("context", args.context)
     return load(args.model, memory_budget=args.budget, reader_threads=args.reader_threads,
                 lookahead=not args.no_lookahead, verify=args.verify, read_mode=args.read_mode,
                 progress=sys.stderr.isatty(), **extra)
@@ -234,20 +247,28 @@ class StopFilter:
 
 
 def generate_reply(model, tokenizer, prompt, args, echo=True):
-    from .generate import RunStats, stream_generate
+    from .generate import PrefillProgress, StatsMeter, stream_generate
 
     stop = StopFilter(args.stop)
-    stats, tokens, reason = RunStats(), [], None
-    for r in stream_generate(model, tokenizer, prompt, args.max_tokens, temp=args.temp,
-                             top_p=args.top_p, top_k=args.top_k, seed=args.seed):
-        tokens.append(r.token)
-        stats, reason = r.deltafin, r.finish_reason
-        out = stop.add(r.text)
-        if echo and out:
-            print(out, end="", flush=True)
-        if stop.stopped:
-            reason = "stop"
-            break
+    meter = StatsMeter(model)
+    stats, tokens, reason = meter.now(0, len(prompt)), [], None
+    progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
+    try:
+        for r in stream_generate(model, tokenizer, prompt, args.max_tokens, temp=args.temp,
+                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                 prompt_progress_callback=progress):
+            tokens.append(r.token)
+            stats, reason = r.deltafin, r.finish_reason
+            out = stop.add(r.text)
+            if echo and out:
+                print(out, end="", flush=True)
+            if stop.stopped:
+                reason = "stop"
+                break
+    except KeyboardInterrupt:  # the stats so far are still shown
+        reason = "interrupted"
+        if not tokens:
+            stats = meter.now(0, len(prompt))
     out = stop.flush()
     if echo and out:
         print(out, end="", flush=True)
@@ -267,9 +288,19 @@ def cmd_run(args):
     if args.prompt is None:
         raise CliError("no prompt given (a prompt, '-' for stdin, or --chat)")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    model, tokenizer = load_model(args)
-    trace = start_trace(model, args.trace_routing)
+    from .loader import open_tokenizer
+    from pathlib import Path
+
+    from mlx_lm.utils import load_config
+
+    from .planner import max_context, round_context
+
+    tokenizer = open_tokenizer(args.model)
     prompt = make_prompt(tokenizer, text, args)
+    context = args.context or round_context(len(prompt) + args.max_tokens,
+                                            max_context(load_config(Path(args.model))))
+    model, _ = load_model(args, context=context, tokenizer=tokenizer)
+    trace = start_trace(model, args.trace_routing)
     reply, tokens, stats, reason = generate_reply(model, tokenizer, prompt, args,
                                                   echo=not args.json)
     if trace:
@@ -281,42 +312,20 @@ def cmd_run(args):
         print()
         print(f"[deltafin] {stats.line()}", file=sys.stderr)
     model._deltafin.close()
+    if reason == "interrupted":
+        print("deltafin-run: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
 def cmd_chat(args):
+    from .chat import run_chat
+
     model, tokenizer = load_model(args)
-    history, total = [], []
-    print("Deltafin chat: /reset clears the history, /stats shows counters, /quit ends.",
-          file=sys.stderr)
-    while True:
-        print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            break
-        line = line.strip()
-        if not line:
-            continue
-        if line == "/quit":
-            break
-        if line == "/reset":
-            history = []
-            print("[history cleared]", file=sys.stderr)
-            continue
-        if line == "/stats":
-            s = model._deltafin.stats
-            print(f"[deltafin] {sum(total)} tokens so far; experts: {s.hits} hits, "
-                  f"{s.misses} misses ({s.hit_rate:.0%} hit rate), "
-                  f"{model._deltafin.store.bytes_read / 1e6:.1f} MB read", file=sys.stderr)
-            continue
-        prompt = make_prompt(tokenizer, line, args, history)
-        reply, tokens, stats, _ = generate_reply(model, tokenizer, prompt, args)
-        print()
-        print(f"[deltafin] {stats.line()}", file=sys.stderr)
-        total.append(len(tokens))
-        history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
-    model._deltafin.close()
-    return 0
+    try:
+        return run_chat(model, tokenizer, args)
+    finally:
+        model._deltafin.close()
 
 
 def cmd_bench(argv):
@@ -330,31 +339,42 @@ def cmd_bench(argv):
     model, _ = load_model(args, tokenizer=False)
     from mlx_lm.models.cache import make_prompt_cache
 
+    step = model._deltafin.plan.prefill_step
     runs = []
     for i in range(args.repeats):
         cache = make_prompt_cache(model)
         prompt = mx.array([[(7 * j + i) % 200 + 1 for j in range(args.prompt_tokens)]])
-        logits = model(prompt, cache=cache)
-        y = mx.argmax(logits[:, -1], axis=-1)
-        mx.eval(y)
         meter = StatsMeter(model)
+        for start in range(0, prompt.shape[1] - 1, step):  # the plan's prefill chunks
+            model(prompt[:, start : min(start + step, prompt.shape[1] - 1)], cache=cache)
+            mx.eval([c.state for c in cache])
+        y = mx.argmax(model(prompt[:, -1:], cache=cache)[:, -1], axis=-1)
+        mx.eval(y)
+        meter.first_token()
         for _ in range(args.max_tokens):
             y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
             mx.eval(y)
-        runs.append(meter.now(args.max_tokens))
-    tps = [r.tokens_per_second for r in runs]
+        runs.append(meter.now(args.max_tokens + 1, args.prompt_tokens))
+    tps = [r.decode_tokens_per_second for r in runs]
+    pps = [r.prefill_tokens_per_second for r in runs]
     result = {
         "model": args.model,
         "budget_bytes": model._deltafin.plan.budget,
         "cache_fraction": model._deltafin.plan.cache_fraction,
         "tokens_per_second_median": statistics.median(tps),
         "tokens_per_second_range": [min(tps), max(tps)],
+        "prefill_tokens_per_second_median": statistics.median(pps),
+        "prefill_tokens_per_second_range": [min(pps), max(pps)],
+        "prefill_step": step,
         "runs": [r.to_dict() for r in runs],
     }
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"decode, {args.max_tokens} tokens x {args.repeats}: median "
+        print(f"prefill, {args.prompt_tokens} tokens x {args.repeats}: median "
+              f"{result['prefill_tokens_per_second_median']:.2f} tok/s "
+              f"(range {min(pps):.2f}-{max(pps):.2f}, chunks of {step}); "
+              f"decode, {args.max_tokens} tokens: median "
               f"{result['tokens_per_second_median']:.2f} tok/s "
               f"(range {min(tps):.2f}-{max(tps):.2f}); cache {result['cache_fraction']:.0%} "
               f"of experts; last run: {runs[-1].line()}")
@@ -464,12 +484,15 @@ def main(argv=None):
 
 def one_line(e: BaseException) -> str:
     from .batch import BatchError
+    from .chat import SessionError
+    from .generate import ContextError
     from .manifest import ModelError
     from .planner import BudgetError
     from .reader import ReadError
 
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, (CliError, ModelError, BudgetError, ReadError, BatchError)):
+    if isinstance(e, (CliError, ModelError, BudgetError, ReadError, BatchError, SessionError,
+                      ContextError)):
         return msg
     if isinstance(e, OSError) and e.filename:
         return f"{e.filename}: {e.strerror}"

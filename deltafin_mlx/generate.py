@@ -12,11 +12,13 @@ from mlx_lm.sample_utils import make_sampler
 
 @dataclass
 class RunStats:
-    """What one generation cost: tokens, time and the expert cache's work."""
+    """What one generation cost: the prompt's prefill and the decode timed apart,
+    and the expert cache's work."""
 
     prompt_tokens: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    first_token_seconds: float = 0.0  # time to first token: the prefill and one step
     hits: int = 0
     misses: int = 0
     speculative_issued: int = 0
@@ -25,8 +27,20 @@ class RunStats:
     stall_seconds: float = 0.0
 
     @property
+    def prefill_tokens_per_second(self) -> float:
+        t = self.first_token_seconds
+        return self.prompt_tokens / t if t > 0 and self.tokens else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first over the time after the first (the first token
+        comes out of the prefill)."""
+        t = self.seconds - self.first_token_seconds
+        return (self.tokens - 1) / t if self.tokens > 1 and t > 0 else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return self.decode_tokens_per_second
 
     @property
     def hit_rate(self) -> float:
@@ -39,25 +53,36 @@ class RunStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(tokens_per_second=self.tokens_per_second, hit_rate=self.hit_rate,
+        d.update(prefill_tokens_per_second=self.prefill_tokens_per_second,
+                 decode_tokens_per_second=self.decode_tokens_per_second,
+                 tokens_per_second=self.tokens_per_second, hit_rate=self.hit_rate,
                  stall_share=self.stall_share)
         return d
 
     def line(self) -> str:
         return (
-            f"{self.tokens} tokens in {self.seconds:.2f} s ({self.tokens_per_second:.2f} tok/s); "
+            f"{self.tokens} tokens in {self.seconds:.2f} s (decode "
+            f"{self.decode_tokens_per_second:.2f} tok/s); prompt {self.prompt_tokens} tokens, "
+            f"first token after {self.first_token_seconds:.2f} s "
+            f"(prefill {self.prefill_tokens_per_second:.1f} tok/s); "
             f"experts: {self.hits} hits, {self.misses} misses ({self.hit_rate:.0%} hit rate), "
             f"{self.bytes_read / 1e6:.1f} MB read, stalled on reads {self.stall_share:.0%} of the time"
         )
 
 
 class StatsMeter:
-    """Counters of a loaded model, measured from the moment it is created."""
+    """Counters of a loaded model, measured from the moment it is created;
+    `first_token()` marks the end of the prefill."""
 
     def __init__(self, model):
         self.state = getattr(model, "_deltafin", None)
         self.start = time.perf_counter()
+        self.first = None
         self.base = self._read()
+
+    def first_token(self):
+        if self.first is None:
+            self.first = time.perf_counter()
 
     def _read(self):
         if self.state is None:
@@ -73,6 +98,7 @@ class StatsMeter:
             prompt_tokens=prompt_tokens,
             tokens=tokens,
             seconds=time.perf_counter() - self.start,
+            first_token_seconds=(self.first - self.start) if self.first is not None else 0.0,
             hits=cur.hits - base.hits,
             misses=cur.misses - base.misses,
             speculative_issued=cur.speculative_issued - base.speculative_issued,
@@ -80,6 +106,65 @@ class StatsMeter:
             bytes_read=cur.bytes_read - base.bytes_read,
             stall_seconds=cur.stall_seconds - base.stall_seconds,
         )
+
+
+def planned_prefill_step(model, default: int = 512) -> int:
+    """The prefill chunk the memory plan sized (its activations fit the budget)."""
+    state = getattr(model, "_deltafin", None)
+    return state.plan.prefill_step if state is not None else default
+
+
+class ContextError(ValueError):
+    pass
+
+
+def fit_context(model, prompt_tokens: int, max_tokens: int, cached: int = 0) -> int:
+    """The tokens that may be generated after a prompt within the planned context
+    (KV/state is reserved for that many tokens): a prompt that does not fit is
+    refused, never a silent overrun; generation stops where the context ends."""
+    state = getattr(model, "_deltafin", None)
+    if state is None:
+        return max_tokens
+    context, used = state.plan.context, cached + prompt_tokens
+    if used >= context:
+        raise ContextError(
+            f"the prompt is {used} tokens, beyond the planned context of {context} tokens "
+            f"(use --context N, or load(..., context=N), with N above {used})"
+        )
+    room = context - used
+    return room if max_tokens < 0 else min(max_tokens, room)
+
+
+def cached_tokens(prompt_cache) -> int:
+    """Tokens a prompt cache already holds (its attention layers' offset)."""
+    return max((c.offset for c in prompt_cache or () if hasattr(c, "offset")), default=0)
+
+
+class PrefillProgress:
+    """Prefill progress on a terminal: tokens done, tokens/s, ETA (one line, redrawn)."""
+
+    def __init__(self, stream, min_tokens: int = 256):
+        self.stream = stream
+        self.min_tokens = min_tokens
+        self.start = None
+        self.shown = False
+
+    def __call__(self, done: int, total: int):
+        now = time.perf_counter()
+        if self.start is None:
+            self.start = now
+        if total < self.min_tokens:
+            return
+        if done >= total:
+            if self.shown:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+            return
+        rate = done / (now - self.start) if done and now > self.start else 0.0
+        eta = f", ETA {(total - done) / rate:.0f} s" if rate else ""
+        self.stream.write(f"\r[prefill] {done}/{total} tokens, {rate:.1f} tok/s{eta}\033[K")
+        self.stream.flush()
+        self.shown = True
 
 
 def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True):
@@ -96,13 +181,22 @@ def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True):
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
                     *, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                     seed: Optional[int] = None, **kwargs):
-    """mlx-lm's stream_generate; every response carries `.deltafin` (RunStats so far)."""
+    """mlx-lm's stream_generate; every response carries `.deltafin` (RunStats so far).
+    The prompt is prefilled in the plan's chunks (`prefill_step_size`), so its
+    activations stay within the memory budget."""
     if seed is not None:
         mx.random.seed(seed)
     sampler = kwargs.pop("sampler", None) or make_sampler(temp, top_p=top_p, top_k=top_k)
+    kwargs.setdefault("prefill_step_size", planned_prefill_step(model))
+    if isinstance(prompt, str):  # as mlx-lm encodes it
+        bos = getattr(tokenizer, "bos_token", None)
+        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    max_tokens = fit_context(model, len(prompt), max_tokens,
+                             cached_tokens(kwargs.get("prompt_cache")))
     meter = StatsMeter(model)
     for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
                                     sampler=sampler, **kwargs):
+        meter.first_token()
         r.deltafin = meter.now(r.generation_tokens, r.prompt_tokens)
         yield r
 

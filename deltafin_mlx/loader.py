@@ -114,7 +114,7 @@ def load(
     context: int = 4096,
     cache_slots: Optional[int] = None,
     stream_trunk: bool = True,
-    tokenizer: bool = True,
+    tokenizer=True,
     progress: bool = False,
     sequences=1,
     group="auto",
@@ -134,6 +134,11 @@ def load(
         (tests and benchmarks).
     stream_trunk: allow the plan to stream trunk layers and embedding rows when
         the budget is below the whole trunk.
+    context: tokens of KV cache and recurrent state to reserve in the budget
+        (prompt + generated tokens); beyond the model's max_position_embeddings is
+        refused. Prompts longer than this are refused, never overrun silently.
+    tokenizer: True to load the model's tokenizer, False for none, or a tokenizer
+        already loaded (e.g. with `open_tokenizer`, to size `context` to a prompt).
     progress: show a progress bar while experts are loaded (when they all fit).
     sequences: sequences decoded together (batch jobs), each with its KV/recurrent
         state at `context` tokens in the budget; "auto" lets the planner choose.
@@ -243,10 +248,17 @@ def load(
     model.eval()
     model._deltafin = DeltafinState(manifest, plan, store, trunk, group)
 
-    tok = None
-    if tokenizer:
+    tok = tokenizer if not isinstance(tokenizer, bool) else None
+    if tokenizer is True:
         tok = load_tokenizer(path, manifest, config)
     return model, tok
+
+
+def open_tokenizer(path):
+    """A converted model's tokenizer alone (cheap: no weights are read)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    return load_tokenizer(path, manifest, read_config(path, manifest))
 
 
 def _progress(desc):

@@ -29,6 +29,8 @@ from .inventory import Inventory
 WORKING_BYTES = 16 << 20  # activations, router outputs and read bookkeeping of small models
 HEADROOM = 0.85  # of available memory, for the default budget
 RING = 2  # buffers per streamed layer shape: one in use, one being read
+PREFILL_STEPS = (512, 256, 128, 64, 32, 16)  # prompt tokens per forward pass, largest first
+PREFILL_SHARE = 16  # up to 1/16 of the budget may hold a prefill chunk's activations
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 1 << 10, "M": 1e6, "MB": 1e6,
           "MIB": 1 << 20, "G": 1e9, "GB": 1e9, "GIB": 1 << 30, "T": 1e12, "TB": 1e12,
@@ -130,6 +132,63 @@ def sequence_state(config: dict, context: int, activation_dtype: mx.Dtype):
     return recurrent, kv
 
 
+def max_context(config: dict):
+    """The longest context the model was built for (None when config.json does not say)."""
+    tc = config.get("text_config", config)
+    return tc.get("max_position_embeddings") or config.get("max_position_embeddings")
+
+
+def round_context(tokens: int, limit=None, step: int = 256) -> int:
+    """The context to reserve for `tokens` tokens: rounded up to a multiple of
+    `step`, but not past the model's maximum `limit` when `tokens` itself fits."""
+    rounded = max(step, -(-tokens // step) * step)
+    return min(rounded, limit) if limit and tokens <= limit else rounded
+
+
+def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dtype) -> int:
+    """Activations of one forward pass over `step` prompt tokens at `context`.
+
+    Per token of the chunk: hidden-sized intermediates and the routed experts'
+    inner activations. Planning for MLX's CPU backend (float32 activations) adds
+    what its reference paths keep alive: the attention scores against the whole
+    context (float32, a few copies), the linear-attention (KDA) recurrence that
+    mlx-lm runs as a loop over tokens (`gated_delta_ops`, copies of the state per
+    token), and intermediates that grow with the number of layers. The CPU terms
+    are an upper bound fitted to measured peak RSS of synthetic K3 layouts of 4 and
+    8 layers (tests/test_prefill_memory.py), not a model of MLX's allocator; on a
+    GPU (fused attention and recurrence kernels) only the first terms apply.
+    """
+    tc = config.get("text_config", config)
+    size = activation_dtype.size
+    hidden = tc.get("hidden_size", 0)
+    k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 8
+    expert = max(tc.get("moe_intermediate_size") or 0, tc.get("routed_expert_hidden_size") or 0)
+    dense = tc.get("intermediate_size") or 0
+    per_token = 16 * hidden * size + 4 * k * expert * size + 4 * dense * size
+    if activation_dtype == mx.float32:  # the CPU backend's reference paths
+        scores = 4 * 4 * tc.get("num_attention_heads", 1) * context
+        lin = tc.get("linear_attn_config") or {}
+        recurrent = 8 * 4 * lin["num_heads"] * lin["head_dim"] ** 2 if lin.get("num_heads") else 0
+        layers = 32 * tc.get("num_hidden_layers", 1) * hidden * size
+        per_token += scores + recurrent + layers
+    return step * per_token
+
+
+def min_prefill_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:
+    """What the smallest prefill chunk needs beyond WORKING_BYTES (part of the floor)."""
+    need = prefill_bytes(config, PREFILL_STEPS[-1], context, activation_dtype)
+    return max(0, need - WORKING_BYTES)
+
+
+def prefill_step(config: dict, context: int, activation_dtype: mx.Dtype, allowance: int) -> int:
+    """The largest prefill chunk whose activations fit in `allowance` (the smallest
+    when none does: the floor holds its activations)."""
+    for step in PREFILL_STEPS:
+        if prefill_bytes(config, step, context, activation_dtype) <= allowance:
+            return step
+    return PREFILL_STEPS[-1]
+
+
 @dataclass
 class MemoryPlan:
     budget: int
@@ -149,6 +208,8 @@ class MemoryPlan:
     num_experts: int
     moe_layers: int
     streamed_read_bytes: int  # trunk bytes read per token
+    prefill_step: int = PREFILL_STEPS[-1]  # prompt tokens per forward pass (bounds activations)
+    prefill_bytes: int = 0  # that chunk's activations beyond the working buffers
     notes: List[str] = field(default_factory=list)
     floor_parts: Dict[str, int] = field(default_factory=dict)  # what the floor is made of; sums to it
     sequences: int = 1  # sequences decoded together; state_bytes covers all of them
@@ -166,8 +227,8 @@ class MemoryPlan:
 
     @property
     def used_bytes(self) -> int:
-        return (self.state_bytes + self.working_bytes + self.resident_bytes + self.ring_bytes
-                + self.cache_bytes)
+        return (self.state_bytes + self.working_bytes + self.prefill_bytes + self.resident_bytes
+                + self.ring_bytes + self.cache_bytes)
 
 
 def _trunk_layout(inv: Inventory, streamed: set, embed_on_demand: bool):
@@ -204,6 +265,12 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     """`sequences`: how many sequences are decoded together (a batch job), each with
     its own KV/recurrent state; "auto" picks it with `choose_sequences`."""
     budget = default_budget() if budget is None else parse_size(budget)
+    limit = max_context(inv.config)
+    if not isinstance(context, int) or context < 1:
+        raise BudgetError(f"context must be a positive number of tokens (got {context!r})")
+    if limit and context > limit:
+        raise BudgetError(f"context of {context} tokens is beyond this model's maximum of "
+                          f"{limit} (max_position_embeddings)")
     k = inv.experts_per_token
     one = inv.slot_bytes
     all_experts = inv.num_experts * len(inv.moe_layers)
@@ -220,18 +287,31 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     candidates = streamable_units(inv) if stream_trunk else []
     on_demand_ok = stream_trunk and not inv.embed_tied and inv.embed_bytes > 0
     res, ring, _ = _trunk_layout(inv, set(candidates), on_demand_ok)
+    min_prefill = min_prefill_bytes(inv.config, context, inv.activation_dtype)
+    # The smallest prefill chunk's activations count as working buffers.
     floor_parts = {"resident trunk": res, "streamed-layer buffers": ring, "KV/state": state,
-                   "working buffers": working, "one token's experts": k * one}
+                   "working buffers": working + min_prefill, "one token's experts": k * one}
     floor = sum(floor_parts.values())
     if budget < floor:
+        prefill = (f", prefill activations {min_prefill / 1e9:.3f} GB"
+                   f" beyond working buffers" if min_prefill else "")
         raise BudgetError(
             f"memory budget {human_bytes(budget)} is below this model's floor of "
             f"{human_bytes(floor)} ({floor} bytes = "
             + " + ".join(f"{what} {human_bytes(n)}" for what, n in floor_parts.items())
             + f"; KV/state at {context} tokens of context"
             + (f" x {sequences} sequences" if sequences > 1 else "")
-            + f", {k} experts per token)"
+            + f", {k} experts per token{prefill})"
         )
+
+    # Prefill activations: the largest chunk whose activations fit in WORKING_BYTES
+    # (and the floor's share), or in up to 1/16 of a larger budget: bigger chunks
+    # read each expert fewer times.
+    least = WORKING_BYTES + min_prefill
+    allowance = max(least, min(budget // PREFILL_SHARE, budget - floor + least))
+    step = prefill_step(inv.config, context, inv.activation_dtype, allowance)
+    extra = max(0, prefill_bytes(inv.config, step, context, inv.activation_dtype) - WORKING_BYTES)
+    fixed += extra
 
     # Pin trunk layers while they fit (each saves its size in reads per token),
     # keeping room for the experts one token needs.
@@ -262,6 +342,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         floor=floor, experts_per_token=k, num_experts=inv.num_experts,
         moe_layers=len(inv.moe_layers), streamed_read_bytes=read, floor_parts=floor_parts,
         sequences=sequences, sequence_recurrent_bytes=recurrent, sequence_kv_bytes=kv,
+        prefill_step=step, prefill_bytes=extra,
     )
 
 

@@ -1,0 +1,547 @@
+"""A conversation that keeps the model's cache: each turn prefills only its own tokens.
+
+The tokens in the cache are the truth of a conversation. A turn's prompt is the
+cache's tokens, the end-of-turn markup when the last reply did not end with the
+model's own stop token, then the new user message as the chat template renders
+it after an assistant turn. Before a turn the prompt is compared with the
+cache's tokens; where they diverge the cache is trimmed there (attention caches)
+or rebuilt (recurrent state cannot be trimmed), never used stale.
+
+A session saves to one safetensors file (mlx-lm's `save_prompt_cache`) with the
+conversation, its tokens, the model's fingerprint and the format version in the
+metadata, so a restart continues without prefilling the history again.
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_prompt_cache,
+                                 save_prompt_cache, trim_prompt_cache)
+
+from .generate import PrefillProgress, RunStats, StatsMeter, fit_context, stream_generate
+
+SESSION_FORMAT = "deltafin-chat"
+SESSION_VERSION = 1
+# A probe conversation: rendering it shows what the template puts between turns.
+_PROBE_USER, _PROBE_REPLY = "Hi.", "Hello."
+
+
+class SessionError(ValueError):
+    pass
+
+
+class Interrupted(Exception):
+    """Raised between prefill chunks when the user asked to stop."""
+
+
+@dataclass
+class Turn:
+    """What one turn did: its reply, and how many tokens it prefilled."""
+
+    text: str = ""
+    thinking: str = ""
+    tokens: List[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens run through the model for this turn
+    reused: int = 0  # history tokens taken from the cache instead
+    finish_reason: Optional[str] = None
+    stats: RunStats = field(default_factory=RunStats)
+
+
+def model_fingerprint(model) -> str:
+    """What a saved cache is only valid for: the converted model and the
+    activation dtype its state was computed in."""
+    from mlx.utils import tree_flatten
+
+    raw = (model._deltafin.manifest.path / "deltafin.json").read_bytes()
+    dtype = next((v.dtype for _, v in tree_flatten(model.parameters())
+                  if mx.issubdtype(v.dtype, mx.floating)), None)
+    return f"{hashlib.sha256(raw).hexdigest()[:32]}/{dtype}"
+
+
+def session_path(path) -> Path:
+    """mlx saves safetensors under this suffix; add it when the name lacks it."""
+    p = Path(os.path.expanduser(str(path)))
+    return p if p.suffix == ".safetensors" else p.with_name(p.name + ".safetensors")
+
+
+class ChatSession:
+    """A conversation with `model`: messages, the cache, and the tokens it holds."""
+
+    def __init__(self, model, tokenizer, system: Optional[str] = None, thinking: bool = True,
+                 thinking_effort: Optional[str] = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.system = system
+        self.thinking = thinking
+        self.thinking_effort = thinking_effort
+        self.reset()
+
+    def reset(self):
+        """Forget the conversation and empty the cache."""
+        self.messages: List[dict] = [{"role": "system", "content": self.system}] \
+            if self.system else []
+        self.cache = make_prompt_cache(self.model)
+        self.tokens: List[int] = []
+
+    # Prompts
+
+    def render(self, messages, add_generation_prompt=True) -> List[int]:
+        tok = self.tokenizer
+        if not getattr(tok, "has_chat_template", False):
+            return tok.encode(messages[-1]["content"]) if messages else []
+        extra = {}
+        if self.thinking_effort is not None:
+            extra["thinking_effort"] = self.thinking_effort
+        return list(tok.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            thinking=self.thinking, enable_thinking=self.thinking, **extra))
+
+    def _between_turns(self, text):
+        """(end-of-turn markup after a reply, the next user turn with the generation
+        prompt), from how the template renders a probe conversation; None when the
+        template does not render turns as a sequence."""
+        head = self.messages[:1] if self.system else []
+        asked = self.render(head + [{"role": "user", "content": _PROBE_USER}])
+        answered = self.render(head + [{"role": "user", "content": _PROBE_USER},
+                                       {"role": "assistant", "content": _PROBE_REPLY}],
+                               add_generation_prompt=False)
+        following = self.render(head + [{"role": "user", "content": _PROBE_USER},
+                                        {"role": "assistant", "content": _PROBE_REPLY},
+                                        {"role": "user", "content": text}])
+        reply = self.tokenizer.encode(_PROBE_REPLY, add_special_tokens=False)
+        end = _find_last(answered, reply, start=len(asked))
+        if end is None or following[: len(answered)] != answered:
+            return None
+        return answered[end + len(reply):], following[len(answered):]
+
+    def prompt_for(self, text: str) -> List[int]:
+        """The whole conversation's tokens with `text` as the next user turn."""
+        if not self.tokens or not getattr(self.tokenizer, "has_chat_template", False):
+            if not self.tokens:
+                return self.render(self.messages + [{"role": "user", "content": text}])
+            return self.tokens + self.tokenizer.encode(text, add_special_tokens=False)
+        parts = self._between_turns(text)
+        if parts is None:  # re-render; the divergence check below keeps what still matches
+            return self.render(self.messages + [{"role": "user", "content": text}])
+        closing, turn = parts
+        ended = self.tokens[-1] in self.tokenizer.eos_token_ids
+        return self.tokens + ([] if ended else closing) + turn
+
+    def sync(self, prompt: List[int]) -> int:
+        """Make the cache hold a prefix of `prompt` (at least one token short of it);
+        returns how many of its tokens the cache already holds."""
+        n = _common_prefix(self.tokens, prompt)
+        n = min(n, len(prompt) - 1)
+        if not _consistent(self.cache, len(self.tokens)):
+            n = 0  # the cache and the record disagree: never trust it
+        if n < len(self.tokens):
+            if n > 0 and can_trim_prompt_cache(self.cache):
+                trim_prompt_cache(self.cache, len(self.tokens) - n)
+            else:
+                self.cache = make_prompt_cache(self.model)
+                n = 0
+            self.tokens = self.tokens[:n]
+        return n
+
+    # Turns
+
+    def ask(self, text: str, max_tokens: int = 256, *, sampler=None,
+            progress: Optional[Callable[[int, int], None]] = None,
+            stop_requested: Callable[[], bool] = lambda: False,
+            on_text: Optional[Callable[[str, str], None]] = None,
+            prompt: Optional[List[int]] = None, **kwargs) -> Turn:
+        """One turn: prefill what the cache lacks, generate the reply, record both.
+
+        on_text(channel, text) receives the reply as it streams ("think" or
+        "answer"; markup is never passed). When stop_requested() turns true (Ctrl-C),
+        the turn ends at the next token or prefill chunk and the reply so far is
+        kept in the history, so the conversation stays consistent. `prompt`: the
+        whole conversation's tokens, when the caller built them (prompt_for's)."""
+        prompt = self.prompt_for(text) if prompt is None else list(prompt)
+        reused = self.sync(prompt)
+        new = prompt[reused:]
+        fit_context(self.model, len(new), max_tokens, cached=reused)  # before any change
+        turn = Turn(reused=reused)
+        done = [0]
+
+        def on_progress(n, total):
+            done[0] = n
+            if progress is not None:
+                progress(n, total)
+            if stop_requested() and n < total:
+                raise Interrupted
+
+        channels = Channels(self.tokenizer, self.thinking)
+        meter = StatsMeter(self.model)
+        self.messages.append({"role": "user", "content": text})
+        try:
+            for r in stream_generate(self.model, self.tokenizer, new, max_tokens,
+                                     sampler=sampler, prompt_cache=self.cache,
+                                     prompt_progress_callback=on_progress, **kwargs):
+                if not turn.tokens:
+                    self.tokens += new
+                    turn.prefilled = len(new)
+                turn.tokens.append(r.token)
+                self.tokens.append(r.token)  # every token yielded is in the cache
+                turn.stats, turn.finish_reason = r.deltafin, r.finish_reason
+                for channel, piece in channels.add(r.token, final=r.finish_reason is not None):
+                    if on_text is not None:
+                        on_text(channel, piece)
+                if r.finish_reason is None and stop_requested():
+                    turn.finish_reason = "interrupted"
+                    break
+        except Interrupted:
+            self.tokens += new[: done[0]]  # the chunks that ran are in the cache
+            turn.prefilled = done[0]
+            turn.finish_reason = "interrupted"
+            turn.stats = meter.now(0, done[0])
+        except BaseException:
+            # Stopped inside a forward pass (an error, a second Ctrl-C): the cache may
+            # hold part of it. The turn did not happen; the next one re-prefills.
+            self.messages.pop()
+            self.cache = make_prompt_cache(self.model)
+            self.tokens = []
+            raise
+        turn.text, turn.thinking = channels.answer, channels.thinking
+        reply = {"role": "assistant", "content": turn.text}
+        if turn.thinking:
+            reply["reasoning_content"] = turn.thinking
+        self.messages.append(reply)
+        return turn
+
+    # Saving and restoring
+
+    def save(self, path):
+        """Write the conversation and its cache atomically (a temporary file, renamed)."""
+        path = session_path(path)
+        meta = {
+            "format": SESSION_FORMAT,
+            "version": str(SESSION_VERSION),
+            "model": model_fingerprint(self.model),
+            "tokens": json.dumps(self.tokens),
+            "messages": json.dumps(self.messages, ensure_ascii=False),
+            "options": json.dumps({"system": self.system, "thinking": self.thinking,
+                                   "thinking_effort": self.thinking_effort}),
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
+        mx.eval([c.state for c in self.cache])
+        try:
+            save_prompt_cache(str(tmp), self.cache, meta)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+    @classmethod
+    def restore(cls, path, model, tokenizer, **options) -> "ChatSession":
+        """The session saved at `path`; refused (SessionError) when it was saved by
+        another model or another version of this format."""
+        path = session_path(path)
+        try:
+            cache, meta = load_prompt_cache(str(path), return_metadata=True)
+        except Exception as e:
+            raise SessionError(f"{path}: not a Deltafin chat session ({e})") from None
+        if meta.get("format") != SESSION_FORMAT:
+            raise SessionError(f"{path}: not a Deltafin chat session")
+        if meta.get("version") != str(SESSION_VERSION):
+            raise SessionError(f"{path}: session format version {meta.get('version')}, this "
+                               f"Deltafin reads version {SESSION_VERSION}")
+        if meta.get("model") != model_fingerprint(model):
+            raise SessionError(f"{path}: saved with another model (or activation dtype); "
+                               "start a new session file")
+        saved = json.loads(meta["options"])
+        for key, value in options.items():
+            if value is not None and key in saved and saved[key] != value:
+                raise SessionError(f"{path}: saved with {key}={saved[key]!r}, not {value!r}")
+        session = cls(model, tokenizer, **saved)
+        fresh = make_prompt_cache(model)
+        if [type(c) for c in cache] != [type(c) for c in fresh]:
+            raise SessionError(f"{path}: its cache does not fit this model")
+        session.cache = cache
+        session.tokens = json.loads(meta["tokens"])
+        session.messages = json.loads(meta["messages"])
+        if not _consistent(cache, len(session.tokens)):
+            raise SessionError(f"{path}: damaged (its cache and its tokens disagree)")
+        plan = getattr(model, "_deltafin", None)
+        if plan is not None and len(session.tokens) >= plan.plan.context:
+            raise SessionError(f"{path}: {len(session.tokens)} tokens, beyond the planned "
+                               f"context of {plan.plan.context} (raise --context)")
+        return session
+
+
+class Channels:
+    """Splits a reply's tokens into thinking and answer text; markup tokens
+    (special tokens, XTML tags) are never shown. K3's XTML replies open `think`
+    and `response` channels; with other templates the whole reply is the answer."""
+
+    def __init__(self, tokenizer, thinking: bool = True):
+        self.tokenizer = tokenizer
+        self.special = set(getattr(tokenizer, "all_special_ids", None) or [])
+        inner = getattr(tokenizer, "_tokenizer", tokenizer)
+        self.special |= set(getattr(inner, "_special_ids", ()) or ())
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.xtml = bool(getattr(inner, "is_xtml", False))
+        # K3's generation prompt opens the think channel, or the response channel
+        self.channel = "think" if self.xtml and thinking else "answer"
+        self.tag = None  # the XTML tag being read after <|open|> or <|close|>
+        self.thinking = ""
+        self.answer = ""
+
+    def add(self, token: int, final: bool = False):
+        """(channel, text) pieces for one token."""
+        out = []
+        if token in self.special or token in self.tokenizer.eos_token_ids:
+            self._flush(out)
+            name = self.tokenizer.decode([token])
+            if self.xtml and name in ("<|open|>", "<|close|>"):
+                self.tag = (name, "")
+            elif self.xtml and name == "<|sep|>" and self.tag is not None:
+                opener, tag = self.tag
+                tag = tag.strip().split(" ")[0]
+                if opener == "<|open|>" and tag in ("think", "response"):
+                    self.channel = "think" if tag == "think" else "answer"
+                self.tag = None
+            return out
+        if self.tag is not None:
+            self.tag = (self.tag[0], self.tag[1] + self.tokenizer.decode([token]))
+            return out
+        self.detok.add_token(token)
+        if final:
+            self.detok.finalize()
+        self._emit(self.detok.last_segment, out)
+        return out
+
+    def _flush(self, out):
+        self.detok.finalize()
+        self._emit(self.detok.last_segment, out)
+        self.detok.reset()
+
+    def _emit(self, text, out):
+        if not text:
+            return
+        if self.channel == "think":
+            self.thinking += text
+        else:
+            self.answer += text
+        out.append((self.channel, text))
+
+
+def _consistent(cache, tokens: int) -> bool:
+    """Every attention layer's cache holds exactly `tokens` tokens."""
+    return all(c.offset == tokens for c in cache if hasattr(c, "offset"))
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _find_last(seq, sub, start=0):
+    for i in range(len(seq) - len(sub), start - 1, -1):
+        if seq[i : i + len(sub)] == sub:
+            return i
+    return None
+
+
+__all__ = ["ChatSession", "Turn", "SessionError", "PrefillProgress", "session_path"]
+
+
+# The interactive loop of `deltafin-run MODEL --chat`.
+
+HELP = """\
+Type a message and press Enter. End a line with \\ to continue it on the next line,
+or put \"\"\" on a line of its own to start and end a block of several lines.
+  /help     this help
+  /reset    forget the conversation (and empty the model's cache)
+  /stats    expert-cache counters so far
+  /quit     leave (so do Ctrl-D, and Ctrl-C at an empty prompt)
+A line starting with // is sent as a message that starts with /.
+Ctrl-C while a reply is generated stops it; the reply so far is KEPT in the history
+(the model sees it, closed as a finished turn, in the next turn).
+With --session FILE the conversation and the model's cache are saved after every
+turn and restored at the next start, so the history is not prefilled again."""
+
+
+class StopOnSignal:
+    """While active, Ctrl-C asks the current turn to stop at the next token (or
+    prefill chunk) instead of raising; a second Ctrl-C raises as usual."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = None
+
+    def __enter__(self):
+        import signal
+
+        self.requested = False
+
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+
+        self.previous = signal.signal(signal.SIGINT, handler)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        signal.signal(signal.SIGINT, self.previous)
+        return False
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
+def read_message(prompt: str = "> ", more: str = "... ", out=None):
+    """One message from the user: None at end of input (Ctrl-D, or Ctrl-C at an
+    empty prompt); "" when a Ctrl-C cleared a half-typed line."""
+    import sys
+
+    out = out or sys.stderr
+    tty = sys.stdin.isatty()
+    if tty:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+
+    def line(p):
+        if tty:
+            return input(p)
+        print(p, end="", file=out, flush=True)
+        s = sys.stdin.readline()
+        if not s:
+            raise EOFError
+        return s.rstrip("\n")
+
+    try:
+        first = line(prompt)
+        if first.strip() == '"""':
+            lines = []
+            while True:
+                s = line(more)
+                if s.strip() == '"""':
+                    return "\n".join(lines)
+                lines.append(s)
+        lines = [first]
+        while lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1]
+            lines.append(line(more))
+        return "\n".join(lines)
+    except EOFError:
+        return None
+    except KeyboardInterrupt:
+        try:
+            import readline
+
+            typed = readline.get_line_buffer()
+        except ImportError:
+            typed = ""
+        print(file=out)
+        return "" if typed else None
+
+
+def run_chat(model, tokenizer, args) -> int:
+    """The interactive loop; `args` as `deltafin-run` parses them."""
+    import sys
+
+    from .cli import StopFilter
+    from .generate import ContextError
+    from mlx_lm.sample_utils import make_sampler
+
+    options = dict(system=args.system, thinking=not args.no_think,
+                   thinking_effort=args.thinking_effort)
+    path = session_path(args.session) if args.session else None
+    if path is not None and path.exists():
+        session = ChatSession.restore(path, model, tokenizer, **options)
+        print(f"[session] restored {sum(m['role'] != 'system' for m in session.messages)} "
+              f"messages ({len(session.tokens)} tokens, no prefill needed) from {path}",
+              file=sys.stderr)
+    else:
+        session = ChatSession(model, tokenizer, **options)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    sampler = make_sampler(args.temp, top_p=args.top_p, top_k=args.top_k)
+    tty = sys.stdout.isatty()
+    print("Deltafin chat: /help for help, /reset clears the history, /quit (or Ctrl-D) ends.",
+          file=sys.stderr)
+    while True:
+        text = read_message()
+        if text is None:
+            break
+        if not text.strip():
+            continue
+        command = text.strip()
+        if command.startswith("/") and not command.startswith("//"):
+            if command in ("/quit", "/exit"):
+                break
+            if command == "/help":
+                print(HELP, file=sys.stderr)
+            elif command == "/reset":
+                session.reset()
+                if path is not None:
+                    session.save(path)
+                print("[history cleared]", file=sys.stderr)
+            elif command == "/stats":
+                s = model._deltafin.stats
+                print(f"[deltafin] {len(session.tokens)} tokens in the conversation; experts: "
+                      f"{s.hits} hits, {s.misses} misses ({s.hit_rate:.0%} hit rate), "
+                      f"{model._deltafin.store.bytes_read / 1e6:.1f} MB read", file=sys.stderr)
+            else:
+                print(f"[unknown command {command.split()[0]}: not sent; /help lists the "
+                      "commands, // sends a message starting with /]", file=sys.stderr)
+            continue
+        if command.startswith("//"):
+            text = text.lstrip()[1:]
+
+        stop = StopFilter(args.stop)
+        shown = {"channel": None}
+
+        def on_text(channel, piece):
+            if channel == "answer":
+                piece = stop.add(piece)
+            if not piece:
+                return
+            if channel != shown["channel"]:
+                if channel == "think":
+                    print("\033[2m" if tty else "[thinking] ", end="")
+                elif shown["channel"] == "think":
+                    print("\033[0m\n" if tty else "\n[answer] ", end="")
+                shown["channel"] = channel
+            print(piece, end="", flush=True)
+
+        progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
+        try:
+            with StopOnSignal() as stopper:
+                turn = session.ask(text, args.max_tokens, sampler=sampler, progress=progress,
+                                   stop_requested=lambda: stopper() or stop.stopped,
+                                   on_text=on_text)
+        except ContextError as e:
+            print(f"[{e}; /reset starts over]", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:
+            print("\n[stopped inside a step: the turn is dropped, the next one prefills the "
+                  "history again]", file=sys.stderr)
+            continue
+        tail = stop.flush() if shown["channel"] == "answer" else ""
+        print(tail + ("\033[0m" if tty and shown["channel"] == "think" else ""))
+        if turn.finish_reason == "interrupted" and not stop.stopped:
+            print("[interrupted: the reply so far is kept in the history]", file=sys.stderr)
+        print(f"[deltafin] {turn.stats.line()}; prefilled {turn.prefilled} tokens "
+              f"({turn.reused} from the cache)", file=sys.stderr)
+        if path is not None:
+            session.save(path)
+    print(file=sys.stderr)
+    return 0

@@ -1,0 +1,188 @@
+"""Chat sessions keep the model's cache across turns: a turn prefills only its own
+tokens, a saved session continues after a restart with no prefill of its history
+and the same tokens, and a cache that no longer matches the conversation is
+trimmed or rebuilt, never used."""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from deltafin_mlx.chat import Channels, ChatSession, SessionError, _consistent
+from deltafin_mlx.generate import ContextError
+from deltafin_mlx.loader import load
+
+QUESTION = "Tell me about the fox and the dog."
+
+
+@pytest.fixture(scope="module")
+def k3(converted):
+    model, tok = load(converted("kimi_k3"), "200MB", context=2048)
+    yield model, tok
+    model._deltafin.close()
+
+
+def test_three_equal_turns_prefill_only_the_new_turn(k3):
+    model, tok = k3
+    session = ChatSession(model, tok)
+    turns = [session.ask(QUESTION, 8) for _ in range(3)]
+    first, second, third = (t.prefilled for t in turns)
+    assert third <= 1.2 * first
+    assert second == third  # equal turns cost the same, whatever the history's length
+    assert turns[2].reused == len(session.tokens) - third - len(turns[2].tokens)
+    assert turns[2].reused > first  # the history came from the cache
+    assert _consistent(session.cache, len(session.tokens))
+
+
+def test_a_turn_equals_a_fresh_prefill_of_the_same_tokens(converted):
+    # Reusing the cache changes what is computed, not what it means: the same
+    # conversation tokens prefilled from an empty cache give the same reply (greedy).
+    model, tok = load(converted("qwen3_moe"), "200MB", context=1024)
+    session = ChatSession(model, tok)
+    session.ask(QUESTION, 6)
+    prompt = session.prompt_for("And then?")
+    fresh = ChatSession(model, tok)
+    fresh.messages = list(session.messages)
+    reply = session.ask("And then?", 6)
+    again = fresh.ask("And then?", 6, prompt=prompt)
+    assert again.prefilled == len(prompt) and reply.prefilled < len(prompt) / 2
+    assert again.tokens == reply.tokens
+    model._deltafin.close()
+
+
+def test_saved_session_continues_with_no_prefill_of_history_and_the_same_tokens(k3, tmp_path):
+    model, tok = k3
+    straight = ChatSession(model, tok, system="Be brief.")
+    for _ in range(2):
+        straight.ask(QUESTION, 6)
+    saved = ChatSession(model, tok, system="Be brief.")
+    for _ in range(2):
+        saved.ask(QUESTION, 6)
+    saved.save(tmp_path / "chat")
+    assert (tmp_path / "chat.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if "tmp" in p.name]  # written atomically
+
+    restored = ChatSession.restore(tmp_path / "chat", model, tok, system="Be brief.")
+    assert restored.tokens == straight.tokens and restored.messages == straight.messages
+    a, b = straight.ask("And then?", 6), restored.ask("And then?", 6)
+    assert b.reused == len(straight.tokens) - len(a.tokens) - a.prefilled  # all history reused
+    assert b.prefilled == a.prefilled
+    assert b.tokens == a.tokens
+
+
+def test_a_session_of_another_model_or_format_version_is_refused(k3, converted, tmp_path):
+    model, tok = k3
+    session = ChatSession(model, tok)
+    session.ask(QUESTION, 4)
+    session.save(tmp_path / "k3.safetensors")
+    other, other_tok = load(converted("qwen3_moe"), "200MB", context=1024)
+    with pytest.raises(SessionError, match="another model"):
+        ChatSession.restore(tmp_path / "k3.safetensors", other, other_tok)
+    other._deltafin.close()
+
+    cache, meta = load_prompt_cache(str(tmp_path / "k3.safetensors"), return_metadata=True)
+    save_prompt_cache(str(tmp_path / "v9.safetensors"), cache, {**meta, "version": "9"})
+    with pytest.raises(SessionError, match="version 9"):
+        ChatSession.restore(tmp_path / "v9.safetensors", model, tok)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a session")
+    with pytest.raises(SessionError, match="not a Deltafin chat session"):
+        ChatSession.restore(tmp_path / "junk.safetensors", model, tok)
+    with pytest.raises(SessionError, match="thinking"):
+        ChatSession.restore(tmp_path / "k3.safetensors", model, tok, thinking=False)
+
+
+def test_a_diverging_history_is_trimmed_where_it_can_be_else_rebuilt(k3, converted):
+    qwen, qtok = load(converted("qwen3_moe"), "200MB", context=1024)
+    for model, tok, trimmable in ((qwen, qtok, True), (*k3, False)):
+        session = ChatSession(model, tok)
+        session.ask(QUESTION, 6)
+        held = list(session.tokens)
+        edited = held[:10] + [held[10] + 1] + held[11:] + [5]
+        kept = session.sync(edited)
+        assert kept == (10 if trimmable else 0)  # recurrent state cannot be trimmed
+        assert session.tokens == held[:kept] and _consistent(session.cache, kept)
+    qwen._deltafin.close()
+
+
+def test_an_interrupted_reply_is_kept_and_the_next_turn_continues(k3):
+    model, tok = k3
+    session = ChatSession(model, tok)
+    seen = []
+    turn = session.ask(QUESTION, 50, stop_requested=lambda: len(seen) >= 3,
+                       on_text=lambda channel, text: seen.append(text))
+    assert turn.finish_reason == "interrupted" and len(turn.tokens) < 50
+    assert session.messages[-1]["role"] == "assistant"
+    assert _consistent(session.cache, len(session.tokens))
+    nxt = session.ask(QUESTION, 4)
+    assert nxt.reused == len(session.tokens) - nxt.prefilled - len(nxt.tokens)
+
+    # Stopped during the prefill: the chunks that ran stay in the cache.
+    session = ChatSession(model, tok)
+    long = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)
+    done = []
+    turn = session.ask(long, 4, prefill_step_size=32, progress=lambda n, total: done.append(n),
+                       stop_requested=lambda: done[-1] > 0)  # Ctrl-C after the first chunk
+    assert turn.finish_reason == "interrupted" and not turn.tokens
+    assert turn.prefilled == 32 and session.tokens == session.render(session.messages[:1])[:32]
+    assert _consistent(session.cache, len(session.tokens))
+
+
+def test_a_prompt_beyond_the_planned_context_is_refused_and_nothing_changes(converted):
+    model, tok = load(converted("kimi_k3"), "200MB", context=300)
+    session = ChatSession(model, tok)
+    session.ask("Hi.", 4)
+    held = list(session.tokens)
+    with pytest.raises(ContextError, match=r"beyond the planned context of 300 tokens"):
+        session.ask(" ".join(["The quick brown fox."] * 40), 4)
+    assert session.tokens == held and len(session.messages) == 2
+    model._deltafin.close()
+
+
+def test_thinking_is_split_from_the_answer_and_markup_never_shown(k3):
+    _, tok = k3
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    special = lambda name: tok.convert_tokens_to_ids(name)  # noqa: E731
+    reply = (enc("let me see") + [special("<|close|>")] + enc("think") + [special("<|sep|>")]
+             + [special("<|open|>")] + enc("response") + [special("<|sep|>")] + enc("the answer")
+             + [special("<|close|>")] + enc("response") + [special("<|sep|>")]
+             + [special("<|end_of_msg|>")])
+    channels = Channels(tok, thinking=True)
+    pieces = [p for i, t in enumerate(reply) for p in channels.add(t, final=i == len(reply) - 1)]
+    assert channels.thinking == "let me see" and channels.answer == "the answer"
+    assert not any("<|" in text or text in ("think", "response") for _, text in pieces)
+    assert {c for c, _ in pieces} == {"think", "answer"}
+
+
+def run_chat(args, script, timeout=300):
+    return subprocess.run([sys.executable, "-m", "deltafin_mlx.cli", *args], input=script,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_chat_commands_multiline_and_a_resumed_session(converted, tmp_path):
+    model = str(converted("kimi_k3"))
+    base = [model, "--chat", "-n", "4", "--budget", "200MB", "--session",
+            str(tmp_path / "talk")]
+    p = run_chat(base, 'Hello\n/frobnicate\n/help\nline one\\\nline two\n"""\nA\nB\n"""\n')
+    assert p.returncode == 0, p.stderr
+    assert "unknown command /frobnicate: not sent" in p.stderr
+    assert "/reset" in p.stderr and "KEPT" in p.stderr  # the help says what Ctrl-C keeps
+    assert p.stderr.count("from the cache)") == 3  # /frobnicate and /help were not sent
+    assert "<|" not in p.stdout  # markup is never printed
+    meta = json.loads(json.dumps(load_prompt_cache(str(tmp_path / "talk.safetensors"),
+                                                   return_metadata=True)[1]))
+    users = [m["content"] for m in json.loads(meta["messages"]) if m["role"] == "user"]
+    assert users == ["Hello", "line one\nline two", "A\nB"]
+
+    p = run_chat(base, "Again\n")
+    assert p.returncode == 0, p.stderr
+    held = len(json.loads(meta["tokens"]))
+    assert f"restored 6 messages ({held} tokens" in p.stderr
+    assert f"({held} from the cache)" in p.stderr
+
+    p = run_chat([model, "--chat", "--budget", "200MB", "--session",
+                  str(tmp_path / "talk"), "--system", "Other."], "Again\n")
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith(
+        "deltafin-run: error:") and "Traceback" not in p.stderr

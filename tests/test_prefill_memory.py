@@ -1,0 +1,69 @@
+"""Long prompts are prefilled in chunks the memory plan sizes, so a prompt's
+activations stay within the budget: measured as peak RSS over the interpreter's
+baseline, in a fresh process. (The peak is VmHWM: after exec, Linux's ru_maxrss
+still counts the RSS of the process that spawned it, here pytest's.)"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_source
+from deltafin_convert.convert import ConvertOptions, convert
+
+PROMPT_TOKENS = 3000
+
+MEASURE = r"""
+import json, sys
+import mlx.core as mx, numpy as np
+from deltafin_mlx.generate import stream_generate
+from deltafin_mlx.loader import load
+
+def status(field):  # VmRSS now, VmHWM its peak (ru_maxrss would count the parent's)
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field + ":"))
+
+def rss():
+    return status("VmRSS")
+
+mx.eval(mx.ones(4) + 1)  # the runtime is part of the baseline
+base = rss()
+path, budget, n, step = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+model, tok = load(path, budget, context=n + 256)
+prompt = np.random.default_rng(0).integers(1, 700, n).tolist()
+extra = {} if step == "plan" else {"prefill_step_size": int(step)}
+for r in stream_generate(model, tok, prompt, 2, **extra):
+    pass
+peak = status("VmHWM")
+print(json.dumps({"over_baseline": peak - base, "budget": model._deltafin.plan.budget,
+                  "step": model._deltafin.plan.prefill_step, "prompt": r.prompt_tokens}))
+"""
+
+
+def measure(model, budget, step):
+    p = subprocess.run([sys.executable, "-c", MEASURE, str(model), budget, str(PROMPT_TOKENS),
+                        step], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def eight_layers(tmp_path_factory):
+    # K3's layout with 8 layers: a whole-prompt prefill of 3,000 tokens needs far
+    # more memory than the model itself (hundreds of MB over a floor of ~18 MB).
+    root = tmp_path_factory.mktemp("eight_layers")
+    src = make_source(root / "src", "kimi_k3", num_layers=8)
+    convert(str(src), root / "model", ConvertOptions(progress=False))
+    return root / "model"
+
+
+def test_a_3000_token_prompt_stays_within_a_budget_10x_below_an_unchunked_prefill(
+        eight_layers):
+    budget = 40_000_000  # the issue's --budget 40MB
+    whole = measure(eight_layers, str(budget), str(PROMPT_TOKENS + 1))  # one forward pass
+    assert whole["prompt"] == PROMPT_TOKENS
+    assert whole["over_baseline"] >= 10 * budget  # the scenario: 10x the budget unchunked
+    chunked = measure(eight_layers, str(budget), "plan")
+    assert chunked["budget"] == budget and chunked["step"] < PROMPT_TOKENS
+    assert chunked["over_baseline"] <= 1.5 * budget, chunked
