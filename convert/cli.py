@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+import time
 
 from .convert import EXPERT_BITS, GROUP_SIZES, SUPPORTED, ConvertOptions, convert
 from .source import ConvertError
@@ -42,11 +43,16 @@ def main(argv=None):
         force=args.force,
         progress=not args.quiet,
     )
+    started = time.time()
     try:
         manifest = convert(args.src, args.out, options)
     except KeyboardInterrupt:
-        print("\ndeltafin-convert: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+        manifest = finished_after_interrupt(args.out, started)
+        if manifest is None:
+            print("\ndeltafin-convert: interrupted; rerun the same command to resume",
+                  file=sys.stderr)
+            return 130
+        print("\ndeltafin-convert: interrupted after the conversion had finished", file=sys.stderr)
     except (ConvertError, OSError) as e:
         if args.debug:
             raise
@@ -55,10 +61,34 @@ def main(argv=None):
             msg = f"disk full while writing {e.filename or args.out}; free space and rerun to resume"
         print(f"deltafin-convert: error: {msg}", file=sys.stderr)
         return 1
+    except Exception as e:  # a source we did not foresee: still one line
+        if args.debug:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"deltafin-convert: error: {args.src}: cannot convert ({type(e).__name__}: "
+              f"{first}) (rerun with --debug for details)", file=sys.stderr)
+        return 1
     size = sum(manifest.files.values())
     print(f"converted {args.src} -> {args.out} ({size / 1e9:.3f} GB, "
           f"{len(manifest.moe_layers)} expert banks)")
     return 0
+
+
+def finished_after_interrupt(out, started: float):
+    """The manifest, if the interrupted run had already written a valid one (the
+    conversion is complete; only removing the partial file may be left)."""
+    from pathlib import Path
+
+    from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, read_manifest
+
+    try:
+        if (Path(out) / MANIFEST_NAME).stat().st_mtime < started - 1:
+            return None  # a model that was there before this run
+        manifest = read_manifest(out)
+    except Exception:
+        return None
+    (Path(out) / PARTIAL_NAME).unlink(missing_ok=True)
+    return manifest
 
 
 if __name__ == "__main__":
