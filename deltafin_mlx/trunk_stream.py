@@ -247,9 +247,14 @@ class RowEmbedding(nn.Module):
         self._quant = {k: getattr(original, k) for k in ("group_size", "bits", "mode")
                        if hasattr(original, k)} if "scales" in self._parts else None
         self._act = act
+        self._num_rows = self._parts["weight"][1][0]
         self._fd = os.open(self._path, os.O_RDONLY)
         self._scratch = np.empty(max(n // s[0] for _, s, _, n in self._parts.values()),
                                  dtype=np.uint8)
+
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows
 
     def _rows(self, part: str, ids: np.ndarray) -> mx.array:
         dtype, shape, offset, nbytes = self._parts[part]
