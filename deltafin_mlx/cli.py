@@ -4,6 +4,8 @@
     deltafin-run MODEL --chat
     deltafin-run plan MODEL|CONFIG.json [--budget B] [--context N]
     deltafin-run bench MODEL [--budget B] [-n N]
+    deltafin-run verify MODEL
+    deltafin-run serve MODEL [--budget B] [--context N] [--port P] [mlx_lm.server options]
     deltafin-run --demo
 """
 
@@ -25,6 +27,35 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def count(text):
+    """A number of tokens: a non-negative integer."""
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {n}")
+    return n
+
+
+def positive(text):
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {n}")
+    return n
+
+
+def temperature(text):
+    t = float(text)
+    if not (t >= 0 and t != float("inf")):  # NaN fails every comparison
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
+    return t
+
+
+def top_p(text):
+    p = float(text)
+    if not 0 < p <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {text}")
+    return p
+
+
 def add_load_options(p):
     p.add_argument("--budget", default=None,
                    help="memory budget, e.g. 8GB (default: from available memory)")
@@ -42,10 +73,11 @@ def run_parser():
                "Try 'deltafin-run --demo' first.")
     p.add_argument("model", nargs="?", help="a directory written by deltafin-convert")
     p.add_argument("prompt", nargs="?", help="the prompt ('-' reads it from stdin)")
-    p.add_argument("-n", "--max-tokens", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("-n", "--max-tokens", type=count, default=256)
+    p.add_argument("--temp", type=temperature, default=0.0,
+                   help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=top_p, default=1.0)
+    p.add_argument("--top-k", type=count, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", nargs="+", default=[], metavar="STR", help="stop at any of these")
     p.add_argument("--no-think", action="store_true", help="thinking off (K3 prompt format)")
@@ -66,7 +98,7 @@ def plan_parser():
                "without loading its weights.")
     p.add_argument("model", help="a Deltafin model directory, or a source config.json")
     p.add_argument("--budget", default=None)
-    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--context", type=positive, default=4096)
     p.add_argument("--bits", type=int, default=4, help="trunk bits (for a config.json)")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--expert-bits", type=int, default=4)
@@ -86,9 +118,9 @@ def plan_parser():
 def bench_parser():
     p = Parser(prog="deltafin-run bench", description="A short decode benchmark.")
     p.add_argument("model")
-    p.add_argument("-n", "--max-tokens", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("-n", "--max-tokens", type=count, default=32)
+    p.add_argument("--prompt-tokens", type=positive, default=16)
+    p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--json", action="store_true")
     add_load_options(p)
     return p
@@ -290,6 +322,14 @@ def main(argv=None):
             return cmd_plan(argv[1:])
         if argv and argv[0] == "bench":
             return cmd_bench(argv[1:])
+        if argv and argv[0] == "verify":
+            from .verify import cmd_verify
+
+            return cmd_verify(argv[1:])
+        if argv and argv[0] == "serve":
+            from .serve import cmd_serve
+
+            return cmd_serve(argv[1:])
         args = run_parser().parse_args(argv)
         if args.demo:
             return cmd_demo(args)
@@ -301,20 +341,23 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("\ndeltafin-run: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # every failure is one line unless --debug
-        if debug:
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # every failure is one line unless --debug (tiktoken's
+        if debug:                 # Rust panics are BaseExceptions, not Exceptions)
             raise
         print(f"deltafin-run: error: {one_line(e)}", file=sys.stderr)
         return 1
 
 
 def one_line(e: BaseException) -> str:
+    from .loader import TokenIdError
     from .manifest import ModelError
     from .planner import BudgetError
     from .reader import ReadError
 
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, (CliError, ModelError, BudgetError, ReadError)):
+    if isinstance(e, (CliError, ModelError, BudgetError, ReadError, TokenIdError)):
         return msg
     if isinstance(e, OSError) and e.filename:
         return f"{e.filename}: {e.strerror}"

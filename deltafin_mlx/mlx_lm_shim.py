@@ -51,8 +51,7 @@ def make_classes(path: Path):
 
             self.model_type = args.model_type
             self.args = args
-            self._inner, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
-                                  tokenizer=False)
+            self._inner = load_for_mlx_lm(path)
 
         def __call__(self, inputs, cache=None, **kwargs):
             return self._inner(inputs, cache=cache, **kwargs)
@@ -76,17 +75,47 @@ def make_classes(path: Path):
     return Model, ModelArgs
 
 
+def load_for_mlx_lm(path: Path):
+    """The Deltafin model for mlx-lm's loaders. A model or budget that cannot be
+    used is one line on stderr and exit status 1 (SystemExit), not a traceback
+    from inside mlx-lm's CLI."""
+    import sys
+
+    from .loader import load
+    from .manifest import ModelError
+    from .planner import BudgetError
+
+    try:
+        model, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
+                        tokenizer=False)
+    except BudgetError as e:
+        print(f"deltafin: error: DELTAFIN_BUDGET={os.environ.get('DELTAFIN_BUDGET', '')!r:.60}: "
+              f"{e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except ModelError as e:
+        print(f"deltafin: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    return model
+
+
 _mlx_lm_load_tokenizer = mlx_lm_utils.load_tokenizer
 
 
 def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
     p = Path(model_path)
-    if (p / MANIFEST_NAME).exists():
-        from mlx_lm.utils import load_config
+    if os.path.lexists(p / MANIFEST_NAME):
+        import sys
 
         from .loader import load_tokenizer as deltafin_tokenizer
+        from .loader import read_config
+        from .manifest import ModelError
 
-        return deltafin_tokenizer(p, read_manifest(p, check_files=False), load_config(p))
+        try:
+            manifest = read_manifest(p)
+            return deltafin_tokenizer(p, manifest, read_config(p, manifest))
+        except ModelError as e:
+            print(f"deltafin: error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
     return _mlx_lm_load_tokenizer(model_path, tokenizer_config_extra, eos_token_ids)
 
 
