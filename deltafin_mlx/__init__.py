@@ -5,7 +5,13 @@
     print(deltafin_mlx.generate(model, tokenizer, "Hello", max_tokens=64).text)
 """
 
-from .generate import Completion, RunStats, generate, stream_generate
-from .loader import load
+try:
+    from .generate import Completion, RunStats, generate, stream_generate
+    from .loader import load
+except KeyboardInterrupt:  # Ctrl-C while MLX and mlx-lm import (seconds): one line
+    import sys
+
+    print("\ndeltafin: interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 __all__ = ["load", "generate", "stream_generate", "Completion", "RunStats"]
