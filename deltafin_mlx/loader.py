@@ -229,7 +229,8 @@ def load(
     lookahead: queue the next MoE layer's predicted experts as speculative reads.
     pipeline: compute resident experts while missing ones are read ("auto": on
         MLX's CPU backend, where it is bit-identical).
-    verify: check every record's CRC-32 as it is read.
+    verify: check every record's CRC-32 as it is read, and every other file's
+        checksum at load (without it, files up to 64 MB are checked at load).
     read_mode: "direct" (O_DIRECT / F_NOCACHE) or "mmap".
     cache_slots: cap on the expert cache's slots, shared by all MoE layers
         (tests and benchmarks).
@@ -243,6 +244,11 @@ def load(
         raise ValueError("reader_threads must be >= 0")
     path = Path(path)
     manifest = read_manifest(path)
+    if verify:
+        # Every file but the banks (their records are checked as they are read).
+        from .integrity import bank_files, check_all_files
+
+        check_all_files(manifest, skip=bank_files(manifest))
     config = read_config(path, manifest)
     if activation_dtype == "auto":
         activation_dtype = default_activation_dtype()
