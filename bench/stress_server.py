@@ -126,7 +126,14 @@ def hostile(port, rng, vocab, context, max_tokens):
     """One hostile request; returns its outcome: 'refused-ok' when the server gave
     the expected error, else what went wrong."""
     kind = rng.choice(["bias_oov", "bias_negative", "long_prompt", "malformed", "nested",
-                       "not_object", "bad_length", "oversized", "disconnect", "nan"])
+                       "not_object", "bad_length", "oversized", "disconnect", "nan",
+                       "long_but_fits"])
+    if kind == "long_but_fits":  # most of the context: answered, within memory
+        try:
+            chat(port, "stream " * (context // 2 - 300), max_tokens, stream=False)
+            return "long-ok"
+        except urllib.error.HTTPError as e:
+            return f"{kind} got {e.code}"
     expect = {"oversized": 413}.get(kind, 400)
     if kind == "disconnect":
         disconnect(port, rng.choice(PROMPTS), max_tokens, rng.choice([0.0, 0.05, 0.3]))
@@ -237,7 +244,7 @@ def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_reque
             proc.kill()
         log_tail = log_path.read_text()[-3000:]
     lat = [d for o, d, _ in results if o == "ok"]
-    hostile_n = sum(1 for o, _, _ in results if o in ("refused-ok", "disconnect")
+    hostile_n = sum(1 for o, _, _ in results if o in ("refused-ok", "long-ok", "disconnect")
                     or " got " in o)
     outcomes = {}
     for o, _, _ in results:
@@ -289,7 +296,7 @@ def healthy(r, margin=64 << 20) -> bool:
     the budget plus a margin (MLX's allocator keeps freed buffers for reuse)."""
     from deltafin_mlx.planner import parse_size
 
-    answered = all(k in ("ok", "refused-ok", "disconnect") or k.startswith("refused ")
+    answered = all(k in ("ok", "refused-ok", "long-ok", "disconnect") or k.startswith("refused ")
                    for k in r["outcomes"])
     used = r["server_peak_rss_bytes"] - r["baseline_rss_bytes"]
     return r["server_alive"] and answered and used <= parse_size(r["budget"]) + margin
