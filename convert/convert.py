@@ -197,6 +197,7 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
     out = Path(out)
     source = open_source(src)
     check_out_apart(source.path, out)
+    tokenizer_files(source.path)  # checked (regular files inside SRC) before any work
     config = dict(source.config)
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
