@@ -47,8 +47,6 @@ def make_classes(path: Path):
     class Model(nn.Module):
         def __init__(self, args: ModelArgs):
             super().__init__()
-            from .loader import load
-
             self.model_type = args.model_type
             self.args = args
             self._inner = load_for_mlx_lm(path)

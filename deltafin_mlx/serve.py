@@ -21,7 +21,6 @@ next to the budget. After every
 request Deltafin's counters (expert hits, misses, bytes read) are logged.
 """
 
-import argparse
 import io
 import json
 import logging
@@ -201,7 +200,9 @@ def log_counters(model):
 
 
 def parser():
-    p = argparse.ArgumentParser(
+    from .cli import Parser  # one-line usage errors, as every deltafin-run command
+
+    p = Parser(
         prog="deltafin-run serve", description=__doc__.splitlines()[0],
         epilog="Other options are mlx_lm.server's (e.g. --max-tokens, --prefill-step-size).")
     p.add_argument("model")

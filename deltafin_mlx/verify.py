@@ -7,7 +7,6 @@ CRC-32 (so a damaged bank names the layer and expert). One pass over each file.
     deltafin-run verify MODEL [--json] [--debug]
 """
 
-import argparse
 import json
 import sys
 import time
@@ -103,7 +102,9 @@ def _check_bank(real, rel, layer, layout, advance) -> int:
 
 
 def parser():
-    p = argparse.ArgumentParser(prog="deltafin-run verify",
+    from .cli import Parser  # one-line usage errors, as every deltafin-run command
+
+    p = Parser(prog="deltafin-run verify",
                                 description="Check every file and expert record of a model.")
     p.add_argument("model")
     p.add_argument("--json", action="store_true")
