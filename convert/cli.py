@@ -4,8 +4,12 @@ import argparse
 import sys
 import time
 
-from .convert import EXPERT_BITS, GROUP_SIZES, SUPPORTED, ConvertOptions, convert
-from .source import ConvertError
+try:
+    from .convert import EXPERT_BITS, GROUP_SIZES, SUPPORTED, ConvertOptions, convert
+    from .source import ConvertError
+except KeyboardInterrupt:  # Ctrl-C while MLX and mlx-lm import (seconds): one line
+    print("\ndeltafin-convert: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 
 def build_parser():

@@ -143,6 +143,35 @@ def test_random_bytes_over_a_trunk_file_are_refused_at_load_and_named_by_verify(
         verify_model(path)
 
 
+def test_large_files_are_checked_at_load_only_with_verify(converted, copy_of, monkeypatch):
+    """Files over the load-time limit (real trunk files) are checked by --verify."""
+    import deltafin_mlx.integrity as integrity
+
+    monkeypatch.setattr(integrity, "SMALL_FILE_BYTES", 0)
+    monkeypatch.setattr(integrity.check_small_files, "__defaults__", (0,))
+    path = copy_of(converted("kimi_k3"))
+    rel = read_manifest(path, check_files=False).trunk_files["globals"]
+    _overwrite(path / rel, (path / rel).stat().st_size - 100, os.urandom(16))  # tensor data
+    model, _ = load(path, **LOAD)  # not checked at load: too large to read every time
+    model._deltafin.close()
+    with pytest.raises(ModelError, match=rf"{rel}: modified since conversion"):
+        load(path, verify=True, **LOAD)
+
+
+def test_a_damaged_trunk_header_read_by_the_streamer_is_one_line(converted, copy_of,
+                                                                   monkeypatch):
+    """Streamed trunk layers and embedding rows are read where the file's own header
+    says: that header is checked too (here with load-time checksums off)."""
+    import deltafin_mlx.integrity as integrity
+
+    monkeypatch.setattr(integrity.check_small_files, "__defaults__", (0,))
+    path = copy_of(converted("kimi_k3"))
+    rel = read_manifest(path, check_files=False).trunk_files["globals"]
+    _overwrite(path / rel, 60, b"\xff\xfe")  # inside the JSON header
+    with pytest.raises(ModelError, match=rf"{rel}: corrupt trunk file header|unreadable trunk"):
+        load(path, memory_budget="18200000", **LOAD)
+
+
 def test_swapped_tokenizer_ranks_are_refused_at_load(converted, copy_of):
     path = copy_of(converted("kimi_k3"))
     lines = (path / "tiktoken.model").read_bytes().splitlines()
