@@ -17,7 +17,8 @@ with HTTP 400, and keeps serving:
   would load the path it names).
 A client that disconnects stops its generation at the next token. Prompts are
 processed 256 tokens at a time (mlx-lm: 2048) so their activations stay small
-next to the budget. After every
+next to the budget, and the prompt cache holds at most the KV bytes the plan set
+aside. After every
 request Deltafin's counters (expert hits, misses, bytes read) are logged.
 """
 
@@ -263,6 +264,10 @@ def cmd_serve(argv) -> int:
         # memory: mlx-lm's 2048 took a 40 MB-budget server to +179 MiB on a prompt
         # of 3700 tokens, 256 to +49 MiB (docs/PERFORMANCE.md).
         rest += ["--prefill-step-size", str(PREFILL_STEP)]
+    if not any(a.startswith("--prompt-cache-bytes") for a in rest):
+        # The prompt cache keeps KV caches of earlier requests: at most what the
+        # plan set aside for KV at the planned context.
+        rest += ["--prompt-cache-bytes", str(model._deltafin.plan.state_bytes)]
     server.ModelProvider, server.run = DeltafinProvider, run
     sys.argv = ["deltafin-run serve", "--model", args.model, "--host", args.host,
                 "--port", str(args.port), *rest]
