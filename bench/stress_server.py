@@ -1,6 +1,7 @@
 """mlx_lm.server serving a Deltafin model under concurrent clients, for a bounded time.
 
     python bench/stress_server.py MODEL [--clients 8] [--seconds 60] [--budget 200MB]
+                                  [--server deltafin --hostile 0.5 --context 1024]
 
 Starts `mlx_lm.server --trust-remote-code` on a free localhost port, learns each
 prompt's greedy reply from requests sent one at a time, then runs N client threads
@@ -9,6 +10,13 @@ reply must equal the one learned for its prompt, or be a clean HTTP error; the
 server must stay up and its peak memory (VmHWM) within the budget plus a margin.
 Prints (and with --json writes) requests served, failures, and latency percentiles.
 Only loopback addresses are used; every loop is bounded in count and time.
+
+`--server deltafin` runs `deltafin-run serve` instead (the way to serve); with
+`--hostile F` a fraction F of requests are hostile (out-of-vocabulary and negative
+logit_bias ids, prompts over the planned context, malformed or deeply nested or
+oversized bodies, bad Content-Length, clients that disconnect before or during
+their reply), each of which must get its expected HTTP error (a disconnect gets
+none), while every ordinary request still gets its exact reply.
 """
 
 import argparse
@@ -39,16 +47,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model, port, budget, log_path, extra=()):
+def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, extra=()):
     """The server logs every request: to a file (a pipe nobody drains would fill
     up and block the server)."""
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "DELTAFIN_BUDGET": budget}
     log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [str(bin_dir / "mlx_lm.server"), "--model", str(model), "--trust-remote-code",
-         "--host", "127.0.0.1", "--port", str(port), *extra],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
+    if server == "deltafin":
+        cmd = [str(bin_dir / "deltafin-run"), "serve", str(model), "--budget", budget,
+               "--context", str(context), "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        cmd = [str(bin_dir / "mlx_lm.server"), "--model", str(model), "--trust-remote-code",
+               "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 180
     while time.time() < deadline:
         try:
@@ -81,6 +92,76 @@ def chat(port, prompt, max_tokens, stream, timeout=120):
     return text
 
 
+def _body(prompt, max_tokens, **extra):
+    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0, **extra}
+
+
+def raw_post(port, raw: bytes, headers: dict, timeout=60):
+    """POST bytes exactly as given (any Content-Length); returns (status, body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + raw)
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
+    return status, data.split(b"\r\n\r\n", 1)[-1]
+
+
+def disconnect(port, prompt, max_tokens, after_s):
+    """Send a request and close the socket without reading the reply."""
+    body = json.dumps(_body(prompt, max_tokens, stream=False)).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(after_s)
+
+
+def hostile(port, rng, vocab, context, max_tokens):
+    """One hostile request; returns its outcome: 'refused-ok' when the server gave
+    the expected error, else what went wrong."""
+    kind = rng.choice(["bias_oov", "bias_negative", "long_prompt", "malformed", "nested",
+                       "not_object", "bad_length", "oversized", "disconnect", "nan",
+                       "long_but_fits"])
+    if kind == "long_but_fits":  # most of the context: answered, within memory
+        try:
+            chat(port, "stream " * (context // 2 - 300), max_tokens, stream=False)
+            return "long-ok"
+        except urllib.error.HTTPError as e:
+            return f"{kind} got {e.code}"
+    expect = {"oversized": 413}.get(kind, 400)
+    if kind == "disconnect":
+        disconnect(port, rng.choice(PROMPTS), max_tokens, rng.choice([0.0, 0.05, 0.3]))
+        return "disconnect"
+    if kind in ("bias_oov", "bias_negative"):
+        bad = vocab + rng.randrange(10 ** 6) if kind == "bias_oov" else -1 - rng.randrange(100)
+        raw = json.dumps(_body("Hello there", max_tokens, logit_bias={str(bad): 5.0})).encode()
+    elif kind == "long_prompt":
+        raw = json.dumps(_body("stream " * (context + 64), max_tokens)).encode()
+    elif kind == "malformed":
+        raw = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": '
+    elif kind == "nested":
+        raw = b"[" * 200_000 + b"]" * 200_000
+    elif kind == "not_object":
+        raw = b'[1, 2, 3]'
+    elif kind == "nan":
+        raw = json.dumps(_body("Hello there", max_tokens, temperature=float("nan"))).encode()
+    elif kind == "oversized":
+        status, _ = raw_post(port, b"", {"Content-Length": str(1 << 40)})
+        return "refused-ok" if status == expect else f"{kind} got {status}"
+    if kind == "bad_length":
+        status, _ = raw_post(port, raw := b"{}", {"Content-Length": "-5"})
+    else:
+        status, _ = raw_post(port, raw, {"Content-Type": "application/json",
+                                         "Content-Length": str(len(raw))})
+    return "refused-ok" if status == expect else f"{kind} got {status}"
+
+
 def peak_rss(pid) -> int:
     try:
         for line in open(f"/proc/{pid}/status"):
@@ -107,12 +188,13 @@ def percentile(xs, q):
 
 
 def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_requests=10_000,
-        seed=0):
+        seed=0, server="mlx_lm", hostile_fraction=0.0, context=4096):
     import tempfile
 
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="deltafin-stress-")) / "server.log"
-    proc = start_server(model, port, budget, log_path)
+    proc = start_server(model, port, budget, log_path, server, context)
+    vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1 << 17)
     try:
         expected = {p: chat(port, p, max_tokens, stream=False) for p in PROMPTS}
         results, errors, lock = [], [], threading.Lock()
@@ -128,6 +210,11 @@ def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_reque
                 stream = rng.random() < 0.5
                 start = time.perf_counter()
                 try:
+                    if rng.random() < hostile_fraction:
+                        outcome = hostile(port, rng, vocab, context, max_tokens)
+                        with lock:
+                            results.append((outcome, time.perf_counter() - start, False))
+                        continue
                     text = chat(port, prompt, max_tokens, stream)
                     outcome = "ok" if text == expected[prompt] else "wrong"
                 except urllib.error.HTTPError as e:
@@ -145,6 +232,9 @@ def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_reque
         for t in threads:
             t.join(timeout=seconds + 180)
         alive = proc.poll() is None
+        # Still serving, and correctly, after everything it was sent.
+        after = {p: chat(port, p, max_tokens, stream=False) for p in PROMPTS} if alive else {}
+        alive = alive and after == expected
         rss = peak_rss(proc.pid)
     finally:
         proc.terminate()
@@ -154,6 +244,8 @@ def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_reque
             proc.kill()
         log_tail = log_path.read_text()[-3000:]
     lat = [d for o, d, _ in results if o == "ok"]
+    hostile_n = sum(1 for o, _, _ in results if o in ("refused-ok", "long-ok", "disconnect")
+                    or " got " in o)
     outcomes = {}
     for o, _, _ in results:
         outcomes[o] = outcomes.get(o, 0) + 1
@@ -161,7 +253,10 @@ def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_reque
         "clients": clients,
         "seconds": seconds,
         "budget": budget,
+        "server": server,
+        "context": context,
         "requests": len(results),
+        "hostile_requests": hostile_n,
         "outcomes": outcomes,
         "streaming_requests": sum(1 for *_, s in results if s),
         "server_alive": alive,
@@ -184,8 +279,12 @@ def main():
     p.add_argument("--budget", default="200MB")
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--server", choices=("mlx_lm", "deltafin"), default="mlx_lm")
+    p.add_argument("--hostile", type=float, default=0.0, help="fraction of hostile requests")
+    p.add_argument("--context", type=int, default=4096, help="deltafin-run serve --context")
     a = p.parse_args()
-    r = run(a.model, a.clients, a.seconds, a.budget, a.max_tokens)
+    r = run(a.model, a.clients, a.seconds, a.budget, a.max_tokens, server=a.server,
+            hostile_fraction=a.hostile, context=a.context)
     print(json.dumps(r, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))
@@ -197,7 +296,8 @@ def healthy(r, margin=64 << 20) -> bool:
     the budget plus a margin (MLX's allocator keeps freed buffers for reuse)."""
     from deltafin_mlx.planner import parse_size
 
-    answered = all(k == "ok" or k.startswith("refused") for k in r["outcomes"])
+    answered = all(k in ("ok", "refused-ok", "long-ok", "disconnect") or k.startswith("refused ")
+                   for k in r["outcomes"])
     used = r["server_peak_rss_bytes"] - r["baseline_rss_bytes"]
     return r["server_alive"] and answered and used <= parse_size(r["budget"]) + margin
 

@@ -2,13 +2,18 @@
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from deltafin_mlx.cliutil import HelpFormatter, add_version, human_bytes, quiet_broken_pipe
 from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME
 
-from .convert import EXPERT_BITS, GROUP_SIZES, SUPPORTED, ConvertOptions, convert
-from .source import ConvertError
+try:
+    from .convert import EXPERT_BITS, GROUP_SIZES, SUPPORTED, ConvertOptions, convert
+    from .source import ConvertError
+except KeyboardInterrupt:  # Ctrl-C while MLX and mlx-lm import (seconds): one line
+    print("\ndeltafin-convert: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 
 def build_parser():
@@ -58,11 +63,16 @@ def main(argv=None):
         force=args.force,
         progress=not args.quiet,
     )
+    started = time.time()
     try:
         manifest = convert(args.src, args.out, options)
     except KeyboardInterrupt:
-        print("\ndeltafin-convert: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+        manifest = finished_after_interrupt(args.out, started)
+        if manifest is None:
+            print("\ndeltafin-convert: interrupted; rerun the same command to resume",
+                  file=sys.stderr)
+            return 130
+        print("\ndeltafin-convert: interrupted after the conversion had finished", file=sys.stderr)
     except BrokenPipeError:
         raise  # quiet_broken_pipe ends quietly
     except (ConvertError, OSError) as e:
@@ -73,6 +83,13 @@ def main(argv=None):
             msg = f"disk full while writing {e.filename or args.out}; free space and rerun to resume"
         print(f"deltafin-convert: error: {msg}", file=sys.stderr)
         return 1
+    except Exception as e:  # a source we did not foresee: still one line
+        if args.debug:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"deltafin-convert: error: {args.src}: cannot convert ({type(e).__name__}: "
+              f"{first}) (rerun with --debug for details)", file=sys.stderr)
+        return 1
     if finished_before:  # convert() refuses a finished OUT of another conversion
         print(f"{args.out}: already holds this conversion of {args.src} (same source and "
               "options); nothing to do", file=sys.stderr)
@@ -81,6 +98,23 @@ def main(argv=None):
     print(f"converted {args.src} -> {args.out} ({human_bytes(size)}, "
           f"{len(manifest.moe_layers)} expert banks)")
     return 0
+
+
+def finished_after_interrupt(out, started: float):
+    """The manifest, if the interrupted run had already written a valid one (the
+    conversion is complete; only removing the partial file may be left)."""
+    from pathlib import Path
+
+    from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, read_manifest
+
+    try:
+        if (Path(out) / MANIFEST_NAME).stat().st_mtime < started - 1:
+            return None  # a model that was there before this run
+        manifest = read_manifest(out)
+    except Exception:
+        return None
+    (Path(out) / PARTIAL_NAME).unlink(missing_ok=True)
+    return manifest
 
 
 if __name__ == "__main__":

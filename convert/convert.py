@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from deltafin_mlx import __version__ as deltafin_version
 from deltafin_mlx.bank import BankWriter, bank_header_size, record_size_of, slice_sections
+from deltafin_mlx.integrity import file_checksum, format_checksum
 from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, read_manifest
 from deltafin_mlx.mlx_lm_shim import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE
 
@@ -130,6 +131,18 @@ def _tensor_info(name, a, rel, quantized):
     }
 
 
+def check_out_apart(src: Path, out: Path):
+    """OUT must not be SRC, nor hold it: converting writes config.json and removes
+    OUT's trunk/ and experts/ (with --force), which would destroy the source. No
+    option overrides this. OUT inside SRC is allowed: nothing of SRC is touched."""
+    s, o = os.path.realpath(src), os.path.realpath(out)
+    if s == o:
+        raise ConvertError(f"{out}: is the source directory; choose another output directory")
+    if os.path.commonpath([s, o]) == o:
+        raise ConvertError(f"{out}: holds the source directory {src}; choose an output "
+                           "directory outside it")
+
+
 def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
     """Check OUT (creating nothing), and return the state of the conversion to run:
     fresh, or the finished units of an interrupted run of the same conversion."""
@@ -203,6 +216,8 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
     options.check()
     out = Path(out).expanduser()
     source = open_source(src)
+    check_out_apart(source.path, out)
+    tokenizer_files(source.path)  # checked (regular files inside SRC) before any work
     config = dict(source.config)
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
@@ -346,10 +361,17 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
     order = list(range(num_layers)) + ["globals"]
     for unit in order:
         key = str(unit)
+        fingerprint = source.content_fingerprint(units[unit])
         if key in state["done"]:
-            if unit != "globals":
-                release(get_module(model, paths[unit]))
-            continue
+            stale = _stale_unit(out, state["done"][key], fingerprint)
+            if stale is None:
+                if unit != "globals":
+                    release(get_module(model, paths[unit]))
+                continue
+            bar.redo(unit, f"note: redoing {'layer ' + key if unit != 'globals' else 'the globals'}: "
+                     f"{stale}")
+            del state["done"][key]
+            _write_atomic_json(partial_path, state)
         bar.start_unit(unit)
         result = {"files": {}, "tensors": {}, "quantized": {}}
 
@@ -375,6 +397,8 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
         params, quantized = convert_unit(model, prefix, module, weights, skip, trunk_quant, dtype)
         _save_safetensors(out / rel, params)
         result["files"][rel] = (out / rel).stat().st_size
+        result["checksums"] = {rel: format_checksum(file_checksum(out / rel))}
+        result["source_fingerprint"] = fingerprint
         result["tensors"] = {k: _tensor_info(k, v, rel, quantized) for k, v in params.items()}
         result["quantized"] = quantized
         del params, weights, raw
@@ -397,6 +421,7 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
                 raise
             os.replace(tmp, out / rel)
             result["files"][rel] = (out / rel).stat().st_size
+            result["checksums"][rel] = format_checksum(file_checksum(out / rel))
             result["bank"] = {
                 "bank": rel,
                 "switch_path": moe_layers[unit],
@@ -437,6 +462,11 @@ class ConvertProgress:
     def update(self, nbytes: int):
         self.bar.update(nbytes)
 
+    def redo(self, unit, note: str):
+        """A unit counted as done at the start turned out stale: it is converted again."""
+        self.bar.write(note, file=sys.stderr)
+        self.bar.update(-self.unit_bytes[unit])
+
     def start_unit(self, unit):
         self.bar.set_description(f"layer {unit} (0-{self.layers - 1})" if unit != "globals"
                                  else "embeddings/head")
@@ -454,6 +484,24 @@ class ConvertProgress:
         self.bar.close()
 
 
+def _stale_unit(out: Path, done: dict, fingerprint: str):
+    """Why a unit recorded as finished cannot be trusted (None if it can): a file
+    of it missing, resized or changed (checksum), or its source tensors' content
+    changed since it was converted."""
+    checksums = done.get("checksums")
+    if not isinstance(checksums, dict) or done.get("source_fingerprint") is None:
+        return "recorded without checksums"
+    if done["source_fingerprint"] != fingerprint:
+        return "its source tensors changed since it was converted"
+    for rel, size in done.get("files", {}).items():
+        p = out / rel
+        if not p.is_file() or p.is_symlink() or p.stat().st_size != size:
+            return f"{rel} is missing or has another size"
+        if format_checksum(file_checksum(p)) != checksums.get(rel):
+            return f"{rel} was modified (checksum differs)"
+    return None
+
+
 def _existing_parent(p: Path) -> Path:
     while not p.exists():
         p = p.parent
@@ -469,9 +517,10 @@ def _expert_names(experts, unit):
 def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
             num_layers, moe_layers, num_experts, record_size, sections):
     done = state["done"]
-    files, tensors, quantized = {}, {}, {}
+    files, tensors, quantized, checksums = {}, {}, {}, {}
     for unit in done.values():
         files.update(unit["files"])
+        checksums.update(unit["checksums"])
         tensors.update(unit["tensors"])
         quantized.update(unit["quantized"])
 
@@ -503,6 +552,9 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
         os.replace(out / (name + ".tmp"), out / name)
         files[name] = (out / name).stat().st_size
     files["config.json"] = (out / "config.json").stat().st_size
+    for name in files:
+        if name not in checksums:
+            checksums[name] = format_checksum(file_checksum(out / name))
     kind = "kimi_tiktoken" if "tiktoken.model" in tok_files else "huggingface"
 
     manifest = Manifest(
@@ -534,6 +586,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
             "options": options.recorded(),
             "config_sha256": hashlib.sha256((out / "config.json").read_bytes()).hexdigest(),
         },
+        checksums=checksums,
     )
     manifest.write()
     (out / PARTIAL_NAME).unlink(missing_ok=True)

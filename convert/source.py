@@ -8,7 +8,9 @@ reported in one line instead of failing half-way through.
 import hashlib
 import json
 import os
+import stat
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Tuple
@@ -59,6 +61,8 @@ class TensorInfo:
     shard: str
     dtype: str  # safetensors name, e.g. "BF16"
     shape: Tuple[int, ...]
+    offset: int = 0  # where its bytes start in the shard file
+    nbytes: int = 0
 
 
 @dataclass
@@ -83,6 +87,31 @@ class Source:
                 raise ConvertError(f"{self.path / shard}: cannot read ({e})") from None
         return self._open[shard][name]
 
+    def content_fingerprint(self, names) -> str:
+        """sha256 over each tensor's name, dtype, shape and a CRC-32 of its bytes
+        as they are in the shard now: what a resumed conversion compares, so a
+        source tensor rewritten in place (same name, same size) is noticed."""
+        h = hashlib.sha256()
+        buf = bytearray(16 << 20)
+        for name in sorted(names):
+            t = self.tensors[name]
+            crc = 0
+            try:
+                with open(self.path / t.shard, "rb") as f:
+                    f.seek(t.offset)
+                    left = t.nbytes
+                    while left:
+                        n = f.readinto(memoryview(buf)[: min(left, len(buf))])
+                        if not n:
+                            raise ConvertError(f"{self.path / t.shard}: truncated (it shrank "
+                                               "during the conversion)")
+                        crc = zlib.crc32(memoryview(buf)[:n], crc)
+                        left -= n
+            except OSError as e:
+                raise ConvertError(f"{self.path / t.shard}: cannot read ({e.strerror})") from None
+            h.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0{crc:08x}\n".encode())
+        return h.hexdigest()
+
     def nbytes(self, name: str) -> int:
         t = self.tensors[name]
         n = SAFETENSORS_DTYPES[t.dtype][0]
@@ -91,8 +120,50 @@ class Source:
         return n
 
 
+MAX_HEADER_BYTES = 1 << 28
+MAX_JSON_BYTES = 64 << 20  # config.json, the index
+
+
+def regular_file_inside(root: Path, rel: str, what: str) -> Path:
+    """`root/rel` if it resolves (after symlinks) inside `root` and is a regular
+    file; a FIFO would block the read, a device never end it."""
+    shown = root / rel
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, rel))
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise ConvertError(f"{shown}: {what} resolves to {real}, outside the source directory")
+    try:
+        st = os.stat(real)
+    except OSError:
+        raise ConvertError(f"{shown}: missing ({what})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConvertError(f"{shown}: {what} is not a regular file")
+    return Path(real)
+
+
+def read_json(path: Path, what: str, limit: int = MAX_JSON_BYTES):
+    try:
+        if path.stat().st_size > limit:
+            raise ConvertError(f"{path}: {path.stat().st_size} bytes, too large for {what}")
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+        return raw, json.loads(raw)
+    except ConvertError:
+        raise
+    except OSError as e:
+        raise ConvertError(f"{path}: cannot read {what} ({e.strerror})") from None
+    except (ValueError, RecursionError) as e:
+        raise ConvertError(f"{path}: unreadable {what} ({type(e).__name__}: "
+                           f"{str(e)[:200]})") from None
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def read_safetensors_header(path: Path) -> Dict[str, TensorInfo]:
-    """Parse and check one shard's header against the file size."""
+    """Parse and check one shard's header against the file size: every entry well
+    typed, every tensor's bytes inside the file and no two tensors' bytes overlapping."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -100,7 +171,7 @@ def read_safetensors_header(path: Path) -> Dict[str, TensorInfo]:
             if len(head) < 8:
                 raise ConvertError(f"{path}: truncated safetensors file ({size} bytes)")
             (hlen,) = struct.unpack("<Q", head)
-            if hlen > min(size - 8, 1 << 28):
+            if hlen > min(size - 8, MAX_HEADER_BYTES):
                 raise ConvertError(f"{path}: corrupt safetensors header (length {hlen})")
             raw = f.read(hlen)
     except OSError as e:
@@ -109,38 +180,47 @@ def read_safetensors_header(path: Path) -> Dict[str, TensorInfo]:
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("not an object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{path}: corrupt safetensors header ({e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ConvertError(f"{path}: corrupt safetensors header ({type(e).__name__}: "
+                           f"{str(e)[:200]})") from None
     data_start = 8 + hlen
     out = {}
-    end_max = 0
+    spans = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = entry["dtype"]
-            shape = tuple(int(s) for s in entry["shape"])
-            start, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise ConvertError(f"{path}: corrupt safetensors header entry {name!r}") from None
+        if not isinstance(entry, dict):
+            raise ConvertError(f"{path}: corrupt safetensors header entry {name!r:.200}")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if (not isinstance(dtype, str) or not isinstance(shape, list)
+                or not all(_int(x) for x in shape) or not isinstance(offsets, list)
+                or len(offsets) != 2 or not all(_int(x) for x in offsets)):
+            raise ConvertError(f"{path}: corrupt safetensors header entry {name!r:.200}")
         if dtype not in SAFETENSORS_DTYPES:
-            raise ConvertError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+            raise ConvertError(f"{path}: tensor {name} has unsupported dtype {dtype:.40}")
+        shape = tuple(shape)
         nbytes = SAFETENSORS_DTYPES[dtype][0]
         for s in shape:
             if s < 0:
                 raise ConvertError(f"{path}: tensor {name} has a negative dimension")
             nbytes *= s
+        start, end = offsets
         if start < 0 or end - start != nbytes:
             raise ConvertError(
                 f"{path}: tensor {name} spans {end - start} bytes, its shape needs {nbytes}"
             )
-        end_max = max(end_max, end)
-        out[name] = TensorInfo(path.name, dtype, shape)
-    if data_start + end_max > size:
-        raise ConvertError(
-            f"{path}: truncated safetensors file ({size} bytes, "
-            f"its header needs {data_start + end_max})"
-        )
+        if data_start + end > size:
+            raise ConvertError(
+                f"{path}: truncated safetensors file ({size} bytes, "
+                f"its header needs {data_start + end})"
+            )
+        spans.append((start, end, name))
+        out[name] = TensorInfo(path.name, dtype, shape, data_start + start, nbytes)
+    spans.sort()
+    for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+        if s1 < e0 and e1 > s1:
+            raise ConvertError(f"{path}: tensors {n0} and {n1} overlap in the file "
+                               f"(bytes {s1}..{min(e0, e1)})")
     return out
 
 
@@ -167,6 +247,31 @@ def resolve_source(src: str) -> Path:
         raise ConvertError(hub_failure(src, e, "it")) from None
 
 
+# config.json values the conversion computes with: positive integers when present
+CONFIG_INTS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_experts_per_tok",
+               "num_experts_per_token", "n_routed_experts", "num_experts", "num_local_experts",
+               "moe_intermediate_size", "intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "first_k_dense_replace", "moe_layer_freq")
+
+
+def check_config(config: dict, config_path: Path):
+    """The shape of config.json, so a list where an object belongs, a string where
+    a number belongs or a deep nest is one line here, not a traceback later."""
+    tc = config.get("text_config", config)
+    if not isinstance(tc, dict):
+        raise ConvertError(f"{config_path}: text_config must be an object")
+    if not isinstance(config.get("model_type"), (str, type(None))):
+        raise ConvertError(f"{config_path}: model_type must be a string")
+    for c in (config, tc):
+        for key in CONFIG_INTS:
+            if key in c and not (_int(c[key]) and 0 <= c[key] < 1 << 40):
+                raise ConvertError(f"{config_path}: {key} is {c[key]!r:.60}, "
+                                   "not a non-negative integer")
+        qc = c.get("quantization_config")
+        if qc is not None and not isinstance(qc, dict):
+            raise ConvertError(f"{config_path}: quantization_config must be an object")
+
+
 def open_source(src: str) -> Source:
     path = resolve_source(src)
     if (path / MANIFEST_NAME).exists():
@@ -175,24 +280,24 @@ def open_source(src: str) -> Source:
             f" (or see it: deltafin-run info {src})"
         )
     config_path = path / "config.json"
-    if not config_path.exists():
+    if not os.path.lexists(config_path):
         raise ConvertError(f"{path}: no config.json (not a Hugging Face model directory)")
-    try:
-        config_bytes = config_path.read_bytes()
-        config = json.loads(config_bytes)
-    except (OSError, ValueError) as e:
-        raise ConvertError(f"{config_path}: unreadable ({e})") from None
+    regular_file_inside(path, "config.json", "config.json")
+    config_bytes, config = read_json(config_path, "config.json")
+    if not isinstance(config, dict):
+        raise ConvertError(f"{config_path}: not a JSON object")
+    check_config(config, config_path)
 
     index_path = path / "model.safetensors.index.json"
     h = hashlib.sha256(config_bytes)
-    if index_path.exists():
-        try:
-            index_bytes = index_path.read_bytes()
-            weight_map = json.loads(index_bytes)["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise ValueError("weight_map is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConvertError(f"{index_path}: unreadable index ({e})") from None
+    if os.path.lexists(index_path):
+        regular_file_inside(path, index_path.name, "the index")
+        index_bytes, index = read_json(index_path, "the index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items()):
+            raise ConvertError(f"{index_path}: unreadable index (weight_map must be an object "
+                               "of tensor names to shard file names)")
         h.update(index_bytes)
         shards = sorted(set(weight_map.values()))
     else:
@@ -202,21 +307,25 @@ def open_source(src: str) -> Source:
         weight_map = None
 
     tensors: Dict[str, TensorInfo] = {}
+    defined_in: Dict[str, str] = {}
     total = 0
     for shard in shards:
-        shard_path = path / shard
-        if not shard_path.exists():
-            raise ConvertError(f"{shard_path}: missing (named in the index)")
+        if not os.path.lexists(path / shard):
+            raise ConvertError(f"{path / shard}: missing (named in the index)")
+        shard_path = regular_file_inside(path, shard, "shard")
         header = read_safetensors_header(shard_path)
+        for name in header:
+            header[name].shard = shard
         h.update(f"{shard}:{shard_path.stat().st_size}".encode())
         for name, info in header.items():
+            if name in defined_in:
+                raise ConvertError(f"tensor {name} is defined in two shards, "
+                                   f"{path / defined_in[name]} and {path / shard}")
+            defined_in[name] = shard
             if weight_map is not None and weight_map.get(name) != shard:
                 continue
             tensors[name] = info
-            n = SAFETENSORS_DTYPES[info.dtype][0]
-            for s in info.shape:
-                n *= s
-            total += n
+            total += info.nbytes
     if weight_map is not None:
         missing = [n for n in weight_map if n not in tensors]
         if missing:
@@ -235,15 +344,19 @@ def open_source(src: str) -> Source:
 
 
 def tokenizer_files(path: Path):
-    names = [n for n in TOKENIZER_FILES if (path / n).is_file()]
+    names = [n for n in TOKENIZER_FILES if os.path.lexists(path / n)]
+    for n in names:
+        regular_file_inside(path, n, "tokenizer file")
     # The release's own tokenizer code (e.g. K3's tokenization_kimi.py, encoding_k3.py)
     # is carried along for users of other tools; Deltafin itself never runs it.
-    names += sorted(
+    code = sorted(
         p.name
         for p in path.glob("*.py")
         if p.name.startswith(("tokenization_", "encoding_"))
     )
-    return names
+    for n in code:
+        regular_file_inside(path, n, "tokenizer file")
+    return names + code
 
 
 def free_bytes(path: Path) -> int:

@@ -7,8 +7,14 @@
 
 __version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
 
-from .batch import batch_generate
-from .generate import Completion, RunStats, generate, stream_generate
-from .loader import load
+try:
+    from .batch import batch_generate
+    from .generate import Completion, RunStats, generate, stream_generate
+    from .loader import load
+except KeyboardInterrupt:  # Ctrl-C while MLX and mlx-lm import (seconds): one line
+    import sys
+
+    print("\ndeltafin: interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 __all__ = ["load", "generate", "stream_generate", "batch_generate", "Completion", "RunStats"]

@@ -1,5 +1,5 @@
 """`deltafin-run`: run, chat, plan, bench, describe and verify a Deltafin model,
-run batch jobs, or try the demo (the commands are listed in COMMANDS)."""
+run batch jobs, serve it, or try the demo (the commands are listed in COMMANDS)."""
 
 import argparse
 import json
@@ -59,6 +59,35 @@ def positive_or_auto(value):
     return n
 
 
+def count(text):
+    """A number of tokens: a non-negative integer."""
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {n}")
+    return n
+
+
+def positive(text):
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {n}")
+    return n
+
+
+def temperature(text):
+    t = float(text)
+    if not (t >= 0 and t != float("inf")):  # NaN fails every comparison
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
+    return t
+
+
+def top_p(text):
+    p = float(text)
+    if not 0 < p <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {text}")
+    return p
+
+
 def add_load_options(p):
     p.add_argument("--budget", default=None,
                    help="memory budget, e.g. 8GB (default: from available memory)")
@@ -76,11 +105,11 @@ def run_parser():
                "identical to running it fully in memory. Try 'deltafin-run --demo' first.")
     p.add_argument("model", nargs="?", help="a directory written by deltafin-convert")
     p.add_argument("prompt", nargs="?", help="the prompt ('-' reads it from stdin)")
-    p.add_argument("-n", "--max-tokens", type=int, default=None,
+    p.add_argument("-n", "--max-tokens", type=count, default=None,
                    help="tokens to generate (default: 256; 64 with --demo)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
+    p.add_argument("--temp", type=temperature, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--top-k", type=count, default=0, help="sample from the k likeliest (0: all)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: not fixed)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop before this text; repeat the option for several (default: none)")
@@ -94,7 +123,7 @@ def run_parser():
     p.add_argument("--system", metavar="TEXT", default=None, help="chat: a system message")
     p.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
                    help="K3's thinking effort (default: the model's, max)")
-    p.add_argument("--context", type=int, default=None, metavar="N",
+    p.add_argument("--context", type=positive, default=None, metavar="N",
                    help="tokens of KV cache/state to reserve (default: prompt + max tokens, "
                    "rounded up; 4096 in chat)")
     p.add_argument("--demo", action="store_true",
@@ -116,7 +145,7 @@ def plan_parser():
                    "config.json, or a Hugging Face hub id (only its config.json is fetched)")
     p.add_argument("--budget", default=None,
                    help="memory budget, e.g. 8GB (default: from available memory)")
-    p.add_argument("--context", type=int, default=4096,
+    p.add_argument("--context", type=positive, default=4096,
                    help="tokens of context to hold KV/state for (at most the model's maximum)")
     p.add_argument("--sequences", type=positive_or_auto, default=1, metavar="N|auto",
                    help="sequences decoded together (a batch job); auto: the most that fit "
@@ -139,7 +168,7 @@ def plan_parser():
                    "dtype on GPU — plan an Apple GPU with bfloat16)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
-    p.add_argument("--ranks", type=int, default=1,
+    p.add_argument("--ranks", type=positive, default=1,
                    help="plan one rank of N running the model tensor parallel (mlx.launch)")
     return p
 
@@ -147,9 +176,9 @@ def plan_parser():
 def bench_parser():
     p = Parser(prog="deltafin-run bench", description="A short decode benchmark.")
     p.add_argument("model", help="a directory written by deltafin-convert")
-    p.add_argument("-n", "--max-tokens", type=int, default=32, help="tokens decoded per run")
-    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length of each run")
-    p.add_argument("--repeats", type=int, default=3, help="runs (the median is reported)")
+    p.add_argument("-n", "--max-tokens", type=count, default=32, help="tokens decoded per run")
+    p.add_argument("--prompt-tokens", type=positive, default=16, help="prompt length of each run")
+    p.add_argument("--repeats", type=positive, default=3, help="runs (the median is reported)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_load_options(p)
     return p
@@ -165,13 +194,13 @@ def batch_parser():
     p.add_argument("-o", "--output", required=True, help="JSONL results (appended)")
     p.add_argument("--batch-size", type=positive_or_auto, default="auto", metavar="N|auto",
                    help="sequences decoded together (default: what the budget allows, <= 32)")
-    p.add_argument("--context", type=int, default=4096,
+    p.add_argument("--context", type=positive, default=4096,
                    help="longest prompt + max_tokens of a request (planned per sequence)")
-    p.add_argument("-n", "--max-tokens", type=int, default=256,
+    p.add_argument("-n", "--max-tokens", type=count, default=256,
                    help="tokens to generate per request")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
+    p.add_argument("--temp", type=temperature, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--top-k", type=count, default=0, help="sample from the k likeliest (0: all)")
     p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold")
     p.add_argument("--seed", type=int, default=None,
                    help="random seed of sampled requests (default: not fixed)")
@@ -460,6 +489,10 @@ def main(argv=None):
             return cmd_info(argv[1:])
         if argv and argv[0] == "verify":
             return cmd_verify(argv[1:])
+        if argv and argv[0] == "serve":
+            from .serve import cmd_serve
+
+            return cmd_serve(argv[1:])
         # intermixed: `MODEL --stop X PROMPT` fills both positionals
         args = run_parser().parse_intermixed_args(argv)
         refuse_ignored_options(args)
@@ -475,8 +508,10 @@ def main(argv=None):
         return 130
     except BrokenPipeError:
         raise  # stdout closed early (`| head`): quiet_broken_pipe ends quietly
-    except Exception as e:  # every failure is one line unless --debug
-        if debug:
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # every failure is one line unless --debug (tiktoken's
+        if debug:                 # Rust panics are BaseExceptions, not Exceptions)
             raise
         print(f"deltafin-run: error: {one_line(e)}", file=sys.stderr)
         return 1
@@ -486,13 +521,14 @@ def one_line(e: BaseException) -> str:
     from .batch import BatchError
     from .chat import SessionError
     from .generate import ContextError
+    from .loader import TokenIdError
     from .manifest import ModelError
     from .planner import BudgetError
     from .reader import ReadError
 
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, (CliError, ModelError, BudgetError, ReadError, BatchError, SessionError,
-                      ContextError)):
+                      ContextError, TokenIdError)):
         return msg
     if isinstance(e, OSError) and e.filename:
         return f"{e.filename}: {e.strerror}"

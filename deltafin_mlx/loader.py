@@ -1,6 +1,7 @@
 """`deltafin_mlx.load`: build mlx-lm's own model for a converted directory, with the
 trunk resident and every MoE layer's experts streamed through the cache."""
 
+import os
 from functools import partial
 from pathlib import Path
 from typing import Optional, Tuple
@@ -8,7 +9,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.utils import _get_classes, load_config
+from mlx_lm.utils import _get_classes
 
 from .bank import BankError, read_layout
 from .cache import CacheStats, ExpertCache, switch_over_slots
@@ -32,19 +33,129 @@ def default_activation_dtype() -> mx.Dtype:
 
 
 def read_config(path: Path, manifest) -> dict:
-    """config.json, checked against the manifest (it is what builds the model)."""
+    """config.json, checked against the manifest (it is what builds the model),
+    read as mlx-lm's load_config reads it (eos from generation_config.json)."""
     import hashlib
+    import json
+
+    from mlx_lm.utils import _decode_tagged_floats
+
+    from .integrity import CONFIG_MAX_BYTES, read_inside
 
     cpath = path / "config.json"
+    raw = read_inside(path, "config.json", CONFIG_MAX_BYTES)
     try:
-        raw = cpath.read_bytes()
-        config = load_config(path)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{cpath}: unreadable ({e})") from None
+        config = _decode_tagged_floats(json.loads(raw))
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, RecursionError, TypeError) as e:
+        raise ModelError(f"{cpath}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
     want = manifest.source.get("config_sha256")
     if want and hashlib.sha256(raw).hexdigest() != want:
         raise ModelError(f"{cpath}: modified since conversion (its checksum differs)")
+    gpath = path / "generation_config.json"
+    if os.path.lexists(gpath):
+        try:
+            generation = json.loads(read_inside(path, gpath.name, CONFIG_MAX_BYTES))
+        except (ValueError, RecursionError):
+            generation = {}  # as mlx-lm: an unreadable generation config is ignored
+        if isinstance(generation, dict) and generation.get("eos_token_id"):
+            config["eos_token_id"] = generation["eos_token_id"]
     return config
+
+
+def check_against_manifest(model: nn.Module, config: dict, manifest, switches: dict):
+    """The model config.json builds is the one the manifest and banks describe:
+    layer count, expert count and shapes, experts per token, and every trunk
+    tensor (so vocabulary, tied embeddings, widths) by name and shape. A config
+    edited and resealed is refused here instead of running different math."""
+    where = manifest.path / "config.json"
+    n = len(layer_paths(model))
+    if n != manifest.num_layers:
+        raise ModelError(f"{where}: builds {n} layers, the manifest has {manifest.num_layers}")
+    ex = manifest.experts
+    args = getattr(model, "args", None)
+    tc = config.get("text_config", config)
+    k = tc.get("num_experts_per_tok", tc.get("num_experts_per_token",
+                                            getattr(args, "num_experts_per_tok", None)))
+    if k != ex["experts_per_token"]:
+        raise ModelError(f"{where}: {k!r:.40} experts per token, the manifest and banks have "
+                         f"{ex['experts_per_token']}")
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    inside = tuple(sp + "." for sp in switches)
+    built = {p for p, m in model.named_modules()
+             if isinstance(m, SwitchGLU) and p not in switches and not p.startswith(inside)}
+    if built:
+        raise ModelError(f"{where}: builds routed experts at {sorted(built)[0]}, "
+                         "which have no bank")
+    bits = manifest.quantization["experts"]["bits"]
+    sections = {s["name"]: s for s in ex["sections"]}
+    for sp, shapes in switches.items():
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            e, out, inp = shapes[proj]
+            out_b, packed = sections[f"{proj}.weight"]["shape"]
+            if (e, out, inp) != (ex["num_experts"], out_b, packed * 32 // bits):
+                raise ModelError(
+                    f"{where}: {sp}.{proj} is {e} experts of {out}x{inp}, the banks hold "
+                    f"{ex['num_experts']} of {out_b}x{packed * 32 // bits}")
+    prefixes = tuple(sp + "." for sp in switches)
+    params = {k: v.shape for k, v in tree_flatten(model.parameters())
+              if not k.startswith(prefixes)}
+    for name, shape in params.items():
+        info = manifest.tensors.get(name)
+        if info is None:
+            raise ModelError(f"{where}: the model has {name}, which the trunk lacks")
+        if tuple(info["shape"]) != tuple(shape):
+            raise ModelError(f"{where}: {name} is {tuple(shape)} in the model, "
+                             f"{tuple(info['shape'])} in the trunk")
+    extra = sorted(set(manifest.tensors) - set(params))
+    if extra:
+        raise ModelError(f"{where}: the trunk has {extra[0]}, which the model does not use "
+                         "(tied embeddings or layers differ)")
+
+
+class TokenIdError(ValueError):
+    """A token id outside the embedding table."""
+
+
+def check_token_ids(x: mx.array, vocab: int):
+    """Raise TokenIdError unless every id of `x` is in 0..vocab-1. One small
+    evaluation per call: Deltafin's MoE layers evaluate the router anyway, so
+    the ids are needed on the host soon after (docs/PERFORMANCE.md measures it)."""
+    if not mx.issubdtype(x.dtype, mx.integer):
+        raise TokenIdError(f"token ids must be integers, not {x.dtype}")
+    if x.size == 0:
+        return
+    lo, hi = mx.min(x), mx.max(x)
+    mx.eval(lo, hi)
+    lo, hi = lo.item(), hi.item()
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise TokenIdError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+
+def guard_token_ids(model: nn.Module):
+    """Check ids where they enter the model, at its embedding table, before any
+    gather could read outside it (an out-of-range id crashes MLX's gather or, for
+    rows read from disk, would read another tensor's bytes)."""
+    path = find_path(model, "embed_tokens")
+    if path is None:
+        return
+    module = get_module(model, path)
+    if isinstance(module, RowEmbedding):
+        vocab = module.num_rows
+    else:
+        vocab = module.weight.shape[0]
+    cls = type(module)
+
+    def __call__(self, x):
+        check_token_ids(x, vocab)
+        return cls.__call__(self, x)
+
+    # Swapping the class keeps the module's parameters and paths as they are.
+    module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
+                                                   "vocab_size": vocab})
 
 
 def build_model(path: Path, config: dict) -> nn.Module:
@@ -128,7 +239,8 @@ def load(
     lookahead: queue the next MoE layer's predicted experts as speculative reads.
     pipeline: compute resident experts while missing ones are read ("auto": on
         MLX's CPU backend, where it is bit-identical).
-    verify: check every record's CRC-32 as it is read.
+    verify: check every record's CRC-32 as it is read, and every other file's
+        checksum at load (without it, files up to 64 MB are checked at load).
     read_mode: "direct" (O_DIRECT / F_NOCACHE) or "mmap".
     cache_slots: cap on the expert cache's slots, shared by all MoE layers
         (tests and benchmarks).
@@ -157,6 +269,11 @@ def load(
     manifest = read_manifest(path)
     if group is not None:
         check_same_model(manifest, group)
+    if verify:
+        # Every file but the banks (their records are checked as they are read).
+        from .integrity import bank_files, check_all_files
+
+        check_all_files(manifest, skip=bank_files(manifest))
     config = read_config(path, manifest)
     if activation_dtype == "auto":
         activation_dtype = default_activation_dtype()
@@ -198,6 +315,7 @@ def load(
     read_size = layouts[manifest.moe_layers[0]].record_size
 
     model = build_model(path, config)
+    switches = switch_shapes(model, manifest)
     stats = CacheStats()
     reader = Reader(read_size, threads=reader_threads, verify=verify)
     quant = manifest.quantization["experts"]
@@ -224,6 +342,7 @@ def load(
     # The quantized classes, minus the experts (their config entries now point at
     # streaming modules, which nn.quantize leaves alone).
     quantize_like_config(model, config)
+    check_against_manifest(model, config, manifest, switches)
     paths = layer_paths(model)
     streamed = sorted(int(k) for k in plan.streamed)
     prefixes = tuple(paths[i] + "." for i in streamed)
@@ -235,8 +354,7 @@ def load(
                                               activation_dtype))
     shard = None
     if group is not None:
-        switches = [manifest.switch_path(layer) for layer in manifest.moe_layers]
-        shard = partial(shard_model, group=group, switch_paths=switches, path=path)
+        shard = partial(shard_model, group=group, switch_paths=list(switches), path=path)
     load_trunk(model, manifest, activation_dtype, skip=lambda k: k.startswith(prefixes),
                shard=shard)
     trunk = None
@@ -246,6 +364,7 @@ def load(
     if plan.slots >= plan.num_experts * plan.moe_layers:
         cache.preload_all(_progress("loading experts") if progress else None)
     model.eval()
+    guard_token_ids(model)
     model._deltafin = DeltafinState(manifest, plan, store, trunk, group)
 
     tok = tokenizer if not isinstance(tokenizer, bool) else None
@@ -259,6 +378,27 @@ def open_tokenizer(path):
     path = Path(path)
     manifest = read_manifest(path)
     return load_tokenizer(path, manifest, read_config(path, manifest))
+
+
+def switch_shapes(model: nn.Module, manifest) -> dict:
+    """Each MoE layer's SwitchGLU projection shapes (experts, out, in), as the
+    model config.json builds has them; refused if the manifest names a layer
+    without one."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    shapes = {}
+    for layer in manifest.moe_layers:
+        sp = manifest.switch_path(layer)
+        try:
+            switch = get_module(model, sp)
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError):
+            switch = None
+        if not isinstance(switch, SwitchGLU):
+            raise ModelError(f"{manifest.path / 'config.json'}: layer {layer} of the model it "
+                             f"builds has no routed experts at {sp}, the manifest has a bank")
+        shapes[sp] = {p: tuple(getattr(switch, p).weight.shape)
+                      for p in ("gate_proj", "up_proj", "down_proj")}
+    return shapes
 
 
 def _progress(desc):
@@ -277,15 +417,34 @@ def _progress(desc):
 
 
 def load_tokenizer(path: Path, manifest, config: dict):
+    """The model's tokenizer. Every tokenizer file a loader may open by fixed name
+    is checked first (inside the directory, a regular file, bounded); the files
+    themselves are validated (tokenizer.py); whatever a tokenizer library raises,
+    Rust panics included, becomes one ModelError line."""
+    from .integrity import TOKENIZER_FILE_NAMES, TOKENIZER_MAX_BYTES, check_if_present
+    from .tokenizer import TokenizerError
+
+    for name in TOKENIZER_FILE_NAMES:
+        check_if_present(path, name, TOKENIZER_MAX_BYTES)
     eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
     eos = [eos] if isinstance(eos, int) else eos
-    if manifest.tokenizer.get("kind") == "kimi_tiktoken":
-        from .tokenizer import load_kimi_tokenizer
+    try:
+        if manifest.tokenizer.get("kind") == "kimi_tiktoken":
+            from .tokenizer import load_kimi_tokenizer
 
-        return load_kimi_tokenizer(path, eos_token_ids=eos)
-    from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
+            return load_kimi_tokenizer(path, eos_token_ids=eos)
+        from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
-    return load_hf_tokenizer(Path(path), eos_token_ids=eos)
+        return load_hf_tokenizer(Path(path), eos_token_ids=eos)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except ModelError:
+        raise
+    except TokenizerError as e:
+        raise ModelError(str(e)) from None
+    except BaseException as e:  # tokenizers/tiktoken raise odd types (pyo3 panics)
+        raise ModelError(f"{path}: cannot load the tokenizer ({type(e).__name__}: "
+                         f"{str(e)[:200]})") from None
 
 
 class DeltafinState:
@@ -320,7 +479,9 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
     manifest = read_manifest(path)
     config = read_config(path, manifest)
     model = build_model(path, config)
+    switches = switch_shapes(model, manifest)
     quantize_like_config(model, config)
+    check_against_manifest(model, config, manifest, switches)
     weights = []
     for layer in manifest.moe_layers:
         layout = read_layout(manifest.bank_path(layer)).for_rank(0, 1)
@@ -342,4 +503,5 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
         model.set_dtype(activation_dtype)
     mx.eval(model.parameters())
     model.eval()
+    guard_token_ids(model)
     return model

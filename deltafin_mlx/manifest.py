@@ -45,6 +45,8 @@ class Manifest:
     tokenizer: dict
     files: Dict[str, int]
     source: dict = field(default_factory=dict)
+    # relative path -> "crc32:xxxxxxxx"; empty for manifests written before it
+    checksums: Dict[str, str] = field(default_factory=dict)
 
     @property
     def moe_layers(self):
@@ -75,6 +77,7 @@ class Manifest:
             "experts": self.experts,
             "tokenizer": self.tokenizer,
             "files": self.files,
+            **({"checksums": self.checksums} if self.checksums else {}),
         }
 
     def write(self):
@@ -87,7 +90,11 @@ class Manifest:
 
 
 def read_manifest(path, check_files: bool = True) -> Manifest:
+    """The manifest of the model directory `path`, its fields checked; with
+    `check_files`, also every file it lists (inside the directory, a regular file
+    of its recorded size, small ones with their recorded checksum)."""
     from .hub import looks_like_hub_id
+    from .integrity import MANIFEST_MAX_BYTES, read_inside
 
     given = str(path)
     path = Path(path).expanduser()
@@ -101,7 +108,7 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
     if not path.is_dir():
         raise ModelError(f"{path}: not a directory")
     mpath = path / MANIFEST_NAME
-    if not mpath.exists():
+    if not os.path.lexists(mpath):
         if (path / PARTIAL_NAME).exists():
             raise ModelError(
                 f"{path}: conversion not finished (rerun deltafin-convert to resume it)"
@@ -112,10 +119,10 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
                 f"deltafin-convert {path} {path}-deltafin"
             )
         raise ModelError(f"{path}: not a Deltafin model (no {MANIFEST_NAME})")
+    raw = read_inside(path, MANIFEST_NAME, MANIFEST_MAX_BYTES)
     try:
-        with open(mpath) as f:
-            d = json.load(f)
-    except (OSError, ValueError, RecursionError) as e:
+        d = json.loads(raw)
+    except (ValueError, RecursionError) as e:
         raise ModelError(f"{mpath}: unreadable manifest ({e})") from None
     if not isinstance(d, dict) or d.get("format") != "deltafin":
         raise ModelError(f"{mpath}: not a Deltafin manifest")
@@ -139,6 +146,7 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
             tokenizer=d["tokenizer"],
             files=d["files"],
             source=d.get("source", {}),
+            checksums=d.get("checksums", {}),
         )
     except _Leaves as e:
         raise ModelError(f"{mpath}: corrupt manifest ({e})") from None
@@ -146,6 +154,9 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
         raise ModelError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e})") from None
     if check_files:
         check_model_files(m)
+        from .integrity import check_small_files
+
+        check_small_files(m)
     return m
 
 
@@ -197,6 +208,15 @@ def _check_fields(d: dict):
     num_layers = d["num_layers"]
     _need(_is_int(num_layers) and 0 < num_layers <= 1 << 16, f"num_layers {num_layers!r:.40}")
     _need(isinstance(d.get("source", {}), dict), "source must be an object")
+    checksums = d.get("checksums", {})
+    _need(isinstance(checksums, dict), "checksums must be an object")
+    if checksums:
+        from .integrity import parse_checksum
+
+        _need(set(checksums) == set(files), "checksums must name exactly the listed files")
+        for rel, value in checksums.items():
+            _need(parse_checksum(value) is not None,
+                  f"checksum of {rel!r:.200} is {value!r:.40}, not crc32:<8 hex digits>")
 
     trunk_files = d["trunk_files"]
     _need(isinstance(trunk_files, dict), "trunk_files must be an object")
@@ -280,7 +300,7 @@ def _check_fields(d: dict):
     _need(isinstance(tok, dict) and isinstance(tok.get("kind"), str)
           and isinstance(tok.get("files", []), list), "tokenizer must be an object with a kind")
     for rel in tok.get("files", []):
-        _rel_path(rel, "tokenizer file", None)
+        _rel_path(rel, "tokenizer file", files)
 
 
 def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
@@ -314,12 +334,16 @@ def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
 
 
 def check_model_files(m: Manifest):
+    """Every listed file resolves inside the model directory (after symlinks), is
+    a regular file, and has its recorded size."""
+    from .integrity import resolve_inside
+
     for rel, size in m.files.items():
         p = m.path / rel
-        try:
-            actual = p.stat().st_size
-        except (OSError, ValueError):
-            raise ModelError(f"{p}: missing (the manifest lists it)") from None
+        if not os.path.lexists(p):
+            raise ModelError(f"{p}: missing (the manifest lists it)")
+        _, st = resolve_inside(m.path, rel)
+        actual = st.st_size
         if actual != size:
             raise ModelError(
                 f"{p}: {actual} bytes, the manifest says {size} (truncated or modified file)"

@@ -63,12 +63,7 @@ def make_classes(path: Path):
                 self._load(None)
 
         def _load(self, group):
-            from .loader import load
-
-            seqs = os.environ.get("DELTAFIN_SEQUENCES") or 1
-            self._loaded, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
-                                   tokenizer=False, group=group,
-                                   sequences=seqs if seqs == "auto" else int(seqs))
+            self._loaded = load_for_mlx_lm(path, group)
 
         @property
         def _inner(self):
@@ -106,17 +101,53 @@ def make_classes(path: Path):
     return Model, ModelArgs
 
 
+def load_for_mlx_lm(path: Path, group=None):
+    """The Deltafin model for mlx-lm's loaders. A model or budget that cannot be
+    used is one line on stderr and exit status 1 (SystemExit), not a traceback
+    from inside mlx-lm's CLI."""
+    import sys
+
+    from .loader import load
+    from .manifest import ModelError
+    from .planner import BudgetError
+
+    seqs = os.environ.get("DELTAFIN_SEQUENCES") or "1"
+    try:
+        model, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
+                        tokenizer=False, group=group,
+                        sequences=seqs if seqs == "auto" else int(seqs))
+    except ValueError as e:
+        print(f"deltafin: error: DELTAFIN_SEQUENCES={seqs!r:.60}: not a number or 'auto' ({e})",
+              file=sys.stderr)
+        raise SystemExit(1) from None
+    except BudgetError as e:
+        print(f"deltafin: error: DELTAFIN_BUDGET={os.environ.get('DELTAFIN_BUDGET', '')!r:.60}: "
+              f"{e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except ModelError as e:
+        print(f"deltafin: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    return model
+
+
 _mlx_lm_load_tokenizer = mlx_lm_utils.load_tokenizer
 
 
 def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
     p = Path(model_path)
-    if (p / MANIFEST_NAME).exists():
-        from mlx_lm.utils import load_config
+    if os.path.lexists(p / MANIFEST_NAME):
+        import sys
 
         from .loader import load_tokenizer as deltafin_tokenizer
+        from .loader import read_config
+        from .manifest import ModelError
 
-        return deltafin_tokenizer(p, read_manifest(p, check_files=False), load_config(p))
+        try:
+            manifest = read_manifest(p)
+            return deltafin_tokenizer(p, manifest, read_config(p, manifest))
+        except ModelError as e:
+            print(f"deltafin: error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
     return _mlx_lm_load_tokenizer(model_path, tokenizer_config_extra, eos_token_ids)
 
 

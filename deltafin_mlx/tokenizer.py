@@ -123,44 +123,104 @@ XTML_END_OF_MSG = "<|end_of_msg|>"
 XTML_THINKING_EFFORTS = ("low", "high", "max")
 
 
-def read_tiktoken_ranks(path):
-    """Read a `tiktoken.model` file: one `base64(bytes) rank` line per token."""
+class TokenizerError(ValueError):
+    """Tokenizer files that cannot be used; the message names the file and why."""
+
+
+def read_tiktoken_ranks(path, data: bytes = None):
+    """Read a `tiktoken.model` file: one `base64(bytes) rank` line per token.
+
+    Every line is checked: a malformed line, bad base64, an empty token, a token
+    or a rank given twice, or a gap in the ranks is refused (tiktoken itself
+    would loop, panic or silently merge differently)."""
     # Not tiktoken.load.load_tiktoken_bpe: it caches files by path in a temp
     # folder and would keep serving an old vocabulary after the file changes.
-    ranks = {}
-    for line in Path(path).read_bytes().splitlines():
-        if line.strip():
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{path}: ranks are not 0..{len(ranks) - 1}")
+    if data is None:
+        data = Path(path).read_bytes()
+    ranks, seen_ranks = {}, set()
+    for n, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise TokenizerError(f"{path}: line {n} is not 'base64-token rank'")
+        try:
+            token = base64.b64decode(parts[0], validate=True)
+        except ValueError:
+            raise TokenizerError(f"{path}: line {n}: bad base64 {parts[0][:40]!r}") from None
+        if not parts[1].isdigit():
+            raise TokenizerError(f"{path}: line {n}: rank {parts[1][:40]!r} is not a number")
+        rank = int(parts[1])
+        if not token:
+            raise TokenizerError(f"{path}: line {n}: empty token (rank {rank})")
+        if token in ranks:
+            raise TokenizerError(f"{path}: line {n}: token {token[:40]!r} appears twice "
+                                 f"(ranks {ranks[token]} and {rank})")
+        if rank in seen_ranks:
+            raise TokenizerError(f"{path}: line {n}: rank {rank} is given twice")
+        ranks[token] = rank
+        seen_ranks.add(rank)
+    if not ranks:
+        raise TokenizerError(f"{path}: no tokens")
+    if max(seen_ranks) != len(ranks) - 1:
+        missing = min(set(range(len(ranks))) - seen_ranks)
+        raise TokenizerError(f"{path}: ranks are not 0..{len(ranks) - 1} (rank {missing} "
+                             "is missing)")
     return ranks
 
 
-def read_special_tokens(config, num_base_tokens):
+def read_special_tokens(config, num_base_tokens, mergeable_ranks=None):
     """Name -> id for the whole reserved range, named as `added_tokens_decoder` says.
 
     Unnamed ids are `<|reserved_token_{id}|>`, as in the release's tokenizer.
+    A special token must be a non-empty string (an empty one makes tiktoken's
+    special-token pattern match everywhere: every encode loops forever), name one
+    id only, and not be an ordinary token's bytes.
     """
     first, end = num_base_tokens, num_base_tokens + NUM_RESERVED_SPECIAL_TOKENS
     names = {}
-    for key, entry in config.get("added_tokens_decoder", {}).items():
+    added = config.get("added_tokens_decoder", {})
+    if not isinstance(added, dict):
+        raise TokenizerError("added_tokens_decoder must be an object")
+    for key, entry in added.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise TokenizerError(f"added token id {key!r:.40} is not a number")
         if not first <= int(key) < end:
             # A config for another vocabulary size: every id would be wrong.
-            raise ValueError(
+            raise TokenizerError(
                 f"added token {key} is outside the special ids {first}..{end - 1}"
             )
-        names[int(key)] = entry["content"]
-    return {names.get(i, f"<|reserved_token_{i}|>"): i for i in range(first, end)}
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if not isinstance(content, str) or not content:
+            raise TokenizerError(f"added token {key} has content {content!r:.60}; a special "
+                                 "token must be a non-empty string")
+        names[int(key)] = content
+    by_name = {}
+    for i in range(first, end):
+        name = names.get(i, f"<|reserved_token_{i}|>")
+        if name in by_name:
+            raise TokenizerError(f"special token {name!r:.60} names two ids, {by_name[name]} "
+                                 f"and {i}")
+        if mergeable_ranks is not None and name.encode() in mergeable_ranks:
+            raise TokenizerError(f"special token {name!r:.60} (id {i}) is also ordinary token "
+                                 f"{mergeable_ranks[name.encode()]}")
+        by_name[name] = i
+    return by_name
 
 
 def kimi_encoding(mergeable_ranks, special_tokens, name="kimi"):
-    return tiktoken.Encoding(
-        name,
-        pat_str=KIMI_PATTERN,
-        mergeable_ranks=mergeable_ranks,
-        special_tokens=special_tokens,
-    )
+    try:
+        return tiktoken.Encoding(
+            name,
+            pat_str=KIMI_PATTERN,
+            mergeable_ranks=mergeable_ranks,
+            special_tokens=special_tokens,
+        )
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # tiktoken's Rust panics are BaseExceptions (pyo3)
+        raise TokenizerError(f"tiktoken refused the vocabulary ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from None
 
 
 @lru_cache(maxsize=1)
@@ -698,20 +758,100 @@ def _raise_exception(message):
     raise ValueError(message)
 
 
-@lru_cache(maxsize=4)
-def _compile_jinja(template):
+# A chat template comes with the model: it runs sandboxed (no attribute access to
+# Python internals), and within bounds of time and output size, so a template
+# that loops or grows without end is an error, not a hang.
+JINJA_MAX_TEMPLATE_CHARS = 1 << 20
+JINJA_MAX_OUTPUT_CHARS = 16 << 20
+JINJA_MAX_SECONDS = 10.0
+JINJA_MAX_RANGE = 100_000
+
+
+class TemplateLimit(ValueError):
+    pass
+
+
+def _sandbox_class():
+    import threading
+    import time
+
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
+    deadline = threading.local()
+
+    def check():
+        if time.monotonic() > getattr(deadline, "at", float("inf")):
+            raise TemplateLimit(f"the chat template ran over {JINJA_MAX_SECONDS:.0f} s")
+
+    def bounded_range(*args):
+        r = range(*args)
+        if len(r) > JINJA_MAX_RANGE:
+            raise TemplateLimit(f"the chat template asked for a range of {len(r)} numbers")
+        for i in r:
+            check()
+            yield i
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's names)
+            check()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def getattr(self, obj, attribute):
+            check()
+            return super().getattr(obj, attribute)
+
+        # "a" * 10**10 would allocate before any check could run.
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            check()
+            if operator == "**" and (not isinstance(right, (int, float)) or abs(right) > 64):
+                raise TemplateLimit("the chat template raises to a power over 64")
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if (isinstance(seq, (str, list, tuple)) and isinstance(n, int)
+                            and len(seq) * n > JINJA_MAX_OUTPUT_CHARS):
+                        raise TemplateLimit("the chat template repeats a value past "
+                                            f"{JINJA_MAX_OUTPUT_CHARS} items")
+            return super().call_binop(context, operator, left, right)
+
+    Sandbox.deadline = deadline
+    Sandbox.bounded_range = staticmethod(bounded_range)
+    return Sandbox
+
+
+@lru_cache(maxsize=4)
+def _compile_jinja(template):
+    if not isinstance(template, str):
+        raise TemplateLimit("the chat template is not a string")
+    if len(template) > JINJA_MAX_TEMPLATE_CHARS:
+        raise TemplateLimit(f"the chat template is {len(template)} characters long")
+    sandbox = _sandbox_class()
+    env = sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    return env.from_string(template)
+    env.globals["range"] = sandbox.bounded_range
+    return env, env.from_string(template)
 
 
 def render_jinja_chat(template, messages, continue_final_message=False, **context):
-    text = _compile_jinja(template).render(messages=messages, **context)
+    import time
+
+    env, compiled = _compile_jinja(template)
+    env.deadline.at = time.monotonic() + JINJA_MAX_SECONDS
+    pieces, size = [], 0
+    try:
+        for piece in compiled.generate(messages=messages, **context):
+            size += len(piece)
+            if size > JINJA_MAX_OUTPUT_CHARS:
+                raise TemplateLimit(f"the chat template's output passed "
+                                    f"{JINJA_MAX_OUTPUT_CHARS} characters")
+            if time.monotonic() > env.deadline.at:
+                raise TemplateLimit(f"the chat template ran over {JINJA_MAX_SECONDS:.0f} s")
+            pieces.append(piece)
+    finally:
+        env.deadline.at = float("inf")
+    text = "".join(pieces)
     if continue_final_message:
         # As transformers does: cut the text after the final message's content.
         final = messages[-1]["content"]
@@ -729,10 +869,12 @@ def is_kimi_tokenizer(model_dir):
 def _config_eos_token_ids(model_dir):
     # The stop token of a chat turn (K3's <|end_of_msg|>) is the model
     # config's eos, not the tokenizer's.
+    from .integrity import CONFIG_MAX_BYTES, read_inside
+
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
-    config = json.loads(path.read_text())
+    config = json.loads(read_inside(model_dir, "config.json", CONFIG_MAX_BYTES))
     return config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
 
 
@@ -750,10 +892,22 @@ def load_kimi_tokenizer(model_dir, eos_token_ids=None):
     eos_token_ids (an id or a list) are stop tokens besides the tokenizer's
     eos; by default they are read from the model's config.json, if any.
     """
+    from .integrity import TOKENIZER_MAX_BYTES, read_inside
+
     model_dir = Path(model_dir)
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    ranks = read_tiktoken_ranks(model_dir / "tiktoken.model")
-    special_tokens = read_special_tokens(config, len(ranks))
+    cpath = model_dir / "tokenizer_config.json"
+    try:
+        config = json.loads(read_inside(model_dir, cpath.name, TOKENIZER_MAX_BYTES))
+    except (ValueError, RecursionError) as e:
+        raise TokenizerError(f"{cpath}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{cpath}: not a JSON object")
+    tpath = model_dir / "tiktoken.model"
+    ranks = read_tiktoken_ranks(tpath, read_inside(model_dir, tpath.name, TOKENIZER_MAX_BYTES))
+    try:
+        special_tokens = read_special_tokens(config, len(ranks), ranks)
+    except TokenizerError as e:
+        raise TokenizerError(f"{cpath}: {e}") from None
     encoding = kimi_encoding(ranks, special_tokens, name=model_dir.name or "kimi")
     tokenizer = KimiTokenizer(encoding, config, name_or_path=model_dir)
 

@@ -39,16 +39,43 @@ class TrunkReadError(RuntimeError):
 
 
 def safetensors_index(path) -> Dict[str, tuple]:
-    """name -> (dtype name, shape, absolute offset, nbytes) for one trunk file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    out = {}
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = e["data_offsets"]
-        out[name] = (_ST_DTYPES[e["dtype"]][0], tuple(e["shape"]), 8 + n + start, end - start)
+    """name -> (dtype name, shape, absolute offset, nbytes) for one trunk file.
+
+    The header is checked, since reads go where it says: well-typed entries of
+    known dtypes, each tensor's bytes exactly its shape's, inside the file and not
+    overlapping another's. A damaged header is a ModelError naming the file."""
+    from .manifest import ModelError
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"header length {n} in a {size}-byte file")
+            header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not an object")
+        out, spans = {}, []
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = e["data_offsets"]
+            shape = tuple(e["shape"])
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                       for x in (start, end, *shape)):
+                raise ValueError(f"entry {name} is not well typed")
+            dtype, np_dtype = _ST_DTYPES[e["dtype"]]
+            if end - start != int(np.prod(shape)) * np.dtype(np_dtype).itemsize or 8 + n + end > size:
+                raise ValueError(f"tensor {name}'s bytes do not fit its shape or the file")
+            spans.append((start, end, name))
+            out[name] = (dtype, shape, 8 + n + start, end - start)
+        spans.sort()
+        for (_, e0, a), (s1, _, b) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise ValueError(f"tensors {a} and {b} overlap")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, struct.error) as e:
+        raise ModelError(f"{path}: corrupt trunk file header ({type(e).__name__}: "
+                         f"{str(e)[:200]})") from None
     return out
 
 
@@ -247,9 +274,19 @@ class RowEmbedding(nn.Module):
         self._quant = {k: getattr(original, k) for k in ("group_size", "bits", "mode")
                        if hasattr(original, k)} if "scales" in self._parts else None
         self._act = act
+        self._num_rows = self._parts["weight"][1][0]
+        if tuple(self._parts["weight"][1]) != tuple(original.weight.shape):
+            from .manifest import ModelError
+
+            raise ModelError(f"{path}: {prefix}.weight is {self._parts['weight'][1]} in the "
+                             f"file, {tuple(original.weight.shape)} in the model")
         self._fd = os.open(self._path, os.O_RDONLY)
         self._scratch = np.empty(max(n // s[0] for _, s, _, n in self._parts.values()),
                                  dtype=np.uint8)
+
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows
 
     def _rows(self, part: str, ids: np.ndarray) -> mx.array:
         dtype, shape, offset, nbytes = self._parts[part]

@@ -1,23 +1,25 @@
-"""`deltafin-run verify MODEL`: check a converted model against what its format
-records, reading every byte of every expert bank.
+"""`deltafin-run verify MODEL`: check every byte of a converted model against what
+its format records.
 
-What is checked: the manifest parses; every file it lists exists with its recorded
-size; config.json matches the checksum recorded at conversion; every bank header
-matches the manifest; and every expert record matches the CRC-32 its bank header
-holds for it. Each problem names the file (and the record); checking goes on past
-a damaged file, so one run lists all the damage.
+What is checked: the manifest parses; every file it lists resolves inside the model
+directory (after symlinks) and is a regular file (else the check stops: the
+directory itself is hostile); each has its recorded size and its recorded whole-file
+CRC-32 (manifests from before whole-file checksums: config.json's SHA-256 instead);
+every bank header matches the manifest, and every expert record the CRC-32 its bank
+header holds for it. Each problem names the file (and the record); checking goes on
+past a damaged file, so one run lists all the damage.
 """
 
 import hashlib
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from .bank import BankError, crc32, read_layout
+from .bank import BankError, read_layout
+from .integrity import CHUNK, parse_checksum, resolve_inside
 from .manifest import read_manifest
-
-CHUNK = 64 << 20  # bytes read at a time (whole records)
 
 
 @dataclass
@@ -26,6 +28,7 @@ class VerifyReport:
     files_checked: int = 0
     records_checked: int = 0
     bytes_checked: int = 0
+    whole_file_checksums: bool = True  # False: a manifest from before they were recorded
     problems: List[str] = field(default_factory=list)
 
     @property
@@ -34,88 +37,113 @@ class VerifyReport:
 
 
 def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
-    """Check every file size, config.json's checksum and every expert record's CRC-32.
+    """Check every file of the model at `path`, every byte of it.
 
-    progress(bytes_done, bytes_total) is called as bank bytes are checked. A manifest
-    that cannot be read at all raises ModelError; any other damage is a problem in
-    the report."""
+    progress(bytes_done, bytes_total) is called as bytes are checked. A manifest that
+    cannot be read, or a listed file that resolves outside the directory or is not a
+    regular file, raises ModelError; any other damage is a problem in the report."""
     path = Path(path).expanduser()
     m = read_manifest(path, check_files=False)
-    report = VerifyReport(path)
-    damaged = set()
-    for rel, size in m.files.items():
+    report = VerifyReport(path, whole_file_checksums=bool(m.checksums))
+    real = {rel: resolve_inside(m.path, rel) for rel in m.files}  # raises on escapes
+
+    sound = []
+    for rel, size in sorted(m.files.items()):
         report.files_checked += 1
-        try:
-            actual = (path / rel).stat().st_size
-        except OSError:
-            report.problems.append(f"{rel}: missing (the manifest lists it)")
-            damaged.add(rel)
-            continue
+        actual = real[rel][1].st_size
         if actual != size:
             report.problems.append(f"{rel}: {actual} bytes, the manifest says {size} "
                                    "(truncated or modified)")
-            damaged.add(rel)
-    want = m.source.get("config_sha256")
-    if want and "config.json" not in damaged:
-        try:
-            got = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
-        except OSError as e:
-            got = f"unreadable ({e.strerror})"
-        if got != want:
-            report.problems.append("config.json: modified since conversion (its SHA-256 differs)")
+        else:
+            sound.append(rel)
 
-    banks = []
-    for layer in m.moe_layers:
-        entry = m.experts["layers"][str(layer)]
-        if entry["bank"] in damaged:
-            continue
-        try:
-            layout = read_layout(path / entry["bank"], expect={
-                "layer": layer, "num_experts": m.experts["num_experts"],
-                "record_size": m.experts["record_size"], "header_size": entry["header_size"],
-                "sections": m.experts["sections"]})
-        except BankError as e:
-            report.problems.append(f"{entry['bank']}: {str(e).split(': ', 1)[-1]}")
-            continue
-        banks.append((layer, entry["bank"], layout))
+    banks = {entry["bank"]: int(layer) for layer, entry in m.experts["layers"].items()}
+    layouts = {}
+    for rel in sound:
+        if rel in banks:
+            layer = banks[rel]
+            entry = m.experts["layers"][str(layer)]
+            try:
+                layouts[rel] = read_layout(real[rel][0], expect={
+                    "layer": layer, "num_experts": m.experts["num_experts"],
+                    "record_size": m.experts["record_size"],
+                    "header_size": entry["header_size"], "sections": m.experts["sections"]})
+            except BankError as e:
+                report.problems.append(f"{rel}: {str(e).split(': ', 1)[-1]}")
+    sound = [rel for rel in sound if rel not in banks or rel in layouts]
 
-    total = sum(layout.num_experts * layout.record_size for _, _, layout in banks)
-    done = 0
+    total = sum(m.files[rel] for rel in sound)
+    done = [0]
+
+    def advance(n):
+        done[0] += n
+        report.bytes_checked += n
+        if progress:
+            progress(done[0], total)
+
     if progress:
         progress(0, total)
-    for layer, rel, layout in banks:
+    for rel in sound:
+        before = len(report.problems)
         try:
-            for expert, ok, nbytes in _check_records(path / rel, layout):
-                report.records_checked += 1
-                report.bytes_checked += nbytes
-                done += nbytes
-                if not ok:
-                    report.problems.append(
-                        f"{rel}: record {expert} (expert {expert} of layer {layer}) does not "
-                        "match its CRC-32")
-                if progress:
-                    progress(done, total)
+            if rel in layouts:
+                crc = _check_bank(real[rel][0], rel, banks[rel], layouts[rel], report, advance)
+            else:
+                crc = _crc_file(real[rel][0], advance)
         except OSError as e:
             report.problems.append(f"{rel}: cannot read ({e.strerror})")
+            continue
+        want = parse_checksum(m.checksums.get(rel)) if m.checksums else None
+        if want is not None and crc != want and len(report.problems) == before:
+            report.problems.append(f"{rel}: modified since conversion (damaged or edited: "
+                                   f"CRC-32 {crc:08x}, the manifest says {want:08x})")
+    want = m.source.get("config_sha256")
+    if not m.checksums and want and "config.json" in sound:
+        got = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
+        if got != want:
+            report.problems.append("config.json: modified since conversion (its SHA-256 differs)")
     return report
 
 
-def _check_records(path: Path, layout):
-    """(expert, CRC matches, bytes) for each record of a bank, in order."""
-    per_read = max(1, CHUNK // layout.record_size)
-    fd = os.open(path, os.O_RDONLY)
+def _crc_file(real: Path, advance) -> int:
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    crc = 0
+    with open(real, "rb") as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                return crc & 0xFFFFFFFF
+            crc = zlib.crc32(view[:n], crc)
+            advance(n)
+
+
+def _check_bank(real: Path, rel: str, layer: int, layout, report: VerifyReport, advance) -> int:
+    """The whole file's CRC-32, checking each record's own CRC on the way (read in
+    large sequential chunks, without filling the page cache)."""
+    rs = layout.record_size
+    per_chunk = max(1, CHUNK // rs)
+    fd = os.open(real, os.O_RDONLY)
     try:
-        for first in range(0, layout.num_experts, per_read):
-            n = min(per_read, layout.num_experts - first)
+        header = os.pread(fd, layout.header_size, 0)
+        crc = zlib.crc32(header)
+        advance(len(header))
+        for first in range(0, layout.num_experts, per_chunk):
+            n = min(per_chunk, layout.num_experts - first)
             offset = layout.record_offset(first)
-            data = os.pread(fd, n * layout.record_size, offset)
-            if hasattr(os, "posix_fadvise"):  # a verify pass should not fill the page cache
+            data = os.pread(fd, n * rs, offset)
+            if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
             view = memoryview(data)
             for i in range(n):
-                rec = view[i * layout.record_size : (i + 1) * layout.record_size]
-                ok = len(rec) == layout.record_size and crc32(rec) == int(layout.checksums[first + i])
-                yield first + i, ok, len(rec)
+                rec = view[i * rs:(i + 1) * rs]
+                report.records_checked += 1
+                if zlib.crc32(rec) & 0xFFFFFFFF != int(layout.checksums[first + i]):
+                    report.problems.append(f"{rel}: record {first + i} (layer {layer} expert "
+                                           f"{first + i}) is damaged (CRC-32 mismatch)")
+            crc = zlib.crc32(view, crc)
+            advance(len(data))
+        return crc & 0xFFFFFFFF
     finally:
         os.close(fd)
 
@@ -124,7 +152,7 @@ def verify_parser():
     from .cli import Parser
 
     p = Parser(prog="deltafin-run verify", description="Check a converted model: every "
-               "file's size, config.json's checksum, every expert record's CRC-32.")
+               "file's size and checksum, every expert record's CRC-32.")
     p.add_argument("model", help="a directory written by deltafin-convert")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -160,12 +188,17 @@ def run_verify(argv) -> int:
         print(json.dumps({"model": str(report.path), "ok": report.ok,
                           "files_checked": report.files_checked,
                           "records_checked": report.records_checked,
-                          "bytes_checked": report.bytes_checked, "problems": report.problems}))
+                          "bytes_checked": report.bytes_checked,
+                          "whole_file_checksums": report.whole_file_checksums,
+                          "problems": report.problems}))
     else:
         for problem in report.problems:
             print(f"deltafin-run verify: damaged: {problem}", file=sys.stderr)
         summary = (f"{report.files_checked} files, {report.records_checked} expert records "
                    f"({human_bytes(report.bytes_checked)}) checked")
+        if not report.whole_file_checksums:
+            summary += (" (an older manifest without whole-file checksums: sizes, config.json "
+                        "and expert records checked)")
         if report.ok:
             print(f"{report.path}: OK: {summary}")
         else:

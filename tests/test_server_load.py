@@ -21,3 +21,22 @@ def test_eight_concurrent_clients_are_all_answered_correctly(converted, capsys):
     assert report["requests"] >= 16
     assert report["outcomes"].get("ok", 0) >= 16
     assert stress_server.healthy(report), report
+
+
+def test_deltafin_serve_survives_hostile_clients(converted, capsys):
+    """`deltafin-run serve` under 4 clients of which half the requests are hostile
+    (out-of-vocabulary logit_bias ids, over-long prompts, malformed and nested
+    bodies, bad Content-Length, disconnects): each hostile request gets its HTTP
+    error, every ordinary one its exact reply, the server keeps answering
+    correctly afterwards, and memory stays within the budget plus 64 MiB."""
+    report = stress_server.run(converted("kimi_k3"), clients=4, seconds=12, budget="40MB",
+                               max_tokens=6, server="deltafin", hostile_fraction=0.5,
+                               context=1024)
+    with capsys.disabled():
+        print(f"\n[hostile load] {report['requests']} requests ({report['hostile_requests']} "
+              f"hostile), outcomes {report['outcomes']}, peak RSS "
+              f"{report['server_peak_rss_bytes'] >> 20} MiB (baseline "
+              f"{report['baseline_rss_bytes'] >> 20} MiB)")
+    assert report["outcomes"].get("ok", 0) >= 4
+    assert report["outcomes"].get("refused-ok", 0) >= 4
+    assert stress_server.healthy(report), report

@@ -1,0 +1,159 @@
+"""What integrity checks cost: checksum rates against this disk's read rate, the
+cost of `--verify` on expert reads, and of the token-id check at the model's entry.
+
+    python bench/integrity_cost.py [--dir /tmp] [--read-mb 512] [--json FILE]
+
+1. Checksum throughput on a 64 MB buffer (zlib CRC-32; crc32c / google-crc32c if
+   installed; sha256 for scale), median and range of 7 runs.
+2. O_DIRECT sequential read rate of a fresh file (16 MB reads), median of 5 passes,
+   and the same reads with a CRC-32 of each chunk in the same thread (what
+   --verify does on a reader thread).
+3. Greedy decode tokens/s of the synthetic K3 fixture with the token-id check and
+   with it removed (the embedding's original class restored), all experts cached
+   (no evaluation of Deltafin's own: where an extra host sync would show most) and
+   streaming through 4 slots.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def rates(fn, buf, reps=7):
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn(buf)
+        ts.append(time.perf_counter() - t)
+    gbs = sorted(len(buf) / t / 1e9 for t in ts)
+    return {"median_gbps": statistics.median(gbs), "range_gbps": [gbs[0], gbs[-1]]}
+
+
+def checksum_rates():
+    import hashlib
+
+    buf = os.urandom(64 << 20)
+    out = {"zlib.crc32": rates(zlib.crc32, buf),
+           "hashlib.sha256": rates(lambda b: hashlib.sha256(b).digest(), buf)}
+    try:
+        import crc32c
+
+        out["crc32c (hardware)"] = rates(crc32c.crc32c, buf)
+    except ImportError:
+        out["crc32c (hardware)"] = "not installed"
+    return out
+
+
+def direct_read_rate(directory, mb):
+    from deltafin_mlx.reader import aligned_empty
+
+    path = Path(directory) / "deltafin-integrity-read.bin"
+    chunk = 16 << 20
+    with open(path, "wb") as f:
+        block = os.urandom(chunk)
+        for _ in range(mb * (1 << 20) // chunk):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    buf = aligned_empty(chunk)
+    out = {}
+    try:
+        for name, check in (("read", False), ("read+crc32", True)):
+            gbs = []
+            for _ in range(5):
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+                t, off = time.perf_counter(), 0
+                while True:
+                    n = os.preadv(fd, [memoryview(buf)], off)
+                    if n <= 0:
+                        break
+                    if check:
+                        zlib.crc32(memoryview(buf)[:n])
+                    off += n
+                os.close(fd)
+                gbs.append(off / (time.perf_counter() - t) / 1e9)
+            gbs.sort()
+            out[name] = {"median_gbps": statistics.median(gbs), "range_gbps": [gbs[0], gbs[-1]]}
+    finally:
+        path.unlink()
+    return out
+
+
+def token_check_cost(model_dir, tokens=48, repeats=5):
+    import mlx.core as mx
+
+    from deltafin_mlx.loader import load
+    from deltafin_mlx.modules import find_path, get_module
+
+    out = {}
+    for label, slots in (("all experts cached", None), ("streaming, 4 slots", 4)):
+        model, _ = load(model_dir, cache_slots=slots, tokenizer=False, memory_budget="2GB")
+        embed = get_module(model, find_path(model, "embed_tokens"))
+        guarded, original = type(embed), type(embed).__mro__[1]
+        from mlx_lm.models.cache import make_prompt_cache
+
+        def decode():
+            cache = make_prompt_cache(model)
+            y = mx.argmax(model(mx.array([[1, 5, 9, 200]]), cache=cache)[:, -1], axis=-1)
+            mx.eval(y)
+            t = time.perf_counter()
+            for _ in range(tokens):
+                y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+                mx.async_eval(y)
+            mx.eval(y)
+            return tokens / (time.perf_counter() - t)
+
+        res = {}
+        for name, cls in (("checked", guarded), ("unchecked", original)):
+            embed.__class__ = cls
+            decode()  # warm
+            tps = sorted(decode() for _ in range(repeats))
+            res[name] = {"tokens_per_s_median": statistics.median(tps),
+                         "range": [tps[0], tps[-1]]}
+        embed.__class__ = guarded
+        res["cost"] = 1 - res["checked"]["tokens_per_s_median"] / res["unchecked"]["tokens_per_s_median"]
+        out[label] = res
+        model._deltafin.close()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default=tempfile.gettempdir())
+    p.add_argument("--read-mb", type=int, default=512)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    from conftest import make_source
+
+    from deltafin_convert.convert import ConvertOptions, convert
+
+    work = Path(tempfile.mkdtemp(prefix="deltafin-integrity-", dir=a.dir))
+    src = make_source(work / "src", "kimi_k3")
+    model = work / "k3"
+    convert(str(src), model, ConvertOptions(progress=False))
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "checksums": checksum_rates(),
+        "disk": direct_read_rate(a.dir, a.read_mb),
+        "token_id_check": token_check_cost(model),
+    }
+    print(json.dumps(report, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Peak memory of `deltafin-run serve` answering one long prompt.
+
+    python bench/serve_memory.py MODEL [--budget 40MB] [--words 3700] [serve options...]
+
+Starts the server on a free loopback port, sends one chat request of `--words`
+words, and prints the reply's length, the seconds it took, and the server's peak
+VmHWM against a process that only imported the server (the baseline).
+"""
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import stress_server as ss  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("--budget", default="40MB")
+    p.add_argument("--words", type=int, default=3700)
+    a, extra = p.parse_known_args()
+    port = ss.free_port()
+    log = Path(tempfile.mkdtemp(prefix="deltafin-serve-mem-")) / "server.log"
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "deltafin-run"), "serve", a.model,
+                             "--budget", a.budget, "--host", "127.0.0.1", "--port", str(port),
+                             *extra], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        for _ in range(360):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        start = time.time()
+        try:
+            reply = f"{len(ss.chat(port, 'stream ' * a.words, 4, False))} characters"
+        except urllib.error.HTTPError as e:
+            reply = f"HTTP {e.code}: {e.read()[:200].decode()}"
+        seconds = time.time() - start
+        peak = ss.peak_rss(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    base = ss.baseline_rss()
+    print(f"{reply}; {seconds:.1f} s; peak {peak >> 20} MiB, baseline {base >> 20} MiB, "
+          f"+{(peak - base) >> 20} MiB over the baseline at budget {a.budget}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
