@@ -461,6 +461,7 @@ def readme_blocks(lang):
 NOT_RUN = {
     "python3 -m venv": "the set-up itself (this test runs inside it)",
     "mlx_lm.server": "a server runs until stopped (tests/test_cli.py serves requests)",
+    "deltafin-run serve": "a server runs until stopped (tests/test_hostile.py serves requests)",
 }
 
 
@@ -474,6 +475,8 @@ def test_readme_examples_run_verbatim(tmp_path, sources):
     fake_hub_cache(hf, "moonshotai/Kimi-K3", sources("kimi_k3"))
     shutil.copytree(sources("qwen3_moe"), work / "Qwen3-30B-A3B")
     (work / "prompt.txt").write_text("Why is the sky blue?")
+    (work / "prompts.jsonl").write_text('{"id": "q1", "prompt": "Why is the sky blue?"}\n'
+                                        '{"id": 2, "prompt": "Hi", "max_tokens": 4}\n')
     env = {"HOME": str(home), "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1",
            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "XDG_CACHE_HOME": "",
            "VIRTUAL_ENV": str(BIN.parent)}
