@@ -119,8 +119,8 @@ def run_parser():
     p.add_argument("--chat", action="store_true", help="interactive chat")
     p.add_argument("--session", metavar="FILE", default=None,
                    help="chat: save the conversation and the model's cache to FILE after "
-                   "each turn, restore it at start (.safetensors is added if missing)")
-    p.add_argument("--system", metavar="TEXT", default=None, help="chat: a system message")
+                   "each turn, restore it at start (.safetensors is added if missing) (default: none)")
+    p.add_argument("--system", metavar="TEXT", default=None, help="chat: a system message (default: none)")
     p.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
                    help="K3's thinking effort (default: the model's, max)")
     p.add_argument("--context", type=positive, default=None, metavar="N",
@@ -145,7 +145,7 @@ def plan_parser():
                    "config.json, or a Hugging Face hub id (only its config.json is fetched)")
     p.add_argument("--budget", default=None,
                    help="memory budget, e.g. 8GB (default: from available memory)")
-    p.add_argument("--context", type=positive, default=4096,
+    p.add_argument("--context", type=int, default=4096,
                    help="tokens of context to hold KV/state for (at most the model's maximum)")
     p.add_argument("--sequences", type=positive_or_auto, default=1, metavar="N|auto",
                    help="sequences decoded together (a batch job); auto: the most that fit "
@@ -317,17 +317,13 @@ def cmd_run(args):
     if args.prompt is None:
         raise CliError("no prompt given (a prompt, '-' for stdin, or --chat)")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    from .loader import open_tokenizer
-    from pathlib import Path
-
-    from mlx_lm.utils import load_config
-
+    from .loader import model_config, open_tokenizer
     from .planner import max_context, round_context
 
     tokenizer = open_tokenizer(args.model)
     prompt = make_prompt(tokenizer, text, args)
     context = args.context or round_context(len(prompt) + args.max_tokens,
-                                            max_context(load_config(Path(args.model))))
+                                            max_context(model_config(args.model)))
     model, _ = load_model(args, context=context, tokenizer=tokenizer)
     trace = start_trace(model, args.trace_routing)
     reply, tokens, stats, reason = generate_reply(model, tokenizer, prompt, args,

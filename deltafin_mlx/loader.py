@@ -83,6 +83,8 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
                          f"{ex['experts_per_token']}")
     from mlx_lm.models.switch_layers import SwitchGLU
 
+    from .bank import slice_axis
+
     inside = tuple(sp + "." for sp in switches)
     built = {p for p, m in model.named_modules()
              if isinstance(m, SwitchGLU) and p not in switches and not p.startswith(inside)}
@@ -94,7 +96,9 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
     for sp, shapes in switches.items():
         for proj in ("gate_proj", "up_proj", "down_proj"):
             e, out, inp = shapes[proj]
-            out_b, packed = sections[f"{proj}.weight"]["shape"]
+            shape = list(sections[f"{proj}.weight"]["shape"])
+            shape[slice_axis(f"{proj}.weight")] *= manifest.slices  # a whole expert
+            out_b, packed = shape
             if (e, out, inp) != (ex["num_experts"], out_b, packed * 32 // bits):
                 raise ModelError(
                     f"{where}: {sp}.{proj} is {e} experts of {out}x{inp}, the banks hold "
@@ -375,9 +379,15 @@ def load(
 
 def open_tokenizer(path):
     """A converted model's tokenizer alone (cheap: no weights are read)."""
-    path = Path(path)
+    path = Path(path).expanduser()
     manifest = read_manifest(path)
     return load_tokenizer(path, manifest, read_config(path, manifest))
+
+
+def model_config(path) -> dict:
+    """A converted model's config.json, checked as `load` checks it."""
+    path = Path(path).expanduser()
+    return read_config(path, read_manifest(path))
 
 
 def switch_shapes(model: nn.Module, manifest) -> dict:

@@ -112,14 +112,14 @@ def load_for_mlx_lm(path: Path, group=None):
     from .planner import BudgetError
 
     seqs = os.environ.get("DELTAFIN_SEQUENCES") or "1"
+    if seqs != "auto" and not (seqs.isdigit() and int(seqs) >= 1):
+        print(f"deltafin: error: DELTAFIN_SEQUENCES={seqs!r:.60}: not a positive number or "
+              "'auto'", file=sys.stderr)
+        raise SystemExit(1)
     try:
         model, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
                         tokenizer=False, group=group,
                         sequences=seqs if seqs == "auto" else int(seqs))
-    except ValueError as e:
-        print(f"deltafin: error: DELTAFIN_SEQUENCES={seqs!r:.60}: not a number or 'auto' ({e})",
-              file=sys.stderr)
-        raise SystemExit(1) from None
     except BudgetError as e:
         print(f"deltafin: error: DELTAFIN_BUDGET={os.environ.get('DELTAFIN_BUDGET', '')!r:.60}: "
               f"{e}", file=sys.stderr)

@@ -440,7 +440,7 @@ def test_verify_names_every_damaged_file_and_record(converted, copy_of):
     p = run(["verify", model])
     assert p.returncode == 1
     lines = p.stderr.strip().splitlines()
-    assert any("experts/layer-00001.bank: record 5 (expert 5 of layer 1)" in l for l in lines)
+    assert any("experts/layer-00001.bank: record 5 (layer 1 expert 5)" in l for l in lines)
     assert any("experts/layer-00001.bank: record 11" in l for l in lines)
     assert any("experts/layer-00002.bank" in l and "truncated" in l for l in lines)
     assert lines[-1].endswith(f"3 problem(s) found; {len(m.files)} files, 32 expert records "
