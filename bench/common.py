@@ -151,7 +151,34 @@ def remove_stale_cgroups():
             pass
 
 
-class MemoryCap:
+class Cgroup:
+    """A cgroup v1 directory at `self.path`: children enter it (`preexec`), and
+    `close()` removes it once they have left."""
+
+    path: Path
+
+    def preexec(self):
+        procs = str(self.path / "cgroup.procs")
+
+        def enter():
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        return enter
+
+    def close(self):
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+        log(f"warning: could not remove cgroup {self.path}")
+
+
+class MemoryCap(Cgroup):
     """A cgroup v1 memory cgroup with `limit` bytes (page cache is charged too).
     Create, run children in it (`preexec`), then `close()` to remove it."""
 
@@ -166,15 +193,6 @@ class MemoryCap:
                 memsw.write_text(str(self.limit))
             except OSError:
                 pass
-
-    def preexec(self):
-        procs = str(self.path / "cgroup.procs")
-
-        def enter():
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        return enter
 
     def counters(self) -> dict:
         out = {}
@@ -191,16 +209,6 @@ class MemoryCap:
             pass
         return out
 
-    def close(self):
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.1)
-        log(f"warning: could not remove cgroup {self.path}")
 
 
 # --- running one configuration ----------------------------------------------

@@ -40,7 +40,7 @@ MODEL = dict(hidden_size=256, num_layers=5, num_experts=64, experts_per_token=8,
              router_bias_std=0.3)
 
 
-class ReadThrottle:
+class ReadThrottle(common.Cgroup):
     """A blkio cgroup capping reads from one device at `bps` bytes/s. The worker
     in it writes the cap itself when its timed tokens start (`worker_args`), so
     loading and warming the cache run at full speed."""
@@ -51,26 +51,6 @@ class ReadThrottle:
         self.bps = int(bps)
         self.worker_args = ["--throttle", self.path / "blkio.throttle.read_bps_device",
                             f"{device} {self.bps}"]
-
-    def preexec(self):
-        procs = str(self.path / "cgroup.procs")
-
-        def enter():
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        return enter
-
-    def close(self):
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.1)
-        common.log(f"warning: could not remove cgroup {self.path}")
 
 
 def blkio_writable() -> str:

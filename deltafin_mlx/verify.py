@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 from .bank import BankError, read_layout
-from .integrity import CHUNK, parse_checksum, resolve_inside
+from .integrity import CHUNK, file_checksum, parse_checksum, resolve_inside
 from .manifest import read_manifest
 
 
@@ -89,7 +89,7 @@ def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) ->
             if rel in layouts:
                 crc = _check_bank(real[rel][0], rel, banks[rel], layouts[rel], report, advance)
             else:
-                crc = _crc_file(real[rel][0], advance)
+                crc = file_checksum(real[rel][0], advance)
         except OSError as e:
             report.problems.append(f"{rel}: cannot read ({e.strerror})")
             continue
@@ -103,19 +103,6 @@ def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) ->
         if got != want:
             report.problems.append("config.json: modified since conversion (its SHA-256 differs)")
     return report
-
-
-def _crc_file(real: Path, advance) -> int:
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    crc = 0
-    with open(real, "rb") as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                return crc & 0xFFFFFFFF
-            crc = zlib.crc32(view[:n], crc)
-            advance(n)
 
 
 def _check_bank(real: Path, rel: str, layer: int, layout, report: VerifyReport, advance) -> int:
