@@ -165,7 +165,7 @@ def throttle_available(path: Path) -> str:
 
 
 def serve(model, extra, clients, seconds, max_tokens, budget, blkio=None):
-    from stress_server import free_port, start_server
+    from stress_server import free_port, start_server, stop_server
 
     import tempfile
 
@@ -209,11 +209,7 @@ def serve(model, extra, clients, seconds, max_tokens, budget, blkio=None):
             th.join()
         wall = time.perf_counter() - t
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     tokens = sum(n for *_, n in done)
     replies = {}
     for p, text, _ in done:

@@ -47,6 +47,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_server(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, extra=()):
     """The server logs every request: to a file (a pipe nobody drains would fill
     up and block the server)."""
@@ -237,11 +245,7 @@ def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_reque
         alive = alive and after == expected
         rss = peak_rss(proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
         log_tail = log_path.read_text()[-3000:]
     lat = [d for o, d, _ in results if o == "ok"]
     hostile_n = sum(1 for o, _, _ in results if o in ("refused-ok", "long-ok", "disconnect")

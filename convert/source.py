@@ -8,7 +8,6 @@ reported in one line instead of failing half-way through.
 import hashlib
 import json
 import os
-import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -127,18 +126,12 @@ MAX_JSON_BYTES = 64 << 20  # config.json, the index
 def regular_file_inside(root: Path, rel: str, what: str) -> Path:
     """`root/rel` if it resolves (after symlinks) inside `root` and is a regular
     file; a FIFO would block the read, a device never end it."""
-    shown = root / rel
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(os.path.join(real_root, rel))
-    if os.path.commonpath([real_root, real]) != real_root:
-        raise ConvertError(f"{shown}: {what} resolves to {real}, outside the source directory")
+    from deltafin_mlx.integrity import resolve_inside
+
     try:
-        st = os.stat(real)
-    except OSError:
-        raise ConvertError(f"{shown}: missing ({what})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConvertError(f"{shown}: {what} is not a regular file")
-    return Path(real)
+        return resolve_inside(root, rel, ConvertError, "the source directory")[0]
+    except ConvertError as e:
+        raise ConvertError(f"{e} ({what})") from None
 
 
 def read_json(path: Path, what: str, limit: int = MAX_JSON_BYTES):

@@ -40,21 +40,23 @@ TOKENIZER_FILE_NAMES = (
 )
 
 
-def resolve_inside(root, rel) -> "tuple[Path, os.stat_result]":
+def resolve_inside(root, rel, error=ModelError,
+                   inside="the model directory") -> "tuple[Path, os.stat_result]":
     """The real path of `root/rel` and its stat, if it is a regular file inside
-    the real `root`; otherwise ModelError saying what it is instead."""
+    the real `root`; otherwise `error` saying what it is instead (the converter
+    passes its own error for a source directory)."""
     root = Path(root)
     shown = root / rel
     real_root = os.path.realpath(root)
     real = os.path.realpath(os.path.join(real_root, rel))
     if os.path.commonpath([real_root, real]) != real_root:
-        raise ModelError(f"{shown}: resolves to {real}, outside the model directory")
+        raise error(f"{shown}: resolves to {real}, outside {inside}")
     try:
         st = os.stat(real)
     except (OSError, ValueError):
-        raise ModelError(f"{shown}: missing") from None
+        raise error(f"{shown}: missing") from None
     if not stat.S_ISREG(st.st_mode):
-        raise ModelError(f"{shown}: not a regular file ({_kind(st.st_mode)})")
+        raise error(f"{shown}: not a regular file ({_kind(st.st_mode)})")
     return Path(real), st
 
 
