@@ -99,6 +99,20 @@ def add_load_options(p):
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+def add_sampling_options(p, min_p: bool = False):
+    """Sampling, stops and prompt format: the same for a run, a chat and a batch."""
+    p.add_argument("--temp", type=temperature, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--top-k", type=count, default=0, help="sample from the k likeliest (0: all)")
+    if min_p:
+        p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: not fixed)")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop before this text; repeat the option for several (default: none)")
+    p.add_argument("--no-think", action="store_true", help="thinking off (K3 prompt format)")
+    p.add_argument("--raw", action="store_true", help="no chat template: prompts as they are")
+
+
 def run_parser():
     p = Parser(prog="deltafin-run", usage=USAGE, epilog=COMMANDS,
                description="Run a Deltafin model: MoE experts stream from disk, the output is\n"
@@ -107,14 +121,7 @@ def run_parser():
     p.add_argument("prompt", nargs="?", help="the prompt ('-' reads it from stdin)")
     p.add_argument("-n", "--max-tokens", type=count, default=None,
                    help="tokens to generate (default: 256; 64 with --demo)")
-    p.add_argument("--temp", type=temperature, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--top-k", type=count, default=0, help="sample from the k likeliest (0: all)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: not fixed)")
-    p.add_argument("--stop", action="append", default=[], metavar="STR",
-                   help="stop before this text; repeat the option for several (default: none)")
-    p.add_argument("--no-think", action="store_true", help="thinking off (K3 prompt format)")
-    p.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
+    add_sampling_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--chat", action="store_true", help="interactive chat")
     p.add_argument("--session", metavar="FILE", default=None,
@@ -198,16 +205,7 @@ def batch_parser():
                    help="longest prompt + max_tokens of a request (planned per sequence)")
     p.add_argument("-n", "--max-tokens", type=count, default=256,
                    help="tokens to generate per request")
-    p.add_argument("--temp", type=temperature, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--top-k", type=count, default=0, help="sample from the k likeliest (0: all)")
-    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold")
-    p.add_argument("--seed", type=int, default=None,
-                   help="random seed of sampled requests (default: not fixed)")
-    p.add_argument("--stop", action="append", default=[], metavar="STR",
-                   help="stop before this text; repeat the option for several (default: none)")
-    p.add_argument("--no-think", action="store_true", help="thinking off (K3 prompt format)")
-    p.add_argument("--raw", action="store_true", help="no chat template: prompts as they are")
+    add_sampling_options(p, min_p=True)
     p.add_argument("--logprobs", action="store_true", help="each token's log-probability")
     p.add_argument("--no-progress", action="store_true", help="no progress line on a terminal")
     add_load_options(p)
