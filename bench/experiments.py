@@ -41,6 +41,8 @@ def main(argv=None):
     ap.add_argument("--workdir", default="/tmp/deltafin-bench")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
+                    help="run only these variants")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "experiments.json"))
     args = ap.parse_args(argv)
     from diskprobe import run_probe
@@ -55,7 +57,7 @@ def main(argv=None):
     t0 = time.time()
     for rep in range(args.repeats):
         for label, extra in [("resident", None)] + [
-                (f"{v} {int(f * 100)}%", (v, f)) for f in (0.25, 0.10) for v in VARIANTS]:
+                (f"{v} {int(f * 100)}%", (v, f)) for f in (0.25, 0.10) for v in args.variants]:
             if extra is None:
                 a = base + ["--mode", "resident"]
             else:

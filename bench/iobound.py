@@ -7,7 +7,7 @@ record cost R times computing it (R in --ratios), at several expert-cache shares
 and compares the bytes read with Belady's MIN replayed on the same routing with
 the same number of slots (the optimal demand cache).
 
-    sudo .venv/bin/python bench/iobound.py            # ~8 minutes; see bench/README.md
+    .venv/bin/python bench/iobound.py    # as root; ~10 minutes; see bench/README.md
     .venv/bin/python bench/iobound.py --ratios 32 --shares 0.25 --repeats 3
 
 Where the blkio controller is not writable (not root, no cgroup v1), it says so
@@ -91,23 +91,29 @@ def expert_compute_s(model: Path, info: dict, args) -> float:
     return res["s_per_token"] / (info["experts_per_token"] * info["moe_layers"])
 
 
-def optimal_reads(trace_file: Path, slots: int, timed: int) -> dict:
-    """Belady's MIN on the recorded routing with `slots` slots in one pool (calls
-    layer by layer, as the runtime makes them): misses in the last `timed` tokens."""
+def replay_reads(trace_file: Path, slots: int, timed: int, k: int) -> dict:
+    """The recorded routing replayed with `slots` slots in one pool (calls layer by
+    layer, as the runtime makes them), misses counted over the last `timed` tokens:
+    Belady's MIN (the optimum), the runtime's own pool (what its policy alone
+    reads, without reads ahead) and Belady seeing only the next token's routing
+    (more than any decoder can know)."""
     trace = sc.load_trace(trace_file)
     n = 1 + max(e for layer in trace for tok in layer for e in tok)
-    calls = sc.shared_calls(trace, n)
-    cache = sc.Belady(slots, calls)
     layers = len(trace)
+    calls = sc.shared_calls(trace, n)
     first_timed = (len(trace[0]) - timed) * layers
-    misses = 0
-    for i, experts in enumerate(calls):
-        need = list(dict.fromkeys(experts))
-        cache.use(need)
-        for e in need:
-            if cache.slot_of(e) is None:
-                cache.place(e, set(need))
-                misses += i >= first_timed
+    caches = {"optimal": sc.Belady(slots, calls),
+              "policy": sc.RuntimePool(slots, n, layers, k),
+              "next_token_known": sc.Foresight(slots, calls, layers, layers, n)}
+    misses = dict.fromkeys(caches, 0)
+    for name, cache in caches.items():
+        for i, experts in enumerate(calls):
+            need = list(dict.fromkeys(experts))
+            cache.use(need)
+            for e in need:
+                if cache.slot_of(e) is None:
+                    cache.place(e, set(need))
+                    misses[name] += i >= first_timed
     return {"misses": misses, "tokens": len(trace[0]), "overlap": sum(
         sc.overlap(layer) for layer in trace) / layers}
 
@@ -123,10 +129,11 @@ def run_one(model: Path, info: dict, slots: int, throttle, args, lookahead: int,
     if res.get("status") != "ok":
         return res
     rec = info["record_size"]
-    opt = optimal_reads(trace_file, res["plan"].get("slots", slots), args.tokens)
+    opt = replay_reads(trace_file, res["plan"].get("slots", slots), args.tokens,
+                       info["experts_per_token"])
     bw = throttle.bps if throttle else None
     bpt = res["bytes_read_per_token"]
-    opt_bpt = opt["misses"] * rec / args.tokens
+    opt_bpt = opt["misses"]["optimal"] * rec / args.tokens
     s = res["stats"]
     # Guess reads = reads - demand misses; those never used were wasted (guesses
     # cancelled before a reader took them cost nothing and are not counted).
@@ -136,6 +143,10 @@ def run_one(model: Path, info: dict, slots: int, throttle, args, lookahead: int,
         "tokens_per_s": res["tokens_per_s"], "s_per_token": res["s_per_token"],
         "bytes_read_per_token": bpt, "optimal_bytes_per_token": opt_bpt,
         "bytes_over_optimal": bpt / opt_bpt if opt_bpt else None,
+        "policy_over_optimal": (opt["misses"]["policy"] * rec / args.tokens / opt_bpt
+                                if opt_bpt else None),
+        "next_token_known_over_optimal": (opt["misses"]["next_token_known"] * rec
+                                          / args.tokens / opt_bpt if opt_bpt else None),
         "time_over_io": res["s_per_token"] / (bpt / bw) if bw and bpt else None,
         "precision": res["precision"], "recall": res["recall"], "hit_rate": res["hit_rate"],
         "wasted_read_share": wasted * rec / (bpt * args.tokens) if bpt else 0.0,
@@ -168,17 +179,20 @@ def median_row(runs: list) -> dict:
 
 def format_table(rows: list, info: dict) -> str:
     head = ("| R | cache | lookahead | tok/s | MB read/token | optimal MB/token | bytes/optimal "
+            "| policy alone / optimal | next token known / optimal "
             "| time/(bytes/bw) | precision | recall | wasted reads | achieved / throttle MB/s |")
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         if "tokens_per_s" not in r:
             lines.append(f"| {r['ratio']} | {r['share']:.0%} | | {r.get('status')} |")
             continue
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
         lines.append(
-            f"| {r['ratio']} | {r['share']:.0%} ({r['slots']}) | {'on' if r['lookahead'] else 'off'} "
+            f"| {r['ratio']} | {r['share']:.0%} ({int(r['slots'])}) | {'on' if r['lookahead'] else 'off'} "
             f"| {r['tokens_per_s']:.2f} | {r['bytes_read_per_token'] / 1e6:.2f} "
             f"| {r['optimal_bytes_per_token'] / 1e6:.2f} | {f(r['bytes_over_optimal'], '.2f')} "
+            f"| {f(r.get('policy_over_optimal'), '.2f')} "
+            f"| {f(r.get('next_token_known_over_optimal'), '.2f')} "
             f"| {f(r['time_over_io'], '.2f')} | {f(r['precision'], '.2f')} | {f(r['recall'], '.2f')} "
             f"| {r['wasted_read_share']:.0%} | {r['achieved_bps'] / 1e6:.0f} / "
             f"{r['throttle_bps'] / 1e6:.0f} |")
@@ -193,8 +207,10 @@ def main(argv=None):
                     help="expert cache slots as a share of all experts")
     ap.add_argument("--lookahead", choices=("on", "off", "both"), default="both")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=32,
+                    help="timed tokens per run (fewer weigh the cold start more, where "
+                    "Belady's foresight gains most)")
+    ap.add_argument("--warmup", type=int, default=4, help="untimed, unthrottled tokens first")
     ap.add_argument("--reader-threads", type=int, default=1)
     ap.add_argument("--router-bias-std", type=float, default=MODEL["router_bias_std"],
                     help="spread of the fixture's router bias (0.1: near-uniform routing)")

@@ -17,6 +17,11 @@ per-layer partitions of SlotMap with half-life 32-256, repeat weight 0.5/1 and
 staleness on/off (where every layer has room for a token); and a policy that learns
 online the chance of reuse by (tokens since last use, decayed rate) class, with
 distance power 0-3, shared or partitioned.
+
+Then a foresight ladder: Belady that sees only the next h tokens' routing (and
+beyond that evicts like the shipped shared map), for h = 0..8 tokens. It shows how
+much knowledge of tokens not yet decoded a policy would need to get within a
+given factor of Belady's misses.
 """
 
 import argparse
@@ -194,6 +199,11 @@ def bound(trace, n, fraction) -> dict:
             "bound": rates[best], "family": rates}
 
 
+# Foresight in tokens; 0 is online. Decoding knows nothing past the token it is
+# computing, so anything h > 0 buys is out of an online policy's reach.
+FORESIGHT_TOKENS = (0, 1, 2, 3, 4, 8)
+
+
 def sub_traces(trace):
     """The trace's halves (in time) and four sub-traces of its layers."""
     t, L = len(trace[0]), len(trace)
@@ -231,6 +241,16 @@ def main(argv=None):
             print(f"  {name:>20}: shipped {sub_bound['shipped']:.3f}, best in hindsight "
                   f"{sub_bound['bound']:.3f} ({sub_bound['best']})", flush=True)
         r["checks"] = checks
+        # What foresight buys: Belady seeing only h tokens ahead (of every layer).
+        belady_misses = 1 - r["belady"]
+        r["foresight"] = {}
+        for h in FORESIGHT_TOKENS:
+            miss = (1 - sc.foresight_hit_rate(trace, n, f, h)) / belady_misses
+            r["foresight"][h] = miss
+        print("  misses / Belady's, seeing h tokens ahead: " + ", ".join(
+            f"h={h}: {m:.2f}" for h, m in r["foresight"].items())
+              + f"  (shipped, h=0: {(1 - r['shipped'] * r['belady']) / belady_misses:.2f})",
+              flush=True)
         out[str(f)] = r
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

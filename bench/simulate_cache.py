@@ -241,6 +241,83 @@ class Belady:
         return slot
 
 
+class Foresight:
+    """Belady that sees only `horizon` calls ahead: of the resident experts, one
+    not used within the horizon is evicted first (the lowest decayed use count
+    over calls until its layer runs again, cubed: the shipped shared map's shape);
+    only when all are due within it, the one due last. horizon 0 is an online
+    policy, a horizon past the trace is Belady. How much foresight a policy needs
+    to get within a given factor of Belady says what an online policy, which has
+    none past the token being decoded, can hope for.
+
+    `calls` are shared_calls (keys layer * num_experts + expert)."""
+
+    def __init__(self, num_slots, calls, horizon, num_layers, num_experts,
+                 half_life=32.0, power=3.0):
+        self.num_slots, self.horizon = num_slots, horizon
+        self.layers, self.n, self.power = num_layers, num_experts, power
+        never = 1 << 60
+        self._next_use, upcoming = [None] * len(calls), {}
+        for i in range(len(calls) - 1, -1, -1):
+            self._next_use[i] = {k: upcoming.get(k, never) for k in calls[i]}
+            for k in calls[i]:
+                upcoming[k] = i
+        self._keep = 0.5 ** (1.0 / half_life)  # per token
+        self._inc = 1.0
+        self._count = np.zeros(num_layers * num_experts)
+        self._due = {}  # resident key -> (call of its next use, slot)
+        self._now = -1
+        self._pending = ()
+
+    def slot_of(self, key):
+        return self._due.get(key, (None, None))[1]
+
+    def use(self, keys):
+        self._settle()
+        self._now += 1
+        if self._now % self.layers == 0:
+            self._inc /= self._keep
+        for k in keys:
+            self._count[k] += self._inc
+        self._pending = list(keys)
+
+    def _settle(self):
+        # The last call's experts now wait for their next use.
+        for k in self._pending:
+            if k in self._due:
+                self._due[k] = (self._next_use[self._now][k], self._due[k][1])
+
+    def place(self, key, protected=()):
+        if len(self._due) < self.num_slots:
+            slot = len(self._due)
+        else:
+            cands = [k for k in self._due if k not in protected]
+            if not cands:
+                raise RuntimeError("every cache slot is protected")
+            unseen = [k for k in cands if self._due[k][0] - self._now > self.horizon]
+            if unseen:
+                keys = np.array(unseen)
+                away = ((keys // self.n) - self._now % self.layers) % self.layers
+                away[away == 0] = self.layers
+                victim = unseen[int((self._count[keys] / away.astype(float) ** self.power).argmin())]
+            else:
+                victim = max(cands, key=lambda k: self._due[k][0])
+            slot = self._due.pop(victim)[1]
+        self._due[key] = (self._now, slot)
+        return slot
+
+
+def foresight_hit_rate(trace, num_experts: int, fraction: float, horizon_tokens: float) -> float:
+    """Hit rate of Foresight seeing `horizon_tokens` tokens (of all layers) ahead,
+    one pool of `fraction` of all experts."""
+    calls = shared_calls(trace, num_experts)
+    widest = max(len(set(c)) for c in calls)
+    slots = min(num_experts * len(trace), max(widest, round(fraction * num_experts * len(trace))))
+    cache = Foresight(slots, calls, round(horizon_tokens * len(trace)), len(trace), num_experts)
+    hits, accesses = simulate_layer(cache, calls)
+    return hits / accesses
+
+
 POLICIES = {
     "LRU": lambda slots, n, layer: LRU(slots, n),
     "LFU": lambda slots, n, layer: LFU(slots, n),

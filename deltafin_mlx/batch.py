@@ -22,7 +22,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, List, Optional, Sequence
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -409,16 +409,21 @@ class Progress:
             print(file=sys.stderr)
 
 
-def run_job(model, tokenizer, in_path, out_path, opts: BatchOptions,
-            show_progress: Optional[bool] = None) -> dict:
-    """The batch job: read IN, skip what OUT already answers, append the rest."""
+def read_job(in_path, out_path) -> Tuple[List[Request], List[Request]]:
+    """(every request of IN, those OUT does not answer yet)."""
     try:
         with open(in_path, encoding="utf-8") as f:
             requests = read_requests(f)
     except UnicodeDecodeError as e:
         raise BatchError(f"{in_path}: not UTF-8 text ({e})") from None
     done = answered_keys(out_path)
-    todo = [r for r in requests if r.key not in done]
+    return requests, [r for r in requests if r.key not in done]
+
+
+def run_job(model, tokenizer, in_path, out_path, opts: BatchOptions,
+            show_progress: Optional[bool] = None) -> dict:
+    """The batch job: read IN, skip what OUT already answers, append the rest."""
+    requests, todo = read_job(in_path, out_path)
     show = sys.stderr.isatty() if show_progress is None else show_progress
     progress = Progress(len(requests), len(requests) - len(todo), show)
     meter = StatsMeter(model)

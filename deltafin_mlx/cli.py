@@ -200,7 +200,8 @@ def batch_parser():
     p.add_argument("input", help="JSONL requests")
     p.add_argument("-o", "--output", required=True, help="JSONL results (appended)")
     p.add_argument("--batch-size", type=positive_or_auto, default="auto", metavar="N|auto",
-                   help="sequences decoded together (default: what the budget allows, <= 32)")
+                   help="sequences decoded together (default: what the budget allows, at most 32 "
+                   "and at most the requests left)")
     p.add_argument("--context", type=positive, default=4096,
                    help="longest prompt + max_tokens of a request (planned per sequence)")
     p.add_argument("-n", "--max-tokens", type=count, default=256,
@@ -213,11 +214,14 @@ def batch_parser():
 
 
 def cmd_batch(argv):
-    from .batch import run_job, summary_line
+    from .batch import read_job, run_job, summary_line
 
     args = batch_parser().parse_args(argv)
     opts = batch_options(args)
-    model, tokenizer = load_model(args, context=args.context, sequences=args.batch_size)
+    # "auto" reserves state for no more sequences than there are requests left.
+    _, todo = read_job(args.input, args.output)
+    model, tokenizer = load_model(args, context=args.context, sequences=args.batch_size,
+                                  max_sequences=max(1, len(todo)))
     opts.batch_size = model._deltafin.plan.sequences
     summary = run_job(model, tokenizer, args.input, args.output, opts,
                       show_progress=False if args.no_progress else None)

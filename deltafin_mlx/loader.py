@@ -16,7 +16,7 @@ from .cache import CacheStats, ExpertCache, switch_over_slots
 from .manifest import ModelError, read_manifest
 from .modules import find_path, get_module, layer_paths, set_module
 from .inventory import inventory_from_manifest
-from .planner import MemoryPlan, plan_memory
+from .planner import MAX_SEQUENCES, MemoryPlan, plan_memory
 from .reader import Reader, open_bank
 from .shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
                     sharded_inventory)
@@ -232,6 +232,7 @@ def load(
     tokenizer=True,
     progress: bool = False,
     sequences=1,
+    max_sequences: int = MAX_SEQUENCES,
     group="auto",
 ) -> Tuple[nn.Module, object]:
     """Load a Deltafin model directory. Returns (model, tokenizer).
@@ -257,7 +258,8 @@ def load(
         already loaded (e.g. with `open_tokenizer`, to size `context` to a prompt).
     progress: show a progress bar while experts are loaded (when they all fit).
     sequences: sequences decoded together (batch jobs), each with its KV/recurrent
-        state at `context` tokens in the budget; "auto" lets the planner choose.
+        state at `context` tokens in the budget; "auto" lets the planner choose,
+        at most `max_sequences`.
     group: a mx.distributed.Group to shard the model over (tensor parallel, as
         mlx-lm's shard(); see shard.py), None for the whole model in this process,
         or "auto": the global group when mlx.launch started more than one rank.
@@ -291,7 +293,8 @@ def load(
         stream_trunk = False
     plan = plan_memory(inventory, memory_budget, context=context,
                        reader_threads=reader_threads, max_slots=cache_slots,
-                       stream_trunk=stream_trunk, sequences=sequences)
+                       stream_trunk=stream_trunk, sequences=sequences,
+                       max_sequences=max_sequences)
 
     # Banks are checked before anything big is allocated.
     layouts = {}

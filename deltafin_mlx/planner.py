@@ -259,11 +259,15 @@ def streamable_units(inv: Inventory) -> List[str]:
     return sorted(keys, key=int)
 
 
+MAX_SEQUENCES = 32  # BatchGenerator's default completion batch size
+
+
 def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int = 1,
                 max_slots: int = None, stream_trunk: bool = True,
-                sequences=1) -> MemoryPlan:
+                sequences=1, max_sequences: int = MAX_SEQUENCES) -> MemoryPlan:
     """`sequences`: how many sequences are decoded together (a batch job), each with
-    its own KV/recurrent state; "auto" picks it with `choose_sequences`."""
+    its own KV/recurrent state; "auto" picks it with `choose_sequences`, at most
+    `max_sequences` (a job with 3 requests left reserves state for 3, not 32)."""
     budget = default_budget() if budget is None else parse_size(budget)
     limit = max_context(inv.config)
     if not isinstance(context, int) or context < 1:
@@ -276,7 +280,8 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     all_experts = inv.num_experts * len(inv.moe_layers)
     recurrent, kv = sequence_state(inv.config, context, inv.activation_dtype)
     if sequences == "auto":
-        sequences = choose_sequences(inv, budget, context, reader_threads, stream_trunk)
+        sequences = choose_sequences(inv, budget, context, reader_threads, stream_trunk,
+                                     cap=max(1, int(max_sequences)))
     if int(sequences) < 1:
         raise BudgetError(f"the number of sequences must be at least 1 (got {sequences})")
     sequences = int(sequences)
@@ -346,7 +351,6 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     )
 
 
-MAX_SEQUENCES = 32  # BatchGenerator's default completion batch size
 STATE_SHARE = 0.5  # of the memory above the one-sequence floor
 
 

@@ -9,14 +9,19 @@ uses the real router), and mlx-lm's own SwitchGLU runs over the slot arrays.
 Reads ahead must pay for themselves. A right guess hides a read behind one layer's
 computation, but only in disk time that would otherwise sit idle; a wrong one
 spends disk time, which costs a token that much whenever the disk is the
-bottleneck. So guesses are queued only while
+bottleneck, and where a read outlasts a layer's computation it is still running
+when the next layer routes, holding that layer's demand reads back (a read cannot
+be taken back once started). So guesses are queued only while
 
     (chance right) x min(read time, layer computation) x (1 - disk busy share)
-        > (chance wrong) x read time x disk busy share,
+        > (chance wrong) x (read time x disk busy share
+                            + max(read time - layer computation, 0)),
 
 all measured as the run goes: guesses stop where reads saturate the disk (a Mac's
 SSD against its GPU, a throttled disk, a small cache) and run where the disk has
-time to spare.
+time to spare. The busy share is reader time over wall time, or, where it is
+higher, the recent read rate over the rate the disk delivered while calls waited
+on it (a disk that banks idle time as credit serves single reads fast).
 """
 
 import time
@@ -71,6 +76,10 @@ class IORates:
         self.layer_s = None
         self.read_s = None
         self.busy = 0.0
+        self._wall = self._reading = self._reads = 0.0  # running sums behind `busy`
+        # Reads per second the disk delivered while calls were waiting on it (so
+        # it was reading flat out): what it can do, whatever single reads take.
+        self.capacity = None
         self.issued, self.used = 2.0, 1.0  # recent guesses and their hits (prior 1/2)
         self._last = None  # (time, reader busy s, reads, stall s, guesses, used)
 
@@ -78,7 +87,9 @@ class IORates:
     def right(self) -> float:
         """Recent share of guesses that were used (prefill's guesses, made from
         many tokens at once, say little about decoding's)."""
-        return self.used / self.issued
+        # A guess can be used calls after it was issued, so the two running sums
+        # can cross.
+        return min(self.used / self.issued, 1.0)
 
     def tick(self, reader: Reader, stats: CacheStats, now: float = None):
         """Called once per MoE layer call."""
@@ -97,10 +108,27 @@ class IORates:
             if wall > 0:
                 compute = max(wall - (mark[3] - stall0), 0.0)
                 self.layer_s = compute if self.layer_s is None else (1 - a) * self.layer_s + a * compute
-                # Uncapped per call (a read is counted when it ends, perhaps in a
-                # later call than it ran in); the mean is capped where it is used.
-                share = (mark[1] - busy0) / wall / max(reader.threads, 1)
-                self.busy = (1 - a) * self.busy + a * share
+                # Time-weighted: running reader time over running wall time. A mean
+                # of per-call shares would weigh a 10 ms call with no read ending in
+                # it like a 90 ms one spent reading, and call a saturated disk idle.
+                # (A read is counted when it ends, perhaps a call after it ran; the
+                # share is capped where it is used.)
+                reading = (mark[1] - busy0) / max(reader.threads, 1)
+                reads, stalled = mark[2] - reads0, mark[3] - stall0
+                self._wall = (1 - a) * self._wall + a * wall
+                self._reading = (1 - a) * self._reading + a * reading
+                self._reads = (1 - a) * self._reads + a * reads
+                self.busy = self._reading / self._wall
+                # A disk that banks idle time as credit (a token-bucket throttle,
+                # some cloud volumes) serves single reads fast and still delivers
+                # no more than its rate, so reader time alone calls it idle: it is
+                # as busy as its recent rate is close to what it delivers flat out.
+                if stalled > 0.5 * wall and reads:
+                    sample = reads / wall
+                    self.capacity = sample if self.capacity is None else (
+                        (1 - a) * self.capacity + a * sample)
+                if self.capacity:
+                    self.busy = max(self.busy, self._reads / self._wall / self.capacity)
             if mark[2] > reads0:
                 per_read = (mark[1] - busy0) / (mark[2] - reads0)
                 self.read_s = per_read if self.read_s is None else (1 - a) * self.read_s + a * per_read
@@ -114,7 +142,11 @@ class IORates:
             return True  # nothing measured yet: guesses also measure the disk
         busy = min(self.busy, 1.0)
         gain = right * min(self.read_s, self.layer_s) * (1.0 - busy)
-        cost = (1.0 - right) * self.read_s * busy
+        # A wrong guess spends disk time the run needed, and one still being read
+        # when the next layer routes (a read longer than a layer's computation)
+        # holds that layer's demand reads back by what is left of it.
+        late = max(self.read_s - self.layer_s, 0.0)
+        cost = (1.0 - right) * (self.read_s * busy + late)
         return gain > cost
 
 

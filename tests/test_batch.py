@@ -243,6 +243,20 @@ def test_plan_counts_every_sequences_state(converted):
     budget = one.floor + 10 * per
     b = choose_sequences(inv, budget, context=256)
     assert b == 6 and plan_memory(inv, budget, context=256, sequences="auto").sequences == 6
+    # ... and no more than there are requests to answer
+    assert plan_memory(inv, budget, context=256, sequences="auto", max_sequences=3).sequences == 3
+
+
+def test_auto_batch_size_reserves_state_only_for_the_requests_left(converted, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"p{i}", "max_tokens": 2}) + "\n"
+                           for i in range(3)))
+    out.write_text(json.dumps({"id": 0, "text": "", "tokens": 0}) + "\n")  # one answered
+    cmd = [sys.executable, "-m", "deltafin_mlx.cli", "batch", str(converted("qwen3_moe")),
+           str(src), "-o", str(out), "--raw", "--no-progress", "--budget", "4GB"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "2 answered now" in r.stderr and "batch 2)" in r.stderr
 
 
 def read_results(path):

@@ -259,6 +259,20 @@ def test_belady_beats_every_policy_on_any_trace(tokens, slots):
     assert all(hits["Belady"] >= h for h in hits.values()), hits
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=2), min_size=2, max_size=2),
+                min_size=1, max_size=30),
+       st.integers(4, 10), st.integers(0, 8))
+def test_foresight_never_beats_belady_and_is_belady_when_it_sees_the_whole_trace(tokens, slots, horizon):
+    trace = [[list(dict.fromkeys(tok[layer])) for tok in tokens] for layer in range(2)]
+    calls = sim.shared_calls(trace, 6)
+    belady = sim.simulate_layer(sim.Belady(slots, calls), calls)[0]
+    limited = sim.simulate_layer(sim.Foresight(slots, calls, horizon, 2, 6), calls)[0]
+    whole = sim.simulate_layer(sim.Foresight(slots, calls, len(calls), 2, 6), calls)[0]
+    assert limited <= belady
+    assert whole == belady
+
+
 def test_slotmap_beats_lru_on_skewed_traffic():
     trace = sim.generate_trace(64, 4, 600, 2, seed=2, **sim.PRESETS["skewed"])
     for fraction in (0.1, 0.25):

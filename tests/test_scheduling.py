@@ -158,6 +158,65 @@ def test_time_stalled_on_reads_hides_no_guess():
     assert not rates.guesses_pay(0.5)
 
 
+def test_disk_busy_share_is_weighted_by_time_not_by_call():
+    # Calls alternate: 10 ms with no read ending in it, 90 ms in which 85 ms of
+    # reads end (misses wait for the disk). The disk is busy 85% of the time,
+    # not the 47% a mean of the two calls' shares would say, and no guess pays.
+    rates, stats = IORates(), CacheStats()
+    now = busy = 0.0
+    for i in range(60):
+        rates.tick(fake_reader(busy, i), stats, now=now)
+        long_call = i % 2
+        now += 0.090 if long_call else 0.010
+        busy += 0.085 if long_call else 0.0
+    assert rates.busy == pytest.approx(0.85, abs=0.05)
+    assert not rates.guesses_pay(0.63)
+
+
+def test_a_disk_that_banks_idle_time_is_busy_when_calls_wait_on_it():
+    # A token-bucket throttle: each read takes 3 ms once it has credit, but calls
+    # spend 12 of their 20 ms waiting for reads. Reader time says 45% busy; the
+    # disk delivers no more than it does now, so a guess would only take credit
+    # a demand read needs next.
+    rates, stats = IORates(), CacheStats()
+    busy = reads = 0
+    for i in range(50):
+        rates.tick(fake_reader(busy, reads), stats, now=i * 0.020)
+        reads += 3
+        busy += 3 * 0.003
+        stats.stall_seconds += 0.012
+    assert rates.busy == pytest.approx(1.0, abs=0.05)
+    assert not rates.guesses_pay(0.63)
+
+
+def test_share_of_guesses_used_never_exceeds_one():
+    # Guesses issued in one call and used in later ones: the running counts of
+    # used and issued can cross; the share cannot.
+    rates, stats = IORates(), CacheStats()
+    reader = fake_reader(0.0, 0)
+    for i in range(20):
+        if i % 4 == 0:
+            stats.speculative_issued += 4
+        else:
+            stats.speculative_used += 2
+        rates.tick(reader, stats, now=i * 0.01)
+        assert 0.0 <= rates.right <= 1.0
+
+
+def test_a_guess_read_that_outlasts_a_layer_does_not_pay_even_on_an_idle_disk():
+    # R = 32 with most experts cached: the disk is idle 70% of the time, but a read
+    # takes 32 ms against 8 ms of computation per layer, so a wrong guess is still
+    # being read when the next layer routes and holds its demand reads back.
+    rates = rates_after(200, layer_s=0.012, read_s=0.032, reads_per_call=0.1125,
+                        stall_s=0.004)
+    assert rates.busy == pytest.approx(0.3, abs=0.05)
+    assert rates.layer_s == pytest.approx(0.008)
+    assert not rates.guesses_pay(0.75)
+    # Reads shorter than a layer's computation on the same idle disk still pay.
+    assert rates_after(200, layer_s=0.012, read_s=0.004, reads_per_call=0.9,
+                       stall_s=0.004).guesses_pay(0.75)
+
+
 def test_guesses_allowed_before_anything_is_measured():
     assert IORates().guesses_pay(0.5)
 
