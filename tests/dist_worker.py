@@ -17,28 +17,18 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-
 from deltafin_mlx.loader import load  # noqa: E402
+from test_runtime import greedy as decode  # noqa: E402
 
 PROMPT = [[5, 17, 42, 99, 3, 250, 7, 11]]
 
 
 def greedy(model, steps):
-    cache = make_prompt_cache(model)
-    logits = model(mx.array(PROMPT), cache=cache)[:, -1]
-    tokens, all_logits = [], [logits]
-    for _ in range(steps):
-        y = mx.argmax(logits, axis=-1)
-        tokens.append(y)
-        logits = model(y[:, None], cache=cache)[:, -1]
-        all_logits.append(logits)
-    mx.eval(tokens, all_logits)
-    return np.array(mx.stack(tokens, axis=1)).tolist(), mx.stack(all_logits, axis=1)
+    tokens, logits = decode(model, mx.array(PROMPT), steps)
+    return tokens.tolist(), logits
 
 
 def main():
