@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, ensure_model, log, machine_info  # noqa: E402
+from common import CGROUP_PREFIX, ROOT, Cgroup, ensure_model, log, machine_info  # noqa: E402
 
 MODEL = dict(hidden_size=256, num_layers=4, num_experts=64, experts_per_token=8,
              routed_expert_hidden_size=512, moe_intermediate_size=512, vocab_size=1024)
@@ -119,38 +119,25 @@ def worker(args):
     print(json.dumps(results))
 
 
-def run_child(argv, blkio=None, timeout=900):
+def run_child(argv, cap: "Throttle" = None, timeout=900):
     cmd = [sys.executable, __file__, "--worker"] + [str(a) for a in argv]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-    def enter():
-        with open(blkio / "cgroup.procs", "w") as f:
-            f.write(str(os.getpid()))
-
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                       preexec_fn=enter if blkio else None)
+                       preexec_fn=cap.preexec() if cap else None)
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-2000:])
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-class Throttle:
+class Throttle(Cgroup):
     """A cgroup v1 blkio cgroup capping reads from the disk holding `path`."""
 
     def __init__(self, path: Path, bps: int):
         st = os.stat(path)
-        self.dir = BLKIO / f"deltafin-batch-{os.getpid()}"
-        self.dir.mkdir()
-        (self.dir / "blkio.throttle.read_bps_device").write_text(
+        self.path = BLKIO / f"{CGROUP_PREFIX}{os.getpid()}-batch"
+        self.path.mkdir()
+        (self.path / "blkio.throttle.read_bps_device").write_text(
             f"{os.major(st.st_dev)}:{os.minor(st.st_dev)} {bps}")
-
-    def close(self):
-        for _ in range(50):
-            try:
-                self.dir.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
 
 
 def throttle_available(path: Path) -> str:
@@ -164,7 +151,7 @@ def throttle_available(path: Path) -> str:
 # --- mlx_lm.server under 8 clients -----------------------------------------
 
 
-def serve(model, extra, clients, seconds, max_tokens, budget, blkio=None):
+def serve(model, extra, clients, seconds, max_tokens, budget, cap: "Throttle" = None):
     from stress_server import free_port, start_server, stop_server
 
     import tempfile
@@ -172,8 +159,8 @@ def serve(model, extra, clients, seconds, max_tokens, budget, blkio=None):
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="deltafin-batch-srv-")) / "server.log"
     proc = start_server(model, port, budget, log_path, extra)
-    if blkio is not None:  # the model is loaded: throttle the expert reads from here on
-        (blkio / "cgroup.procs").write_text(str(proc.pid))
+    if cap is not None:  # the model is loaded: throttle the expert reads from here on
+        (cap.path / "cgroup.procs").write_text(str(proc.pid))
     # Plain completions of short, distinct prompts: the chat template's ~280-token system
     # prompt would make this a prefill benchmark, confounded by the server's prompt cache
     # (sequential requests reuse the cached prefix, concurrent ones cannot yet).
@@ -317,7 +304,7 @@ def main():
             try:
                 report["io"][name] = run_child(
                     ["--model", model, "--slots", slots, "--tokens", a.io_tokens, "--record",
-                     "--sizes", ",".join(map(str, a.io_sizes))] + extra, blkio=th.dir)
+                     "--sizes", ",".join(map(str, a.io_sizes))] + extra, cap=th)
             finally:
                 th.close()
     if "server" in parts and a.server_seconds > 0:
@@ -334,7 +321,7 @@ def main():
                 th = Throttle(model, int(mbps * 1e6)) if mbps else None
                 try:
                     report["server"][f"{mode}_{name}"] = serve(
-                        model, extra, 8, a.server_seconds, 16, budget, th.dir if th else None)
+                        model, extra, 8, a.server_seconds, 16, budget, th)
                 finally:
                     if th:
                         th.close()
