@@ -82,7 +82,7 @@ def union_table(sizes):
 
 def worker(args):
     from deltafin_mlx.batch import batch_generate
-    from deltafin_mlx.loader import load
+    from deltafin_mlx.engine.load import load
 
     results = []
     for B in args.sizes:
@@ -264,9 +264,9 @@ def main():
     model = ensure_model(Path(a.workdir), "k3-mid", MODEL)
     from mlx_lm.utils import load_config
 
-    from deltafin_mlx.inventory import inventory_from_manifest
-    from deltafin_mlx.manifest import read_manifest
-    from deltafin_mlx.planner import choose_sequences, plan_memory
+    from deltafin_mlx.plan.footprint import inventory_from_manifest
+    from deltafin_mlx.format.manifest import read_manifest
+    from deltafin_mlx.plan.memory import choose_sequences, plan_memory
 
     import mlx.core as mx
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from deltafin_mlx.chat import ChatSession  # noqa: E402
-from deltafin_mlx.loader import load  # noqa: E402
+from deltafin_mlx.engine.load import load  # noqa: E402
 
 MESSAGE = "Tell me about the quick brown fox and the lazy dog, in a few words."
 
@@ -52,7 +52,7 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "chat_turns.json"))
     args = p.parse_args(argv)
     if args.model is None:
-        from deltafin_mlx.demo import demo_budget, demo_dir, prepare
+        from deltafin_mlx.cli.demo import demo_budget, demo_dir, prepare
 
         args.model = str(prepare(demo_dir(argparse.Namespace(demo_dir=None))))
         if args.budget is None:

@@ -48,7 +48,7 @@ def model_overrides(hidden: int, layers: int, experts: int, vocab: int = 1024) -
 
 def ensure_model(workdir: Path, name: str, overrides: dict, seed: int = 0) -> Path:
     """Generate and convert a bench model once; reuse it when the spec matches."""
-    from deltafin_mlx.synthetic import checkpoint_size, make_checkpoint
+    from deltafin_mlx.testing.synthetic import checkpoint_size, make_checkpoint
 
     base = Path(workdir) / name
     out = base / "model"

@@ -39,7 +39,7 @@ def log(msg):
 
 def ensure_model(workdir: Path) -> Path:
     from deltafin_convert.convert import ConvertOptions, convert
-    from deltafin_mlx.synthetic import make_checkpoint
+    from deltafin_mlx.testing.synthetic import make_checkpoint
 
     out = workdir / "model-r2"
     spec = workdir / "spec.json"
@@ -58,10 +58,10 @@ def eighth_budget(model: Path) -> int:
     """A budget at which one process caches about an eighth of the experts."""
     import mlx.core as mx
 
-    from deltafin_mlx.inventory import inventory_from_manifest
-    from deltafin_mlx.loader import read_config
-    from deltafin_mlx.manifest import read_manifest
-    from deltafin_mlx.planner import plan_memory
+    from deltafin_mlx.plan.footprint import inventory_from_manifest
+    from deltafin_mlx.engine.load import read_config
+    from deltafin_mlx.format.manifest import read_manifest
+    from deltafin_mlx.plan.memory import plan_memory
 
     m = read_manifest(model)
     inv = inventory_from_manifest(m, read_config(model, m), mx.float32)
@@ -114,7 +114,7 @@ def worker(out: Path, model: str, budget: str, tokens: int, throttled: bool):
     rank = group.rank()
     if throttled:
         (BLKIO / CGROUP.format(rank=rank) / "cgroup.procs").write_text(str(os.getpid()))
-    from deltafin_mlx.loader import load
+    from deltafin_mlx.engine.load import load
 
     model, _ = load(model, memory_budget=int(budget), tokenizer=False)
     state = model._deltafin

@@ -54,7 +54,7 @@ def checksum_rates():
 
 
 def direct_read_rate(directory, mb):
-    from deltafin_mlx.reader import aligned_empty
+    from deltafin_mlx.engine.reader import aligned_empty
 
     path = Path(directory) / "deltafin-integrity-read.bin"
     chunk = 16 << 20
@@ -91,8 +91,8 @@ def direct_read_rate(directory, mb):
 def token_check_cost(model_dir, tokens=48, repeats=5):
     import mlx.core as mx
 
-    from deltafin_mlx.loader import load
-    from deltafin_mlx.modules import find_path, get_module
+    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.model.modules import find_path, get_module
 
     out = {}
     for label, slots in (("all experts cached", None), ("streaming, 4 slots", 4)):

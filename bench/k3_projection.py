@@ -47,7 +47,7 @@ def measure(model_dir: str, tokens: int = 6, warmup: int = 2, reps: int = 9) -> 
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
 
-    from deltafin_mlx.loader import load_resident
+    from deltafin_mlx.engine.load import load_resident
 
     t = time.perf_counter()
     model = load_resident(model_dir)
@@ -158,7 +158,7 @@ def trunk_bytes_by_layer(model_dir: Path) -> dict:
 
     m = json.loads((model_dir / "deltafin.json").read_text())
     try:
-        from deltafin_mlx.planner import tensor_bytes
+        from deltafin_mlx.plan.memory import tensor_bytes
     except ImportError:  # pragma: no cover - fall back to a plain size estimate
         def tensor_bytes(info, dt):
             n = 1

@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import simulate_cache as sc  # noqa: E402
-from deltafin_mlx.policy import SlotMap  # noqa: E402
+from deltafin_mlx.engine.policy import SlotMap  # noqa: E402
 
 
 def _calls_away(num_layers, num_experts, position, power):

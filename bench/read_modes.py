@@ -17,7 +17,7 @@ WORKER = r"""
 import json, sys, time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from deltafin_mlx.loader import load
+from deltafin_mlx.engine.load import load
 path, fraction, mode, pipeline, tokens = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", int(sys.argv[5])
 probe, _ = load(path, tokenizer=False, cache_slots=1)
 plan = probe._deltafin.plan

@@ -8,7 +8,7 @@ gives each layer a cache of its own instead. Fetching is
 on demand only: every access to a non-resident expert is a miss and the
 expert must be placed, and the experts of the current token in that layer
 are protected while it runs. Policies: LRU, LFU, the runtime's SlotMap
-(deltafin_mlx.policy, the same code the runtime runs) and Belady's MIN, which
+(deltafin_mlx.engine.policy, the same code the runtime runs) and Belady's MIN, which
 sees the future and is the upper bound.
 
     python bench/simulate_cache.py                       # all presets, both sizes
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from deltafin_mlx.policy import ExpertPool, SlotMap  # noqa: E402
+from deltafin_mlx.engine.policy import ExpertPool, SlotMap  # noqa: E402
 
 # Generated-trace presets. `repeat` is the chance that a pick copies one of
 # the previous token's experts; together with the skew it gives consecutive

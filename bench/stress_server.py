@@ -183,7 +183,7 @@ def peak_rss(pid) -> int:
 def baseline_rss() -> int:
     """Peak memory of a process that has imported what the server imports, with no
     model: subtracted from the server's peak to compare with the budget."""
-    code = ("import mlx.core as mx, mlx_lm.server, deltafin_mlx.loader\n"
+    code = ("import mlx.core as mx, mlx_lm.server, deltafin_mlx.engine.load\n"
             "mx.eval(mx.zeros(8) + 1)\n"
             "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -298,7 +298,7 @@ def main():
 def healthy(r, margin=64 << 20) -> bool:
     """Alive, every request answered correctly or refused cleanly, and memory within
     the budget plus a margin (MLX's allocator keeps freed buffers for reuse)."""
-    from deltafin_mlx.planner import parse_size
+    from deltafin_mlx.plan.memory import parse_size
 
     answered = all(k in ("ok", "refused-ok", "long-ok", "disconnect") or k.startswith("refused ")
                    for k in r["outcomes"])

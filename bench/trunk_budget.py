@@ -28,7 +28,7 @@ WORKER = r"""
 import json, sys, time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from deltafin_mlx.loader import load, load_resident
+from deltafin_mlx.engine.load import load, load_resident
 path, mode, budget, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 if mode == "resident":
     m = load_resident(path)
@@ -92,10 +92,10 @@ def main():
     import mlx.core as mx
     from mlx_lm.utils import load_config
 
-    from deltafin_mlx.inventory import inventory_from_manifest
-    from deltafin_mlx.manifest import read_manifest
-    from deltafin_mlx.plan import measure_disk_gbps
-    from deltafin_mlx.planner import plan_memory
+    from deltafin_mlx.plan.footprint import inventory_from_manifest
+    from deltafin_mlx.format.manifest import read_manifest
+    from deltafin_mlx.cli.plan import measure_disk_gbps
+    from deltafin_mlx.plan.memory import plan_memory
 
     model = common.ensure_model(Path(a.workdir), "k3-trunk-h3072-l12-e16", OVERRIDES)
     m = read_manifest(model)

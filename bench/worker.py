@@ -101,7 +101,7 @@ class Profiler:
         mx.eval = self.wrap("runtime_eval", self.orig_eval)
         self.hooked.append("mlx.core.eval")
         try:
-            import deltafin_mlx.reader as rd
+            import deltafin_mlx.engine.reader as rd
 
             if hasattr(rd, "read_record"):
                 inner = self.wrap("reader_busy", rd.read_record)
@@ -116,7 +116,7 @@ class Profiler:
         except ImportError:
             pass
         try:
-            import deltafin_mlx.cache as dc
+            import deltafin_mlx.engine.cache as dc
 
             for cls_name in ("ExpertCache", "LayerCache"):
                 cls = getattr(dc, cls_name, None)
@@ -173,8 +173,7 @@ def overlap_stats(tokens) -> dict:
 def _admit_all_speculation():
     """Reads ahead take a slot like demand misses do (evicting the lowest-valued
     unprotected expert) instead of only when the victim is valued below the guess."""
-    from deltafin_mlx import policy
-
+    import deltafin_mlx.engine.policy as policy
     orig = policy.SlotMap.place
 
     def place(self, expert, protected=(), speculative=False, **kwargs):
@@ -222,7 +221,7 @@ def main(argv=None):
     base = proc_status()
     prof = Profiler()
     prof.install()
-    from deltafin_mlx.loader import load, load_resident
+    from deltafin_mlx.engine.load import load, load_resident
 
     phase("loading")
     t0 = time.perf_counter()

@@ -5,8 +5,8 @@ import sys
 import time
 from pathlib import Path
 
-from deltafin_mlx.cliutil import HelpFormatter, add_version, human_bytes, quiet_broken_pipe
-from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME
+from deltafin_mlx.cli.common import HelpFormatter, add_version, human_bytes, quiet_broken_pipe
+from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
 
 try:
     from .convert import EXPERT_BITS, GROUP_SIZES, SUPPORTED, ConvertOptions, convert
@@ -105,7 +105,7 @@ def finished_after_interrupt(out, started: float):
     conversion is complete; only removing the partial file may be left)."""
     from pathlib import Path
 
-    from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, read_manifest
+    from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, read_manifest
 
     try:
         if (Path(out) / MANIFEST_NAME).stat().st_mtime < started - 1:

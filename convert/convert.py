@@ -23,14 +23,14 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from deltafin_mlx import __version__ as deltafin_version
-from deltafin_mlx.bank import BankWriter, bank_header_size, record_size_of, slice_sections
-from deltafin_mlx.integrity import file_checksum, format_checksum
-from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, read_manifest
+from deltafin_mlx.format.bank import BankWriter, bank_header_size, record_size_of, slice_sections
+from deltafin_mlx.format.integrity import file_checksum, format_checksum
+from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, read_manifest
 from deltafin_mlx.mlx_lm_shim import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE
 
 from .experts import PROJECTIONS, expert_record, expert_sections, group_experts
 from .source import ConvertError, Source, free_bytes, open_source, tokenizer_files
-from deltafin_mlx.modules import get_module, layer_paths, switch_path
+from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
 
 from .trunk import build_skeleton, convert_unit, release, source_dtype
 

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from deltafin_mlx.bank import Section, make_sections
+from deltafin_mlx.format.bank import Section, make_sections
 
 from .source import ConvertError, Source
 

@@ -16,8 +16,8 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
-from deltafin_mlx.hub import hub_failure, looks_like_hub_id, quiet_hub
-from deltafin_mlx.manifest import MANIFEST_NAME
+from deltafin_mlx.format.hub import hub_failure, looks_like_hub_id, quiet_hub
+from deltafin_mlx.format.manifest import MANIFEST_NAME
 
 
 class ConvertError(Exception):
@@ -126,7 +126,7 @@ MAX_JSON_BYTES = 64 << 20  # config.json, the index
 def regular_file_inside(root: Path, rel: str, what: str) -> Path:
     """`root/rel` if it resolves (after symlinks) inside `root` and is a regular
     file; a FIFO would block the read, a device never end it."""
-    from deltafin_mlx.integrity import resolve_inside
+    from deltafin_mlx.format.integrity import resolve_inside
 
     try:
         return resolve_inside(root, rel, ConvertError, "the source directory")[0]

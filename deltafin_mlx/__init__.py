@@ -8,9 +8,9 @@
 __version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
 
 try:
-    from .batch import batch_generate
-    from .generate import Completion, RunStats, generate, stream_generate
-    from .loader import load
+    from deltafin_mlx.batch import batch_generate
+    from deltafin_mlx.generate import Completion, RunStats, generate, stream_generate
+    from deltafin_mlx.engine.load import load
 except KeyboardInterrupt:  # Ctrl-C while MLX and mlx-lm import (seconds): one line
     import sys
 

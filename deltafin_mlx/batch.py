@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from .generate import StatsMeter, chat_prompt
+from deltafin_mlx.generate import StatsMeter, chat_prompt
 
 LINE_KEYS = {"id", "prompt", "messages", "max_tokens", "temp", "top_p", "top_k", "min_p",
              "seed", "stop"}

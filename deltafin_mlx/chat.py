@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_prompt_cache,
                                  save_prompt_cache, trim_prompt_cache)
 
-from .generate import PrefillProgress, RunStats, StatsMeter, fit_context, stream_generate
+from deltafin_mlx.generate import PrefillProgress, RunStats, StatsMeter, fit_context, stream_generate
 
 SESSION_FORMAT = "deltafin-chat"
 SESSION_VERSION = 1
@@ -457,8 +457,8 @@ def run_chat(model, tokenizer, args) -> int:
     """The interactive loop; `args` as `deltafin-run` parses them."""
     import sys
 
-    from .cli import StopFilter
-    from .generate import ContextError
+    from deltafin_mlx.cli.main import StopFilter
+    from deltafin_mlx.generate import ContextError
     from mlx_lm.sample_utils import make_sampler
 
     options = dict(system=args.system, thinking=not args.no_think,

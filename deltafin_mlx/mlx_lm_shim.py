@@ -27,7 +27,7 @@ import mlx.nn as nn
 import mlx_lm.utils as mlx_lm_utils
 from mlx_lm.models.base import BaseModelArgs
 
-from .manifest import MANIFEST_NAME, read_manifest
+from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
 
 SHIM_FILE = "deltafin_model.py"
 PLACEHOLDER_WEIGHTS = "model-deltafin-placeholder.safetensors"
@@ -54,7 +54,7 @@ def make_classes(path: Path):
     class Model(nn.Module):
         def __init__(self, args: ModelArgs):
             super().__init__()
-            from .shard import detect_group
+            from deltafin_mlx.model.shard import detect_group
 
             self.model_type = args.model_type
             self.args = args
@@ -107,9 +107,9 @@ def load_for_mlx_lm(path: Path, group=None):
     from inside mlx-lm's CLI."""
     import sys
 
-    from .loader import load
-    from .manifest import ModelError
-    from .planner import BudgetError
+    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.format.manifest import ModelError
+    from deltafin_mlx.plan.memory import BudgetError
 
     seqs = os.environ.get("DELTAFIN_SEQUENCES") or "1"
     if seqs != "auto" and not (seqs.isdigit() and int(seqs) >= 1):
@@ -138,9 +138,9 @@ def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
     if os.path.lexists(p / MANIFEST_NAME):
         import sys
 
-        from .loader import load_tokenizer as deltafin_tokenizer
-        from .loader import read_config
-        from .manifest import ModelError
+        from deltafin_mlx.engine.load import load_tokenizer as deltafin_tokenizer
+        from deltafin_mlx.engine.load import read_config
+        from deltafin_mlx.format.manifest import ModelError
 
         try:
             manifest = read_manifest(p)

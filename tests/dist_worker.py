@@ -20,7 +20,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from deltafin_mlx.loader import load  # noqa: E402
+from deltafin_mlx.engine.load import load  # noqa: E402
 from test_runtime import greedy as decode  # noqa: E402
 
 PROMPT = [[5, 17, 42, 99, 3, 250, 7, 11]]

@@ -24,12 +24,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from deltafin_mlx import batch_generate
 from deltafin_mlx.batch import BatchError, answered_keys, read_requests
-from deltafin_mlx.cli import main
+from deltafin_mlx.cli.main import main
 from deltafin_mlx.generate import generate
-from deltafin_mlx.loader import load, load_resident
-from deltafin_mlx.manifest import read_manifest
-from deltafin_mlx.planner import plan_memory, choose_sequences
-from deltafin_mlx.inventory import inventory_from_manifest
+from deltafin_mlx.engine.load import load, load_resident
+from deltafin_mlx.format.manifest import read_manifest
+from deltafin_mlx.plan.memory import plan_memory, choose_sequences
+from deltafin_mlx.plan.footprint import inventory_from_manifest
 
 
 def token_prompts(n, seed=0, lengths=(3, 17, 6, 29, 1, 11, 8, 23, 4, 14)):
@@ -252,7 +252,7 @@ def test_auto_batch_size_reserves_state_only_for_the_requests_left(converted, tm
     src.write_text("".join(json.dumps({"id": i, "prompt": f"p{i}", "max_tokens": 2}) + "\n"
                            for i in range(3)))
     out.write_text(json.dumps({"id": 0, "text": "", "tokens": 0}) + "\n")  # one answered
-    cmd = [sys.executable, "-m", "deltafin_mlx.cli", "batch", str(converted("qwen3_moe")),
+    cmd = [sys.executable, "-m", "deltafin_mlx.cli.main", "batch", str(converted("qwen3_moe")),
            str(src), "-o", str(out), "--raw", "--no-progress", "--budget", "4GB"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -273,7 +273,7 @@ def test_a_job_killed_at_random_points_answers_every_id_once(converted, tmp_path
                          "max_tokens": 6 + (i * 7) % 17}) for i in range(18)]
     lines.insert(5, "{broken")
     src.write_text("\n".join(lines) + "\n")
-    cmd = [sys.executable, "-m", "deltafin_mlx.cli", "batch", str(model), str(src), "--raw",
+    cmd = [sys.executable, "-m", "deltafin_mlx.cli.main", "batch", str(model), str(src), "--raw",
            "--batch-size", "4", "--no-progress"]
     clean = tmp_path / "clean.jsonl"
     subprocess.run(cmd + ["-o", str(clean)], check=True, capture_output=True, timeout=300)

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from deltafin_mlx.chat import Channels, ChatSession, SessionError, _consistent
 from deltafin_mlx.generate import ContextError
-from deltafin_mlx.loader import load
+from deltafin_mlx.engine.load import load
 
 QUESTION = "Tell me about the fox and the dog."
 
@@ -157,7 +157,7 @@ def test_thinking_is_split_from_the_answer_and_markup_never_shown(k3):
 
 
 def run_chat(args, script, timeout=300):
-    return subprocess.run([sys.executable, "-m", "deltafin_mlx.cli", *args], input=script,
+    return subprocess.run([sys.executable, "-m", "deltafin_mlx.cli.main", *args], input=script,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -199,7 +199,7 @@ def test_mlx_lm_load_uses_deltafin_tokenizer_and_never_remote_tokenizer_code(con
     for the model and refused for the tokenizer."""
     import mlx_lm
 
-    from deltafin_mlx.tokenizer import KimiTokenizer
+    from deltafin_mlx.tokenizer.kimi import KimiTokenizer
 
     path = copy_of(converted("kimi_k3"))
     assert "tokenization_kimi" in (path / "tokenizer_config.json").read_text()  # auto_map

@@ -12,10 +12,10 @@ import pytest
 from conftest import make_source, reference_model
 from deltafin_convert import cli
 from deltafin_convert.convert import ConvertOptions, convert
-from deltafin_mlx.bank import read_layout
-from deltafin_mlx.loader import load_resident
-from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, read_manifest
-from deltafin_mlx.synthetic import ARCHITECTURES
+from deltafin_mlx.format.bank import read_layout
+from deltafin_mlx.engine.load import load_resident
+from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, read_manifest
+from deltafin_mlx.testing.synthetic import ARCHITECTURES
 
 PROMPT = mx.array([[1, 5, 9, 200, 17, 33, 2, 8, 100, 64]])
 

@@ -23,12 +23,12 @@ import pytest
 
 from conftest import make_source
 from deltafin_convert.convert import ConvertOptions, convert
-from deltafin_mlx.bank import read_layout
-from deltafin_mlx.inventory import inventory_from_manifest
-from deltafin_mlx.loader import load, load_resident, read_config
-from deltafin_mlx.manifest import ModelError, read_manifest
-from deltafin_mlx.planner import plan_memory
-from deltafin_mlx.shard import check_divisible, expert_layout, sharded_inventory
+from deltafin_mlx.format.bank import read_layout
+from deltafin_mlx.plan.footprint import inventory_from_manifest
+from deltafin_mlx.engine.load import load, load_resident, read_config
+from deltafin_mlx.format.manifest import ModelError, read_manifest
+from deltafin_mlx.plan.memory import plan_memory
+from deltafin_mlx.model.shard import check_divisible, expert_layout, sharded_inventory
 
 HERE = Path(__file__).parent
 WORKER = HERE / "dist_worker.py"
@@ -131,8 +131,8 @@ def test_a_rank_slice_is_one_aligned_contiguous_read(models):
 
 def read_as_rank(bank_path, rank, ranks, expert, verify=True):
     """What rank `rank` of `ranks` reads of one expert (through the runtime's reader)."""
-    from deltafin_mlx.bank import NUMPY_DTYPES
-    from deltafin_mlx.reader import ReadJob, Reader, open_bank
+    from deltafin_mlx.format.bank import NUMPY_DTYPES
+    from deltafin_mlx.engine.reader import ReadJob, Reader, open_bank
 
     view = read_layout(bank_path).for_rank(rank, ranks)
     bank = open_bank(bank_path, view)
@@ -146,8 +146,8 @@ def read_as_rank(bank_path, rank, ranks, expert, verify=True):
 
 
 def test_each_rank_reads_exactly_its_mlx_lm_shard_of_every_expert(models, copy_of):
-    from deltafin_mlx.bank import slice_axis
-    from deltafin_mlx.reader import ReadError
+    from deltafin_mlx.format.bank import slice_axis
+    from deltafin_mlx.engine.reader import ReadError
 
     _, sliced, _ = models("kimi_k3")
     m = read_manifest(sliced)
@@ -220,7 +220,7 @@ def test_the_plan_per_rank_halves_the_expert_reads_and_cache_entries(models):
 
 
 def test_plan_ranks_shows_one_ranks_memory_and_reads(models, capsys):
-    from deltafin_mlx.cli import main
+    from deltafin_mlx.cli.main import main
 
     _, sliced, _ = models("kimi_k3")
     common = [str(sliced), "--budget", BUDGET, "--disk-gbps", "1", "--compute-gwps", "1",

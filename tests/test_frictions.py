@@ -17,9 +17,9 @@ import pytest
 import deltafin_mlx
 from conftest import make_source
 from deltafin_convert import cli as convert_cli
-from deltafin_mlx.bank import read_layout
-from deltafin_mlx.cli import main
-from deltafin_mlx.manifest import MANIFEST_NAME, read_manifest
+from deltafin_mlx.format.bank import read_layout
+from deltafin_mlx.cli.main import main
+from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def test_demo_takes_a_prompt_json_trace_routing_and_max_tokens(demo_dir, tmp_pat
     from mlx_lm.utils import load_config
 
     from deltafin_mlx.generate import chat_prompt
-    from deltafin_mlx.loader import load_tokenizer
+    from deltafin_mlx.engine.load import load_tokenizer
 
     trace = tmp_path / "trace.jsonl"
     prompt = "Hello there, demo: a prompt of my own"
@@ -174,9 +174,9 @@ def test_main_help_lists_every_command():
 
 
 def all_parsers():
-    from deltafin_mlx import cli
-    from deltafin_mlx.info import info_parser
-    from deltafin_mlx.verify import verify_parser
+    import deltafin_mlx.cli.main as cli
+    from deltafin_mlx.cli.info import info_parser
+    from deltafin_mlx.format.verify import verify_parser
 
     return [cli.run_parser(), cli.plan_parser(), cli.bench_parser(), cli.batch_parser(), info_parser(),
             verify_parser(), convert_cli.build_parser()]
@@ -243,7 +243,7 @@ def test_plan_rates_are_measured_once_then_cached(converted, tmp_path, monkeypat
     """The measurements themselves are tested in test_plan.py; here, how often they run."""
     import itertools
 
-    import deltafin_mlx.plan as plan
+    import deltafin_mlx.cli.plan as plan
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     rates = itertools.count(1)
@@ -415,7 +415,7 @@ def test_info_reads_a_manifest_from_before_it_recorded_the_version(converted, co
 
 
 def test_verify_checks_every_record_with_progress(converted):
-    from deltafin_mlx.verify import verify_model
+    from deltafin_mlx.format.verify import verify_model
 
     calls = []
     report = verify_model(converted("kimi_k3"), progress=lambda d, t: calls.append((d, t)))

@@ -22,18 +22,18 @@ import pytest
 import deltafin_convert.convert as conv
 from deltafin_convert import cli as convert_cli
 from deltafin_convert.source import ConvertError, open_source
-from deltafin_mlx import cli
-from deltafin_mlx.integrity import file_checksum, format_checksum
-from deltafin_mlx.loader import TokenIdError, load, load_resident
-from deltafin_mlx.manifest import MANIFEST_NAME, ModelError, read_manifest
-from deltafin_mlx.tokenizer import (
+import deltafin_mlx.cli.main as cli
+from deltafin_mlx.format.integrity import file_checksum, format_checksum
+from deltafin_mlx.engine.load import TokenIdError, load, load_resident
+from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError, read_manifest
+from deltafin_mlx.tokenizer.kimi import (
     TemplateLimit,
     TokenizerError,
     read_special_tokens,
     read_tiktoken_ranks,
     render_jinja_chat,
 )
-from deltafin_mlx.verify import verify_model
+from deltafin_mlx.format.verify import verify_model
 from test_reliability import no_hang
 
 BIN = Path(sys.executable).parent
@@ -146,7 +146,7 @@ def test_random_bytes_over_a_trunk_file_are_refused_at_load_and_named_by_verify(
 
 def test_large_files_are_checked_at_load_only_with_verify(converted, copy_of, monkeypatch):
     """Files over the load-time limit (real trunk files) are checked by --verify."""
-    import deltafin_mlx.integrity as integrity
+    import deltafin_mlx.format.integrity as integrity
 
     monkeypatch.setattr(integrity, "SMALL_FILE_BYTES", 0)
     monkeypatch.setattr(integrity.check_small_files, "__defaults__", (0,))
@@ -163,7 +163,7 @@ def test_a_damaged_trunk_header_read_by_the_streamer_is_one_line(converted, copy
                                                                    monkeypatch):
     """Streamed trunk layers and embedding rows are read where the file's own header
     says: that header is checked too (here with load-time checksums off)."""
-    import deltafin_mlx.integrity as integrity
+    import deltafin_mlx.format.integrity as integrity
 
     monkeypatch.setattr(integrity.check_small_files, "__defaults__", (0,))
     path = copy_of(converted("kimi_k3"))
@@ -189,7 +189,7 @@ def test_verify_names_the_damaged_bank_record(converted, copy_of):
     path = copy_of(converted("kimi_k3"))
     m = read_manifest(path)
     layer = m.moe_layers[-1]
-    from deltafin_mlx.bank import read_layout
+    from deltafin_mlx.format.bank import read_layout
 
     layout = read_layout(m.bank_path(layer))
     _overwrite(m.bank_path(layer), layout.record_offset(5) + 17, b"\x55\xaa")
@@ -294,7 +294,7 @@ def test_bad_special_tokens_are_one_line_each(added, why):
 
 def test_a_tokenizer_library_panic_is_one_line_from_the_cli(converted, monkeypatch, capsys):
     """tiktoken's Rust panics are pyo3 PanicExceptions: BaseException, not Exception."""
-    import deltafin_mlx.tokenizer as tok
+    import deltafin_mlx.tokenizer.kimi as tok
 
     class PanicException(BaseException):
         pass
@@ -309,7 +309,7 @@ def test_a_tokenizer_library_panic_is_one_line_from_the_cli(converted, monkeypat
 
 
 def test_a_jinja_template_that_never_ends_is_stopped(monkeypatch):
-    import deltafin_mlx.tokenizer as tok
+    import deltafin_mlx.tokenizer.kimi as tok
 
     monkeypatch.setattr(tok, "JINJA_MAX_SECONDS", 1.0)
     tok._compile_jinja.cache_clear()
@@ -383,7 +383,7 @@ def test_out_of_vocabulary_ids_through_the_mlx_lm_drop_in(converted):
 
 
 def test_a_client_that_disconnects_stops_its_generation():
-    from deltafin_mlx.serve import ClientGone, _Watched
+    from deltafin_mlx.cli.serve import ClientGone, _Watched
 
     class Ctx:
         stopped = False

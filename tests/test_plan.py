@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deltafin_mlx.cli import main
+from deltafin_mlx.cli.main import main
 
 # Kimi K3's release config.json: $DELTAFIN_K3_CONFIG, else ../shared/kimi-k3/ beside the checkout.
 K3_CONFIG = Path(os.environ.get("DELTAFIN_K3_CONFIG") or
@@ -52,7 +52,7 @@ STATE_4K = 69 * (96 * 128 * 128 * 4 + 3 * 3 * 12288 * 2) + 24 * 4096 * (512 + 64
 
 
 def plan_json(*args):
-    out = subprocess.run([sys.executable, "-m", "deltafin_mlx.cli", "plan", *map(str, args),
+    out = subprocess.run([sys.executable, "-m", "deltafin_mlx.cli.main", "plan", *map(str, args),
                           "--json", "--disk-gbps", "5", "--compute-gwps", "400"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -73,7 +73,7 @@ def test_k3_expert_record_and_totals_match_the_checkpoint(k3):
 
 
 def test_k3_trunk_layers_match_hand_computed_sizes(k3):
-    from deltafin_mlx.inventory import inventory_from_config
+    from deltafin_mlx.plan.footprint import inventory_from_config
     import mlx.core as mx
 
     inv = inventory_from_config(json.loads(K3_CONFIG.read_text()), mx.bfloat16, bits=4)
@@ -113,7 +113,7 @@ def test_budget_below_the_k3_floor_is_refused_stating_the_floor(k3, capsys):
 
 
 def test_plan_of_a_converted_model_matches_what_load_does(converted):
-    from deltafin_mlx.loader import load
+    from deltafin_mlx.engine.load import load
 
     r = plan_json(converted("kimi_k3"), "--budget", "50MB")
     model, _ = load(converted("kimi_k3"), memory_budget="50MB", tokenizer=False)
@@ -131,7 +131,7 @@ def test_plan_text_output_names_every_part(converted, capsys):
 
 
 def test_plan_measures_disk_and_compute_when_not_given(converted):
-    from deltafin_mlx.plan import measure_compute_gwps, measure_disk_gbps
+    from deltafin_mlx.cli.plan import measure_compute_gwps, measure_disk_gbps
 
     assert measure_disk_gbps(nbytes=32 << 20, block=4 << 20) > 0.01
     assert measure_compute_gwps(dim=1024) > 0.01

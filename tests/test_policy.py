@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltafin_mlx.policy import SlotMap
+from deltafin_mlx.engine.policy import SlotMap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import simulate_cache as sim  # noqa: E402

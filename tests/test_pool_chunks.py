@@ -6,10 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import deltafin_mlx.cache as cache_mod
-from deltafin_mlx.cache import pool_chunks, pool_limit
-from deltafin_mlx.loader import load
-from deltafin_mlx.manifest import read_manifest
+import deltafin_mlx.engine.cache as cache_mod
+from deltafin_mlx.engine.cache import pool_chunks, pool_limit
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.format.manifest import read_manifest
 from test_runtime import expected, greedy, prompt_of  # noqa: F401  (fixture)
 
 
@@ -39,7 +39,7 @@ def test_a_pool_that_cannot_be_partitioned_stops_at_one_chunk():
 
 
 def test_the_planner_plans_past_one_chunk(monkeypatch):
-    from deltafin_mlx.planner import plan_memory  # noqa: F401  (uses pool_limit)
+    from deltafin_mlx.plan.memory import plan_memory  # noqa: F401  (uses pool_limit)
     assert pool_limit(92, 16, 896, 1560) > 1560
 
 

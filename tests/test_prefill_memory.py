@@ -18,7 +18,7 @@ MEASURE = r"""
 import json, sys
 import mlx.core as mx, numpy as np
 from deltafin_mlx.generate import stream_generate
-from deltafin_mlx.loader import load
+from deltafin_mlx.engine.load import load
 
 def status(field):  # VmRSS now, VmHWM its peak (ru_maxrss would count the parent's)
     with open("/proc/self/status") as f:

@@ -27,14 +27,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deltafin_convert.convert as conv
-import deltafin_mlx.loader as loader_mod
-import deltafin_mlx.reader as reader_mod
+import deltafin_mlx.engine.load as loader_mod
+import deltafin_mlx.engine.reader as reader_mod
 from deltafin_convert import cli
-from deltafin_mlx.bank import MAGIC, NUMPY_DTYPES, BankError, BankWriter, read_layout
-from deltafin_mlx.loader import load
-from deltafin_mlx.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, ModelError, read_manifest
-from deltafin_mlx.planner import BudgetError
-from deltafin_mlx.reader import ReadError, aligned_empty, open_bank, read_record
+from deltafin_mlx.format.bank import MAGIC, NUMPY_DTYPES, BankError, BankWriter, read_layout
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, ModelError, read_manifest
+from deltafin_mlx.plan.memory import BudgetError
+from deltafin_mlx.engine.reader import ReadError, aligned_empty, open_bank, read_record
 from test_runtime import greedy
 
 CLEAR = (ModelError, BankError, ReadError, BudgetError)
@@ -559,9 +559,9 @@ def test_bank_modified_while_loaded_is_caught_by_verify(work):
 
 TRUNCATE_WHILE_LOADED = """
 import os, sys, mlx.core as mx
-from deltafin_mlx.loader import load
-from deltafin_mlx.manifest import read_manifest
-from deltafin_mlx.reader import ReadError
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.format.manifest import read_manifest
+from deltafin_mlx.engine.reader import ReadError
 path = sys.argv[1]
 m = read_manifest(path)
 models = {mode: load(path, cache_slots=4, reader_threads=0, lookahead=False, read_mode=mode,
@@ -602,8 +602,8 @@ import os, sys
 import shutil
 import mlx.core as mx
 import deltafin_convert.convert as conv
-from deltafin_mlx.bank import BankWriter
-from deltafin_mlx.manifest import Manifest
+from deltafin_mlx.format.bank import BankWriter
+from deltafin_mlx.format.manifest import Manifest
 
 SRC = sys.argv[1]
 
@@ -960,7 +960,7 @@ def test_budget_larger_than_the_machine_loads_and_is_capped_by_the_model(k3, cle
     """Decision: a budget beyond physical memory is accepted (no error, no warning):
     the plan never holds more than every expert once, so memory use is bounded by
     the model, not by the budget."""
-    from deltafin_mlx.planner import physical_memory
+    from deltafin_mlx.plan.memory import physical_memory
 
     huge = max(physical_memory(), 1 << 30) * 1000
     for budget in (huge, f"{huge // 10**12 + 1}TB"):

@@ -12,13 +12,13 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import make_source
 from deltafin_convert.convert import ConvertOptions, convert
-from deltafin_mlx.bank import read_layout
-from deltafin_mlx.cache import ExpertCache
-from deltafin_mlx.loader import load
-from deltafin_mlx.manifest import ModelError, read_manifest
-from deltafin_mlx.planner import BudgetError
-from deltafin_mlx.reader import ReadError
-from deltafin_mlx.synthetic import ARCHITECTURES
+from deltafin_mlx.format.bank import read_layout
+from deltafin_mlx.engine.cache import ExpertCache
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.format.manifest import ModelError, read_manifest
+from deltafin_mlx.plan.memory import BudgetError
+from deltafin_mlx.engine.reader import ReadError
+from deltafin_mlx.testing.synthetic import ARCHITECTURES
 
 
 def greedy(model, prompt, steps):
@@ -177,7 +177,7 @@ def test_peak_memory_stays_within_budget_when_experts_are_4x_the_budget(tmp_path
     budget = banks // 4
     code = (
         "import resource, mlx.core as mx, numpy as np\n"
-        "from deltafin_mlx.loader import load\n"
+        "from deltafin_mlx.engine.load import load\n"
         "from mlx_lm.models.cache import make_prompt_cache\n"
         "mx.eval(mx.zeros(8) + 1)\n"
         "def rss():\n"
@@ -269,7 +269,7 @@ def test_a_read_refused_with_einval_falls_back_to_buffered_reads(converted, expe
     import errno
     import os as real_os
 
-    import deltafin_mlx.reader as reader
+    import deltafin_mlx.engine.reader as reader
 
     real = real_os.preadv
 

@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import deltafin_mlx.reader as rd
-from deltafin_mlx.cache import CacheStats
-from deltafin_mlx.loader import load
-from deltafin_mlx.policy import ExpertPool
-from deltafin_mlx.reader import ReadCancelled, ReadJob, Reader
-from deltafin_mlx.streaming_moe import IORates
+import deltafin_mlx.engine.reader as rd
+from deltafin_mlx.engine.cache import CacheStats
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.engine.policy import ExpertPool
+from deltafin_mlx.engine.reader import ReadCancelled, ReadJob, Reader
+from deltafin_mlx.engine.streaming_moe import IORates
 from test_runtime import expected, greedy, prompt_of  # noqa: F401  (fixture)
 
 

@@ -12,7 +12,7 @@ from deltafin_mlx.generate import RunStats
 
 
 def run(args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "deltafin_mlx.cli", *args],
+    return subprocess.run([sys.executable, "-m", "deltafin_mlx.cli.main", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -47,7 +47,7 @@ def test_bench_reports_prefill_and_decode(converted):
 
 
 def test_ctrl_c_in_a_one_shot_run_still_prints_the_stats(converted):
-    p = subprocess.Popen([sys.executable, "-u", "-m", "deltafin_mlx.cli",
+    p = subprocess.Popen([sys.executable, "-u", "-m", "deltafin_mlx.cli.main",
                           str(converted("kimi_k3")), "Hello", "-n", "100000", "--budget",
                           "200MB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.2)

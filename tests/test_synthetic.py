@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.utils import load_model
 from safetensors import safe_open
 
-from deltafin_mlx.synthetic import ARCHITECTURES, checkpoint_size, make_checkpoint
+from deltafin_mlx.testing.synthetic import ARCHITECTURES, checkpoint_size, make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENS = [1, 5, 9, 200, 300, 17, 42, 99]
@@ -320,7 +320,7 @@ def test_kimi_k3_experts_are_mxfp4(checkpoints):
 
 @pytest.mark.parametrize("arch, flavor", [("kimi_k3", "k3"), ("kimi_k2", "k2")])
 def test_kimi_tokenizer_files(checkpoints, arch, flavor):
-    pytest.importorskip("deltafin_mlx.tokenizer")
+    pytest.importorskip("deltafin_mlx.tokenizer.kimi")
     path = checkpoints[arch]
     assert (path / "tiktoken.model").exists()
     tok = json.loads((path / "tokenizer_config.json").read_text())
@@ -390,7 +390,7 @@ def test_memory_stays_bounded(tmp_path):
     script = textwrap.dedent(
         f"""
         import resource, sys
-        from deltafin_mlx.synthetic import make_checkpoint
+        from deltafin_mlx.testing.synthetic import make_checkpoint
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         make_checkpoint({str(tmp_path)!r}, "qwen3_moe", vocab_size=65536,
                         hidden_size=1024, num_layers=1, num_experts=4)

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from deltafin_mlx.tokenizer import (
+from deltafin_mlx.tokenizer.kimi import (
     KimiStreamingDetokenizer,
     is_kimi_tokenizer,
     kimi_encoding,
@@ -18,7 +18,7 @@ from deltafin_mlx.tokenizer import (
     read_tiktoken_ranks,
     write_kimi_tokenizer_files,
 )
-from deltafin_mlx.tokenizer import _split_long_runs
+from deltafin_mlx.tokenizer.kimi import _split_long_runs
 
 MIXED_TEXT = (
     "Hello, World! 你好，世界。Numbers: 1234567 and 3.14159\n\n  \t"

@@ -8,10 +8,10 @@ from mlx_lm.utils import load_config
 
 from conftest import make_source, reference_model
 from deltafin_convert.convert import ConvertOptions, convert
-from deltafin_mlx.inventory import inventory_from_manifest
-from deltafin_mlx.loader import load
-from deltafin_mlx.manifest import read_manifest
-from deltafin_mlx.planner import BudgetError, plan_memory
+from deltafin_mlx.plan.footprint import inventory_from_manifest
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.format.manifest import read_manifest
+from deltafin_mlx.plan.memory import BudgetError, plan_memory
 from test_runtime import greedy, prompt_of
 
 

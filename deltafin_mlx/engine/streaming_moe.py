@@ -31,8 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import CacheStats, ExpertCache
-from .reader import Reader
+from deltafin_mlx.engine.cache import CacheStats, ExpertCache
+from deltafin_mlx.engine.reader import Reader
 
 
 class ExpertStore:

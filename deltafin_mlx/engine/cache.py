@@ -22,9 +22,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
-from .bank import ALIGN, BankLayout
-from .policy import ExpertPool
-from .reader import BankFile, ReadCancelled, ReadJob, Reader
+from deltafin_mlx.format.bank import ALIGN, BankLayout
+from deltafin_mlx.engine.policy import ExpertPool
+from deltafin_mlx.engine.reader import BankFile, ReadCancelled, ReadJob, Reader
 
 
 @dataclass

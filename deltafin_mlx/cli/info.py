@@ -7,8 +7,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from .cliutil import human_bytes
-from .manifest import read_manifest
+from deltafin_mlx.cli.common import human_bytes
+from deltafin_mlx.format.manifest import read_manifest
 
 ARCHITECTURES = {"kimi_k3": "Kimi K3", "kimi_k2": "Kimi K2", "deepseek_v3": "DeepSeek-V3",
                  "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral"}
@@ -86,7 +86,7 @@ def format_info(r: dict) -> str:
 
 
 def info_parser():
-    from .cli import Parser
+    from deltafin_mlx.cli.main import Parser
 
     p = Parser(prog="deltafin-run info", description="Describe a converted model (reads "
                "only its manifest and config.json).")

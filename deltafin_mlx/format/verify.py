@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from .bank import BankError, read_layout
-from .integrity import CHUNK, file_checksum, parse_checksum, resolve_inside
-from .manifest import read_manifest
+from deltafin_mlx.format.bank import BankError, read_layout
+from deltafin_mlx.format.integrity import CHUNK, file_checksum, parse_checksum, resolve_inside
+from deltafin_mlx.format.manifest import read_manifest
 
 
 @dataclass
@@ -136,7 +136,7 @@ def _check_bank(real: Path, rel: str, layer: int, layout, report: VerifyReport, 
 
 
 def verify_parser():
-    from .cli import Parser
+    from deltafin_mlx.cli.main import Parser
 
     p = Parser(prog="deltafin-run verify", description="Check a converted model: every "
                "file's size and checksum, every expert record's CRC-32.")
@@ -150,7 +150,7 @@ def run_verify(argv) -> int:
     import json
     import sys
 
-    from .cliutil import human_bytes
+    from deltafin_mlx.cli.common import human_bytes
 
     args = verify_parser().parse_args(argv)
     bar = None

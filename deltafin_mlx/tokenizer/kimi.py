@@ -869,7 +869,7 @@ def is_kimi_tokenizer(model_dir):
 def _config_eos_token_ids(model_dir):
     # The stop token of a chat turn (K3's <|end_of_msg|>) is the model
     # config's eos, not the tokenizer's.
-    from .integrity import CONFIG_MAX_BYTES, read_inside
+    from deltafin_mlx.format.integrity import CONFIG_MAX_BYTES, read_inside
 
     path = Path(model_dir) / "config.json"
     if not path.is_file():
@@ -892,7 +892,7 @@ def load_kimi_tokenizer(model_dir, eos_token_ids=None):
     eos_token_ids (an id or a list) are stop tokens besides the tokenizer's
     eos; by default they are read from the model's config.json, if any.
     """
-    from .integrity import TOKENIZER_MAX_BYTES, read_inside
+    from deltafin_mlx.format.integrity import TOKENIZER_MAX_BYTES, read_inside
 
     model_dir = Path(model_dir)
     cpath = model_dir / "tokenizer_config.json"

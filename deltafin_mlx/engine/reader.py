@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .bank import ALIGN, BankLayout
+from deltafin_mlx.format.bank import ALIGN, BankLayout
 
 F_NOCACHE = 48  # macOS fcntl
 READ_RETRIES = 2
@@ -202,7 +202,7 @@ def _direct_scatter_ok(layout: BankLayout, targets: Dict[str, np.ndarray]) -> bo
 
 
 def _disk_dtype(section):
-    from .bank import NUMPY_DTYPES
+    from deltafin_mlx.format.bank import NUMPY_DTYPES
 
     return np.dtype(NUMPY_DTYPES[section.dtype])
 

@@ -11,17 +11,17 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes
 
-from .bank import BankError, read_layout
-from .cache import CacheStats, ExpertCache, switch_over_slots
-from .manifest import ModelError, read_manifest
-from .modules import find_path, get_module, layer_paths, set_module
-from .inventory import inventory_from_manifest
-from .planner import MAX_SEQUENCES, MemoryPlan, plan_memory
-from .reader import Reader, open_bank
-from .shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
+from deltafin_mlx.format.bank import BankError, read_layout
+from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
+from deltafin_mlx.format.manifest import ModelError, read_manifest
+from deltafin_mlx.model.modules import find_path, get_module, layer_paths, set_module
+from deltafin_mlx.plan.footprint import inventory_from_manifest
+from deltafin_mlx.plan.memory import MAX_SEQUENCES, MemoryPlan, plan_memory
+from deltafin_mlx.engine.reader import Reader, open_bank
+from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
                     sharded_inventory)
-from .streaming_moe import ExpertStore, StreamingSwitchGLU, tap_moe_input
-from .trunk_stream import RowEmbedding, TrunkStreamer
+from deltafin_mlx.engine.streaming_moe import ExpertStore, StreamingSwitchGLU, tap_moe_input
+from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
 
 READ_MODES = ("direct", "mmap")
 
@@ -40,7 +40,7 @@ def read_config(path: Path, manifest) -> dict:
 
     from mlx_lm.utils import _decode_tagged_floats
 
-    from .integrity import CONFIG_MAX_BYTES, read_inside
+    from deltafin_mlx.format.integrity import CONFIG_MAX_BYTES, read_inside
 
     cpath = path / "config.json"
     raw = read_inside(path, "config.json", CONFIG_MAX_BYTES)
@@ -83,7 +83,7 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
                          f"{ex['experts_per_token']}")
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from .bank import slice_axis
+    from deltafin_mlx.format.bank import slice_axis
 
     inside = tuple(sp + "." for sp in switches)
     built = {p for p, m in model.named_modules()
@@ -277,7 +277,7 @@ def load(
         check_same_model(manifest, group)
     if verify:
         # Every file but the banks (their records are checked as they are read).
-        from .integrity import bank_files, check_all_files
+        from deltafin_mlx.format.integrity import bank_files, check_all_files
 
         check_all_files(manifest, skip=bank_files(manifest))
     config = read_config(path, manifest)
@@ -434,8 +434,8 @@ def load_tokenizer(path: Path, manifest, config: dict):
     is checked first (inside the directory, a regular file, bounded); the files
     themselves are validated (tokenizer.py); whatever a tokenizer library raises,
     Rust panics included, becomes one ModelError line."""
-    from .integrity import TOKENIZER_FILE_NAMES, TOKENIZER_MAX_BYTES, check_if_present
-    from .tokenizer import TokenizerError
+    from deltafin_mlx.format.integrity import TOKENIZER_FILE_NAMES, TOKENIZER_MAX_BYTES, check_if_present
+    from deltafin_mlx.tokenizer.kimi import TokenizerError
 
     for name in TOKENIZER_FILE_NAMES:
         check_if_present(path, name, TOKENIZER_MAX_BYTES)
@@ -443,7 +443,7 @@ def load_tokenizer(path: Path, manifest, config: dict):
     eos = [eos] if isinstance(eos, int) else eos
     try:
         if manifest.tokenizer.get("kind") == "kimi_tiktoken":
-            from .tokenizer import load_kimi_tokenizer
+            from deltafin_mlx.tokenizer.kimi import load_kimi_tokenizer
 
             return load_kimi_tokenizer(path, eos_token_ids=eos)
         from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
@@ -486,7 +486,7 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
     back into its stacked `switch_mlp` tensors. For checks and comparisons."""
     import numpy as np
 
-    from .bank import NUMPY_DTYPES
+    from deltafin_mlx.format.bank import NUMPY_DTYPES
 
     path = Path(path).expanduser()
     manifest = read_manifest(path)

@@ -21,10 +21,10 @@ from typing import Dict, List
 
 import mlx.core as mx
 
-from .cache import max_slots as max_chunk_slots
-from .cache import pool_limit
-from .cliutil import human_bytes
-from .inventory import Inventory
+from deltafin_mlx.engine.cache import max_slots as max_chunk_slots
+from deltafin_mlx.engine.cache import pool_limit
+from deltafin_mlx.cli.common import human_bytes
+from deltafin_mlx.plan.footprint import Inventory
 
 WORKING_BYTES = 16 << 20  # activations, router outputs and read bookkeeping of small models
 HEADROOM = 0.85  # of available memory, for the default budget

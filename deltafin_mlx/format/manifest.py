@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict
 
-from .bank import (
+from deltafin_mlx.format.bank import (
     ALIGN,
     FORMAT_VERSION,
     FORMAT_VERSIONS,
@@ -93,8 +93,8 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
     """The manifest of the model directory `path`, its fields checked; with
     `check_files`, also every file it lists (inside the directory, a regular file
     of its recorded size, small ones with their recorded checksum)."""
-    from .hub import looks_like_hub_id
-    from .integrity import MANIFEST_MAX_BYTES, read_inside
+    from deltafin_mlx.format.hub import looks_like_hub_id
+    from deltafin_mlx.format.integrity import MANIFEST_MAX_BYTES, read_inside
 
     given = str(path)
     path = Path(path).expanduser()
@@ -154,7 +154,7 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
         raise ModelError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e})") from None
     if check_files:
         check_model_files(m)
-        from .integrity import check_small_files
+        from deltafin_mlx.format.integrity import check_small_files
 
         check_small_files(m)
     return m
@@ -211,7 +211,7 @@ def _check_fields(d: dict):
     checksums = d.get("checksums", {})
     _need(isinstance(checksums, dict), "checksums must be an object")
     if checksums:
-        from .integrity import parse_checksum
+        from deltafin_mlx.format.integrity import parse_checksum
 
         _need(set(checksums) == set(files), "checksums must name exactly the listed files")
         for rel, value in checksums.items():
@@ -336,7 +336,7 @@ def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
 def check_model_files(m: Manifest):
     """Every listed file resolves inside the model directory (after symlinks), is
     a regular file, and has its recorded size."""
-    from .integrity import resolve_inside
+    from deltafin_mlx.format.integrity import resolve_inside
 
     for rel, size in m.files.items():
         p = m.path / rel

@@ -24,8 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .bank import BankLayout, Section
-from .manifest import MANIFEST_NAME, ModelError
+from deltafin_mlx.format.bank import BankLayout, Section
+from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
 
 
 class FakeGroup:
@@ -132,7 +132,7 @@ class _NoExperts(nn.Module):
 
 def shard_model(model: nn.Module, group, switch_paths, path=""):
     """mlx-lm's model.shard(group) on a model whose routed experts stream."""
-    from .modules import get_module, set_module
+    from deltafin_mlx.model.modules import get_module, set_module
 
     if not hasattr(model, "shard"):
         raise ModelError(f"{path}: mlx-lm has no tensor-parallel shard() for "
@@ -155,9 +155,9 @@ def sharded_inventory(inventory, config: dict, ranks: int, rank: int = 0, layout
     mlx-lm's shard() leaves them (measured on a lazily built, never evaluated
     model), and the expert record as that rank reads and holds it from `layout`
     (a manifest's `expert_layout`; None: as `deltafin-convert --ranks N` writes it)."""
-    from .bank import record_size_of, slice_sections
-    from .loader import build_model, quantize_like_config
-    from .modules import get_module, layer_paths, switch_path
+    from deltafin_mlx.format.bank import record_size_of, slice_sections
+    from deltafin_mlx.engine.load import build_model, quantize_like_config
+    from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
 
     check_divisible(config, inventory.sections, ranks, where)
     if layout is None:

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .cliutil import HelpFormatter, add_version, quiet_broken_pipe
+from deltafin_mlx.cli.common import HelpFormatter, add_version, quiet_broken_pipe
 
 USAGE = """deltafin-run MODEL PROMPT [options]
        deltafin-run MODEL --chat [options]
@@ -214,7 +214,7 @@ def batch_parser():
 
 
 def cmd_batch(argv):
-    from .batch import read_job, run_job, summary_line
+    from deltafin_mlx.batch import read_job, run_job, summary_line
 
     args = batch_parser().parse_args(argv)
     opts = batch_options(args)
@@ -231,7 +231,7 @@ def cmd_batch(argv):
 
 
 def batch_options(args):
-    from .batch import BatchOptions
+    from deltafin_mlx.batch import BatchOptions
 
     return BatchOptions(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
                         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
@@ -240,7 +240,7 @@ def batch_options(args):
 
 
 def load_model(args, **extra):
-    from .loader import load
+    from deltafin_mlx.engine.load import load
 
     if getattr(args, "context", None) is not None:
         extra.setdefault("context", args.context)
@@ -278,7 +278,7 @@ class StopFilter:
 
 
 def generate_reply(model, tokenizer, prompt, args, echo=True):
-    from .generate import PrefillProgress, StatsMeter, stream_generate
+    from deltafin_mlx.generate import PrefillProgress, StatsMeter, stream_generate
 
     stop = StopFilter(args.stop)
     meter = StatsMeter(model)
@@ -307,7 +307,7 @@ def generate_reply(model, tokenizer, prompt, args, echo=True):
 
 
 def make_prompt(tokenizer, text, args, history=None):
-    from .generate import chat_prompt
+    from deltafin_mlx.generate import chat_prompt
 
     if args.raw:
         return tokenizer.encode(text)
@@ -319,8 +319,8 @@ def cmd_run(args):
     if args.prompt is None:
         raise CliError("no prompt given (a prompt, '-' for stdin, or --chat)")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    from .loader import model_config, open_tokenizer
-    from .planner import max_context, round_context
+    from deltafin_mlx.engine.load import model_config, open_tokenizer
+    from deltafin_mlx.plan.memory import max_context, round_context
 
     tokenizer = open_tokenizer(args.model)
     prompt = make_prompt(tokenizer, text, args)
@@ -346,7 +346,7 @@ def cmd_run(args):
 
 
 def cmd_chat(args):
-    from .chat import run_chat
+    from deltafin_mlx.chat import run_chat
 
     model, tokenizer = load_model(args)
     try:
@@ -360,7 +360,7 @@ def cmd_bench(argv):
 
     import mlx.core as mx
 
-    from .generate import StatsMeter
+    from deltafin_mlx.generate import StatsMeter
 
     args = bench_parser().parse_args(argv)
     model, _ = load_model(args, tokenizer=False)
@@ -410,7 +410,7 @@ def cmd_bench(argv):
 
 
 def cmd_plan(argv):
-    from .plan import format_plan, plan_from_path
+    from deltafin_mlx.cli.plan import format_plan, plan_from_path
 
     args = plan_parser().parse_args(argv)
     report = plan_from_path(args)
@@ -419,19 +419,19 @@ def cmd_plan(argv):
 
 
 def cmd_demo(args):
-    from .demo import run_demo
+    from deltafin_mlx.cli.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_info(argv):
-    from .info import run_info
+    from deltafin_mlx.cli.info import run_info
 
     return run_info(argv)
 
 
 def cmd_verify(argv):
-    from .verify import run_verify
+    from deltafin_mlx.format.verify import run_verify
 
     return run_verify(argv)
 
@@ -464,7 +464,7 @@ def refuse_ignored_options(args):
 def start_trace(model, path):
     if not path:
         return None
-    from .trace import RoutingTrace
+    from deltafin_mlx.engine.trace import RoutingTrace
 
     return RoutingTrace(model, path)
 
@@ -476,7 +476,7 @@ def main(argv=None):
     try:
         if argv and argv[0] == "plan":
             return cmd_plan(argv[1:])
-        from .shard import quiet_other_ranks
+        from deltafin_mlx.model.shard import quiet_other_ranks
 
         quiet_other_ranks()  # under mlx.launch: one output, from rank 0
         if argv and argv[0] == "bench":
@@ -488,7 +488,7 @@ def main(argv=None):
         if argv and argv[0] == "verify":
             return cmd_verify(argv[1:])
         if argv and argv[0] == "serve":
-            from .serve import cmd_serve
+            from deltafin_mlx.cli.serve import cmd_serve
 
             return cmd_serve(argv[1:])
         # intermixed: `MODEL --stop X PROMPT` fills both positionals
@@ -516,13 +516,13 @@ def main(argv=None):
 
 
 def one_line(e: BaseException) -> str:
-    from .batch import BatchError
-    from .chat import SessionError
-    from .generate import ContextError
-    from .loader import TokenIdError
-    from .manifest import ModelError
-    from .planner import BudgetError
-    from .reader import ReadError
+    from deltafin_mlx.batch import BatchError
+    from deltafin_mlx.chat import SessionError
+    from deltafin_mlx.generate import ContextError
+    from deltafin_mlx.engine.load import TokenIdError
+    from deltafin_mlx.format.manifest import ModelError
+    from deltafin_mlx.plan.memory import BudgetError
+    from deltafin_mlx.engine.reader import ReadError
 
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, (CliError, ModelError, BudgetError, ReadError, BatchError, SessionError,

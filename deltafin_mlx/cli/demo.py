@@ -34,8 +34,8 @@ def prepare(root: Path) -> Path:
     """The converted demo model (built on first use, reused afterwards)."""
     from deltafin_convert.convert import ConvertOptions, convert
 
-    from .manifest import MANIFEST_NAME
-    from .synthetic import make_checkpoint
+    from deltafin_mlx.format.manifest import MANIFEST_NAME
+    from deltafin_mlx.testing.synthetic import make_checkpoint
 
     model = root / "model"
     if (model / MANIFEST_NAME).exists():
@@ -59,10 +59,10 @@ def demo_plan(model_dir: Path, args):
     import mlx.core as mx
     from mlx_lm.utils import load_config
 
-    from .inventory import inventory_from_manifest
-    from .loader import default_activation_dtype
-    from .manifest import read_manifest
-    from .planner import plan_memory
+    from deltafin_mlx.plan.footprint import inventory_from_manifest
+    from deltafin_mlx.engine.load import default_activation_dtype
+    from deltafin_mlx.format.manifest import read_manifest
+    from deltafin_mlx.plan.memory import plan_memory
 
     m = read_manifest(model_dir)
     act = default_activation_dtype() or getattr(mx, m.dtype)
@@ -79,7 +79,7 @@ def demo_plan(model_dir: Path, args):
 def run_demo(args) -> int:
     """The demo model, then an ordinary run (or chat) of it: every option of
     deltafin-run works as it does on any model."""
-    from .cli import cmd_chat, cmd_run
+    from deltafin_mlx.cli.main import cmd_chat, cmd_run
 
     model_dir = prepare(demo_dir(args))
     plan, manifest = demo_plan(model_dir, args)

@@ -26,8 +26,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from .cache import np_view
-from .modules import get_module
+from deltafin_mlx.engine.cache import np_view
+from deltafin_mlx.model.modules import get_module
 
 _ST_DTYPES = {"BF16": ("bfloat16", np.uint16), "F16": ("float16", np.float16),
               "F32": ("float32", np.float32), "U32": ("uint32", np.uint32),
@@ -44,7 +44,7 @@ def safetensors_index(path) -> Dict[str, tuple]:
     The header is checked, since reads go where it says: well-typed entries of
     known dtypes, each tensor's bytes exactly its shape's, inside the file and not
     overlapping another's. A damaged header is a ModelError naming the file."""
-    from .manifest import ModelError
+    from deltafin_mlx.format.manifest import ModelError
 
     try:
         size = os.path.getsize(path)
@@ -276,7 +276,7 @@ class RowEmbedding(nn.Module):
         self._act = act
         self._num_rows = self._parts["weight"][1][0]
         if tuple(self._parts["weight"][1]) != tuple(original.weight.shape):
-            from .manifest import ModelError
+            from deltafin_mlx.format.manifest import ModelError
 
             raise ModelError(f"{path}: {prefix}.weight is {self._parts['weight'][1]} in the "
                              f"file, {tuple(original.weight.shape)} in the model")

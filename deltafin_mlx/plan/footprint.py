@@ -12,9 +12,9 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from .bank import Section
-from .cache import slot_bytes
-from .shard import expert_layout
+from deltafin_mlx.format.bank import Section
+from deltafin_mlx.engine.cache import slot_bytes
+from deltafin_mlx.model.shard import expert_layout
 
 LAYER_RE = re.compile(r"\blayers\.(\d+)\.")
 FLOATS = ("bfloat16", "float16", "float32")
@@ -150,9 +150,9 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     from deltafin_convert.experts import PROJECTIONS, expert_sections
     from deltafin_convert.trunk import build_skeleton, quantize_like_mlx_lm, source_dtype
 
-    from .modules import get_module, layer_paths, switch_path
+    from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
 
-    from .bank import record_size_of
+    from deltafin_mlx.format.bank import record_size_of
 
     options = ConvertOptions(bits=bits, group_size=group_size, expert_bits=expert_bits,
                              expert_group_size=expert_group_size)

@@ -26,13 +26,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .cliutil import human_bytes
-from .hub import HubError, fetch_config, looks_like_hub_id
-from .inventory import Inventory, inventory_from_config, inventory_from_manifest
-from .manifest import MANIFEST_NAME, ModelError, read_manifest
-from .planner import MemoryPlan, plan_memory
-from .rates import cached_rate, compute_key, disk_key
-from .shard import expert_layout, sharded_inventory
+from deltafin_mlx.cli.common import human_bytes
+from deltafin_mlx.format.hub import HubError, fetch_config, looks_like_hub_id
+from deltafin_mlx.plan.footprint import Inventory, inventory_from_config, inventory_from_manifest
+from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError, read_manifest
+from deltafin_mlx.plan.memory import MemoryPlan, plan_memory
+from deltafin_mlx.plan.rates import cached_rate, compute_key, disk_key
+from deltafin_mlx.model.shard import expert_layout, sharded_inventory
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -55,7 +55,7 @@ def measure_disk_gbps(path=None, nbytes: int = 256 << 20, block: int = 16 << 20,
                       scratch_dir=None) -> float:
     """O_DIRECT reads of `block`-sized pieces of a bank (or of a scratch file written
     in `scratch_dir`, default the temporary directory)."""
-    from .reader import aligned_empty
+    from deltafin_mlx.engine.reader import aligned_empty
 
     scratch = None
     if path is None:
@@ -219,7 +219,7 @@ def plan_from_path(args) -> dict:
             lambda: measure_compute_gwps(mode, group_size=group, act=act), remeasure)
         compute_from = _rate_origin(entry)
     streamed = [int(k) for k in plan.streamed]
-    from .cache import max_slots, pool_chunks, pool_limit
+    from deltafin_mlx.engine.cache import max_slots, pool_chunks, pool_limit
 
     chunk = max_slots(inv.sections, act)
     limit = pool_limit(len(inv.moe_layers), inv.experts_per_token, inv.num_experts, chunk)

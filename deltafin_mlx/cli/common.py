@@ -9,7 +9,7 @@ import sys
 
 
 def add_version(p: argparse.ArgumentParser):
-    from . import __version__
+    from deltafin_mlx import __version__
 
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                    help="show the version and exit")

@@ -95,7 +95,7 @@ _DEFAULTS = {
     "mixtral": dict(),
 }
 
-# Ids of the Kimi fixture tokenizer (deltafin_mlx.tokenizer): 768 base ranks
+# Ids of the Kimi fixture tokenizer (deltafin_mlx.tokenizer.kimi): 768 base ranks
 # then 256 reserved specials, laid out like the release's 163584 + 256.
 _KIMI_TOKENIZER_SIZE = 1024
 _KIMI_BOS, _KIMI_EOS, _KIMI_END_OF_MSG, _KIMI_MEDIA_PAD, _KIMI_PAD = (
@@ -994,7 +994,7 @@ def _write_bpe_tokenizer(out: Path, arch: str) -> Tuple[int, Dict[str, int]]:
 
 
 def _write_kimi_tokenizer(out: Path, flavor: str) -> int:
-    from .tokenizer import write_kimi_tokenizer_files
+    from deltafin_mlx.tokenizer.kimi import write_kimi_tokenizer_files
 
     return write_kimi_tokenizer_files(out, flavor=flavor)
 

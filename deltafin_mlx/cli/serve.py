@@ -201,7 +201,7 @@ def log_counters(model):
 
 
 def parser():
-    from .cli import Parser  # one-line usage errors, as every deltafin-run command
+    from deltafin_mlx.cli.main import Parser  # one-line usage errors, as every deltafin-run command
 
     p = Parser(
         prog="deltafin-run serve", description=__doc__.splitlines()[0],
@@ -227,7 +227,7 @@ def cmd_serve(argv) -> int:
         raise ValueError("--max-body-bytes must be 1 or more")
     import mlx_lm.server as server
 
-    from .loader import load
+    from deltafin_mlx.engine.load import load
 
     model, tokenizer = load(args.model, memory_budget=args.budget, context=args.context,
                             reader_threads=args.reader_threads, verify=args.verify,
@@ -277,7 +277,7 @@ def cmd_serve(argv) -> int:
 
 def model_vocab(model) -> int:
     """Rows of the embedding table (what token ids index)."""
-    from .modules import find_path, get_module
+    from deltafin_mlx.model.modules import find_path, get_module
 
     embed = get_module(model, find_path(model, "embed_tokens"))
     return getattr(type(embed), "vocab_size", None) or embed.weight.shape[0]
