@@ -18,10 +18,7 @@ import mlx.core as mx
 
 from deltafin_mlx.format.hub import hub_failure, looks_like_hub_id, quiet_hub
 from deltafin_mlx.format.manifest import MANIFEST_NAME
-
-
-class ConvertError(Exception):
-    """A conversion that cannot proceed; the message is shown to the user as is."""
+from deltafin_mlx.errors import ConvertError
 
 
 # safetensors dtype name -> (bytes per element, mlx dtype name)

@@ -29,14 +29,11 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from deltafin_mlx.generate import StatsMeter, chat_prompt
+from deltafin_mlx.errors import BatchError
 
 LINE_KEYS = {"id", "prompt", "messages", "max_tokens", "temp", "top_p", "top_k", "min_p",
              "seed", "stop"}
 PREFILL_BATCH = 8  # prompts prefilled together (mlx-lm's default)
-
-
-class BatchError(ValueError):
-    """The job cannot start (one line for the user)."""
 
 
 @dataclass

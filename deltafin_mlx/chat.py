@@ -24,15 +24,12 @@ from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_
                                  save_prompt_cache, trim_prompt_cache)
 
 from deltafin_mlx.generate import PrefillProgress, RunStats, StatsMeter, fit_context, stream_generate
+from deltafin_mlx.errors import SessionError
 
 SESSION_FORMAT = "deltafin-chat"
 SESSION_VERSION = 1
 # A probe conversation: rendering it shows what the template puts between turns.
 _PROBE_USER, _PROBE_REPLY = "Hi.", "Hello."
-
-
-class SessionError(ValueError):
-    pass
 
 
 class Interrupted(Exception):

@@ -8,6 +8,7 @@ from typing import List, Optional, Sequence, Union
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
+from deltafin_mlx.errors import ContextError
 
 
 @dataclass
@@ -112,10 +113,6 @@ def planned_prefill_step(model, default: int = 512) -> int:
     """The prefill chunk the memory plan sized (its activations fit the budget)."""
     state = getattr(model, "_deltafin", None)
     return state.plan.prefill_step if state is not None else default
-
-
-class ContextError(ValueError):
-    pass
 
 
 def fit_context(model, prompt_tokens: int, max_tokens: int, cached: int = 0) -> int:

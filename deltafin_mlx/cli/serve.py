@@ -30,13 +30,10 @@ import select
 import socket
 import sys
 from types import SimpleNamespace
+from deltafin_mlx.errors import RequestError
 
 DEFAULT_MAX_BODY = 16 << 20
 PREFILL_STEP = 256
-
-
-class RequestError(ValueError):
-    """A request refused with HTTP 400; the message says why."""
 
 
 def peer_closed(sock) -> bool:

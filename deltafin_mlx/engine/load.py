@@ -22,6 +22,7 @@ from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_lay
                     sharded_inventory)
 from deltafin_mlx.engine.streaming_moe import ExpertStore, StreamingSwitchGLU, tap_moe_input
 from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
+from deltafin_mlx.errors import TokenIdError
 
 READ_MODES = ("direct", "mmap")
 
@@ -117,10 +118,6 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
     if extra:
         raise ModelError(f"{where}: the trunk has {extra[0]}, which the model does not use "
                          "(tied embeddings or layers differ)")
-
-
-class TokenIdError(ValueError):
-    """A token id outside the embedding table."""
 
 
 def check_token_ids(x: mx.array, vocab: int):

@@ -24,13 +24,10 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from deltafin_mlx.format.bank import ALIGN, BankLayout
+from deltafin_mlx.errors import ReadError
 
 F_NOCACHE = 48  # macOS fcntl
 READ_RETRIES = 2
-
-
-class ReadError(RuntimeError):
-    """An expert record could not be read, or did not match its checksum."""
 
 
 class ReadCancelled(Exception):

@@ -28,14 +28,11 @@ from mlx.utils import tree_unflatten
 
 from deltafin_mlx.engine.cache import np_view
 from deltafin_mlx.model.modules import get_module
+from deltafin_mlx.errors import TrunkReadError
 
 _ST_DTYPES = {"BF16": ("bfloat16", np.uint16), "F16": ("float16", np.float16),
               "F32": ("float32", np.float32), "U32": ("uint32", np.uint32),
               "U8": ("uint8", np.uint8), "I32": ("int32", np.int32)}
-
-
-class TrunkReadError(RuntimeError):
-    pass
 
 
 def safetensors_index(path) -> Dict[str, tuple]:

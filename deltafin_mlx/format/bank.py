@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+from deltafin_mlx.errors import BankError
 
 MAGIC = b"DFBANK\x00\x01"
 FORMAT_VERSION = 1
@@ -29,10 +30,6 @@ NUMPY_DTYPES = {
     "float16": np.float16,
     "float32": np.float32,
 }
-
-
-class BankError(ValueError):
-    """A bank file that does not match the format or its manifest."""
 
 
 def align_up(n: int, align: int = ALIGN) -> int:

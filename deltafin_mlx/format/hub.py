@@ -5,6 +5,7 @@ each kind of failure — offline above all — said in one line."""
 import contextlib
 import os
 from pathlib import Path
+from deltafin_mlx.errors import HubError
 
 
 def looks_like_hub_id(src: str) -> bool:
@@ -59,5 +60,3 @@ def fetch_config(repo: str) -> Path:
         raise HubError(hub_failure(repo, e, "its config.json")) from None
 
 
-class HubError(ValueError):
-    """Fetching from the hub failed; the message says why, in one line."""

@@ -23,13 +23,10 @@ from deltafin_mlx.format.bank import (
     record_size_of,
     sections_from_dicts,
 )
+from deltafin_mlx.errors import ModelError
 
 MANIFEST_NAME = "deltafin.json"
 PARTIAL_NAME = "deltafin.partial.json"
-
-
-class ModelError(ValueError):
-    """A model directory that cannot be used; the message says why."""
 
 
 @dataclass

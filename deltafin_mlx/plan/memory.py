@@ -25,6 +25,7 @@ from deltafin_mlx.engine.cache import max_slots as max_chunk_slots
 from deltafin_mlx.engine.cache import pool_limit
 from deltafin_mlx.cli.common import human_bytes
 from deltafin_mlx.plan.footprint import Inventory
+from deltafin_mlx.errors import BudgetError
 
 WORKING_BYTES = 16 << 20  # activations, router outputs and read bookkeeping of small models
 HEADROOM = 0.85  # of available memory, for the default budget
@@ -35,10 +36,6 @@ PREFILL_SHARE = 16  # up to 1/16 of the budget may hold a prefill chunk's activa
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 1 << 10, "M": 1e6, "MB": 1e6,
           "MIB": 1 << 20, "G": 1e9, "GB": 1e9, "GIB": 1 << 30, "T": 1e12, "TB": 1e12,
           "TIB": 1 << 40}
-
-
-class BudgetError(ValueError):
-    pass
 
 
 def parse_size(value) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 import regex
 import tiktoken
 from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
+from deltafin_mlx.errors import TemplateLimit, TokenizerError
 
 # The pre-tokenizer of K2, K3 and Kimi-Linear, as `tokenization_kimi.py` has it.
 # `&&` is a character-class intersection (letters that are not Han), which
@@ -121,10 +122,6 @@ XTML_CLOSE = "<|close|>"
 XTML_SEP = "<|sep|>"
 XTML_END_OF_MSG = "<|end_of_msg|>"
 XTML_THINKING_EFFORTS = ("low", "high", "max")
-
-
-class TokenizerError(ValueError):
-    """Tokenizer files that cannot be used; the message names the file and why."""
 
 
 def read_tiktoken_ranks(path, data: bytes = None):
@@ -765,10 +762,6 @@ JINJA_MAX_TEMPLATE_CHARS = 1 << 20
 JINJA_MAX_OUTPUT_CHARS = 16 << 20
 JINJA_MAX_SECONDS = 10.0
 JINJA_MAX_RANGE = 100_000
-
-
-class TemplateLimit(ValueError):
-    pass
 
 
 def _sandbox_class():
