@@ -298,7 +298,7 @@ def main():
 def healthy(r, margin=64 << 20) -> bool:
     """Alive, every request answered correctly or refused cleanly, and memory within
     the budget plus a margin (MLX's allocator keeps freed buffers for reuse)."""
-    from deltafin_mlx.plan.memory import parse_size
+    from deltafin_mlx.units import parse_size
 
     answered = all(k in ("ok", "refused-ok", "long-ok", "disconnect") or k.startswith("refused ")
                    for k in r["outcomes"])

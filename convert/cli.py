@@ -5,12 +5,16 @@ import sys
 import time
 from pathlib import Path
 
-from deltafin_mlx.cli.common import HelpFormatter, add_version, human_bytes, quiet_broken_pipe
+from deltafin_mlx.cli.common import HelpFormatter, add_version, quiet_broken_pipe
+from deltafin_mlx.units import human_bytes
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
 
 try:
-    from .convert import EXPERT_BITS, GROUP_SIZES, SUPPORTED, ConvertOptions, convert
-    from .source import ConvertError
+    from deltafin_mlx.model.config import ARCHITECTURES
+    from deltafin_mlx.model.quantization import BITS, GROUP_SIZES
+
+    from .convert import ConvertOptions, convert
+    from deltafin_mlx.errors import DeltafinError
 except KeyboardInterrupt:  # Ctrl-C while MLX and mlx-lm import (seconds): one line
     print("\ndeltafin-convert: interrupted", file=sys.stderr)
     sys.exit(130)
@@ -20,20 +24,20 @@ def build_parser():
     p = argparse.ArgumentParser(
         prog="deltafin-convert",
         description="Rewrite a Hugging Face MoE checkpoint into Deltafin's streaming format.\n"
-        "Supported: " + ", ".join(SUPPORTED.values()) + ".",
+        "Supported: " + ", ".join(ARCHITECTURES.values()) + ".",
         epilog="Rerun the same command to resume an interrupted conversion; rerunning a\n"
         "finished one does nothing. Then: deltafin-run OUT \"PROMPT\".",
         formatter_class=HelpFormatter,
     )
     p.add_argument("src", help="local Hugging Face model directory, or a hub repo id")
     p.add_argument("out", help="output directory")
-    p.add_argument("--bits", type=int, default=4, choices=EXPERT_BITS,
+    p.add_argument("--bits", type=int, default=4, choices=BITS,
                    help="trunk quantization bits")
     p.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES,
                    help="trunk quantization group size")
     p.add_argument("--no-trunk-quant", action="store_true",
                    help="keep the trunk (non-expert weights) unquantized")
-    p.add_argument("--expert-bits", type=int, default=4, choices=EXPERT_BITS,
+    p.add_argument("--expert-bits", type=int, default=4, choices=BITS,
                    help="bits for bf16/fp16 experts (K3's MXFP4 experts are kept as they are)")
     p.add_argument("--expert-group-size", type=int, default=64, choices=GROUP_SIZES,
                    help="group size for bf16/fp16 experts")
@@ -75,10 +79,10 @@ def main(argv=None):
         print("\ndeltafin-convert: interrupted after the conversion had finished", file=sys.stderr)
     except BrokenPipeError:
         raise  # quiet_broken_pipe ends quietly
-    except (ConvertError, OSError) as e:
+    except (DeltafinError, OSError) as e:
         if args.debug:
             raise
-        msg = str(e) if isinstance(e, ConvertError) else f"{e.filename or ''}: {e.strerror or e}"
+        msg = str(e) if isinstance(e, DeltafinError) else f"{e.filename or ''}: {e.strerror or e}"
         if isinstance(e, OSError) and e.errno == 28:
             msg = f"disk full while writing {e.filename or args.out}; free space and rerun to resume"
         print(f"deltafin-convert: error: {msg}", file=sys.stderr)

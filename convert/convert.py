@@ -11,7 +11,6 @@ resumes at the first unfinished layer; the manifest is written last.
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -28,23 +27,18 @@ from deltafin_mlx.format.integrity import file_checksum, format_checksum
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, read_manifest
 from deltafin_mlx.mlx_lm_shim import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE
 
-from .experts import PROJECTIONS, expert_record, expert_sections, group_experts
+from deltafin_mlx.format.record import PROJECTIONS, expert_sections
+from deltafin_mlx.model.build import build_model, source_dtype
+from deltafin_mlx.model.config import ARCHITECTURES, LAYER_RE, experts_per_token
+from deltafin_mlx.model.quantization import check_quantization, expert_quantization
+
+from .experts import expert_record, group_experts
 from .source import ConvertError, Source, free_bytes, open_source, tokenizer_files
 from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
 
-from .trunk import build_skeleton, convert_unit, release, source_dtype
+from .trunk import convert_unit, release
 
-SUPPORTED = {
-    "kimi_k3": "Kimi K3",
-    "kimi_k2": "Kimi K2",
-    "deepseek_v3": "DeepSeek-V3",
-    "qwen3_moe": "Qwen3-MoE",
-    "mixtral": "Mixtral",
-}
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "vision_model.", "multi_modal_projector.")
-LAYER_RE = re.compile(r"\blayers\.(\d+)\.")
-EXPERT_BITS = (2, 3, 4, 6, 8)
-GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass
@@ -58,44 +52,12 @@ class ConvertOptions:
     progress: bool = True
 
     def check(self):
-        if self.bits is not None and self.bits not in EXPERT_BITS:
-            raise ConvertError(f"--bits must be one of {EXPERT_BITS} (got {self.bits})")
-        if self.group_size not in GROUP_SIZES:
-            raise ConvertError(f"--group-size must be one of {GROUP_SIZES}")
-        if self.expert_bits not in EXPERT_BITS:
-            raise ConvertError(f"--expert-bits must be one of {EXPERT_BITS}")
-        if self.expert_group_size not in GROUP_SIZES:
-            raise ConvertError(f"--expert-group-size must be one of {GROUP_SIZES}")
+        check_quantization(self.bits, self.group_size, self.expert_bits, self.expert_group_size)
         if not 1 <= self.ranks <= 1024:
             raise ConvertError(f"--ranks must be between 1 and 1024 (got {self.ranks})")
 
     def recorded(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("force", "progress")}
-
-
-def text_config(config: dict) -> dict:
-    return config.get("text_config", config)
-
-
-def experts_per_token(config: dict) -> int:
-    tc = text_config(config)
-    for key in ("num_experts_per_tok", "num_experts_per_token"):
-        if key in tc:
-            return int(tc[key])
-    raise ConvertError("config.json does not say how many experts each token uses")
-
-
-def expert_quantization(config: dict, options: ConvertOptions) -> dict:
-    qc = config.get("quantization_config") or text_config(config).get("quantization_config")
-    if qc:
-        fmt = qc.get("format")
-        if qc.get("quant_method") == "compressed-tensors" and fmt == "mxfp4-pack-quantized":
-            return {"mode": "mxfp4", "bits": 4, "group_size": 32, "carried_over": True}
-        raise ConvertError(
-            f"source quantization {qc.get('quant_method')}/{fmt} is not supported "
-            "(supported: bf16/fp16/fp32 weights, or compressed-tensors mxfp4 experts)"
-        )
-    return {"mode": "affine", "bits": options.expert_bits, "group_size": options.expert_group_size}
 
 
 def _write_atomic_json(path: Path, obj):
@@ -220,19 +182,19 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
     tokenizer_files(source.path)  # checked (regular files inside SRC) before any work
     config = dict(source.config)
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED:
+    if model_type not in ARCHITECTURES:
         raise ConvertError(
             f"unsupported architecture {model_type!r}; supported: "
-            + ", ".join(f"{v} ({k})" for k, v in SUPPORTED.items())
+            + ", ".join(f"{v} ({k})" for k, v in ARCHITECTURES.items())
         )
-    expert_quant = expert_quantization(config, options)
+    expert_quant = expert_quantization(config, options.expert_bits, options.expert_group_size)
     trunk_quant = (
         {"group_size": options.group_size, "bits": options.bits, "mode": "affine"}
         if options.bits is not None
         else None
     )
     dtype = source_dtype(config)
-    model = build_skeleton(config)
+    model = build_model(config)
     paths = layer_paths(model)
     num_layers = len(paths)
 

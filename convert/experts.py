@@ -13,9 +13,11 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from deltafin_mlx.format.bank import Section, make_sections
+from deltafin_mlx.format.record import PROJECTIONS
 
-from .source import ConvertError, Source
+from deltafin_mlx.errors import ConvertError
+
+from .source import Source
 
 # Source names of routed experts in every supported layout:
 #   Kimi K3:                 ...layers.L.block_sparse_moe.experts.E.w1.weight_packed / weight_scale
@@ -27,7 +29,6 @@ EXPERT_RE = re.compile(
     r"(?P<kind>weight|weight_packed|weight_scale)$"
 )
 PROJ_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def parse_expert_name(name: str):
@@ -48,24 +49,6 @@ def group_experts(names) -> Dict[int, Dict[int, Dict[str, str]]]:
             layer, expert, proj, kind = parsed
             out[layer][expert][f"{proj}.{kind}"] = name
     return out
-
-
-def expert_sections(
-    shapes: Dict[str, tuple], quant: dict, scales_dtype: str
-) -> List[Section]:
-    """The record layout for experts whose unquantized projections have `shapes`
-    ((out, in) per projection), quantized as `quant` says."""
-    bits, group, mode = quant["bits"], quant["group_size"], quant["mode"]
-    tensors = []
-    for proj in PROJECTIONS:
-        out_dim, in_dim = shapes[proj]
-        tensors.append((f"{proj}.weight", "uint32", (out_dim, in_dim * bits // 32)))
-        if mode == "mxfp4":
-            tensors.append((f"{proj}.scales", "uint8", (out_dim, in_dim // group)))
-        else:
-            tensors.append((f"{proj}.scales", scales_dtype, (out_dim, in_dim // group)))
-            tensors.append((f"{proj}.biases", scales_dtype, (out_dim, in_dim // group)))
-    return make_sections(tensors)
 
 
 def _to_numpy(a: mx.array) -> np.ndarray:

@@ -11,25 +11,9 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
-from mlx_lm.utils import _get_classes
 
-from .source import ConvertError
-
-CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
-
-
-def build_skeleton(config: dict) -> nn.Module:
-    try:
-        model_class, args_class = _get_classes(config)
-        return model_class(args_class.from_dict(config))
-    except Exception as e:
-        raise ConvertError(f"cannot build the mlx-lm model from config.json ({e})") from None
-
-
-def source_dtype(config: dict) -> Optional[mx.Dtype]:
-    """The dtype mlx_lm.convert casts floating weights to (None: leave as is)."""
-    dtype = config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
-    return getattr(mx, dtype) if dtype in CONVERSION_DTYPES else None
+from deltafin_mlx.errors import ConvertError
+from deltafin_mlx.model.build import quantize_like_mlx_lm
 
 
 def release(module: nn.Module):
@@ -91,31 +75,3 @@ def convert_unit(
     params = {full(k): v for k, v in tree_flatten(module.parameters()) if not skipped(full(k))}
     return params, quantized
 
-
-def quantize_like_mlx_lm(model: nn.Module, module: nn.Module, prefix: str,
-                         skip: Callable[[str], bool], trunk_quant: Optional[dict]) -> Dict[str, dict]:
-    """Quantize `module` (found at `prefix` in `model`) with mlx_lm.utils.quantize_model's
-    rules on full paths: modules with `to_quantized` whose input size the group size
-    divides, as the model's own `quant_predicate` says. Returns path -> params."""
-    quantized = {}
-    if trunk_quant is None:
-        return quantized
-    group_size, bits = trunk_quant["group_size"], trunk_quant["bits"]
-    model_predicate = getattr(model, "quant_predicate", None)
-
-    def predicate(p, m):
-        p = f"{prefix}.{p}" if prefix else p
-        if skip(p) or not hasattr(m, "to_quantized"):
-            return False
-        if m.weight.shape[-1] % group_size != 0:
-            return False
-        params = model_predicate(p, m) if model_predicate is not None else True
-        if params is False:
-            return False
-        if params is True:
-            params = dict(trunk_quant)
-        quantized[p] = params
-        return params
-
-    nn.quantize(module, group_size, bits, mode=trunk_quant["mode"], class_predicate=predicate)
-    return quantized

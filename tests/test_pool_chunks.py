@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import deltafin_mlx.engine.cache as cache_mod
-from deltafin_mlx.engine.cache import pool_chunks, pool_limit
+from deltafin_mlx.plan.slots import pool_chunks, pool_limit
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.format.manifest import read_manifest
 from test_runtime import expected, greedy, prompt_of  # noqa: F401  (fixture)

@@ -26,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from deltafin_mlx.cli.common import human_bytes
+from deltafin_mlx.units import human_bytes
 from deltafin_mlx.format.hub import HubError, fetch_config, looks_like_hub_id
 from deltafin_mlx.plan.footprint import Inventory, inventory_from_config, inventory_from_manifest
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError, read_manifest
@@ -219,7 +219,7 @@ def plan_from_path(args) -> dict:
             lambda: measure_compute_gwps(mode, group_size=group, act=act), remeasure)
         compute_from = _rate_origin(entry)
     streamed = [int(k) for k in plan.streamed]
-    from deltafin_mlx.engine.cache import max_slots, pool_chunks, pool_limit
+    from deltafin_mlx.plan.slots import max_slots, pool_chunks, pool_limit
 
     chunk = max_slots(inv.sections, act)
     limit = pool_limit(len(inv.moe_layers), inv.experts_per_token, inv.num_experts, chunk)

@@ -24,6 +24,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
 from deltafin_mlx.format.bank import ALIGN, BankLayout
 from deltafin_mlx.engine.policy import ExpertPool
+from deltafin_mlx.plan.slots import MAX_ELEMENTS, max_slots, pool_chunks, slot_dtype
 from deltafin_mlx.engine.reader import BankFile, ReadCancelled, ReadJob, Reader
 
 
@@ -42,30 +43,11 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
-def slot_dtype(disk_dtype: str, activation_dtype: mx.Dtype) -> mx.Dtype:
-    """Scales/biases are held in the activation dtype when they are floats: with
-    bf16 scales and f32 activations gather_qmm would convert every slot per call."""
-    if disk_dtype in ("bfloat16", "float16", "float32"):
-        return activation_dtype
-    return getattr(mx, disk_dtype)
-
-
-def slot_bytes(sections, activation_dtype: mx.Dtype) -> int:
-    """Memory one slot takes (scales may be wider in memory than on disk)."""
-    return sum(int(np.prod(s.shape)) * slot_dtype(s.dtype, activation_dtype).size
-               for s in sections)
-
-
 def np_view(a: mx.array) -> np.ndarray:
     """A writable numpy view of an evaluated MLX array (bf16 as uint16)."""
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     return np.asarray(a)
-
-
-# MLX array dimensions are int32: no axis, including the flat one the aligned
-# allocation below slices, may hold 2**31 elements or more.
-MAX_ELEMENTS = 2**31 - 1 - ALIGN
 
 
 def alloc_aligned(shape, dtype: mx.Dtype) -> mx.array:
@@ -86,46 +68,6 @@ def alloc_aligned(shape, dtype: mx.Dtype) -> mx.array:
         arr = raw[off // dtype.size : off // dtype.size + n].reshape(shape)
     mx.eval(arr)
     return arr
-
-
-def max_slots(sections, activation_dtype: mx.Dtype) -> int:
-    """The most slots one set of slot arrays can have (see MAX_ELEMENTS)."""
-    return min(MAX_ELEMENTS // int(np.prod(s.shape)) for s in sections)
-
-
-def pool_chunks(num_slots: int, num_layers: int, experts_per_token: int, num_experts: int,
-                chunk_limit: int):
-    """How a pool of `num_slots` is split into sets of slot arrays ("chunks") of at
-    most `chunk_limit` slots each: a list of (first slot, slots). One chunk when it
-    fits. Otherwise the pool is partitioned by layer (ExpertPool), and chunks are cut
-    at partition boundaries, so that every layer's experts live in one chunk and its
-    computation is one mlx-lm call over that chunk, as with a single chunk.
-    Raises ValueError where that is impossible (see `pool_limit`)."""
-    if num_slots <= chunk_limit:
-        return [(0, num_slots)]
-    if num_slots > pool_limit(num_layers, experts_per_token, num_experts, chunk_limit):
-        raise ValueError(f"an expert pool of {num_slots} slots cannot be allocated: at most "
-                         f"{pool_limit(num_layers, experts_per_token, num_experts, chunk_limit)}")
-    share = min(num_experts, num_slots // num_layers)  # ExpertPool's partition size
-    per_chunk = chunk_limit // share
-    chunks, start = [], 0
-    for first in range(0, num_layers, per_chunk):
-        n = min(per_chunk, num_layers - first) * share
-        chunks.append((start, n))
-        start += n
-    return chunks
-
-
-def pool_limit(num_layers: int, experts_per_token: int, num_experts: int,
-               chunk_limit: int) -> int:
-    """The most slots a pool can have. A pool above one chunk must be partitioned
-    by layer (at least one token's experts per layer), each partition within one
-    chunk: up to every expert of the model. Where a partitioned pool would not fit
-    one chunk's partition (a layer's share over the limit) or the pool is below
-    the partition threshold, one chunk is the limit."""
-    if num_layers * experts_per_token > chunk_limit + 1:
-        return chunk_limit  # pools between the limit and the threshold cannot be split
-    return num_layers * min(num_experts, chunk_limit)
 
 
 def switch_over_slots(arrays: Dict[str, mx.array], capacity: int, quant: dict, activation):

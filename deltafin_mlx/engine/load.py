@@ -9,11 +9,11 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.utils import _get_classes
 
 from deltafin_mlx.format.bank import BankError, read_layout
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
 from deltafin_mlx.format.manifest import ModelError, read_manifest
+from deltafin_mlx.model.build import build_model, quantize_like_config
 from deltafin_mlx.model.modules import find_path, get_module, layer_paths, set_module
 from deltafin_mlx.plan.footprint import inventory_from_manifest
 from deltafin_mlx.plan.memory import MAX_SEQUENCES, MemoryPlan, plan_memory
@@ -159,29 +159,6 @@ def guard_token_ids(model: nn.Module):
                                                    "vocab_size": vocab})
 
 
-def build_model(path: Path, config: dict) -> nn.Module:
-    try:
-        model_class, args_class = _get_classes(config)
-        return model_class(args_class.from_dict(config))
-    except Exception as e:
-        raise ModelError(f"{path}: cannot build mlx-lm's model ({e})") from None
-
-
-def quantize_like_config(model: nn.Module, config: dict):
-    """Give modules the quantized classes config.json names (mlx-lm's rules)."""
-    quant = config.get("quantization")
-    if not quant:
-        return
-
-    def predicate(p, m):
-        if p in quant:
-            return quant[p]
-        return False
-
-    nn.quantize(model, quant["group_size"], quant["bits"], mode=quant.get("mode", "affine"),
-                class_predicate=predicate)
-
-
 def load_trunk(model: nn.Module, manifest, dtype: Optional[mx.Dtype], skip=lambda name: False,
                shard=None):
     """Load the trunk files into the model, all but the tensors `skip` accepts
@@ -318,7 +295,7 @@ def load(
                              f"{manifest.slices} slices, 1, or a multiple of it")
     read_size = layouts[manifest.moe_layers[0]].record_size
 
-    model = build_model(path, config)
+    model = build_model(config, path)
     switches = switch_shapes(model, manifest)
     stats = CacheStats()
     reader = Reader(read_size, threads=reader_threads, verify=verify)
@@ -488,7 +465,7 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
     path = Path(path).expanduser()
     manifest = read_manifest(path)
     config = read_config(path, manifest)
-    model = build_model(path, config)
+    model = build_model(config, path)
     switches = switch_shapes(model, manifest)
     quantize_like_config(model, config)
     check_against_manifest(model, config, manifest, switches)

@@ -29,6 +29,8 @@ bench/simulate_cache.py on Zipf-skewed traces, steady and drifting.
 
 import numpy as np
 
+from deltafin_mlx.plan.slots import layer_partition
+
 
 class SlotMap:
     """Maps the experts of one layer to a fixed number of cache slots.
@@ -201,9 +203,9 @@ class ExpertPool:
         self.num_experts = num_experts
         self.num_slots = num_slots
         n = len(self.layers)
-        self.partitioned = num_slots >= n * experts_per_token and num_slots // n <= num_experts
+        share = layer_partition(num_slots, n, experts_per_token, num_experts)
+        self.partitioned = share is not None
         if self.partitioned:
-            share = min(num_experts, num_slots // n)
             self.maps = {layer: SlotMap(share, num_experts) for layer in self.layers}
             self.offset = {layer: i * share for i, layer in enumerate(self.layers)}
         else:

@@ -22,7 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Callable, Optional
 
-from deltafin_mlx.format.manifest import ModelError
+from deltafin_mlx.errors import ModelError
 
 CHECKSUM_ALGORITHM = "crc32"
 # Files up to this size are checksummed at every load (64 MiB: ~20 ms here).

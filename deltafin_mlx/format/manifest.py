@@ -24,6 +24,8 @@ from deltafin_mlx.format.bank import (
     sections_from_dicts,
 )
 from deltafin_mlx.errors import ModelError
+from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, check_small_files, parse_checksum,
+                                          read_inside, resolve_inside)
 
 MANIFEST_NAME = "deltafin.json"
 PARTIAL_NAME = "deltafin.partial.json"
@@ -91,7 +93,6 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
     `check_files`, also every file it lists (inside the directory, a regular file
     of its recorded size, small ones with their recorded checksum)."""
     from deltafin_mlx.format.hub import looks_like_hub_id
-    from deltafin_mlx.format.integrity import MANIFEST_MAX_BYTES, read_inside
 
     given = str(path)
     path = Path(path).expanduser()
@@ -151,7 +152,6 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
         raise ModelError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e})") from None
     if check_files:
         check_model_files(m)
-        from deltafin_mlx.format.integrity import check_small_files
 
         check_small_files(m)
     return m
@@ -208,7 +208,6 @@ def _check_fields(d: dict):
     checksums = d.get("checksums", {})
     _need(isinstance(checksums, dict), "checksums must be an object")
     if checksums:
-        from deltafin_mlx.format.integrity import parse_checksum
 
         _need(set(checksums) == set(files), "checksums must name exactly the listed files")
         for rel, value in checksums.items():
@@ -333,7 +332,6 @@ def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
 def check_model_files(m: Manifest):
     """Every listed file resolves inside the model directory (after symlinks), is
     a regular file, and has its recorded size."""
-    from deltafin_mlx.format.integrity import resolve_inside
 
     for rel, size in m.files.items():
         p = m.path / rel

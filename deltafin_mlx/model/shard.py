@@ -24,8 +24,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from deltafin_mlx.format.bank import BankLayout, Section
-from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
+from deltafin_mlx.errors import ModelError
+from deltafin_mlx.format.bank import BankLayout, Section, record_size_of, slice_sections
+from deltafin_mlx.format.manifest import MANIFEST_NAME
+from deltafin_mlx.model.build import build_model, quantize_like_config
+from deltafin_mlx.model.config import text_config
+from deltafin_mlx.model.modules import get_module, layer_paths, set_module, switch_path
 
 
 class FakeGroup:
@@ -63,15 +67,11 @@ def quiet_other_ranks():
         sys.stdout = open(os.devnull, "w")
 
 
-def _text_config(config: dict) -> dict:
-    return config.get("text_config", config)
-
-
 def check_divisible(config: dict, sections, ranks: int, where=""):
     """ModelError unless `ranks` divides what mlx-lm's shard() splits: attention
     heads, and the experts' intermediate dimension into whole quantization groups
     of down_proj's input (`sections`: one whole expert's)."""
-    tc = _text_config(config)
+    tc = text_config(config)
     heads = {"attention heads": tc.get("num_attention_heads"),
              "key/value heads": tc.get("num_key_value_heads")}
     linear = tc.get("linear_attn_config") or {}
@@ -132,8 +132,6 @@ class _NoExperts(nn.Module):
 
 def shard_model(model: nn.Module, group, switch_paths, path=""):
     """mlx-lm's model.shard(group) on a model whose routed experts stream."""
-    from deltafin_mlx.model.modules import get_module, set_module
-
     if not hasattr(model, "shard"):
         raise ModelError(f"{path}: mlx-lm has no tensor-parallel shard() for "
                          f"{getattr(model, 'model_type', type(model).__module__)}")
@@ -155,17 +153,13 @@ def sharded_inventory(inventory, config: dict, ranks: int, rank: int = 0, layout
     mlx-lm's shard() leaves them (measured on a lazily built, never evaluated
     model), and the expert record as that rank reads and holds it from `layout`
     (a manifest's `expert_layout`; None: as `deltafin-convert --ranks N` writes it)."""
-    from deltafin_mlx.format.bank import record_size_of, slice_sections
-    from deltafin_mlx.engine.load import build_model, quantize_like_config
-    from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
-
     check_divisible(config, inventory.sections, ranks, where)
     if layout is None:
         sliced = slice_sections(inventory.sections, ranks)
         layout = BankLayout(0, inventory.num_experts, record_size_of(sliced) * ranks, 0,
                             sliced, None, ranks)
     view = rank_view(layout, rank, ranks, where)
-    model = build_model(where, config)
+    model = build_model(config, where)
     quantize_like_config(model, config)
     paths = layer_paths(model)
     switch = [f"{p}.{sp}" for p in paths if (sp := switch_path(get_module(model, p)))]

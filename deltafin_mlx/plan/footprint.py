@@ -6,17 +6,20 @@ lazily (no weight is ever allocated) and applying the converter's own cast and
 quantization rules to it.
 """
 
-import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from deltafin_mlx.format.bank import Section
-from deltafin_mlx.engine.cache import slot_bytes
+from deltafin_mlx.format.bank import Section, record_size_of
+from deltafin_mlx.plan.slots import slot_bytes
+from deltafin_mlx.format.record import PROJECTIONS, expert_sections
+from deltafin_mlx.model.build import build_model, quantize_like_mlx_lm, source_dtype
+from deltafin_mlx.model.config import LAYER_RE, experts_per_token, tied_embeddings
+from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
+from deltafin_mlx.model.quantization import check_quantization, expert_quantization
 from deltafin_mlx.model.shard import expert_layout
 
-LAYER_RE = re.compile(r"\blayers\.(\d+)\.")
 FLOATS = ("bfloat16", "float16", "float32")
 DTYPE_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "uint32": 4, "uint8": 1,
               "int32": 4, "uint16": 2, "int8": 1, "int64": 8}
@@ -118,7 +121,7 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
         config=config,
         units=_build(by_unit, act),
         embed_bytes=embed,
-        embed_tied=_tied(config),
+        embed_tied=tied_embeddings(config),
         moe_layers=manifest.moe_layers,
         num_experts=manifest.experts["num_experts"],
         experts_per_token=manifest.experts["experts_per_token"],
@@ -127,11 +130,6 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
         expert_weights=_expert_weights(sections, quant),
         activation_dtype=act,
     )
-
-
-def _tied(config: dict) -> bool:
-    tc = config.get("text_config", config)
-    return bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
 
 
 def _expert_weights(sections: List[Section], quant: dict) -> int:
@@ -145,19 +143,8 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     """The inventory deltafin-convert would produce from a source with this config."""
     from mlx.utils import tree_flatten, tree_map_with_path
 
-    from deltafin_convert.convert import (ConvertOptions, expert_quantization,
-                                          experts_per_token)
-    from deltafin_convert.experts import PROJECTIONS, expert_sections
-    from deltafin_convert.trunk import build_skeleton, quantize_like_mlx_lm, source_dtype
-
-    from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
-
-    from deltafin_mlx.format.bank import record_size_of
-
-    options = ConvertOptions(bits=bits, group_size=group_size, expert_bits=expert_bits,
-                             expert_group_size=expert_group_size)
-    options.check()
-    model = build_skeleton(config)
+    check_quantization(bits, group_size, expert_bits, expert_group_size)
+    model = build_model(config)
     dtype = source_dtype(config)
     paths = layer_paths(model)
     switches = {}
@@ -190,7 +177,7 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
         if "embed_tokens" in name:
             embed += _tensor_memory(d, a.shape, act)
 
-    quant = expert_quantization(config, options)
+    quant = expert_quantization(config, expert_bits, expert_group_size)
     first = get_module(model, next(iter(switches.values())))
     shapes = {p: tuple(getattr(first, p).weight.shape[1:]) for p in PROJECTIONS}
     sections = expert_sections(shapes, quant, str(dtype or mx.bfloat16).split(".")[-1])
@@ -199,7 +186,7 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
         config=config,
         units=_build(by_unit, act),
         embed_bytes=embed,
-        embed_tied=_tied(config),
+        embed_tied=tied_embeddings(config),
         moe_layers=sorted(switches),
         num_experts=first.gate_proj.weight.shape[0],
         experts_per_token=experts_per_token(config),

@@ -14,16 +14,15 @@ expert only when routed, and of the embedding table only a row per token. So:
 """
 
 import os
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List
 
 import mlx.core as mx
 
-from deltafin_mlx.engine.cache import max_slots as max_chunk_slots
-from deltafin_mlx.engine.cache import pool_limit
-from deltafin_mlx.cli.common import human_bytes
+from deltafin_mlx.plan.slots import max_slots as max_chunk_slots
+from deltafin_mlx.plan.slots import pool_limit
+from deltafin_mlx.units import human_bytes, parse_size
 from deltafin_mlx.plan.footprint import Inventory
 from deltafin_mlx.errors import BudgetError
 
@@ -33,29 +32,6 @@ RING = 2  # buffers per streamed layer shape: one in use, one being read
 PREFILL_STEPS = (512, 256, 128, 64, 32, 16)  # prompt tokens per forward pass, largest first
 PREFILL_SHARE = 16  # up to 1/16 of the budget may hold a prefill chunk's activations
 
-_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 1 << 10, "M": 1e6, "MB": 1e6,
-          "MIB": 1 << 20, "G": 1e9, "GB": 1e9, "GIB": 1 << 30, "T": 1e12, "TB": 1e12,
-          "TIB": 1 << 40}
-
-
-def parse_size(value) -> int:
-    """Bytes from an int or a string like "8GB", "512MiB", "1.5G"."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not value > 0 or value == float("inf"):
-            raise BudgetError(f"memory budget must be a positive, finite size (got {value})")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise BudgetError(
-            f"bad memory size {value!r} (examples: 8GB, 512MB, 1.5GiB, 1000000000)"
-        )
-    n = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    if not n < 1e18:
-        raise BudgetError(f"memory budget {value!r} is not a sensible size")
-    n = int(n)
-    if n <= 0:
-        raise BudgetError(f"memory budget must be positive (got {value!r})")
-    return n
 
 
 def available_memory() -> int:

@@ -1,0 +1,79 @@
+"""mlx-lm's own model class, built from config.json and quantized as mlx-lm would.
+
+The converter builds it to convert a layer at a time, the planner to count a
+source's bytes before anything is downloaded, the loader to run it: all three get
+the same modules, casts and quantized classes from here.
+"""
+
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from deltafin_mlx.compat import model_classes
+from deltafin_mlx.errors import ModelError
+from deltafin_mlx.model.config import text_config
+
+# The dtypes mlx_lm.convert casts floating weights to.
+CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def build_model(config: dict, where="config.json") -> nn.Module:
+    """mlx-lm's model for `config`, lazily: its random initial weights are never
+    evaluated unless something loads over them."""
+    try:
+        model_class, args_class = model_classes(config)
+        return model_class(args_class.from_dict(config))
+    except Exception as e:
+        raise ModelError(f"{where}: cannot build mlx-lm's model ({e})") from None
+
+
+def source_dtype(config: dict) -> Optional[mx.Dtype]:
+    """The dtype mlx_lm.convert casts floating weights to (None: leave as is)."""
+    dtype = config.get("torch_dtype") or text_config(config).get("dtype")
+    return getattr(mx, dtype) if dtype in CONVERSION_DTYPES else None
+
+
+def quantize_like_config(model: nn.Module, config: dict):
+    """Give modules the quantized classes config.json names (mlx-lm's rules)."""
+    quant = config.get("quantization")
+    if not quant:
+        return
+
+    def predicate(p, m):
+        if p in quant:
+            return quant[p]
+        return False
+
+    nn.quantize(model, quant["group_size"], quant["bits"], mode=quant.get("mode", "affine"),
+                class_predicate=predicate)
+
+
+def quantize_like_mlx_lm(model: nn.Module, module: nn.Module, prefix: str,
+                         skip: Callable[[str], bool], trunk_quant: Optional[dict]) -> Dict[str, dict]:
+    """Quantize `module` (found at `prefix` in `model`) with mlx_lm.utils.quantize_model's
+    rules on full paths: modules with `to_quantized` whose input size the group size
+    divides, as the model's own `quant_predicate` says. Returns path -> params."""
+    quantized = {}
+    if trunk_quant is None:
+        return quantized
+    group_size, bits = trunk_quant["group_size"], trunk_quant["bits"]
+    model_predicate = getattr(model, "quant_predicate", None)
+
+    def predicate(p, m):
+        p = f"{prefix}.{p}" if prefix else p
+        if skip(p) or not hasattr(m, "to_quantized"):
+            return False
+        if m.weight.shape[-1] % group_size != 0:
+            return False
+        params = model_predicate(p, m) if model_predicate is not None else True
+        if params is False:
+            return False
+        if params is True:
+            params = dict(trunk_quant)
+        quantized[p] = params
+        return params
+
+    nn.quantize(module, group_size, bits, mode=trunk_quant["mode"], class_predicate=predicate)
+    return quantized
