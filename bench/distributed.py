@@ -59,7 +59,7 @@ def eighth_budget(model: Path) -> int:
     import mlx.core as mx
 
     from deltafin_mlx.plan.footprint import inventory_from_manifest
-    from deltafin_mlx.engine.load import read_config
+    from deltafin_mlx.format.model_dir import read_config
     from deltafin_mlx.format.manifest import read_manifest
     from deltafin_mlx.plan.memory import plan_memory
 

@@ -27,7 +27,7 @@ import mlx.nn as nn
 import mlx_lm.utils as mlx_lm_utils
 from mlx_lm.models.base import BaseModelArgs
 
-from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
+from deltafin_mlx.format.manifest import MANIFEST_NAME
 
 SHIM_FILE = "deltafin_model.py"
 PLACEHOLDER_WEIGHTS = "model-deltafin-placeholder.safetensors"
@@ -108,8 +108,7 @@ def load_for_mlx_lm(path: Path, group=None):
     import sys
 
     from deltafin_mlx.engine.load import load
-    from deltafin_mlx.format.manifest import ModelError
-    from deltafin_mlx.plan.memory import BudgetError
+    from deltafin_mlx.errors import BudgetError, ModelError
 
     seqs = os.environ.get("DELTAFIN_SEQUENCES") or "1"
     if seqs != "auto" and not (seqs.isdigit() and int(seqs) >= 1):
@@ -138,13 +137,11 @@ def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
     if os.path.lexists(p / MANIFEST_NAME):
         import sys
 
-        from deltafin_mlx.engine.load import load_tokenizer as deltafin_tokenizer
-        from deltafin_mlx.engine.load import read_config
-        from deltafin_mlx.format.manifest import ModelError
+        from deltafin_mlx.engine.load import open_tokenizer
+        from deltafin_mlx.errors import ModelError
 
         try:
-            manifest = read_manifest(p)
-            return deltafin_tokenizer(p, manifest, read_config(p, manifest))
+            return open_tokenizer(p)
         except ModelError as e:
             print(f"deltafin: error: {e}", file=sys.stderr)
             raise SystemExit(1) from None

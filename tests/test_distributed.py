@@ -25,7 +25,8 @@ from conftest import make_source
 from deltafin_convert.convert import ConvertOptions, convert
 from deltafin_mlx.format.bank import read_layout
 from deltafin_mlx.plan.footprint import inventory_from_manifest
-from deltafin_mlx.engine.load import load, load_resident, read_config
+from deltafin_mlx.engine.load import load, load_resident
+from deltafin_mlx.format.model_dir import read_config
 from deltafin_mlx.format.manifest import ModelError, read_manifest
 from deltafin_mlx.plan.memory import plan_memory
 from deltafin_mlx.model.shard import check_divisible, expert_layout, sharded_inventory

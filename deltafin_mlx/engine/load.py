@@ -12,8 +12,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from deltafin_mlx.format.bank import BankError, read_layout
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
-from deltafin_mlx.format.manifest import ModelError, read_manifest
+from deltafin_mlx.format.manifest import ModelError
+from deltafin_mlx.format.model_dir import ModelDir, open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
+from deltafin_mlx.model.config import eos_token_ids, text_config
 from deltafin_mlx.model.modules import find_path, get_module, layer_paths, set_module
 from deltafin_mlx.plan.footprint import inventory_from_manifest
 from deltafin_mlx.plan.memory import MAX_SEQUENCES, MemoryPlan, plan_memory
@@ -33,38 +35,6 @@ def default_activation_dtype() -> mx.Dtype:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
-def read_config(path: Path, manifest) -> dict:
-    """config.json, checked against the manifest (it is what builds the model),
-    read as mlx-lm's load_config reads it (eos from generation_config.json)."""
-    import hashlib
-    import json
-
-    from mlx_lm.utils import _decode_tagged_floats
-
-    from deltafin_mlx.format.integrity import CONFIG_MAX_BYTES, read_inside
-
-    cpath = path / "config.json"
-    raw = read_inside(path, "config.json", CONFIG_MAX_BYTES)
-    try:
-        config = _decode_tagged_floats(json.loads(raw))
-        if not isinstance(config, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, RecursionError, TypeError) as e:
-        raise ModelError(f"{cpath}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
-    want = manifest.source.get("config_sha256")
-    if want and hashlib.sha256(raw).hexdigest() != want:
-        raise ModelError(f"{cpath}: modified since conversion (its checksum differs)")
-    gpath = path / "generation_config.json"
-    if os.path.lexists(gpath):
-        try:
-            generation = json.loads(read_inside(path, gpath.name, CONFIG_MAX_BYTES))
-        except (ValueError, RecursionError):
-            generation = {}  # as mlx-lm: an unreadable generation config is ignored
-        if isinstance(generation, dict) and generation.get("eos_token_id"):
-            config["eos_token_id"] = generation["eos_token_id"]
-    return config
-
-
 def check_against_manifest(model: nn.Module, config: dict, manifest, switches: dict):
     """The model config.json builds is the one the manifest and banks describe:
     layer count, expert count and shapes, experts per token, and every trunk
@@ -76,7 +46,7 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
         raise ModelError(f"{where}: builds {n} layers, the manifest has {manifest.num_layers}")
     ex = manifest.experts
     args = getattr(model, "args", None)
-    tc = config.get("text_config", config)
+    tc = text_config(config)
     k = tc.get("num_experts_per_tok", tc.get("num_experts_per_token",
                                             getattr(args, "num_experts_per_tok", None)))
     if k != ex["experts_per_token"]:
@@ -209,7 +179,8 @@ def load(
     max_sequences: int = MAX_SEQUENCES,
     group="auto",
 ) -> Tuple[nn.Module, object]:
-    """Load a Deltafin model directory. Returns (model, tokenizer).
+    """Load a Deltafin model directory (a path, or a ModelDir already opened with
+    `open_model_dir`). Returns (model, tokenizer).
 
     memory_budget: bytes or a string like "8GB" for trunk + KV/state + expert cache
         + working buffers; default: from available memory (cgroup-aware), with headroom.
@@ -243,10 +214,10 @@ def load(
         raise ValueError(f"read_mode must be one of {READ_MODES}")
     if reader_threads < 0:
         raise ValueError("reader_threads must be >= 0")
-    path = Path(path).expanduser()
+    model_dir = open_model_dir(path)
+    path, manifest, config = model_dir.path, model_dir.manifest, model_dir.config
     group = detect_group(group)
     ranks, rank = (group.size(), group.rank()) if group is not None else (1, 0)
-    manifest = read_manifest(path)
     if group is not None:
         check_same_model(manifest, group)
     if verify:
@@ -254,7 +225,6 @@ def load(
         from deltafin_mlx.format.integrity import bank_files, check_all_files
 
         check_all_files(manifest, skip=bank_files(manifest))
-    config = read_config(path, manifest)
     if activation_dtype == "auto":
         activation_dtype = default_activation_dtype()
     act = activation_dtype or getattr(mx, manifest.dtype, mx.bfloat16)
@@ -346,25 +316,27 @@ def load(
         cache.preload_all(_progress("loading experts") if progress else None)
     model.eval()
     guard_token_ids(model)
-    model._deltafin = DeltafinState(manifest, plan, store, trunk, group)
+    model._deltafin = DeltafinState(model_dir, plan, store, trunk, group)
 
     tok = tokenizer if not isinstance(tokenizer, bool) else None
     if tokenizer is True:
-        tok = load_tokenizer(path, manifest, config)
+        tok = open_tokenizer(model_dir)
     return model, tok
 
 
-def open_tokenizer(path):
-    """A converted model's tokenizer alone (cheap: no weights are read)."""
-    path = Path(path).expanduser()
-    manifest = read_manifest(path)
-    return load_tokenizer(path, manifest, read_config(path, manifest))
+def open_tokenizer(model):
+    """A converted model's tokenizer alone (cheap: no weights are read), loaded
+    once per opened directory (`model`: a path or a ModelDir)."""
+    model_dir = open_model_dir(model)
+    if model_dir.tokenizer is None:
+        model_dir.tokenizer = load_tokenizer(model_dir.path, model_dir.manifest,
+                                             model_dir.config)
+    return model_dir.tokenizer
 
 
-def model_config(path) -> dict:
+def model_config(model) -> dict:
     """A converted model's config.json, checked as `load` checks it."""
-    path = Path(path).expanduser()
-    return read_config(path, read_manifest(path))
+    return open_model_dir(model).config
 
 
 def switch_shapes(model: nn.Module, manifest) -> dict:
@@ -413,8 +385,7 @@ def load_tokenizer(path: Path, manifest, config: dict):
 
     for name in TOKENIZER_FILE_NAMES:
         check_if_present(path, name, TOKENIZER_MAX_BYTES)
-    eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
-    eos = [eos] if isinstance(eos, int) else eos
+    eos = eos_token_ids(config)
     try:
         if manifest.tokenizer.get("kind") == "kimi_tiktoken":
             from deltafin_mlx.tokenizer.kimi import load_kimi_tokenizer
@@ -437,9 +408,10 @@ def load_tokenizer(path: Path, manifest, config: dict):
 class DeltafinState:
     """What the runtime attaches to a loaded model (as `model._deltafin`)."""
 
-    def __init__(self, manifest, plan: MemoryPlan, store: ExpertStore,
+    def __init__(self, model_dir: ModelDir, plan: MemoryPlan, store: ExpertStore,
                  trunk: Optional[TrunkStreamer] = None, group=None):
-        self.manifest = manifest
+        self.model_dir = model_dir
+        self.manifest = model_dir.manifest
         self.plan = plan
         self.store = store
         self.trunk = trunk
@@ -462,9 +434,8 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
 
     from deltafin_mlx.format.bank import NUMPY_DTYPES
 
-    path = Path(path).expanduser()
-    manifest = read_manifest(path)
-    config = read_config(path, manifest)
+    model_dir = open_model_dir(path)
+    path, manifest, config = model_dir.path, model_dir.manifest, model_dir.config
     model = build_model(config, path)
     switches = switch_shapes(model, manifest)
     quantize_like_config(model, config)

@@ -1,0 +1,62 @@
+"""A converted model directory, opened once per command.
+
+Opening reads and checks the manifest (every file it lists, small files with their
+checksums) and config.json against it; the result is handed to whatever the
+command does next — load, plan, info, verify, the demo — so that no step opens the
+directory again. The tokenizer is loaded only when asked for
+(`deltafin_mlx.engine.load.open_tokenizer`) and kept here.
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from deltafin_mlx.compat import decode_tagged_floats
+from deltafin_mlx.errors import ModelError
+from deltafin_mlx.format.integrity import CONFIG_MAX_BYTES, read_inside
+from deltafin_mlx.format.manifest import Manifest, read_manifest
+
+
+@dataclass
+class ModelDir:
+    path: Path
+    manifest: Manifest
+    config: dict  # config.json as mlx-lm reads it, checked against the manifest
+    tokenizer: Optional[Any] = None  # loaded on demand
+
+
+def open_model_dir(path, check_files: bool = True) -> ModelDir:
+    """The model directory at `path` (an already opened ModelDir is returned as is)."""
+    if isinstance(path, ModelDir):
+        return path
+    path = Path(path).expanduser()
+    manifest = read_manifest(path, check_files=check_files)
+    return ModelDir(path, manifest, read_config(path, manifest))
+
+
+def read_config(path: Path, manifest: Manifest) -> dict:
+    """config.json, checked against the manifest (it is what builds the model),
+    read as mlx-lm's load_config reads it (eos from generation_config.json)."""
+    cpath = path / "config.json"
+    raw = read_inside(path, "config.json", CONFIG_MAX_BYTES)
+    try:
+        config = decode_tagged_floats(json.loads(raw))
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, RecursionError, TypeError) as e:
+        raise ModelError(f"{cpath}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    want = manifest.source.get("config_sha256")
+    if want and hashlib.sha256(raw).hexdigest() != want:
+        raise ModelError(f"{cpath}: modified since conversion (its checksum differs)")
+    gpath = path / "generation_config.json"
+    if os.path.lexists(gpath):
+        try:
+            generation = json.loads(read_inside(path, gpath.name, CONFIG_MAX_BYTES))
+        except (ValueError, RecursionError):
+            generation = {}  # as mlx-lm: an unreadable generation config is ignored
+        if isinstance(generation, dict) and generation.get("eos_token_id"):
+            config["eos_token_id"] = generation["eos_token_id"]
+    return config
