@@ -19,24 +19,9 @@ import mlx.core as mx
 from deltafin_mlx.format.hub import hub_failure, looks_like_hub_id, quiet_hub
 from deltafin_mlx.format.manifest import MANIFEST_NAME
 from deltafin_mlx.errors import ConvertError
+from deltafin_mlx.format.dtypes import ITEMSIZE, SAFETENSORS
+from deltafin_mlx.model.config import text_config
 
-
-# safetensors dtype name -> (bytes per element, mlx dtype name)
-SAFETENSORS_DTYPES = {
-    "BF16": (2, "bfloat16"),
-    "F16": (2, "float16"),
-    "F32": (4, "float32"),
-    "F64": (8, "float64"),
-    "U8": (1, "uint8"),
-    "I8": (1, "int8"),
-    "U16": (2, "uint16"),
-    "I16": (2, "int16"),
-    "U32": (4, "uint32"),
-    "I32": (4, "int32"),
-    "I64": (8, "int64"),
-    "BOOL": (1, "bool"),
-    "F8_E4M3": (1, "float8_e4m3"),
-}
 
 TOKENIZER_FILES = (
     "tiktoken.model",
@@ -110,7 +95,7 @@ class Source:
 
     def nbytes(self, name: str) -> int:
         t = self.tensors[name]
-        n = SAFETENSORS_DTYPES[t.dtype][0]
+        n = ITEMSIZE[SAFETENSORS[t.dtype]]
         for s in t.shape:
             n *= s
         return n
@@ -186,10 +171,10 @@ def read_safetensors_header(path: Path) -> Dict[str, TensorInfo]:
                 or not all(_int(x) for x in shape) or not isinstance(offsets, list)
                 or len(offsets) != 2 or not all(_int(x) for x in offsets)):
             raise ConvertError(f"{path}: corrupt safetensors header entry {name!r:.200}")
-        if dtype not in SAFETENSORS_DTYPES:
+        if dtype not in SAFETENSORS:
             raise ConvertError(f"{path}: tensor {name} has unsupported dtype {dtype:.40}")
         shape = tuple(shape)
-        nbytes = SAFETENSORS_DTYPES[dtype][0]
+        nbytes = ITEMSIZE[SAFETENSORS[dtype]]
         for s in shape:
             if s < 0:
                 raise ConvertError(f"{path}: tensor {name} has a negative dimension")
@@ -247,7 +232,7 @@ CONFIG_INTS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_experts_pe
 def check_config(config: dict, config_path: Path):
     """The shape of config.json, so a list where an object belongs, a string where
     a number belongs or a deep nest is one line here, not a traceback later."""
-    tc = config.get("text_config", config)
+    tc = text_config(config)
     if not isinstance(tc, dict):
         raise ConvertError(f"{config_path}: text_config must be an object")
     if not isinstance(config.get("model_type"), (str, type(None))):

@@ -9,12 +9,17 @@ __version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
 
 try:
     from deltafin_mlx.batch import batch_generate
+    from deltafin_mlx.chat import ChatSession
+    from deltafin_mlx.engine.load import load, open_tokenizer
+    from deltafin_mlx.engine.runtime import runtime
+    from deltafin_mlx.errors import DeltafinError
+    from deltafin_mlx.format.model_dir import open_model_dir
     from deltafin_mlx.generate import Completion, RunStats, generate, stream_generate
-    from deltafin_mlx.engine.load import load
 except KeyboardInterrupt:  # Ctrl-C while MLX and mlx-lm import (seconds): one line
     import sys
 
     print("\ndeltafin: interrupted", file=sys.stderr)
     raise SystemExit(130) from None
 
-__all__ = ["load", "generate", "stream_generate", "batch_generate", "Completion", "RunStats"]
+__all__ = ["load", "open_model_dir", "open_tokenizer", "runtime", "generate", "stream_generate",
+           "batch_generate", "ChatSession", "Completion", "RunStats", "DeltafinError"]

@@ -132,12 +132,12 @@ def test_a_rank_slice_is_one_aligned_contiguous_read(models):
 
 def read_as_rank(bank_path, rank, ranks, expert, verify=True):
     """What rank `rank` of `ranks` reads of one expert (through the runtime's reader)."""
-    from deltafin_mlx.format.bank import NUMPY_DTYPES
+    from deltafin_mlx.format.dtypes import NUMPY
     from deltafin_mlx.engine.reader import ReadJob, Reader, open_bank
 
     view = read_layout(bank_path).for_rank(rank, ranks)
     bank = open_bank(bank_path, view)
-    targets = {s.name: np.zeros(s.shape, NUMPY_DTYPES[s.dtype]) for s in view.held_sections}
+    targets = {s.name: np.zeros(s.shape, NUMPY[s.dtype]) for s in view.held_sections}
     job = ReadJob(bank, expert, targets, speculative=False)
     Reader(view.record_size, threads=0, verify=verify).submit(job)
     bank.close()

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import deltafin_mlx.engine.cache as cache_mod
+import deltafin_mlx.plan.slots as slots_mod
 from deltafin_mlx.plan.slots import pool_chunks, pool_limit
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.format.manifest import read_manifest
@@ -48,7 +48,7 @@ def test_tokens_stay_exact_with_the_pool_in_several_chunks(converted, expected, 
     m = read_manifest(path)
     biggest = max(int(np.prod(s["shape"])) for s in m.experts["sections"])
     # 11 slots per array; the fixture has 3 MoE layers x 16 experts, 4 per token.
-    monkeypatch.setattr(cache_mod, "MAX_ELEMENTS", 11 * biggest)
+    monkeypatch.setattr(slots_mod, "MAX_ELEMENTS", 11 * biggest)
     ref_tokens, ref_logits = expected("kimi_k3", 1, 12, 16)
     for slots, lookahead in ((24, True), (48, False)):  # 48 is capped at 3 x 11
         model, _ = load(path, cache_slots=slots, reader_threads=1, lookahead=lookahead,

@@ -30,7 +30,8 @@ import deltafin_convert.convert as conv
 import deltafin_mlx.engine.load as loader_mod
 import deltafin_mlx.engine.reader as reader_mod
 from deltafin_convert import cli
-from deltafin_mlx.format.bank import MAGIC, NUMPY_DTYPES, BankError, BankWriter, read_layout
+from deltafin_mlx.format.bank import MAGIC, BankError, BankWriter, read_layout
+from deltafin_mlx.format.dtypes import NUMPY
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, ModelError, read_manifest
 from deltafin_mlx.plan.memory import BudgetError
@@ -332,7 +333,7 @@ def read_every_record(path, layout, original):
     try:
         staging = aligned_empty(layout.record_size)
         for e in range(layout.num_experts):
-            targets = {s.name: np.zeros(s.shape, NUMPY_DTYPES[s.dtype]) for s in layout.sections}
+            targets = {s.name: np.zeros(s.shape, NUMPY[s.dtype]) for s in layout.sections}
             try:
                 read_record(bank, e, targets, staging, verify=True)
             except ReadError as err:
@@ -465,10 +466,10 @@ def test_fuzzed_records_are_caught_by_verify_naming_layer_and_expert(work):
             bank = open_bank(path, layout, "mmap" if mode == "mmap" else "direct")
             try:
                 if mode == "staging":  # targets a single preadv cannot fill
-                    targets = {s.name: np.zeros(s.shape, NUMPY_DTYPES[s.dtype])
+                    targets = {s.name: np.zeros(s.shape, NUMPY[s.dtype])
                                for s in layout.sections}
                 else:
-                    targets = {s.name: aligned_empty(s.nbytes).view(NUMPY_DTYPES[s.dtype])
+                    targets = {s.name: aligned_empty(s.nbytes).view(NUMPY[s.dtype])
                                .reshape(s.shape) for s in layout.sections}
                 with pytest.raises(ReadError) as info:
                     read_record(bank, expert, targets, aligned_empty(rs), verify=True)

@@ -65,7 +65,7 @@ def test_a_context_beyond_the_model_is_refused_in_one_line(converted):
     p = run([str(converted("kimi_k3")), "Hello", "--context", str(2 ** 21), "--budget",
              "200MB"])
     assert p.returncode == 1
-    assert p.stderr.count("\n") == 1 and "beyond this model's maximum of 1048576" in p.stderr
+    assert p.stderr.count("\n") == 1 and "beyond this model's maximum of 1,048,576" in p.stderr
 
 
 def test_a_prompt_beyond_the_context_is_refused_naming_both_numbers(converted):

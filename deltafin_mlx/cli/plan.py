@@ -30,7 +30,8 @@ from deltafin_mlx.units import human_bytes
 from deltafin_mlx.format.hub import HubError, fetch_config, looks_like_hub_id
 from deltafin_mlx.plan.footprint import Inventory, inventory_from_config, inventory_from_manifest
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError, read_manifest
-from deltafin_mlx.plan.memory import MemoryPlan, plan_memory
+from deltafin_mlx.model.config import max_context
+from deltafin_mlx.plan.memory import MemoryPlan, check_context, plan_memory
 from deltafin_mlx.plan.rates import cached_rate, compute_key, disk_key
 from deltafin_mlx.model.shard import expert_layout, sharded_inventory
 
@@ -136,16 +137,6 @@ def project(inv: Inventory, plan: MemoryPlan, disk_gbps: float, compute_gwps: fl
 CONVERSION_OPTIONS = {"bits": 4, "group_size": 64, "expert_bits": 4, "expert_group_size": 64}
 
 
-def check_context(context: int, config: dict):
-    """A context the model can hold: at least one token, at most its maximum."""
-    limit = config.get("text_config", config).get("max_position_embeddings")
-    if context < 1:
-        raise ModelError(f"--context must be at least 1 token (got {context})")
-    if isinstance(limit, int) and context > limit:
-        raise ModelError(f"--context {context:,} is beyond this model's maximum of {limit:,} tokens "
-                         "(max_position_embeddings)")
-
-
 def _config_path(target: Path, name: str) -> Path:
     """The config.json to plan: a file, a source directory's, or a hub repo's."""
     if target.exists():
@@ -232,7 +223,7 @@ def plan_from_path(args) -> dict:
         "activation_dtype": str(act).split(".")[-1],
         "budget_bytes": plan.budget,
         "context": plan.context,
-        "max_context": inv.config.get("text_config", inv.config).get("max_position_embeddings"),
+        "max_context": max_context(inv.config),
         "floor_bytes": plan.floor,
         "floor_parts": plan.floor_parts,
         "trunk_bytes": inv.trunk_bytes,

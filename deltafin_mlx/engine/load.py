@@ -23,6 +23,7 @@ from deltafin_mlx.engine.reader import Reader, open_bank
 from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
                     sharded_inventory)
 from deltafin_mlx.engine.streaming_moe import ExpertStore, StreamingSwitchGLU, tap_moe_input
+from deltafin_mlx.engine.runtime import Runtime, attach
 from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
 from deltafin_mlx.errors import TokenIdError
 
@@ -316,7 +317,7 @@ def load(
         cache.preload_all(_progress("loading experts") if progress else None)
     model.eval()
     guard_token_ids(model)
-    model._deltafin = DeltafinState(model_dir, plan, store, trunk, group)
+    attach(model, Runtime(model_dir, plan, store, trunk, group))
 
     tok = tokenizer if not isinstance(tokenizer, bool) else None
     if tokenizer is True:
@@ -405,34 +406,12 @@ def load_tokenizer(path: Path, manifest, config: dict):
                          f"{str(e)[:200]})") from None
 
 
-class DeltafinState:
-    """What the runtime attaches to a loaded model (as `model._deltafin`)."""
-
-    def __init__(self, model_dir: ModelDir, plan: MemoryPlan, store: ExpertStore,
-                 trunk: Optional[TrunkStreamer] = None, group=None):
-        self.model_dir = model_dir
-        self.manifest = model_dir.manifest
-        self.plan = plan
-        self.store = store
-        self.trunk = trunk
-        self.group = group  # the tensor-parallel group, None in one process
-
-    @property
-    def stats(self):
-        return self.store.stats
-
-    def close(self):
-        self.store.close()
-        if self.trunk is not None:
-            self.trunk.close()
-
-
 def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Module:
     """The whole model in memory: mlx-lm's model class with every bank gathered
     back into its stacked `switch_mlp` tensors. For checks and comparisons."""
     import numpy as np
 
-    from deltafin_mlx.format.bank import NUMPY_DTYPES
+    from deltafin_mlx.format.dtypes import NUMPY
 
     model_dir = open_model_dir(path)
     path, manifest, config = model_dir.path, model_dir.manifest, model_dir.config

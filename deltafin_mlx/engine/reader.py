@@ -199,9 +199,9 @@ def _direct_scatter_ok(layout: BankLayout, targets: Dict[str, np.ndarray]) -> bo
 
 
 def _disk_dtype(section):
-    from deltafin_mlx.format.bank import NUMPY_DTYPES
+    from deltafin_mlx.format.dtypes import NUMPY
 
-    return np.dtype(NUMPY_DTYPES[section.dtype])
+    return np.dtype(NUMPY[section.dtype])
 
 
 def _pread_full(bank: BankFile, buffers: List[memoryview], offset: int, nbytes: int):

@@ -27,12 +27,9 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from deltafin_mlx.engine.cache import np_view
+from deltafin_mlx.format.dtypes import FLOATS, NUMPY, SAFETENSORS, nbytes
 from deltafin_mlx.model.modules import get_module
 from deltafin_mlx.errors import TrunkReadError
-
-_ST_DTYPES = {"BF16": ("bfloat16", np.uint16), "F16": ("float16", np.float16),
-              "F32": ("float32", np.float32), "U32": ("uint32", np.uint32),
-              "U8": ("uint8", np.uint8), "I32": ("int32", np.int32)}
 
 
 def safetensors_index(path) -> Dict[str, tuple]:
@@ -41,7 +38,7 @@ def safetensors_index(path) -> Dict[str, tuple]:
     The header is checked, since reads go where it says: well-typed entries of
     known dtypes, each tensor's bytes exactly its shape's, inside the file and not
     overlapping another's. A damaged header is a ModelError naming the file."""
-    from deltafin_mlx.format.manifest import ModelError
+    from deltafin_mlx.errors import ModelError
 
     try:
         size = os.path.getsize(path)
@@ -61,8 +58,10 @@ def safetensors_index(path) -> Dict[str, tuple]:
             if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
                        for x in (start, end, *shape)):
                 raise ValueError(f"entry {name} is not well typed")
-            dtype, np_dtype = _ST_DTYPES[e["dtype"]]
-            if end - start != int(np.prod(shape)) * np.dtype(np_dtype).itemsize or 8 + n + end > size:
+            dtype = SAFETENSORS.get(e["dtype"])
+            if dtype not in NUMPY:
+                raise KeyError(e["dtype"])
+            if end - start != nbytes(dtype, shape) or 8 + n + end > size:
                 raise ValueError(f"tensor {name}'s bytes do not fit its shape or the file")
             spans.append((start, end, name))
             out[name] = (dtype, shape, 8 + n + start, end - start)
@@ -79,7 +78,7 @@ def safetensors_index(path) -> Dict[str, tuple]:
 def _read_into(fd: int, path, dst: np.ndarray, disk_dtype: str, offset: int, nbytes: int,
                scratch: np.ndarray):
     """Read one tensor into `dst` (converting bf16/f16 to a wider float dtype)."""
-    direct = dst.dtype == _numpy_disk(disk_dtype) and dst.nbytes == nbytes
+    direct = dst.dtype == NUMPY[disk_dtype] and dst.nbytes == nbytes
     target = dst.reshape(-1).view(np.uint8) if direct else scratch[:nbytes]
     got = os.preadv(fd, [memoryview(target)], offset)
     if got != nbytes:
@@ -88,21 +87,17 @@ def _read_into(fd: int, path, dst: np.ndarray, disk_dtype: str, offset: int, nby
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
     if direct:
         return
-    src = target.view(_numpy_disk(disk_dtype)).reshape(dst.shape)
+    src = target.view(NUMPY[disk_dtype]).reshape(dst.shape)
     if disk_dtype == "bfloat16" and dst.dtype == np.float32:
         dst.view(np.uint32)[...] = src.astype(np.uint32) << 16  # exact
     else:
         dst[...] = src.astype(dst.dtype)
 
 
-def _numpy_disk(dtype: str):
-    return {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32,
-            "uint32": np.uint32, "uint8": np.uint8, "int32": np.int32}[dtype]
-
 
 def _dtype_in_memory(disk_dtype: str, act) -> mx.Dtype:
     """As the resident path holds it: floats cast to `act` (None: kept as stored)."""
-    if act is not None and disk_dtype in ("bfloat16", "float16", "float32"):
+    if act is not None and disk_dtype in FLOATS:
         return act
     return getattr(mx, disk_dtype)
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+
+from deltafin_mlx.format.dtypes import NUMPY
 from deltafin_mlx.errors import BankError
 
 MAGIC = b"DFBANK\x00\x01"
@@ -22,14 +24,8 @@ SLICED_VERSION = 2
 FORMAT_VERSIONS = (FORMAT_VERSION, SLICED_VERSION)
 ALIGN = 4096
 
-# numpy has no bfloat16: banks move bf16 as raw uint16 bit patterns.
-NUMPY_DTYPES = {
-    "uint32": np.uint32,
-    "uint8": np.uint8,
-    "bfloat16": np.uint16,
-    "float16": np.float16,
-    "float32": np.float32,
-}
+# The dtypes a record section may have.
+SECTION_DTYPES = ("uint32", "uint8", "bfloat16", "float16", "float32")
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -39,7 +35,7 @@ def align_up(n: int, align: int = ALIGN) -> int:
 @dataclass(frozen=True)
 class Section:
     name: str  # e.g. "gate_proj.weight"
-    dtype: str  # a key of NUMPY_DTYPES
+    dtype: str  # one of SECTION_DTYPES
     shape: tuple
     offset: int  # within the record, a multiple of ALIGN
     nbytes: int
@@ -76,7 +72,7 @@ def sections_from_dicts(items) -> List[Section]:
         if not isinstance(d, dict) or set(d) != SECTION_KEYS:
             raise ValueError(f"section {d!r:.80} is not an object with keys {sorted(SECTION_KEYS)}")
         name, dtype, shape = d["name"], d["dtype"], d["shape"]
-        if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in NUMPY_DTYPES:
+        if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in SECTION_DTYPES:
             raise ValueError(f"section {name!r:.80} has a bad name or dtype {dtype!r:.40}")
         if (not isinstance(shape, list) or not 1 <= len(shape) <= 8
                 or not all(_is_int(s) and 0 < s < 1 << 40 for s in shape)):
@@ -96,9 +92,9 @@ def make_sections(tensors: Sequence) -> List[Section]:
     sections = []
     offset = 0
     for name, dtype, shape in tensors:
-        if dtype not in NUMPY_DTYPES:
+        if dtype not in SECTION_DTYPES:
             raise BankError(f"unsupported expert tensor dtype {dtype} for {name}")
-        nbytes = int(np.prod(shape)) * np.dtype(NUMPY_DTYPES[dtype]).itemsize
+        nbytes = int(np.prod(shape)) * np.dtype(NUMPY[dtype]).itemsize
         sections.append(Section(name, dtype, tuple(int(s) for s in shape), offset, nbytes))
         offset = align_up(offset + nbytes)
     return sections
@@ -233,7 +229,7 @@ class BankLayout:
         for c in range(count):
             chunk = record[c * size : (c + 1) * size]
             pieces.append({s.name: chunk[s.offset : s.offset + s.nbytes]
-                           .view(NUMPY_DTYPES[s.dtype]).reshape(s.shape) for s in self.sections})
+                           .view(NUMPY[s.dtype]).reshape(s.shape) for s in self.sections})
         if count == 1 and self.parts == 1:
             return pieces[0]
         out = {}

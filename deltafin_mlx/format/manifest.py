@@ -24,6 +24,7 @@ from deltafin_mlx.format.bank import (
     sections_from_dicts,
 )
 from deltafin_mlx.errors import ModelError
+from deltafin_mlx.format.dtypes import FLOATS
 from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, check_small_files, parse_checksum,
                                           read_inside, resolve_inside)
 
@@ -161,7 +162,6 @@ class _Leaves(ValueError):
     """A path in the manifest that does not name a file inside the model."""
 
 
-ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # mode -> (bits, group sizes) that MLX's quantized matmuls take
@@ -201,7 +201,7 @@ def _check_fields(d: dict):
         _rel_path(rel, "file path", None)
         _need(_is_int(size) and 0 <= size < 1 << 56, f"size of {rel!r} is {size!r:.40}")
     _need(isinstance(d["model_type"], str), "model_type must be a string")
-    _need(d["dtype"] in ACTIVATION_DTYPES, f"dtype {d['dtype']!r:.40} is not one of {ACTIVATION_DTYPES}")
+    _need(d["dtype"] in FLOATS, f"dtype {d['dtype']!r:.40} is not one of {FLOATS}")
     num_layers = d["num_layers"]
     _need(_is_int(num_layers) and 0 < num_layers <= 1 << 16, f"num_layers {num_layers!r:.40}")
     _need(isinstance(d.get("source", {}), dict), "source must be an object")

@@ -13,11 +13,8 @@ import mlx.nn as nn
 
 from deltafin_mlx.compat import model_classes
 from deltafin_mlx.errors import ModelError
+from deltafin_mlx.format.dtypes import FLOATS
 from deltafin_mlx.model.config import text_config
-
-# The dtypes mlx_lm.convert casts floating weights to.
-CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
-
 
 def build_model(config: dict, where="config.json") -> nn.Module:
     """mlx-lm's model for `config`, lazily: its random initial weights are never
@@ -32,7 +29,7 @@ def build_model(config: dict, where="config.json") -> nn.Module:
 def source_dtype(config: dict) -> Optional[mx.Dtype]:
     """The dtype mlx_lm.convert casts floating weights to (None: leave as is)."""
     dtype = config.get("torch_dtype") or text_config(config).get("dtype")
-    return getattr(mx, dtype) if dtype in CONVERSION_DTYPES else None
+    return getattr(mx, dtype) if dtype in FLOATS else None
 
 
 def quantize_like_config(model: nn.Module, config: dict):

@@ -41,7 +41,7 @@ def experts_per_token(config: dict) -> int:
 
 def max_context(config: dict):
     """The longest context the model takes (None where config.json does not say)."""
-    return text_config(config).get("max_position_embeddings")
+    return text_config(config).get("max_position_embeddings") or config.get("max_position_embeddings")
 
 
 def eos_token_ids(config: dict):

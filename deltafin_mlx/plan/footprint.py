@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 from deltafin_mlx.format.bank import Section, record_size_of
+from deltafin_mlx.format.dtypes import FLOATS, ITEMSIZE
 from deltafin_mlx.plan.slots import slot_bytes
 from deltafin_mlx.format.record import PROJECTIONS, expert_sections
 from deltafin_mlx.model.build import build_model, quantize_like_mlx_lm, source_dtype
@@ -20,9 +21,6 @@ from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
 from deltafin_mlx.model.quantization import check_quantization, expert_quantization
 from deltafin_mlx.model.shard import expert_layout
 
-FLOATS = ("bfloat16", "float16", "float32")
-DTYPE_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "uint32": 4, "uint8": 1,
-              "int32": 4, "uint16": 2, "int8": 1, "int64": 8}
 
 
 @dataclass
@@ -69,7 +67,7 @@ def _tensor_memory(dtype: str, shape, act: mx.Dtype) -> int:
     n = 1
     for s in shape:
         n *= s
-    size = DTYPE_SIZE.get(dtype, 4)
+    size = ITEMSIZE.get(dtype, 4)
     # Floats are cast up to float32 activations (CPU); nothing is cast down (GPU).
     return n * (max(size, act.size) if dtype in FLOATS else size)
 
@@ -78,7 +76,7 @@ def _tensor_disk(dtype: str, shape) -> int:
     n = 1
     for s in shape:
         n *= s
-    return n * DTYPE_SIZE.get(dtype, 4)
+    return n * ITEMSIZE.get(dtype, 4)
 
 
 def _matrix_elements(name: str, dtype: str, shape, quant: Optional[dict]) -> int:

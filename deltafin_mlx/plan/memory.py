@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from deltafin_mlx.plan.slots import max_slots as max_chunk_slots
 from deltafin_mlx.plan.slots import pool_limit
+from deltafin_mlx.model.config import max_context, text_config
 from deltafin_mlx.units import human_bytes, parse_size
 from deltafin_mlx.plan.footprint import Inventory
 from deltafin_mlx.errors import BudgetError
@@ -85,7 +86,7 @@ def sequence_state(config: dict, context: int, activation_dtype: mx.Dtype):
     """(recurrent, KV) bytes of one sequence of `context` tokens: the recurrent part
     (K3's KDA layers: a head_dim x head_dim float32 matrix per head, plus the short
     convolution's window) does not grow with context; the KV cache does."""
-    tc = config.get("text_config", config)
+    tc = text_config(config)
     layers = tc.get("num_hidden_layers", 0)
     size = activation_dtype.size
     lin = tc.get("linear_attn_config") or {}
@@ -105,10 +106,15 @@ def sequence_state(config: dict, context: int, activation_dtype: mx.Dtype):
     return recurrent, kv
 
 
-def max_context(config: dict):
-    """The longest context the model was built for (None when config.json does not say)."""
-    tc = config.get("text_config", config)
-    return tc.get("max_position_embeddings") or config.get("max_position_embeddings")
+def check_context(context, config: dict):
+    """The one rule for a context: a whole number of tokens, at least one, at most
+    the model's `max_position_embeddings`."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise BudgetError(f"--context must be at least 1 token (got {context!r})")
+    limit = max_context(config)
+    if isinstance(limit, int) and context > limit:
+        raise BudgetError(f"--context {context:,} is beyond this model's maximum of {limit:,} "
+                          "tokens (max_position_embeddings)")
 
 
 def round_context(tokens: int, limit=None, step: int = 256) -> int:
@@ -131,7 +137,7 @@ def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dt
     8 layers (tests/test_prefill_memory.py), not a model of MLX's allocator; on a
     GPU (fused attention and recurrence kernels) only the first terms apply.
     """
-    tc = config.get("text_config", config)
+    tc = text_config(config)
     size = activation_dtype.size
     hidden = tc.get("hidden_size", 0)
     k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 8
@@ -242,12 +248,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     its own KV/recurrent state; "auto" picks it with `choose_sequences`, at most
     `max_sequences` (a job with 3 requests left reserves state for 3, not 32)."""
     budget = default_budget() if budget is None else parse_size(budget)
-    limit = max_context(inv.config)
-    if not isinstance(context, int) or context < 1:
-        raise BudgetError(f"context must be a positive number of tokens (got {context!r})")
-    if limit and context > limit:
-        raise BudgetError(f"context of {context} tokens is beyond this model's maximum of "
-                          f"{limit} (max_position_embeddings)")
+    check_context(context, inv.config)
     k = inv.experts_per_token
     one = inv.slot_bytes
     all_experts = inv.num_experts * len(inv.moe_layers)

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from deltafin_mlx.format.bank import ALIGN
+from deltafin_mlx.format.dtypes import FLOATS
 
 # MLX array dimensions are int32: no axis, including the flat one an aligned
 # allocation slices, may hold 2**31 elements or more.
@@ -19,7 +20,7 @@ MAX_ELEMENTS = 2**31 - 1 - ALIGN
 def slot_dtype(disk_dtype: str, activation_dtype: mx.Dtype) -> mx.Dtype:
     """Scales/biases are held in the activation dtype when they are floats: with
     bf16 scales and f32 activations gather_qmm would convert every slot per call."""
-    if disk_dtype in ("bfloat16", "float16", "float32"):
+    if disk_dtype in FLOATS:
         return activation_dtype
     return getattr(mx, disk_dtype)
 

@@ -1,0 +1,59 @@
+"""The runtime state of a loaded model: its directory, memory plan, expert store
+(cache, reader, counters) and trunk streamer, and the one way to reach it.
+
+`load` attaches it to mlx-lm's model object; `runtime(model)` is the public
+accessor, so nothing outside the engine depends on where it is kept.
+"""
+
+from typing import Optional
+
+from deltafin_mlx.engine.streaming_moe import ExpertStore
+from deltafin_mlx.engine.trunk_stream import TrunkStreamer
+from deltafin_mlx.format.model_dir import ModelDir
+from deltafin_mlx.plan.memory import MemoryPlan
+
+_ATTRIBUTE = "_deltafin"  # on mlx-lm's model (and the drop-in's wrapper)
+
+
+class Runtime:
+    def __init__(self, model_dir: ModelDir, plan: MemoryPlan, store: ExpertStore,
+                 trunk: Optional[TrunkStreamer] = None, group=None):
+        self.model_dir = model_dir
+        self.manifest = model_dir.manifest
+        self.plan = plan
+        self.store = store
+        self.trunk = trunk
+        self.group = group  # the tensor-parallel group, None in one process
+
+    @property
+    def stats(self):
+        """Expert cache hits, misses, speculative reads and stalls so far."""
+        return self.store.stats
+
+    @property
+    def cache(self):
+        return self.store.cache
+
+    def close(self):
+        """Stop the reader threads and close the banks (the model is unusable after)."""
+        self.store.close()
+        if self.trunk is not None:
+            self.trunk.close()
+
+
+def attach(model, state: Runtime):
+    setattr(model, _ATTRIBUTE, state)
+
+
+def find_runtime(model) -> Optional[Runtime]:
+    """The model's runtime state, or None for a model Deltafin did not load."""
+    return getattr(model, _ATTRIBUTE, None)
+
+
+def runtime(model) -> Runtime:
+    """The runtime state of a model `deltafin_mlx.load` returned: `.stats`
+    (counters), `.plan` (the memory plan), `.cache`, `.store`, `.close()`."""
+    state = find_runtime(model)
+    if state is None:
+        raise TypeError(f"{type(model).__name__} was not loaded by deltafin_mlx.load")
+    return state
