@@ -994,7 +994,7 @@ def _write_bpe_tokenizer(out: Path, arch: str) -> Tuple[int, Dict[str, int]]:
 
 
 def _write_kimi_tokenizer(out: Path, flavor: str) -> int:
-    from deltafin_mlx.tokenizer.kimi import write_kimi_tokenizer_files
+    from deltafin_mlx.testing.tokenizers import write_kimi_tokenizer_files
 
     return write_kimi_tokenizer_files(out, flavor=flavor)
 
