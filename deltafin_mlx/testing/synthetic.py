@@ -18,9 +18,19 @@ import struct
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+from deltafin_mlx.testing.tokenizers import (
+    KIMI_BOS,
+    KIMI_END_OF_MSG,
+    KIMI_EOS,
+    KIMI_MEDIA_PAD,
+    KIMI_PAD,
+    KIMI_TOKENIZER_SIZE,
+    write_bpe_tokenizer_files,
+    write_kimi_tokenizer_files,
+)
 
 ARCHITECTURES = ("kimi_k3", "kimi_k2", "qwen3_moe", "mixtral")
 
@@ -94,17 +104,6 @@ _DEFAULTS = {
     "qwen3_moe": dict(),
     "mixtral": dict(),
 }
-
-# Ids of the Kimi fixture tokenizer (deltafin_mlx.tokenizer.kimi): 768 base ranks
-# then 256 reserved specials, laid out like the release's 163584 + 256.
-_KIMI_TOKENIZER_SIZE = 1024
-_KIMI_BOS, _KIMI_EOS, _KIMI_END_OF_MSG, _KIMI_MEDIA_PAD, _KIMI_PAD = (
-    768,
-    769,
-    770,
-    789,
-    1023,
-)
 
 # Rows of a tensor generated at once: bounds memory for huge embeddings.
 _CHUNK_ELEMENTS = 1 << 22
@@ -272,7 +271,7 @@ def _k3_config(c: SyntheticConfig) -> dict:
     full = _k3_full_attn_layers(c)
     kda = [i for i in range(1, c.num_layers + 1) if i not in full]
     ids = dict(
-        bos_token_id=_KIMI_BOS, eos_token_id=_KIMI_END_OF_MSG, pad_token_id=_KIMI_PAD
+        bos_token_id=KIMI_BOS, eos_token_id=KIMI_END_OF_MSG, pad_token_id=KIMI_PAD
     )
     # Every key of the release's config.json, in its order; only sizes and
     # token ids are scaled down.
@@ -434,7 +433,7 @@ def _k3_config(c: SyntheticConfig) -> dict:
         "eos_token_id": ids["eos_token_id"],
         "ignore_index": -100,
         "image_placeholder": "<|kimi_image_placeholder|>",
-        "media_placeholder_token_id": _KIMI_MEDIA_PAD,
+        "media_placeholder_token_id": KIMI_MEDIA_PAD,
         "model_type": "kimi_k3",
         "pad_token_id": ids["pad_token_id"],
         "text_config": text_config,
@@ -626,8 +625,8 @@ def _k2_config(c: SyntheticConfig) -> dict:
             "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
         },
         "aux_loss_alpha": 0.001,
-        "bos_token_id": _KIMI_BOS,
-        "eos_token_id": _KIMI_EOS,
+        "bos_token_id": KIMI_BOS,
+        "eos_token_id": KIMI_EOS,
         "first_k_dense_replace": c.first_k_dense_replace,
         "hidden_act": "silu",
         "hidden_size": c.hidden_size,
@@ -867,138 +866,6 @@ def _shard_name(arch: str, i: int, n: int) -> str:
     return f"model-{i:05d}-of-{n:05d}.safetensors"
 
 
-# --- tokenizers ---------------------------------------------------------------
-
-_CORPUS = """\
-The quick brown fox jumps over the lazy dog. A mixture of experts routes each
-token to a few of many feed-forward networks, so a model can hold far more
-parameters than it spends on any one token. The router scores every expert,
-keeps the top k, and mixes their outputs with the normalized scores.
-Weights are stored in shards: safetensors files with a JSON header, then the
-raw bytes of each tensor, one after another. An index maps every tensor name to
-the shard that holds it.
-Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 256 1024 2048 65536 3.14159 -7 +8 1e-5.
-Punctuation and code: (a, b) = [x * 2 for x in range(10)]; {"key": "value"}!
-def forward(self, x): return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
-Cafe, cafe, naive, resume; déjà vu, über, señor, 東京, 你好世界, Привет.
-Questions? Answers! Lists: first, second, third. Tabs	and  spaces   too.
-"""
-
-# Qwen2/Qwen3's pre-tokenizer split.
-_QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_MIXTRAL_SPECIALS = ("<unk>", "<s>", "</s>")
-_QWEN_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-_MIXTRAL_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
-    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}"
-    "{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
-)
-
-
-def _write_bpe_tokenizer(out: Path, arch: str) -> Tuple[int, Dict[str, int]]:
-    """Train a small byte-level BPE and write tokenizer.json and
-    tokenizer_config.json. Returns (vocab size, special token ids)."""
-    from tokenizers import (
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-
-    tok = Tokenizer(models.BPE())
-    # Qwen splits with its own regex first; GPT-2's built-in one otherwise.
-    byte_level = pre_tokenizers.ByteLevel(
-        add_prefix_space=False, use_regex=arch != "qwen3_moe"
-    )
-    if arch == "qwen3_moe":
-        tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(_QWEN_SPLIT), "isolated"), byte_level]
-        )
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    # Mixtral's specials come first (ids 0, 1, 2); Qwen's follow the vocab.
-    specials = _MIXTRAL_SPECIALS if arch == "mixtral" else _QWEN_SPECIALS
-    trainer = trainers.BpeTrainer(
-        vocab_size=384,
-        special_tokens=list(specials) if arch == "mixtral" else [],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
-    if arch != "mixtral":
-        tok.add_special_tokens(list(specials))
-    ids = {s: tok.token_to_id(s) for s in specials}
-    if arch == "mixtral":
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", ids["<s>"])]
-        )
-    tok.save(str(out / "tokenizer.json"))
-
-    added = {
-        str(i): {
-            "content": s,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for s, i in ids.items()
-    }
-    if arch == "qwen3_moe":
-        config = {
-            "add_bos_token": False,
-            "add_prefix_space": False,
-            "added_tokens_decoder": added,
-            "bos_token": None,
-            "chat_template": _QWEN_CHAT_TEMPLATE,
-            "clean_up_tokenization_spaces": False,
-            "eos_token": "<|im_end|>",
-            "errors": "replace",
-            "model_max_length": 40960,
-            "pad_token": "<|endoftext|>",
-            "split_special_tokens": False,
-            "tokenizer_class": "Qwen2Tokenizer",
-            "unk_token": None,
-        }
-    else:
-        config = {
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "added_tokens_decoder": added,
-            "bos_token": "<s>",
-            "chat_template": _MIXTRAL_CHAT_TEMPLATE,
-            "clean_up_tokenization_spaces": False,
-            "eos_token": "</s>",
-            "model_max_length": 32768,
-            "pad_token": None,
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "unk_token": "<unk>",
-        }
-    _write_json(out / "tokenizer_config.json", config)
-    return tok.get_vocab_size(), ids
-
-
-def _write_kimi_tokenizer(out: Path, flavor: str) -> int:
-    from deltafin_mlx.testing.tokenizers import write_kimi_tokenizer_files
-
-    return write_kimi_tokenizer_files(out, flavor=flavor)
-
-
 # --- entry points ---------------------------------------------------------------
 
 
@@ -1018,8 +885,8 @@ def _resolve(arch: str, overrides: dict) -> SyntheticConfig:
     if arch in ("kimi_k3", "kimi_k2"):
         if not 0 <= c.first_k_dense_replace < c.num_layers:
             raise ValueError("kimi needs at least one MoE layer after the dense ones")
-        if c.vocab_size < _KIMI_TOKENIZER_SIZE:
-            raise ValueError(f"kimi vocab_size must be >= {_KIMI_TOKENIZER_SIZE}")
+        if c.vocab_size < KIMI_TOKENIZER_SIZE:
+            raise ValueError(f"kimi vocab_size must be >= {KIMI_TOKENIZER_SIZE}")
     if arch == "kimi_k3":
         # MXFP4 packs 32 inputs per scale: both expert input widths.
         for name in ("routed_expert_hidden_size", "moe_intermediate_size"):
@@ -1061,11 +928,11 @@ def make_checkpoint(
 
     # Tokenizer first: its size bounds vocab_size before GBs get written.
     if arch in ("kimi_k3", "kimi_k2"):
-        n_tokens = _write_kimi_tokenizer(out, "k3" if arch == "kimi_k3" else "k2")
-        bos = _KIMI_BOS
-        eos = _KIMI_END_OF_MSG if arch == "kimi_k3" else _KIMI_EOS
+        n_tokens = write_kimi_tokenizer_files(out, "k3" if arch == "kimi_k3" else "k2")
+        bos = KIMI_BOS
+        eos = KIMI_END_OF_MSG if arch == "kimi_k3" else KIMI_EOS
     else:
-        n_tokens, ids = _write_bpe_tokenizer(out, arch)
+        n_tokens, ids = write_bpe_tokenizer_files(out, arch)
         if arch == "qwen3_moe":
             bos, eos = ids["<|endoftext|>"], ids["<|im_end|>"]
         else:

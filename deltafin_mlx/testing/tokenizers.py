@@ -1,7 +1,8 @@
 """Small, format-faithful tokenizers for synthetic checkpoints and tests.
 
 Kimi's (tiktoken.model and tokenizer_config.json, as K2 and K3 release them)
-with a vocabulary learned here.
+with a vocabulary learned here, and a byte-level BPE trained with the
+`tokenizers` library in Qwen3's or Mixtral's layout.
 """
 
 import base64
@@ -9,6 +10,7 @@ import json
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
+from typing import Dict, Tuple
 
 import regex
 from deltafin_mlx.tokenizer.kimi import KIMI_PATTERN, NUM_RESERVED_SPECIAL_TOKENS
@@ -92,6 +94,17 @@ K2_CHAT_TEMPLATE = """\
 {%- if add_generation_prompt -%}
   {{ '<|im_assistant|>assistant<|im_middle|>' }}
 {%- endif -%}"""
+
+# The fixture's ids: 768 base ranks then the 256 reserved specials, laid out
+# like the release's 163584 + 256.
+KIMI_TOKENIZER_SIZE = 1024
+KIMI_BOS, KIMI_EOS, KIMI_END_OF_MSG, KIMI_MEDIA_PAD, KIMI_PAD = (
+    768,
+    769,
+    770,
+    789,
+    1023,
+)
 
 # English, Chinese, emoji, numbers and code (the `def route` is text to learn
 # from, not a function), so each of KIMI_PATTERN's branches gets merges.
@@ -239,3 +252,131 @@ def write_kimi_tokenizer_files(out_dir, flavor="k3"):
         config["chat_template"] = K2_CHAT_TEMPLATE
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return first + NUM_RESERVED_SPECIAL_TOKENS
+
+
+# --- byte-level BPE (qwen3_moe, mixtral) --------------------------------------
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A mixture of experts routes each
+token to a few of many feed-forward networks, so a model can hold far more
+parameters than it spends on any one token. The router scores every expert,
+keeps the top k, and mixes their outputs with the normalized scores.
+Weights are stored in shards: safetensors files with a JSON header, then the
+raw bytes of each tensor, one after another. An index maps every tensor name to
+the shard that holds it.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 256 1024 2048 65536 3.14159 -7 +8 1e-5.
+Punctuation and code: (a, b) = [x * 2 for x in range(10)]; {"key": "value"}!
+def forward(self, x): return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
+Cafe, cafe, naive, resume; déjà vu, über, señor, 東京, 你好世界, Привет.
+Questions? Answers! Lists: first, second, third. Tabs	and  spaces   too.
+"""
+
+# Qwen2/Qwen3's pre-tokenizer split.
+_QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_MIXTRAL_SPECIALS = ("<unk>", "<s>", "</s>")
+_QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_MIXTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}"
+    "{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def write_bpe_tokenizer_files(out: Path, arch: str) -> Tuple[int, Dict[str, int]]:
+    """Train a small byte-level BPE and write tokenizer.json and
+    tokenizer_config.json. Returns (vocab size, special token ids)."""
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    tok = Tokenizer(models.BPE())
+    # Qwen splits with its own regex first; GPT-2's built-in one otherwise.
+    byte_level = pre_tokenizers.ByteLevel(
+        add_prefix_space=False, use_regex=arch != "qwen3_moe"
+    )
+    if arch == "qwen3_moe":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_QWEN_SPLIT), "isolated"), byte_level]
+        )
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    # Mixtral's specials come first (ids 0, 1, 2); Qwen's follow the vocab.
+    specials = _MIXTRAL_SPECIALS if arch == "mixtral" else _QWEN_SPECIALS
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=list(specials) if arch == "mixtral" else [],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    if arch != "mixtral":
+        tok.add_special_tokens(list(specials))
+    ids = {s: tok.token_to_id(s) for s in specials}
+    if arch == "mixtral":
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", ids["<s>"])]
+        )
+    tok.save(str(out / "tokenizer.json"))
+
+    added = {
+        str(i): {
+            "content": s,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for s, i in ids.items()
+    }
+    if arch == "qwen3_moe":
+        config = {
+            "add_bos_token": False,
+            "add_prefix_space": False,
+            "added_tokens_decoder": added,
+            "bos_token": None,
+            "chat_template": _QWEN_CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<|im_end|>",
+            "errors": "replace",
+            "model_max_length": 40960,
+            "pad_token": "<|endoftext|>",
+            "split_special_tokens": False,
+            "tokenizer_class": "Qwen2Tokenizer",
+            "unk_token": None,
+        }
+    else:
+        config = {
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "added_tokens_decoder": added,
+            "bos_token": "<s>",
+            "chat_template": _MIXTRAL_CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "</s>",
+            "model_max_length": 32768,
+            "pad_token": None,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "unk_token": "<unk>",
+        }
+    with open(out / "tokenizer_config.json", "w") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    return tok.get_vocab_size(), ids
