@@ -26,13 +26,9 @@ import deltafin_mlx.cli.main as cli
 from deltafin_mlx.format.integrity import file_checksum, format_checksum
 from deltafin_mlx.engine.load import TokenIdError, load, load_resident
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError, read_manifest
-from deltafin_mlx.tokenizer.kimi import (
-    TemplateLimit,
-    TokenizerError,
-    read_special_tokens,
-    read_tiktoken_ranks,
-    render_jinja_chat,
-)
+from deltafin_mlx.errors import TemplateLimit, TokenizerError
+from deltafin_mlx.tokenizer.jinja import render_jinja_chat
+from deltafin_mlx.tokenizer.kimi import read_special_tokens, read_tiktoken_ranks
 from deltafin_mlx.format.verify import verify_model
 from test_reliability import no_hang
 
@@ -309,7 +305,7 @@ def test_a_tokenizer_library_panic_is_one_line_from_the_cli(converted, monkeypat
 
 
 def test_a_jinja_template_that_never_ends_is_stopped(monkeypatch):
-    import deltafin_mlx.tokenizer.kimi as tok
+    import deltafin_mlx.tokenizer.jinja as tok
 
     monkeypatch.setattr(tok, "JINJA_MAX_SECONDS", 1.0)
     tok._compile_jinja.cache_clear()

@@ -16,9 +16,9 @@ from deltafin_mlx.tokenizer.kimi import (
     kimi_encoding,
     load_kimi_tokenizer,
     read_tiktoken_ranks,
-    write_kimi_tokenizer_files,
 )
 from deltafin_mlx.tokenizer.kimi import _split_long_runs
+from deltafin_mlx.testing.tokenizers import write_kimi_tokenizer_files
 
 MIXED_TEXT = (
     "Hello, World! 你好，世界。Numbers: 1234567 and 3.14159\n\n  \t"

@@ -8,19 +8,29 @@ layers. The converter reads these as its input, and mlx-lm loading the same
 directory is the oracle it is checked against, so every directory must load
 with `mlx_lm.utils.load_model`.
 
-Tensors are streamed to disk one at a time (in row chunks for big ones), so
-benchmarks can write checkpoints many GB in size in bounded memory.
+Tensors are streamed to disk one at a time (in row chunks for big ones, by
+`safetensors_writer`), so benchmarks can write checkpoints many GB in size in
+bounded memory.
 """
 
 import json
 import math
-import struct
-import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Tuple
 
 import numpy as np
+from deltafin_mlx.testing.safetensors_writer import Tensor, normal, write_safetensors
+from deltafin_mlx.testing.tokenizers import (
+    KIMI_BOS,
+    KIMI_END_OF_MSG,
+    KIMI_EOS,
+    KIMI_MEDIA_PAD,
+    KIMI_PAD,
+    KIMI_TOKENIZER_SIZE,
+    write_bpe_tokenizer_files,
+    write_kimi_tokenizer_files,
+)
 
 ARCHITECTURES = ("kimi_k3", "kimi_k2", "qwen3_moe", "mixtral")
 
@@ -95,122 +105,18 @@ _DEFAULTS = {
     "mixtral": dict(),
 }
 
-# Ids of the Kimi fixture tokenizer (deltafin_mlx.tokenizer.kimi): 768 base ranks
-# then 256 reserved specials, laid out like the release's 163584 + 256.
-_KIMI_TOKENIZER_SIZE = 1024
-_KIMI_BOS, _KIMI_EOS, _KIMI_END_OF_MSG, _KIMI_MEDIA_PAD, _KIMI_PAD = (
-    768,
-    769,
-    770,
-    789,
-    1023,
-)
-
-# Rows of a tensor generated at once: bounds memory for huge embeddings.
-_CHUNK_ELEMENTS = 1 << 22
-
-
-# --- safetensors writing ----------------------------------------------------
-
-_ITEMSIZE = {"BF16": 2, "F32": 4, "U8": 1}
-
-
-@dataclass
-class _Tensor:
-    name: str
-    shape: Tuple[int, ...]
-    dtype: str  # safetensors dtype
-    # (rng, shape, dtype) -> float32 array, or the stored dtype (bf16 as
-    # uint16 bits). Big tensors are generated in row chunks, so the values
-    # must not depend on the row offset.
-    init: Callable[[np.random.Generator, Tuple[int, ...], str], np.ndarray]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
-
-
-def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    # Round to nearest even, as torch does when casting float32 to bfloat16.
-    bits = x.astype(np.float32, copy=False).view(np.uint32)
-    bits = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return (bits >> np.uint32(16)).astype(np.uint16)
-
-
-def _tensor_chunks(t: _Tensor, seed: int):
-    # One generator per tensor, keyed by its name: a tensor's values do not
-    # depend on what else is in the checkpoint or in which order it is written.
-    rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
-    rows, row_shape = t.shape[0], tuple(t.shape[1:])
-    step = max(1, _CHUNK_ELEMENTS // max(1, math.prod(row_shape)))
-    for start in range(0, rows, step):
-        shape = (min(step, rows - start),) + row_shape
-        x = t.init(rng, shape, t.dtype)
-        if t.dtype == "BF16" and x.dtype == np.float32:
-            x = _bf16_bits(x)
-        want = {"BF16": np.uint16, "F32": np.float32, "U8": np.uint8}[t.dtype]
-        if x.dtype != want or x.shape != shape:
-            raise TypeError(f"{t.name}: init gave {x.dtype}{x.shape} for {t.dtype}")
-        yield np.ascontiguousarray(x)
-
-
-def _write_safetensors(
-    path: Path, tensors: Sequence[_Tensor], seed: int, metadata: Optional[dict]
-) -> int:
-    """Write one shard; returns the bytes of tensor data written."""
-    header = {}
-    if metadata is not None:
-        header["__metadata__"] = metadata
-    offset = 0
-    for t in tensors:
-        header[t.name] = {
-            "dtype": t.dtype,
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + t.nbytes],
-        }
-        offset += t.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the safetensors library aligns to 8
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for t in tensors:
-            for chunk in _tensor_chunks(t, seed):
-                f.write(chunk.data)
-    return offset
-
 
 # --- initializers -----------------------------------------------------------
 
 
-_TABLE_SIZE = 1 << 16
-
-
-def _normal(std: float, mean: float = 0.0):
-    def init(rng, shape, dtype):
-        if math.prod(shape) <= _TABLE_SIZE:
-            x = rng.standard_normal(shape, dtype=np.float32)
-            return x * np.float32(std) + np.float32(mean)
-        # Big tensors draw from a table of 64K normal samples, several times
-        # faster than sampling each value: multi-GB benchmark checkpoints are
-        # bound by this.
-        table = rng.standard_normal(_TABLE_SIZE, dtype=np.float32)
-        table = table * np.float32(std) + np.float32(mean)
-        if dtype == "BF16":
-            table = _bf16_bits(table)
-        return table[rng.integers(0, _TABLE_SIZE, size=shape, dtype=np.uint16)]
-
-    return init
-
-
 def _linear(name, out_dim, in_dim):
     # 1/sqrt(fan_in) keeps the output of a normalized input at O(1).
-    return _Tensor(name, (out_dim, in_dim), "BF16", _normal(in_dim**-0.5))
+    return Tensor(name, (out_dim, in_dim), "BF16", normal(in_dim**-0.5))
 
 
 def _norm(name, dim, dtype="BF16"):
     # Near 1 but not exactly, so a norm swapped with another one shows.
-    return _Tensor(name, (dim,), dtype, _normal(0.1, mean=1.0))
+    return Tensor(name, (dim,), dtype, normal(0.1, mean=1.0))
 
 
 def _glu(prefix, hidden, inner, names=("gate_proj", "up_proj", "down_proj")):
@@ -224,13 +130,13 @@ def _glu(prefix, hidden, inner, names=("gate_proj", "up_proj", "down_proj")):
 
 def _embedding(name, vocab, hidden):
     # Unit variance so that the first RMSNorm sees O(1) inputs.
-    return _Tensor(name, (vocab, hidden), "BF16", _normal(1.0))
+    return Tensor(name, (vocab, hidden), "BF16", normal(1.0))
 
 
 def _router_bias(name, n, std=0.1):
     # Small against the sigmoid scores (~0.2 spread) by default, so it shifts
     # selection without pinning every token to the same experts.
-    return _Tensor(name, (n,), "F32", _normal(std))
+    return Tensor(name, (n,), "F32", normal(std))
 
 
 # MXFP4: E2M1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}; uniformly random codes
@@ -254,8 +160,8 @@ def _mxfp4(name, out_dim, in_dim):
         return (exponent + 127 + jitter).astype(np.uint8)
 
     return [
-        _Tensor(f"{name}.weight_packed", (out_dim, in_dim // 2), "U8", packed),
-        _Tensor(f"{name}.weight_scale", (out_dim, in_dim // 32), "U8", scale),
+        Tensor(f"{name}.weight_packed", (out_dim, in_dim // 2), "U8", packed),
+        Tensor(f"{name}.weight_scale", (out_dim, in_dim // 32), "U8", scale),
     ]
 
 
@@ -272,7 +178,7 @@ def _k3_config(c: SyntheticConfig) -> dict:
     full = _k3_full_attn_layers(c)
     kda = [i for i in range(1, c.num_layers + 1) if i not in full]
     ids = dict(
-        bos_token_id=_KIMI_BOS, eos_token_id=_KIMI_END_OF_MSG, pad_token_id=_KIMI_PAD
+        bos_token_id=KIMI_BOS, eos_token_id=KIMI_END_OF_MSG, pad_token_id=KIMI_PAD
     )
     # Every key of the release's config.json, in its order; only sizes and
     # token ids are scaled down.
@@ -434,7 +340,7 @@ def _k3_config(c: SyntheticConfig) -> dict:
         "eos_token_id": ids["eos_token_id"],
         "ignore_index": -100,
         "image_placeholder": "<|kimi_image_placeholder|>",
-        "media_placeholder_token_id": _KIMI_MEDIA_PAD,
+        "media_placeholder_token_id": KIMI_MEDIA_PAD,
         "model_type": "kimi_k3",
         "pad_token_id": ids["pad_token_id"],
         "text_config": text_config,
@@ -479,7 +385,7 @@ def _k3_vision_config(c: SyntheticConfig) -> dict:
     }
 
 
-def _k3_kda(p: str, c: SyntheticConfig) -> List[_Tensor]:
+def _k3_kda(p: str, c: SyntheticConfig) -> List[Tensor]:
     heads, hd, h = c.kda_num_heads, c.kda_head_dim, c.hidden_size
     proj = heads * hd
     padded = -(-heads // c.a_log_pad_to) * c.a_log_pad_to
@@ -495,20 +401,20 @@ def _k3_kda(p: str, c: SyntheticConfig) -> List[_Tensor]:
 
     tensors = [_linear(f"{p}.{x}_proj.weight", proj, h) for x in "qkv"]
     tensors += [
-        _Tensor(f"{p}.{x}_conv1d.weight", (proj, 1, 4), "F32", conv) for x in "qkv"
+        Tensor(f"{p}.{x}_conv1d.weight", (proj, 1, 4), "F32", conv) for x in "qkv"
     ]
     tensors += [
         _linear(f"{p}.f_a_proj.weight", hd, h),
         _linear(f"{p}.f_b_proj.weight", proj, hd),
         _linear(f"{p}.b_proj.weight", heads, h),
-        _Tensor(f"{p}.A_log", (padded,), "F32", a_log),
-        _Tensor(f"{p}.dt_bias", (proj,), "F32", _normal(0.5)),
+        Tensor(f"{p}.A_log", (padded,), "F32", a_log),
+        Tensor(f"{p}.dt_bias", (proj,), "F32", normal(0.5)),
         _norm(f"{p}.o_norm.weight", hd, dtype="F32"),
     ]
     return tensors
 
 
-def _mla(p: str, c: SyntheticConfig) -> List[_Tensor]:
+def _mla(p: str, c: SyntheticConfig) -> List[Tensor]:
     heads, h = c.num_attention_heads, c.hidden_size
     return [
         _linear(f"{p}.q_a_proj.weight", c.q_lora_rank, h),
@@ -530,7 +436,7 @@ def _mla(p: str, c: SyntheticConfig) -> List[_Tensor]:
     ]
 
 
-def _k3_layer(layer: int, c: SyntheticConfig) -> List[_Tensor]:
+def _k3_layer(layer: int, c: SyntheticConfig) -> List[Tensor]:
     p = f"language_model.model.layers.{layer}"
     h = c.hidden_size
     is_kda = (layer + 1) not in _k3_full_attn_layers(c)
@@ -573,7 +479,7 @@ def _k3_layer(layer: int, c: SyntheticConfig) -> List[_Tensor]:
     return tensors
 
 
-def _k3_shards(c: SyntheticConfig) -> Iterator[List[_Tensor]]:
+def _k3_shards(c: SyntheticConfig) -> Iterator[List[Tensor]]:
     # As in the release: layer L in shard L+1, then the embeddings, head and
     # output attention residual, then the projector, then the vision tower.
     h, v = c.hidden_size, c.vocab_size
@@ -594,11 +500,11 @@ def _k3_shards(c: SyntheticConfig) -> Iterator[List[_Tensor]]:
     ]
     blk = "vision_tower.encoder.blocks.0"
     yield [
-        _Tensor(
+        Tensor(
             "vision_tower.patch_embed.proj.weight",
             (vt, 3, 14, 14),
             "BF16",
-            _normal(588**-0.5),
+            normal(588**-0.5),
         ),
         _norm(f"{blk}.norm0.weight", vt),
         _linear(f"{blk}.wqkv.weight", 3 * vt, vt),
@@ -626,8 +532,8 @@ def _k2_config(c: SyntheticConfig) -> dict:
             "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
         },
         "aux_loss_alpha": 0.001,
-        "bos_token_id": _KIMI_BOS,
-        "eos_token_id": _KIMI_EOS,
+        "bos_token_id": KIMI_BOS,
+        "eos_token_id": KIMI_EOS,
         "first_k_dense_replace": c.first_k_dense_replace,
         "hidden_act": "silu",
         "hidden_size": c.hidden_size,
@@ -676,7 +582,7 @@ def _k2_config(c: SyntheticConfig) -> dict:
     }
 
 
-def _k2_layer(layer: int, c: SyntheticConfig) -> List[_Tensor]:
+def _k2_layer(layer: int, c: SyntheticConfig) -> List[Tensor]:
     p = f"model.layers.{layer}"
     h = c.hidden_size
     rope = c.qk_rope_head_dim
@@ -694,7 +600,7 @@ def _k2_layer(layer: int, c: SyntheticConfig) -> List[_Tensor]:
             f"{p}.self_attn.o_proj.weight", h, c.num_attention_heads * c.v_head_dim
         ),
         # The release carries each layer's rotary buffer; loaders drop it.
-        _Tensor(f"{p}.self_attn.rotary_emb.inv_freq", (rope // 2,), "BF16", inv_freq),
+        Tensor(f"{p}.self_attn.rotary_emb.inv_freq", (rope // 2,), "BF16", inv_freq),
     ]
     if layer < c.first_k_dense_replace:
         return tensors + _glu(f"{p}.mlp", h, c.intermediate_size)
@@ -752,7 +658,7 @@ def _qwen3_moe_config(c: SyntheticConfig, bos: int, eos: int) -> dict:
     }
 
 
-def _qwen3_moe_layer(layer: int, c: SyntheticConfig) -> List[_Tensor]:
+def _qwen3_moe_layer(layer: int, c: SyntheticConfig) -> List[Tensor]:
     p = f"model.layers.{layer}"
     h, hd = c.hidden_size, c.head_dim
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
@@ -804,7 +710,7 @@ def _mixtral_config(c: SyntheticConfig, bos: int, eos: int) -> dict:
     }
 
 
-def _mixtral_layer(layer: int, c: SyntheticConfig) -> List[_Tensor]:
+def _mixtral_layer(layer: int, c: SyntheticConfig) -> List[Tensor]:
     p = f"model.layers.{layer}"
     h = c.hidden_size
     hd = h // c.num_attention_heads
@@ -826,7 +732,7 @@ def _mixtral_layer(layer: int, c: SyntheticConfig) -> List[_Tensor]:
     return tensors
 
 
-def _layered_shards(layer_fn, c: SyntheticConfig) -> Iterator[List[_Tensor]]:
+def _layered_shards(layer_fn, c: SyntheticConfig) -> Iterator[List[Tensor]]:
     # Like Kimi K2's release (and most size-split HF exports): the embedding
     # rides in the first shard, the final norm and head in the last.
     for i in range(c.num_layers):
@@ -846,7 +752,7 @@ def _num_shards(arch: str, c: SyntheticConfig) -> int:
     return c.num_layers + 3 if arch == "kimi_k3" else c.num_layers
 
 
-def _shards(arch: str, c: SyntheticConfig) -> Iterator[List[_Tensor]]:
+def _shards(arch: str, c: SyntheticConfig) -> Iterator[List[Tensor]]:
     """The tensors of each shard, one shard at a time: a real-sized K3 layer
     alone is ~2,700 tensors."""
     if arch == "kimi_k3":
@@ -865,138 +771,6 @@ def _shard_name(arch: str, i: int, n: int) -> str:
     if arch == "kimi_k2":
         return f"model-{i}-of-{n}.safetensors"
     return f"model-{i:05d}-of-{n:05d}.safetensors"
-
-
-# --- tokenizers ---------------------------------------------------------------
-
-_CORPUS = """\
-The quick brown fox jumps over the lazy dog. A mixture of experts routes each
-token to a few of many feed-forward networks, so a model can hold far more
-parameters than it spends on any one token. The router scores every expert,
-keeps the top k, and mixes their outputs with the normalized scores.
-Weights are stored in shards: safetensors files with a JSON header, then the
-raw bytes of each tensor, one after another. An index maps every tensor name to
-the shard that holds it.
-Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 256 1024 2048 65536 3.14159 -7 +8 1e-5.
-Punctuation and code: (a, b) = [x * 2 for x in range(10)]; {"key": "value"}!
-def forward(self, x): return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
-Cafe, cafe, naive, resume; déjà vu, über, señor, 東京, 你好世界, Привет.
-Questions? Answers! Lists: first, second, third. Tabs	and  spaces   too.
-"""
-
-# Qwen2/Qwen3's pre-tokenizer split.
-_QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_MIXTRAL_SPECIALS = ("<unk>", "<s>", "</s>")
-_QWEN_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-_MIXTRAL_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
-    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}"
-    "{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
-)
-
-
-def _write_bpe_tokenizer(out: Path, arch: str) -> Tuple[int, Dict[str, int]]:
-    """Train a small byte-level BPE and write tokenizer.json and
-    tokenizer_config.json. Returns (vocab size, special token ids)."""
-    from tokenizers import (
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-
-    tok = Tokenizer(models.BPE())
-    # Qwen splits with its own regex first; GPT-2's built-in one otherwise.
-    byte_level = pre_tokenizers.ByteLevel(
-        add_prefix_space=False, use_regex=arch != "qwen3_moe"
-    )
-    if arch == "qwen3_moe":
-        tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(_QWEN_SPLIT), "isolated"), byte_level]
-        )
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    # Mixtral's specials come first (ids 0, 1, 2); Qwen's follow the vocab.
-    specials = _MIXTRAL_SPECIALS if arch == "mixtral" else _QWEN_SPECIALS
-    trainer = trainers.BpeTrainer(
-        vocab_size=384,
-        special_tokens=list(specials) if arch == "mixtral" else [],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
-    if arch != "mixtral":
-        tok.add_special_tokens(list(specials))
-    ids = {s: tok.token_to_id(s) for s in specials}
-    if arch == "mixtral":
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", ids["<s>"])]
-        )
-    tok.save(str(out / "tokenizer.json"))
-
-    added = {
-        str(i): {
-            "content": s,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for s, i in ids.items()
-    }
-    if arch == "qwen3_moe":
-        config = {
-            "add_bos_token": False,
-            "add_prefix_space": False,
-            "added_tokens_decoder": added,
-            "bos_token": None,
-            "chat_template": _QWEN_CHAT_TEMPLATE,
-            "clean_up_tokenization_spaces": False,
-            "eos_token": "<|im_end|>",
-            "errors": "replace",
-            "model_max_length": 40960,
-            "pad_token": "<|endoftext|>",
-            "split_special_tokens": False,
-            "tokenizer_class": "Qwen2Tokenizer",
-            "unk_token": None,
-        }
-    else:
-        config = {
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "added_tokens_decoder": added,
-            "bos_token": "<s>",
-            "chat_template": _MIXTRAL_CHAT_TEMPLATE,
-            "clean_up_tokenization_spaces": False,
-            "eos_token": "</s>",
-            "model_max_length": 32768,
-            "pad_token": None,
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "unk_token": "<unk>",
-        }
-    _write_json(out / "tokenizer_config.json", config)
-    return tok.get_vocab_size(), ids
-
-
-def _write_kimi_tokenizer(out: Path, flavor: str) -> int:
-    from deltafin_mlx.tokenizer.kimi import write_kimi_tokenizer_files
-
-    return write_kimi_tokenizer_files(out, flavor=flavor)
 
 
 # --- entry points ---------------------------------------------------------------
@@ -1018,8 +792,8 @@ def _resolve(arch: str, overrides: dict) -> SyntheticConfig:
     if arch in ("kimi_k3", "kimi_k2"):
         if not 0 <= c.first_k_dense_replace < c.num_layers:
             raise ValueError("kimi needs at least one MoE layer after the dense ones")
-        if c.vocab_size < _KIMI_TOKENIZER_SIZE:
-            raise ValueError(f"kimi vocab_size must be >= {_KIMI_TOKENIZER_SIZE}")
+        if c.vocab_size < KIMI_TOKENIZER_SIZE:
+            raise ValueError(f"kimi vocab_size must be >= {KIMI_TOKENIZER_SIZE}")
     if arch == "kimi_k3":
         # MXFP4 packs 32 inputs per scale: both expert input widths.
         for name in ("routed_expert_hidden_size", "moe_intermediate_size"):
@@ -1061,11 +835,11 @@ def make_checkpoint(
 
     # Tokenizer first: its size bounds vocab_size before GBs get written.
     if arch in ("kimi_k3", "kimi_k2"):
-        n_tokens = _write_kimi_tokenizer(out, "k3" if arch == "kimi_k3" else "k2")
-        bos = _KIMI_BOS
-        eos = _KIMI_END_OF_MSG if arch == "kimi_k3" else _KIMI_EOS
+        n_tokens = write_kimi_tokenizer_files(out, "k3" if arch == "kimi_k3" else "k2")
+        bos = KIMI_BOS
+        eos = KIMI_END_OF_MSG if arch == "kimi_k3" else KIMI_EOS
     else:
-        n_tokens, ids = _write_bpe_tokenizer(out, arch)
+        n_tokens, ids = write_bpe_tokenizer_files(out, arch)
         if arch == "qwen3_moe":
             bos, eos = ids["<|endoftext|>"], ids["<|im_end|>"]
         else:
@@ -1091,7 +865,7 @@ def make_checkpoint(
     metadata = None if arch == "kimi_k3" else {"format": "pt"}
     weight_map, total_size = {}, 0
     for name, tensors in zip(names, _shards(arch, c), strict=True):
-        total_size += _write_safetensors(out / name, tensors, seed, metadata)
+        total_size += write_safetensors(out / name, tensors, seed, metadata)
         weight_map.update((t.name, name) for t in tensors)
     _write_json(
         out / "model.safetensors.index.json",
