@@ -382,7 +382,7 @@ def load_tokenizer(path: Path, manifest, config: dict):
     themselves are validated (tokenizer.py); whatever a tokenizer library raises,
     Rust panics included, becomes one ModelError line."""
     from deltafin_mlx.format.integrity import TOKENIZER_FILE_NAMES, TOKENIZER_MAX_BYTES, check_if_present
-    from deltafin_mlx.tokenizer.kimi import TokenizerError
+    from deltafin_mlx.errors import TokenizerError
 
     for name in TOKENIZER_FILE_NAMES:
         check_if_present(path, name, TOKENIZER_MAX_BYTES)
