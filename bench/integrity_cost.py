@@ -54,7 +54,7 @@ def checksum_rates():
 
 
 def direct_read_rate(directory, mb):
-    from deltafin_mlx.engine.reader import aligned_empty
+    from deltafin_mlx.format.aligned import aligned_empty
 
     path = Path(directory) / "deltafin-integrity-read.bin"
     chunk = 16 << 20

@@ -94,7 +94,7 @@ def main():
 
     from deltafin_mlx.plan.footprint import inventory_from_manifest
     from deltafin_mlx.format.manifest import read_manifest
-    from deltafin_mlx.cli.plan import measure_disk_gbps
+    from deltafin_mlx.plan.rates import measure_disk_gbps
     from deltafin_mlx.plan.memory import plan_memory
 
     model = common.ensure_model(Path(a.workdir), "k3-trunk-h3072-l12-e16", OVERRIDES)

@@ -8,7 +8,7 @@ and are carried over byte for byte.
 
 import re
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import mlx.core as mx
 import numpy as np

@@ -131,7 +131,7 @@ def test_plan_text_output_names_every_part(converted, capsys):
 
 
 def test_plan_measures_disk_and_compute_when_not_given(converted):
-    from deltafin_mlx.cli.plan import measure_compute_gwps, measure_disk_gbps
+    from deltafin_mlx.plan.rates import measure_compute_gwps, measure_disk_gbps
 
     assert measure_disk_gbps(nbytes=32 << 20, block=4 << 20) > 0.01
     assert measure_compute_gwps(dim=1024) > 0.01

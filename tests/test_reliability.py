@@ -35,7 +35,8 @@ from deltafin_mlx.format.dtypes import NUMPY
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, ModelError, read_manifest
 from deltafin_mlx.plan.memory import BudgetError
-from deltafin_mlx.engine.reader import ReadError, aligned_empty, open_bank, read_record
+from deltafin_mlx.engine.reader import ReadError, open_bank, read_record
+from deltafin_mlx.format.aligned import aligned_empty
 from test_runtime import greedy
 
 CLEAR = (ModelError, BankError, ReadError, BudgetError)

@@ -20,118 +20,22 @@ given with --disk-gbps / --compute-gwps.
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from deltafin_mlx.units import human_bytes
 from deltafin_mlx.format.hub import HubError, fetch_config, looks_like_hub_id
-from deltafin_mlx.plan.footprint import Inventory, inventory_from_config, inventory_from_manifest
+from deltafin_mlx.plan.footprint import inventory_from_config, inventory_from_manifest
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError, read_manifest
 from deltafin_mlx.model.config import max_context
-from deltafin_mlx.plan.memory import MemoryPlan, check_context, plan_memory
-from deltafin_mlx.plan.rates import cached_rate, compute_key, disk_key
+from deltafin_mlx.plan.memory import check_context, plan_memory
+from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, measure_compute_gwps,
+                                     measure_disk_gbps)
+from deltafin_mlx.plan.speed import project
 from deltafin_mlx.model.shard import expert_layout, sharded_inventory
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-
-# Hit rate of the shipped pool policy on OLMoE's real routing (16 layers x 64 experts,
-# 8 per token; bench/simulate_cache.py --trace ../shared/traces/olmoe_299.jsonl), by
-# cache slots per layer per routed expert: 10%, 25% and 50% of its experts.
-REAL_ROUTING_HITS = ((0.0, 0.0), (0.8, 0.369), (2.0, 0.614), (4.0, 0.819), (8.0, 1.0))
-
-
-def real_routing_hit_rate(slots: int, moe_layers: int, experts_per_token: int,
-                          cache_fraction: float) -> float:
-    """The hit rate REAL_ROUTING_HITS gives for this many slots per layer per routed
-    expert (linear between the measured points), never below the cache's share."""
-    per = slots / max(moe_layers * experts_per_token, 1)
-    xs, ys = zip(*REAL_ROUTING_HITS)
-    return max(cache_fraction, float(np.interp(per, xs, ys)))
-
-
-def measure_disk_gbps(path=None, nbytes: int = 256 << 20, block: int = 16 << 20,
-                      scratch_dir=None) -> float:
-    """O_DIRECT reads of `block`-sized pieces of a bank (or of a scratch file written
-    in `scratch_dir`, default the temporary directory)."""
-    from deltafin_mlx.engine.reader import aligned_empty
-
-    scratch = None
-    if path is None:
-        fd, scratch = tempfile.mkstemp(prefix="deltafin-disk-", dir=scratch_dir)
-        with os.fdopen(fd, "wb") as f:
-            chunk = np.random.default_rng(0).integers(0, 255, block, dtype=np.uint8).tobytes()
-            for _ in range(nbytes // block):
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        path = scratch
-    try:
-        flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
-        try:
-            fd = os.open(path, flags)
-        except OSError:
-            fd = os.open(path, os.O_RDONLY)
-        size = os.fstat(fd).st_size
-        buf = aligned_empty(block)
-        offsets = list(range(0, max(size - block, 0) + 1, block))[: nbytes // block]
-        np.random.default_rng(1).shuffle(offsets)
-        start = time.perf_counter()
-        done = 0
-        for off in offsets:
-            done += os.preadv(fd, [memoryview(buf)], off)
-        os.close(fd)
-        return done / (time.perf_counter() - start) / 1e9
-    finally:
-        if scratch:
-            os.unlink(scratch)
-
-
-def measure_compute_gwps(mode: str = "affine", bits: int = 4, group_size: int = 64,
-                         dim: int = 4096, act: mx.Dtype = mx.float32) -> float:
-    """Batch-1 quantized matvec rate, in G weights per second."""
-    w = mx.random.normal((dim, dim)).astype(act)
-    q = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
-    x = mx.random.normal((1, dim)).astype(act)
-    biases = q[2] if len(q) > 2 else None
-    mx.eval(q, x)
-    y = mx.quantized_matmul(x, q[0], q[1], biases, transpose=True, group_size=group_size,
-                            bits=bits, mode=mode)
-    mx.eval(y)
-    n = 20
-    start = time.perf_counter()
-    for _ in range(n):
-        y = mx.quantized_matmul(x, q[0], q[1], biases, transpose=True,
-                                group_size=group_size, bits=bits, mode=mode)
-        mx.eval(y)
-    return n * dim * dim / (time.perf_counter() - start) / 1e9
-
-
-def project(inv: Inventory, plan: MemoryPlan, disk_gbps: float, compute_gwps: float) -> dict:
-    weights = sum(u.weights for u in inv.units.values())
-    weights += len(inv.moe_layers) * inv.experts_per_token * inv.expert_weights
-    compute = weights / (compute_gwps * 1e9)
-    routed = len(inv.moe_layers) * inv.experts_per_token
-    read = plan.streamed_read_bytes + routed * (1 - plan.cache_fraction) * inv.record_size
-    io = read / (disk_gbps * 1e9)
-    hit = real_routing_hit_rate(plan.slots, len(inv.moe_layers), inv.experts_per_token,
-                                plan.cache_fraction)
-    real_read = plan.streamed_read_bytes + routed * (1 - hit) * inv.record_size
-    real_io = real_read / (disk_gbps * 1e9)
-    return {
-        "weights_per_token": weights,
-        "compute_seconds": compute,
-        "read_bytes_per_token": read,
-        "read_seconds": io,
-        "tokens_per_second_overlapped": 1 / max(compute, io),
-        "tokens_per_second_serial": 1 / (compute + io),
-        "real_routing_hit_rate": hit,
-        "real_routing_read_bytes_per_token": real_read,
-        "real_routing_tokens_per_second": 1 / max(compute, real_io),
-    }
-
 
 # deltafin-convert's options a source is planned with, and their defaults there.
 CONVERSION_OPTIONS = {"bits": 4, "group_size": 64, "expert_bits": 4, "expert_group_size": 64}

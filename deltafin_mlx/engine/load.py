@@ -1,7 +1,6 @@
 """`deltafin_mlx.load`: build mlx-lm's own model for a converted directory, with the
 trunk resident and every MoE layer's experts streamed through the cache."""
 
-import os
 from functools import partial
 from pathlib import Path
 from typing import Optional, Tuple
@@ -13,12 +12,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 from deltafin_mlx.format.bank import BankError, read_layout
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
 from deltafin_mlx.format.manifest import ModelError
-from deltafin_mlx.format.model_dir import ModelDir, open_model_dir
+from deltafin_mlx.format.model_dir import open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
 from deltafin_mlx.model.config import eos_token_ids, text_config
 from deltafin_mlx.model.modules import find_path, get_module, layer_paths, set_module
 from deltafin_mlx.plan.footprint import inventory_from_manifest
-from deltafin_mlx.plan.memory import MAX_SEQUENCES, MemoryPlan, plan_memory
+from deltafin_mlx.plan.memory import MAX_SEQUENCES, plan_memory
 from deltafin_mlx.engine.reader import Reader, open_bank
 from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
                     sharded_inventory)
@@ -411,7 +410,6 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
     back into its stacked `switch_mlp` tensors. For checks and comparisons."""
     import numpy as np
 
-    from deltafin_mlx.format.dtypes import NUMPY
 
     model_dir = open_model_dir(path)
     path, manifest, config = model_dir.path, model_dir.manifest, model_dir.config

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from deltafin_mlx.format.aligned import aligned_empty
 from deltafin_mlx.format.bank import ALIGN, BankLayout
 from deltafin_mlx.errors import ReadError
 
@@ -32,13 +33,6 @@ READ_RETRIES = 2
 
 class ReadCancelled(Exception):
     """A speculative read dropped before it started (its slot holds nothing)."""
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """A uint8 numpy buffer whose start is 4096-aligned (for O_DIRECT)."""
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    off = (-raw.ctypes.data) % ALIGN
-    return raw[off : off + nbytes]
 
 
 @dataclass

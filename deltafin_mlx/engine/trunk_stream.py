@@ -27,7 +27,8 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from deltafin_mlx.engine.cache import np_view
-from deltafin_mlx.format.dtypes import FLOATS, NUMPY, SAFETENSORS, nbytes
+from deltafin_mlx.format import dtypes
+from deltafin_mlx.format.dtypes import FLOATS, NUMPY, SAFETENSORS
 from deltafin_mlx.model.modules import get_module
 from deltafin_mlx.errors import TrunkReadError
 
@@ -61,7 +62,7 @@ def safetensors_index(path) -> Dict[str, tuple]:
             dtype = SAFETENSORS.get(e["dtype"])
             if dtype not in NUMPY:
                 raise KeyError(e["dtype"])
-            if end - start != nbytes(dtype, shape) or 8 + n + end > size:
+            if end - start != dtypes.nbytes(dtype, shape) or 8 + n + end > size:
                 raise ValueError(f"tensor {name}'s bytes do not fit its shape or the file")
             spans.append((start, end, name))
             out[name] = (dtype, shape, 8 + n + start, end - start)

@@ -5,7 +5,6 @@ source's bytes before anything is downloaded, the loader to run it: all three ge
 the same modules, casts and quantized classes from here.
 """
 
-from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import mlx.core as mx

@@ -10,9 +10,15 @@ again and replaces the entry.
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from deltafin_mlx.format.aligned import aligned_empty
 
 
 def cache_dir() -> Path:
@@ -65,3 +71,58 @@ def cached_rate(key: str, measure: Callable[[], float], remeasure: bool = False
     except OSError:
         pass
     return value, {**entry, "cached": False, "file": str(rates_file())}
+
+
+def measure_disk_gbps(path=None, nbytes: int = 256 << 20, block: int = 16 << 20,
+                      scratch_dir=None) -> float:
+    """O_DIRECT reads of `block`-sized pieces of a bank (or of a scratch file written
+    in `scratch_dir`, default the temporary directory)."""
+    scratch = None
+    if path is None:
+        fd, scratch = tempfile.mkstemp(prefix="deltafin-disk-", dir=scratch_dir)
+        with os.fdopen(fd, "wb") as f:
+            chunk = np.random.default_rng(0).integers(0, 255, block, dtype=np.uint8).tobytes()
+            for _ in range(nbytes // block):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        path = scratch
+    try:
+        flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError:
+            fd = os.open(path, os.O_RDONLY)
+        size = os.fstat(fd).st_size
+        buf = aligned_empty(block)
+        offsets = list(range(0, max(size - block, 0) + 1, block))[: nbytes // block]
+        np.random.default_rng(1).shuffle(offsets)
+        start = time.perf_counter()
+        done = 0
+        for off in offsets:
+            done += os.preadv(fd, [memoryview(buf)], off)
+        os.close(fd)
+        return done / (time.perf_counter() - start) / 1e9
+    finally:
+        if scratch:
+            os.unlink(scratch)
+
+
+def measure_compute_gwps(mode: str = "affine", bits: int = 4, group_size: int = 64,
+                         dim: int = 4096, act: mx.Dtype = mx.float32) -> float:
+    """Batch-1 quantized matvec rate, in G weights per second."""
+    w = mx.random.normal((dim, dim)).astype(act)
+    q = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
+    x = mx.random.normal((1, dim)).astype(act)
+    biases = q[2] if len(q) > 2 else None
+    mx.eval(q, x)
+    y = mx.quantized_matmul(x, q[0], q[1], biases, transpose=True, group_size=group_size,
+                            bits=bits, mode=mode)
+    mx.eval(y)
+    n = 20
+    start = time.perf_counter()
+    for _ in range(n):
+        y = mx.quantized_matmul(x, q[0], q[1], biases, transpose=True,
+                                group_size=group_size, bits=bits, mode=mode)
+        mx.eval(y)
+    return n * dim * dim / (time.perf_counter() - start) / 1e9

@@ -1,0 +1,55 @@
+"""The projected speed of a plan: a cost model, stated once.
+
+    compute per token = weights touched per token / quantized matvec rate
+    reads per token   = streamed trunk bytes + expected expert misses x record size
+    time per token    = max(compute, reads / disk bandwidth)  (reads overlap compute)
+                        .. compute + reads / disk bandwidth     (no overlap)
+
+with the expert hit rate taken two ways: the cache's share of all experts (no skew,
+a floor), and the hit rate the runtime's pool policy reaches on real routing at the
+same number of slots per layer per routed expert (REAL_ROUTING_HITS, measured by the
+cache simulator on the OLMoE trace; docs/PERFORMANCE.md).
+"""
+
+import numpy as np
+
+from deltafin_mlx.plan.footprint import Inventory
+from deltafin_mlx.plan.memory import MemoryPlan
+
+# Hit rate of the shipped pool policy on OLMoE's real routing (16 layers x 64 experts,
+# 8 per token; bench/simulate_cache.py --trace ../shared/traces/olmoe_299.jsonl), by
+# cache slots per layer per routed expert: 10%, 25% and 50% of its experts.
+REAL_ROUTING_HITS = ((0.0, 0.0), (0.8, 0.369), (2.0, 0.614), (4.0, 0.819), (8.0, 1.0))
+
+
+def real_routing_hit_rate(slots: int, moe_layers: int, experts_per_token: int,
+                          cache_fraction: float) -> float:
+    """The hit rate REAL_ROUTING_HITS gives for this many slots per layer per routed
+    expert (linear between the measured points), never below the cache's share."""
+    per = slots / max(moe_layers * experts_per_token, 1)
+    xs, ys = zip(*REAL_ROUTING_HITS)
+    return max(cache_fraction, float(np.interp(per, xs, ys)))
+
+
+def project(inv: Inventory, plan: MemoryPlan, disk_gbps: float, compute_gwps: float) -> dict:
+    weights = sum(u.weights for u in inv.units.values())
+    weights += len(inv.moe_layers) * inv.experts_per_token * inv.expert_weights
+    compute = weights / (compute_gwps * 1e9)
+    routed = len(inv.moe_layers) * inv.experts_per_token
+    read = plan.streamed_read_bytes + routed * (1 - plan.cache_fraction) * inv.record_size
+    io = read / (disk_gbps * 1e9)
+    hit = real_routing_hit_rate(plan.slots, len(inv.moe_layers), inv.experts_per_token,
+                                plan.cache_fraction)
+    real_read = plan.streamed_read_bytes + routed * (1 - hit) * inv.record_size
+    real_io = real_read / (disk_gbps * 1e9)
+    return {
+        "weights_per_token": weights,
+        "compute_seconds": compute,
+        "read_bytes_per_token": read,
+        "read_seconds": io,
+        "tokens_per_second_overlapped": 1 / max(compute, io),
+        "tokens_per_second_serial": 1 / (compute + io),
+        "real_routing_hit_rate": hit,
+        "real_routing_read_bytes_per_token": real_read,
+        "real_routing_tokens_per_second": 1 / max(compute, real_io),
+    }
