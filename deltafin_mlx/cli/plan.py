@@ -17,7 +17,6 @@ The disk and compute rates are measured once per machine and cached (rates.py), 
 given with --disk-gbps / --compute-gwps.
 """
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -27,7 +26,8 @@ import mlx.core as mx
 from deltafin_mlx.units import human_bytes
 from deltafin_mlx.format.hub import HubError, fetch_config, looks_like_hub_id
 from deltafin_mlx.plan.footprint import inventory_from_config, inventory_from_manifest
-from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError, read_manifest
+from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
+from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
 from deltafin_mlx.model.config import max_context
 from deltafin_mlx.plan.memory import check_context, plan_memory
 from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, measure_compute_gwps,
@@ -47,7 +47,8 @@ def _config_path(target: Path, name: str) -> Path:
         return target / "config.json" if target.is_dir() else target
     if looks_like_hub_id(name):
         try:
-            return fetch_config(name)
+            # The hub cache's snapshot files link into its blobs/ folder.
+            return fetch_config(name).resolve()
         except HubError as e:
             raise ModelError(str(e)) from None
     raise ModelError(f"{target}: no such model directory or config.json")
@@ -60,9 +61,8 @@ def plan_from_path(args) -> dict:
     given = {k: getattr(args, k, None) for k in CONVERSION_OPTIONS}
     bank = None
     if target.is_dir() and (target / MANIFEST_NAME).exists():
-        from mlx_lm.utils import load_config
-
-        manifest = read_manifest(target)
+        model_dir = open_model_dir(target)
+        manifest, config = model_dir.manifest, model_dir.config
         named = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
         if named:
             q = manifest.quantization
@@ -71,7 +71,6 @@ def plan_from_path(args) -> dict:
                 + (f"{q['trunk']['bits']}-bit" if q.get("trunk") else "unquantized")
                 + f", experts {q['experts']['mode']} {q['experts']['bits']}-bit); these options "
                 "plan a source: pass its config.json or hub id instead")
-        config = load_config(target)
         check_context(args.context, config)
         act = act or getattr(mx, manifest.dtype)
         inv = inventory_from_manifest(manifest, config, act)
@@ -80,12 +79,7 @@ def plan_from_path(args) -> dict:
         source = str(target)
     else:
         config_path = _config_path(target, args.model)
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, ValueError) as e:
-            raise ModelError(f"{config_path}: unreadable config ({e})") from None
-        if not isinstance(config, dict):
-            raise ModelError(f"{config_path}: not a model config (not a JSON object)")
+        config = read_source_config(config_path)
         check_context(args.context, config)
         opts = {k: CONVERSION_OPTIONS[k] if v is None else v for k, v in given.items()}
         act = act or mx.bfloat16

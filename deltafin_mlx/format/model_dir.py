@@ -37,17 +37,30 @@ def open_model_dir(path, check_files: bool = True) -> ModelDir:
     return ModelDir(path, manifest, read_config(path, manifest))
 
 
-def read_config(path: Path, manifest: Manifest) -> dict:
-    """config.json, checked against the manifest (it is what builds the model),
-    read as mlx-lm's load_config reads it (eos from generation_config.json)."""
-    cpath = path / "config.json"
-    raw = read_inside(path, "config.json", CONFIG_MAX_BYTES)
+def read_source_config(path: Path) -> dict:
+    """A source checkpoint's config.json (or a config file given by name), read with
+    the rules of every file Deltafin reads: a regular file, bounded in size, named
+    in its own directory (a link is followed only within it)."""
+    path = Path(path)
+    return _parse_config(read_inside(path.parent, path.name, CONFIG_MAX_BYTES), path)
+
+
+def _parse_config(raw: bytes, where: Path) -> dict:
     try:
         config = decode_tagged_floats(json.loads(raw))
         if not isinstance(config, dict):
             raise ValueError("not a JSON object")
     except (ValueError, RecursionError, TypeError) as e:
-        raise ModelError(f"{cpath}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+        raise ModelError(f"{where}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    return config
+
+
+def read_config(path: Path, manifest: Manifest) -> dict:
+    """config.json, checked against the manifest (it is what builds the model),
+    read as mlx-lm's load_config reads it (eos from generation_config.json)."""
+    cpath = path / "config.json"
+    raw = read_inside(path, "config.json", CONFIG_MAX_BYTES)
+    config = _parse_config(raw, cpath)
     want = manifest.source.get("config_sha256")
     if want and hashlib.sha256(raw).hexdigest() != want:
         raise ModelError(f"{cpath}: modified since conversion (its checksum differs)")
