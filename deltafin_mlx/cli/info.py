@@ -5,23 +5,14 @@ quantization, sizes on disk, where it came from and when it was converted."""
 import json
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 from deltafin_mlx.units import human_bytes
-from deltafin_mlx.format.manifest import read_manifest
-
-ARCHITECTURES = {"kimi_k3": "Kimi K3", "kimi_k2": "Kimi K2", "deepseek_v3": "DeepSeek-V3",
-                 "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral"}
-
+from deltafin_mlx.format.model_dir import open_model_dir
+from deltafin_mlx.model.config import architecture_name, max_context, text_config
 
 def model_info(path) -> dict:
-    path = Path(path).expanduser()
-    m = read_manifest(path)
-    try:
-        config = json.loads((path / "config.json").read_text())
-        tc = config.get("text_config", config)
-    except (OSError, ValueError, AttributeError):
-        tc = {}
+    model_dir = open_model_dir(path)
+    path, m, tc = model_dir.path, model_dir.manifest, text_config(model_dir.config)
     sizes = defaultdict(int)
     for rel, size in m.files.items():
         kind = rel.split("/", 1)[0] if "/" in rel else (
@@ -31,7 +22,7 @@ def model_info(path) -> dict:
     return {
         "model": str(path),
         "architecture": m.model_type,
-        "architecture_name": ARCHITECTURES.get(m.model_type, m.model_type),
+        "architecture_name": architecture_name(m.model_type),
         "layers": m.num_layers,
         "moe_layers": len(m.moe_layers),
         "experts_per_layer": ex["num_experts"],
@@ -39,7 +30,7 @@ def model_info(path) -> dict:
         "experts_total": ex["num_experts"] * len(m.moe_layers),
         "expert_record_bytes": ex["record_size"],
         "hidden_size": tc.get("hidden_size"),
-        "max_context": tc.get("max_position_embeddings"),
+        "max_context": max_context(model_dir.config),
         "dtype": m.dtype,
         "quantization": m.quantization,
         "bytes": {"trunk": sizes["trunk"], "experts": sizes["experts"],
