@@ -433,8 +433,9 @@ def _config_eos_token_ids(model_dir):
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
-    config = json.loads(read_inside(model_dir, "config.json", CONFIG_MAX_BYTES))
-    return config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
+    from deltafin_mlx.model.config import eos_token_ids
+
+    return eos_token_ids(json.loads(read_inside(model_dir, "config.json", CONFIG_MAX_BYTES)))
 
 
 def _tool_parser(tokenizer):
