@@ -37,6 +37,8 @@ from bench.lib.common import CGROUP_PREFIX, ROOT, Cgroup, ensure_model, log, mac
 
 MODEL = dict(hidden_size=256, num_layers=4, num_experts=64, experts_per_token=8,
              routed_expert_hidden_size=512, moe_intermediate_size=512, vocab_size=1024)
+# A real routing trace, read where this machine has it; without it the union table
+# leaves the trace columns out.
 TRACE = Path("/work/shared/traces/olmoe_299.jsonl")
 BLKIO = Path("/sys/fs/cgroup/blkio")
 
