@@ -91,7 +91,8 @@ def main():
     report = {"model_bytes": total, "trunk_bytes_float32": inv.trunk_bytes, "floor": floor,
               "budgets": budgets, "disk_gbps": disk, "compute_s_per_token": compute,
               "runs": rows, "cgroups": can_cap, "machine": common.machine_info()}
-    lines = [f"# `python -m bench.studies.trunk_budget` ({a.repeats} repeats, {a.tokens} tokens)", "",
+    lines = [f"# `python -m bench.studies.trunk_budget` ({a.repeats} repeats, "
+             f"{a.tokens} tokens)", "",
              f"Model {total / 1e9:.2f} GB on disk (K3 layout {OVERRIDES}); trunk "
              f"{inv.trunk_bytes / 1e9:.2f} GB in memory at float32; floor {floor / 1e9:.2f} GB. "
              f"Disk (O_DIRECT, record-sized reads) {gbps:.2f} GB/s median "
