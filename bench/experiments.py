@@ -1,7 +1,7 @@
-"""What-if runs: the same decode as bench/run.py with one runtime setting or
+"""What-if runs: the same decode as bench.run with one runtime setting or
 behaviour changed in the worker process only (deltafin_mlx is not edited).
 
-    python bench/experiments.py [--workdir /tmp/deltafin-bench] [--repeats 2]
+    python -m bench.experiments [--workdir /tmp/deltafin-bench] [--repeats 2]
 
 Variants, each at 25% and 10% budgets of the quick scale's model:
   shipped                  the runtime as it is (its defaults)
@@ -9,22 +9,18 @@ Variants, each at 25% and 10% budgets of the quick scale's model:
   no-lookahead             load(lookahead=False): no reads ahead
   no-pipeline-no-lookahead both off: every read serialized with compute
   admit-all-speculation    reads ahead may evict like demand misses do
-                           (worker.py --experiment admit-all-speculation)
+                           (worker decode --experiment admit-all-speculation)
   reader-threads-2         two reader threads (queue depth 2)
 Writes bench/results/experiments.json and .md.
 """
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common import ROOT, ensure_model, log, model_info, model_overrides, summary  # noqa: E402
-from run import one_run  # noqa: E402
+from bench.lib.common import ROOT, ensure_model, log, model_info, model_overrides, summary
+from bench.run import one_run
 
 VARIANTS = {
     "shipped": [],
@@ -45,7 +41,7 @@ def main(argv=None):
                     help="run only these variants")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "experiments.json"))
     args = ap.parse_args(argv)
-    from diskprobe import run_probe
+    from bench.studies.diskprobe import run_probe
 
     model = ensure_model(Path(args.workdir), "k3x-h1024-l3-e160", model_overrides(1024, 3, 160))
     info = model_info(model)
@@ -90,15 +86,15 @@ def main(argv=None):
             row["ratio_to_resident"] = summary([r["s_per_token"] / compute["median"] for r in ok])
             row["same_tokens"] = all(r["tokens"] == ref for r in ok)
         rows[label] = row
-    res = {"command": "python bench/experiments.py", "started": time.strftime(
+    res = {"command": "python -m bench.experiments", "started": time.strftime(
         "%Y-%m-%d %H:%M:%S %Z", time.localtime(t0)), "disk": disk, "model": info,
         "compute_bound_s": compute, "rows": rows, "runs": runs, "elapsed_s": time.time() - t0}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
-    from report import rng
+    from bench.lib.report import rng
 
-    L = [f"# `python bench/experiments.py` ({res['started']})", "",
+    L = [f"# `python -m bench.experiments` ({res['started']})", "",
          f"Model {info['path']}; compute bound {rng(compute, digits=3)} s/token; "
          f"disk QD1 {bw / 1e9:.2f} GB/s.", "",
          "| variant | s/token | ratio to bound | vs resident | hit rate | reads ahead issued/token "

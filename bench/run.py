@@ -1,7 +1,7 @@
 """Deltafin performance evidence, in one command.
 
-    python bench/run.py --quick     # one model scale, 2 repeats: under 10 minutes
-    python bench/run.py --full      # three scales, 3 repeats, longer decodes
+    python -m bench.run --quick     # one model scale, 2 repeats
+    python -m bench.run --full      # three scales, 3 repeats, longer decodes
 
 What one run measures, all in the same session so that the ratios compare like
 with like (see bench/README.md and docs/PERFORMANCE.md):
@@ -18,14 +18,10 @@ with like (see bench/README.md and docs/PERFORMANCE.md):
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common import (  # noqa: E402
+from bench.lib.common import (
     ROOT,
     MemoryCap,
     cgroups_writable,
@@ -61,8 +57,8 @@ MODES = {
 }
 FRACTIONS = (0.50, 0.25, 0.10)
 # A budget covers what Deltafin allocates (trunk, state, cache, working buffers),
-# not the Python interpreter and MLX library under it (about 80 MB RSS here), so
-# each cgroup cap is the budget plus this allowance, for mlx-lm and Deltafin alike.
+# not the Python interpreter and MLX library under it, so each cgroup cap is the
+# budget plus this allowance, for mlx-lm and Deltafin alike.
 INTERPRETER_ALLOWANCE = 128 << 20
 
 
@@ -147,7 +143,7 @@ def _one_run(label, args, cfg, drops, cap_bytes=None):
 
 
 def bench_scale(name, hidden, layers, experts, args, cfg, disk, can_cap, drops):
-    from diskprobe import run_probe
+    from bench.studies.diskprobe import run_probe
 
     model = ensure_model(Path(args.workdir), name, model_overrides(hidden, layers, experts))
     info = model_info(model)
@@ -335,7 +331,7 @@ def main(argv=None):
 
     results = {
         "mode": mode,
-        "command": f"python bench/run.py --{mode}",
+        "command": f"python -m bench.run --{mode}",
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t_start)),
         "machine": machine_info(),
         "code": code_fingerprint(),
@@ -366,7 +362,7 @@ def main(argv=None):
         out.with_suffix(".partial.json").write_text(json.dumps(partial, indent=1))
         log(f"partial results so far: {out.with_suffix('.partial.json')}")
 
-    from diskprobe import run_probe
+    from bench.studies.diskprobe import run_probe
 
     first = results["scales"][0]["model"]["path"]
     log("disk probe again (drift over the run)")
@@ -382,11 +378,11 @@ def main(argv=None):
         scale["analysis"] = analyze(scale, pooled)
 
     if not args.no_projection:
-        from k3_projection import project
+        from bench.studies.k3_projection import project
 
         results["k3_projection"] = project(Path(args.workdir), results["disk"], mode, drops)
 
-    from simulate import simulate_all
+    from bench.lib.simulate import simulate_all
 
     results["simulation"] = simulate_all(results, mode)
     results["elapsed_s"] = time.time() - t_start
@@ -400,7 +396,7 @@ def main(argv=None):
     out.with_suffix(".partial.json").unlink(missing_ok=True)
     log(f"wrote {out}")
 
-    from report import write_reports
+    from bench.lib.report import write_reports
 
     write_reports(results, out.with_suffix(".md"), Path(args.plots))
     log(f"done in {results['elapsed_s'] / 60:.1f} min")

@@ -17,11 +17,9 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+from test_runtime import greedy as decode  # tests/ is on the path: run as a script, or by pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from deltafin_mlx.engine.load import load  # noqa: E402
-from test_runtime import greedy as decode  # noqa: E402
+from deltafin_mlx.engine.load import load
 
 PROMPT = [[5, 17, 42, 99, 3, 250, 7, 11]]
 

@@ -165,8 +165,7 @@ def post(port, path, body):
 
 @pytest.fixture
 def server(converted, tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from stress_server import free_port as port_of, start_server
+    from bench.lib.server import free_port as port_of, start_server
 
     port = port_of()
     proc = start_server(converted("kimi_k3"), port, "200MB", tmp_path / "server.log")

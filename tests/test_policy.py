@@ -1,15 +1,11 @@
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.lib import cache_simulator as sim
 from deltafin_mlx.engine.policy import SlotMap
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import simulate_cache as sim  # noqa: E402
 
 
 def check_consistent(slots: SlotMap):

@@ -5,45 +5,20 @@ still counts the RSS of the process that spawned it, here pytest's.)"""
 
 import json
 import subprocess
-import sys
 
 import pytest
 
+from bench.lib import worker
 from conftest import make_source
 from deltafin_convert.convert import ConvertOptions, convert
 
 PROMPT_TOKENS = 3000
 
-MEASURE = r"""
-import json, sys
-import mlx.core as mx, numpy as np
-from deltafin_mlx.generate import stream_generate
-from deltafin_mlx.engine.load import load
-
-def status(field):  # VmRSS now, VmHWM its peak (ru_maxrss would count the parent's)
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field + ":"))
-
-def rss():
-    return status("VmRSS")
-
-mx.eval(mx.ones(4) + 1)  # the runtime is part of the baseline
-base = rss()
-path, budget, n, step = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-model, tok = load(path, budget, context=n + 256)
-prompt = np.random.default_rng(0).integers(1, 700, n).tolist()
-extra = {} if step == "plan" else {"prefill_step_size": int(step)}
-for r in stream_generate(model, tok, prompt, 2, **extra):
-    pass
-peak = status("VmHWM")
-print(json.dumps({"over_baseline": peak - base, "budget": model._deltafin.plan.budget,
-                  "step": model._deltafin.plan.prefill_step, "prompt": r.prompt_tokens}))
-"""
-
 
 def measure(model, budget, step):
-    p = subprocess.run([sys.executable, "-c", MEASURE, str(model), budget, str(PROMPT_TOKENS),
-                        step], capture_output=True, text=True, timeout=600)
+    """Peak RSS over the baseline, as bench.studies.prefill_memory measures it."""
+    p = subprocess.run(worker.command("prefill-peak", model, budget, PROMPT_TOKENS, step),
+                       capture_output=True, text=True, timeout=600, env=worker.environment())
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -2,16 +2,11 @@
 bounded time: every request answered correctly (or refused cleanly), memory within
 budget, no crash."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import stress_server  # noqa: E402
+from bench.lib import server_stress
 
 
 def test_eight_concurrent_clients_are_all_answered_correctly(converted, capsys):
-    report = stress_server.run(converted("kimi_k3"), clients=8, seconds=12, budget="40MB",
+    report = server_stress.run(converted("kimi_k3"), clients=8, seconds=12, budget="40MB",
                                max_tokens=8)
     with capsys.disabled():
         print(f"\n[server load] {report['requests']} requests, outcomes {report['outcomes']}, "
@@ -20,7 +15,7 @@ def test_eight_concurrent_clients_are_all_answered_correctly(converted, capsys):
               f"(baseline {report['baseline_rss_bytes'] >> 20} MiB)")
     assert report["requests"] >= 16
     assert report["outcomes"].get("ok", 0) >= 16
-    assert stress_server.healthy(report), report
+    assert server_stress.healthy(report), report
 
 
 def test_deltafin_serve_survives_hostile_clients(converted, capsys):
@@ -29,7 +24,7 @@ def test_deltafin_serve_survives_hostile_clients(converted, capsys):
     bodies, bad Content-Length, disconnects): each hostile request gets its HTTP
     error, every ordinary one its exact reply, the server keeps answering
     correctly afterwards, and memory stays within the budget plus 64 MiB."""
-    report = stress_server.run(converted("kimi_k3"), clients=4, seconds=12, budget="40MB",
+    report = server_stress.run(converted("kimi_k3"), clients=4, seconds=12, budget="40MB",
                                max_tokens=6, server="deltafin", hostile_fraction=0.5,
                                context=1024)
     with capsys.disabled():
@@ -39,4 +34,4 @@ def test_deltafin_serve_survives_hostile_clients(converted, capsys):
               f"{report['baseline_rss_bytes'] >> 20} MiB)")
     assert report["outcomes"].get("ok", 0) >= 4
     assert report["outcomes"].get("refused-ok", 0) >= 4
-    assert stress_server.healthy(report), report
+    assert server_stress.healthy(report), report

@@ -2,7 +2,7 @@
 turn is prefilled) against the same turns re-prefilling the whole history each
 time (what `deltafin-run --chat` did before sessions kept their cache).
 
-    .venv/bin/python bench/chat_turns.py [MODEL] [--budget B] [--turns N] [-n TOKENS]
+    .venv/bin/python -m bench.studies.chat_turns [MODEL] [--budget B] [--turns N] [-n TOKENS]
 
 MODEL defaults to the demo model (`deltafin-run --demo` builds it). Writes
 bench/results/chat_turns.json and .md; the tokens of both ways must agree.
@@ -15,13 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-
-from deltafin_mlx.chat import ChatSession  # noqa: E402
-from deltafin_mlx.engine.load import load  # noqa: E402
+from bench.lib import ROOT
+from deltafin_mlx.chat import ChatSession
+from deltafin_mlx.engine.load import load
 
 MESSAGE = "Tell me about the quick brown fox and the lazy dog, in a few words."
 
@@ -69,7 +67,7 @@ def main(argv=None):
     model._deltafin.close()
 
     lines = [f"# Chat turn latencies ({result['date']})", "",
-             f"`{' '.join(['python bench/chat_turns.py'] + (argv or sys.argv[1:]))}`: "
+             f"`{' '.join(['python -m bench.studies.chat_turns'] + (argv or sys.argv[1:]))}`: "
              f"{args.turns} equal turns of {args.max_tokens} tokens, budget "
              f"{result['budget_bytes'] / 1e6:.0f} MB; same tokens both ways: {same}.", "",
              "| turn | cache kept: prefilled | first token | turn | history re-prefilled: "

@@ -1,7 +1,7 @@
 """What integrity checks cost: checksum rates against this disk's read rate, the
 cost of `--verify` on expert reads, and of the token-id check at the model's entry.
 
-    python bench/integrity_cost.py [--dir /tmp] [--read-mb 512] [--json FILE]
+    python -m bench.studies.integrity_cost [--dir /tmp] [--read-mb 512] [--json FILE]
 
 1. Checksum throughput on a 64 MB buffer (zlib CRC-32; crc32c / google-crc32c if
    installed; sha256 for scale), median and range of 7 runs.
@@ -23,9 +23,6 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def rates(fn, buf, reps=7):
@@ -132,12 +129,11 @@ def main():
     p.add_argument("--read-mb", type=int, default=512)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    from conftest import make_source
-
     from deltafin_convert.convert import ConvertOptions, convert
+    from deltafin_mlx.testing.synthetic import make_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="deltafin-integrity-", dir=a.dir))
-    src = make_source(work / "src", "kimi_k3")
+    src = make_checkpoint(work / "src", "kimi_k3", seed=0)
     model = work / "k3"
     convert(str(src), model, ConvertOptions(progress=False))
     report = {

@@ -4,18 +4,18 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.lib import ROOT, worker
+
 BENCH = ROOT / "bench"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 CGROUP_PREFIX = "deltafin-bench-"
 
-# Kimi K3's routed expert shape (see ../shared/kimi-k3/CHECKPOINT.md and docs/FORMAT.md):
+# Kimi K3's routed expert shape (see docs/FORMAT.md):
 # latent 3584, intermediate 3072, MXFP4, 16 of them per token.
 K3_EXPERT = dict(routed_expert_hidden_size=3584, moe_intermediate_size=3072,
                  experts_per_token=16)
@@ -215,11 +215,11 @@ class MemoryCap(Cgroup):
 
 
 def run_worker(args: list, timeout: float, cap: "MemoryCap" = None) -> dict:
-    """Run bench/worker.py in a fresh process; returns its JSON result, or a
-    status record when it was killed, timed out or failed."""
-    cmd = [sys.executable, str(BENCH / "worker.py")] + [str(a) for a in args]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    """Run the profiled decode (`python -m bench.lib.worker decode`) in a fresh
+    process; returns its JSON result, or a status record when it was killed,
+    timed out or failed."""
+    cmd = worker.command("decode", *args)
+    env = worker.environment()
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=env, cwd=str(ROOT), preexec_fn=cap.preexec() if cap else None)
@@ -261,8 +261,8 @@ def cpu_busy_share(interval: float = 1.0) -> float:
 
 
 def wait_for_quiet(max_busy: float = 0.15, timeout: float = 300.0) -> dict:
-    """Wait until other processes leave the CPUs mostly idle (this is a shared
-    2-core machine: a test suite running meanwhile would skew every number)."""
+    """Wait until other processes leave the CPUs mostly idle (on a shared machine
+    a test suite running meanwhile would skew every number)."""
     t0 = time.perf_counter()
     busy = cpu_busy_share()
     said = False
@@ -281,8 +281,8 @@ def code_fingerprint() -> dict:
 
     files = {}
     for d in ("deltafin_mlx", "convert"):
-        for p in sorted((ROOT / d).glob("*.py")):
-            files[f"{d}/{p.name}"] = hashlib.sha256(p.read_bytes()).hexdigest()[:12]
+        for p in sorted((ROOT / d).rglob("*.py")):
+            files[p.relative_to(ROOT).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()[:12]
     total = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
     return {"sha256": total, "files": files}
 

@@ -2,7 +2,7 @@
 on the same model and cache size, alternating, in fresh processes, with the page
 cache dropped before each run.
 
-    python bench/read_modes.py MODEL [--fraction 0.25] [--repeats 3] [--tokens 10]
+    python -m bench.studies.read_modes MODEL [--fraction 0.25] [--repeats 3] [--tokens 10]
 
 Prints s/token and the share stalled on reads per configuration (median and range).
 """
@@ -13,33 +13,7 @@ import statistics
 import subprocess
 import sys
 
-WORKER = r"""
-import json, sys, time
-import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
-from deltafin_mlx.engine.load import load
-path, fraction, mode, pipeline, tokens = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", int(sys.argv[5])
-probe, _ = load(path, tokenizer=False, cache_slots=1)
-plan = probe._deltafin.plan
-probe._deltafin.close()
-slots = max(plan.experts_per_token, int(fraction * plan.num_experts * plan.moe_layers))
-m, _ = load(path, tokenizer=False, cache_slots=slots, read_mode=mode, pipeline=pipeline)
-cache = make_prompt_cache(m)
-y = mx.argmax(m(mx.array([[1, 2, 3, 4]]), cache=cache)[:, -1], -1)
-mx.eval(y)
-for _ in range(3):
-    y = mx.argmax(m(y[:, None], cache=cache)[:, -1], -1)
-    mx.eval(y)
-stall0 = m._deltafin.stats.stall_seconds
-start = time.perf_counter()
-for _ in range(tokens):
-    y = mx.argmax(m(y[:, None], cache=cache)[:, -1], -1)
-    mx.eval(y)
-wall = time.perf_counter() - start
-print(json.dumps({"s_per_token": wall / tokens,
-                  "stall_share": (m._deltafin.stats.stall_seconds - stall0) / wall}))
-"""
-
+from bench.lib import worker
 
 def drop_page_cache():
     try:
@@ -65,8 +39,9 @@ def main():
     for _ in range(a.repeats):
         for mode, pipe in configs:
             dropped &= drop_page_cache()
-            out = subprocess.run([sys.executable, "-c", WORKER, a.model, str(a.fraction), mode,
-                                  str(pipe), str(a.tokens)], capture_output=True, text=True)
+            out = subprocess.run(worker.command("read-mode", a.model, a.fraction, mode, pipe,
+                                                a.tokens),
+                                 capture_output=True, text=True, env=worker.environment())
             if out.returncode != 0:
                 sys.exit(out.stderr[-2000:])
             runs[(mode, pipe)].append(json.loads(out.stdout.strip().splitlines()[-1]))

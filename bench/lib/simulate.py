@@ -1,13 +1,11 @@
-"""Hit rate against cache size, from bench/simulate_cache.py (used as a library,
-unchanged): on generated routing at Kimi K3's size (896 experts, 16 per token)
-and on routing traces recorded from the bench models."""
+"""Hit rate against cache size, from bench.lib.cache_simulator (used unchanged):
+on generated routing at Kimi K3's size (896 experts, 16 per token) and on routing
+traces recorded from the bench models. Part of bench.run's report and of the K3
+projection."""
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import simulate_cache as sc  # noqa: E402
+from bench.lib import cache_simulator as sc
 
 GRID = [0.02, 0.05, 0.10, 0.25, 0.50, 0.75]
 SIZES = {"quick": dict(tokens=1024, layers=2), "full": dict(tokens=2048, layers=4)}

@@ -5,7 +5,7 @@ Reads whole records at record-aligned offsets of the bench model's bank files
 at queue depth 1 (one thread) and 2 (two threads, each with its own buffer).
 Each sample is `batch` reads; the result is GB/s per sample: median and range.
 
-    python bench/diskprobe.py /tmp/deltafin-bench/k3e160l2/model --reads 96
+    python -m bench.studies.diskprobe /tmp/deltafin-bench/k3x-h1024-l3-e160/model --reads 96
 """
 
 import argparse

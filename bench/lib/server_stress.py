@@ -1,37 +1,21 @@
-"""mlx_lm.server serving a Deltafin model under concurrent clients, for a bounded time.
-
-    python bench/stress_server.py MODEL [--clients 8] [--seconds 60] [--budget 200MB]
-                                  [--server deltafin --hostile 0.5 --context 1024]
-
-Starts `mlx_lm.server --trust-remote-code` on a free localhost port, learns each
-prompt's greedy reply from requests sent one at a time, then runs N client threads
-sending chat completions (streaming and not) in a loop until the time is up. Every
-reply must equal the one learned for its prompt, or be a clean HTTP error; the
-server must stay up and its peak memory (VmHWM) within the budget plus a margin.
-Prints (and with --json writes) requests served, failures, and latency percentiles.
-Only loopback addresses are used; every loop is bounded in count and time.
-
-`--server deltafin` runs `deltafin-run serve` instead (the way to serve); with
-`--hostile F` a fraction F of requests are hostile (out-of-vocabulary and negative
-logit_bias ids, prompts over the planned context, malformed or deeply nested or
-oversized bodies, bad Content-Length, clients that disconnect before or during
-their reply), each of which must get its expected HTTP error (a disconnect gets
-none), while every ordinary request still gets its exact reply.
+"""Concurrent clients against a server, for a bounded time: every reply must equal
+the one learned for its prompt, or be a clean HTTP error (for hostile requests,
+the expected one); the server must stay up and its peak memory within the budget
+plus a margin. bench.studies.stress_server is its command line;
+tests/test_server_load.py runs it for a few seconds. Every loop is bounded in
+count and time.
 """
 
-import argparse
 import json
-import os
 import random
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
+
+from bench.lib.server import baseline_rss, chat, free_port, peak_rss, start_server, stop_server
 
 PROMPTS = [
     "Hello there",
@@ -39,65 +23,6 @@ PROMPTS = [
     "What is two plus two?",
     "Write one line of a poem about memory.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_server(proc):
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, extra=()):
-    """The server logs every request: to a file (a pipe nobody drains would fill
-    up and block the server)."""
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "DELTAFIN_BUDGET": budget}
-    log = open(log_path, "w")
-    if server == "deltafin":
-        cmd = [str(bin_dir / "deltafin-run"), "serve", str(model), "--budget", budget,
-               "--context", str(context), "--host", "127.0.0.1", "--port", str(port)]
-    else:
-        cmd = [str(bin_dir / "mlx_lm.server"), "--model", str(model), "--trust-remote-code",
-               "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited: " + Path(log_path).read_text()[-2000:])
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server did not come up in 180 s")
-
-
-def chat(port, prompt, max_tokens, stream, timeout=120):
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": stream}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read().decode()
-    if not stream:
-        msg = json.loads(raw)["choices"][0]["message"]
-        return (msg.get("reasoning") or msg.get("reasoning_content") or "") + (msg.get("content") or "")
-    text = ""
-    for line in raw.splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            delta = json.loads(line[6:])["choices"][0].get("delta", {})
-            text += (delta.get("reasoning") or delta.get("reasoning_content") or "") + (
-                delta.get("content") or "")
-    return text
 
 
 def _body(prompt, max_tokens, **extra):
@@ -168,26 +93,6 @@ def hostile(port, rng, vocab, context, max_tokens):
         status, _ = raw_post(port, raw, {"Content-Type": "application/json",
                                          "Content-Length": str(len(raw))})
     return "refused-ok" if status == expect else f"{kind} got {status}"
-
-
-def peak_rss(pid) -> int:
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def baseline_rss() -> int:
-    """Peak memory of a process that has imported what the server imports, with no
-    model: subtracted from the server's peak to compare with the budget."""
-    code = ("import mlx.core as mx, mlx_lm.server, deltafin_mlx.engine.load\n"
-            "mx.eval(mx.zeros(8) + 1)\n"
-            "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    return int(out.stdout.strip()) * 1024 if out.returncode == 0 else 0
 
 
 def percentile(xs, q):
@@ -275,26 +180,6 @@ def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_reque
     }
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--seconds", type=float, default=60)
-    p.add_argument("--budget", default="200MB")
-    p.add_argument("--max-tokens", type=int, default=12)
-    p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--server", choices=("mlx_lm", "deltafin"), default="mlx_lm")
-    p.add_argument("--hostile", type=float, default=0.0, help="fraction of hostile requests")
-    p.add_argument("--context", type=int, default=4096, help="deltafin-run serve --context")
-    a = p.parse_args()
-    r = run(a.model, a.clients, a.seconds, a.budget, a.max_tokens, server=a.server,
-            hostile_fraction=a.hostile, context=a.context)
-    print(json.dumps(r, indent=1))
-    if a.json:
-        Path(a.json).write_text(json.dumps(r, indent=1))
-    return 0 if healthy(r) else 1
-
-
 def healthy(r, margin=64 << 20) -> bool:
     """Alive, every request answered correctly or refused cleanly, and memory within
     the budget plus a margin (MLX's allocator keeps freed buffers for reuse)."""
@@ -304,7 +189,3 @@ def healthy(r, margin=64 << 20) -> bool:
                    for k in r["outcomes"])
     used = r["server_peak_rss_bytes"] - r["baseline_rss_bytes"]
     return r["server_alive"] and answered and used <= parse_size(r["budget"]) + margin
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,34 +3,26 @@
 By default the cache is what the runtime has: one pool of `fraction` of all
 experts (of every layer), filled by the MoE layers in order for each token;
 "SlotMap" is then the runtime's own ExpertPool (per-layer partitions when every
-layer has room for a token's experts, one shared map below that). `--per-layer`
-gives each layer a cache of its own instead. Fetching is
-on demand only: every access to a non-resident expert is a miss and the
+layer has room for a token's experts, one shared map below that). `run(...,
+shared=False)` (the command line's `--per-layer`) gives each layer a cache of its
+own instead. Fetching is on demand only: every access to a non-resident expert is a miss and the
 expert must be placed, and the experts of the current token in that layer
 are protected while it runs. Policies: LRU, LFU, the runtime's SlotMap
 (deltafin_mlx.engine.policy, the same code the runtime runs) and Belady's MIN, which
-sees the future and is the upper bound.
-
-    python bench/simulate_cache.py                       # all presets, both sizes
-    python bench/simulate_cache.py --preset skewed --experts 64 --k 4
-    python bench/simulate_cache.py --trace routing.jsonl --json out.json
+sees the future and is the upper bound. bench.studies.simulate_cache is its
+command line.
 
 A trace is JSONL, one object per token:
     {"tok": 0, "layers": [[3, 17, ...], [5, 8, ...], ...]}
 """
 
-import argparse
 import heapq
 import json
-import sys
-import time
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from deltafin_mlx.engine.policy import ExpertPool, SlotMap  # noqa: E402
+from deltafin_mlx.engine.policy import ExpertPool, SlotMap
 
 # Generated-trace presets. `repeat` is the chance that a pick copies one of
 # the previous token's experts; together with the skew it gives consecutive
@@ -425,74 +417,3 @@ def run(trace, num_experts: int, fractions=FRACTIONS, policies=tuple(POLICIES),
                         else num_slots_for(fraction, num_experts, trace))
         rows[fraction] = row
     return rows
-
-
-def format_table(name: str, rows: dict) -> str:
-    cols = [c for c in next(iter(rows.values())) if c != "slots"]
-    lines = [f"{name}", f"  {'cache':>11}  " + "  ".join(f"{c:>14}" for c in cols)]
-    for fraction, row in rows.items():
-        cache = f"{fraction:.0%} ({row['slots']})"
-        lines.append(f"  {cache:>11}  " + "  ".join(f"{row[c]:>14.3f}" for c in cols))
-    return "\n".join(lines)
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", help="routing trace JSONL (default: generated presets)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), action="append",
-                        help="generated preset(s) to run (default: all)")
-    parser.add_argument("--experts", type=int, help="experts per layer (default: 896 and 64)")
-    parser.add_argument("--k", type=int, help="experts per token (default: 16 and 4)")
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--zipf", type=float, help="override the preset's Zipf exponent")
-    parser.add_argument("--repeat", type=float, help="override the preset's repeat probability")
-    parser.add_argument("--drift-every", type=int, help="override the preset's drift period (tokens)")
-    parser.add_argument("--drift-frac", type=float, help="override the preset's share of experts re-ranked")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS)
-    parser.add_argument("--per-layer", action="store_true",
-                        help="one cache per layer instead of the runtime's shared pool")
-    parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args(argv)
-    if (args.experts is None) != (args.k is None) and not args.trace:
-        parser.error("give --experts and --k together")
-
-    cases = []  # (name, trace, num_experts)
-    if args.trace:
-        trace = load_trace(args.trace)
-        n = args.experts or 1 + max(e for layer in trace for tok in layer for e in tok)
-        cases.append((Path(args.trace).name, trace, n))
-    else:
-        sizes = [(args.experts, args.k)] if args.experts else SIZES
-        for preset in args.preset or list(PRESETS):
-            params = dict(PRESETS[preset])
-            for name in params:
-                if getattr(args, name) is not None:
-                    params[name] = getattr(args, name)
-            for n, k in sizes:
-                trace = generate_trace(n, k, args.tokens, args.layers, seed=args.seed, **params)
-                cases.append((f"{preset} N={n} k={k}", trace, n))
-
-    results = {}
-    for name, trace, n in cases:
-        start = time.perf_counter()
-        rows = run(trace, n, args.fractions, shared=not args.per_layer)
-        shared = np.mean([overlap(layer) for layer in trace])
-        took = time.perf_counter() - start
-        print(format_table(f"{name}  (overlap {shared:.0%}, {len(trace[0])} tokens x "
-                           f"{len(trace)} layers, {took:.1f}s)", rows))
-        print()
-        results[name] = {
-            "cache": "per layer" if args.per_layer else "shared pool",
-            "overlap": shared,
-            "tokens": len(trace[0]),
-            "layers": len(trace),
-            "hit_rate": {str(f): r for f, r in rows.items()},
-        }
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -12,7 +12,7 @@ mlx-lm's own kimi_k3 code on this CPU with an evaluation barrier after every
 attention and every MLP/MoE block. K3's lm_head (163,840 x 7168) and its 896-way
 router are timed as single quantized matmuls of their real shapes.
 
-    python bench/k3_projection.py [--workdir /tmp/deltafin-bench]
+    python -m bench.studies.k3_projection [--workdir /tmp/deltafin-bench]
 """
 
 import argparse
@@ -23,10 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common import K3_RECORD_SIZE, ROOT, drop_caches, ensure_model, log  # noqa: E402
+from bench.lib.common import K3_RECORD_SIZE, ROOT, drop_caches, ensure_model, log
 
 K3 = dict(layers=93, moe_layers=92, kda_moe_layers=68, mla_moe_layers=24, experts=896, k=16,
           hidden=7168, vocab=163840, record_size=K3_RECORD_SIZE)
@@ -182,7 +179,7 @@ def project(workdir: Path, disk: dict, mode: str = "quick", drops: bool = True) 
         drop_caches()
     log("K3 projection: timing blocks of the K3-width model (fresh process)")
     n = {"quick": ["--tokens", "4", "--reps", "5"], "full": ["--tokens", "8", "--reps", "9"]}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", str(model)] + n[mode]
+    cmd = [sys.executable, "-m", "bench.studies.k3_projection", "--measure", str(model)] + n[mode]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=900)
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
     if p.returncode or not lines:
@@ -213,9 +210,9 @@ def project(workdir: Path, disk: dict, mode: str = "quick", drops: bool = True) 
     floor = trunk + K3["k"] * K3["record_size"]
     bw = disk["qd1"]["gbps_median"] * 1e9
 
-    # Hit rates from the cache simulator (bench/simulate_cache.py, SlotMap policy,
+    # Hit rates from the cache simulator (bench.lib.cache_simulator, SlotMap policy,
     # "skewed" routing preset: Zipf 1.0, ~35% overlap with the previous token).
-    from simulate import k3_hit_rates
+    from bench.lib.simulate import k3_hit_rates
 
     rows = []
     per_token_all_miss = K3["moe_layers"] * K3["k"] * K3["record_size"]
@@ -273,7 +270,7 @@ def main(argv=None):
         print(json.dumps(measure(args.measure, tokens=args.tokens, reps=args.reps,
                                  warmup=1 if args.tokens < 6 else 2)))
         return
-    from diskprobe import run_probe
+    from bench.studies.diskprobe import run_probe
 
     model = ensure_model(Path(args.workdir), "k3-width-l3-e16", K3_WIDTH)
     disk = run_probe(model, reads=32)

@@ -1,6 +1,6 @@
 """Peak memory of `deltafin-run serve` answering one long prompt.
 
-    python bench/serve_memory.py MODEL [--budget 40MB] [--words 3700] [serve options...]
+    python -m bench.studies.serve_memory MODEL [--budget 40MB] [--words 3700] [serve options...]
 
 Starts the server on a free loopback port, sends one chat request of `--words`
 words, and prints the reply's length, the seconds it took, and the server's peak
@@ -16,9 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import stress_server as ss  # noqa: E402
+from bench.lib import server as ss
 
 
 def main():

@@ -1,6 +1,6 @@
-"""Markdown tables and PNG plots from a results JSON written by bench/run.py.
+"""Markdown tables and PNG plots from a results JSON written by bench.run.
 
-    python bench/report.py bench/results/latest.json     # rewrite latest.md and the plots
+    python -m bench.lib.report bench/results/latest.json     # rewrite latest.md and the plots
 """
 
 import argparse
@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.lib import ROOT
 
 
 def rng(s, mul=1.0, digits=2, pct=False):
@@ -152,7 +152,7 @@ def projection_table(p) -> list:
 def simulation_table(sim) -> list:
     if not sim:
         return []
-    L = ["Hit rate against cache size (bench/simulate_cache.py; per-layer caches, "
+    L = ["Hit rate against cache size (bench.lib.cache_simulator; per-layer caches, "
          "demand fetching):\n"]
     grid = sim["grid"]
     L.append("| routing | policy | " + " | ".join(f"{g:.0%}" for g in grid) + " |")

@@ -1,8 +1,8 @@
 """One benchmark configuration in one fresh process: load, prefill, warm up, then
 time greedy decoding token by token. Prints one JSON line (the last line of stdout).
 
-    python bench/worker.py --model DIR --mode resident            # mlx-lm, all in memory
-    python bench/worker.py --model DIR --mode deltafin --budget 600000000
+    python -m bench.lib.worker decode --model DIR --mode resident   # mlx-lm, all in memory
+    python -m bench.lib.worker decode --model DIR --mode deltafin --budget 600000000
 
 Where the time goes (nothing in deltafin_mlx is edited; this process wraps
 `mlx.core.eval` and, where they exist, the runtime's reader and cache methods):
@@ -19,12 +19,9 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
+import mlx.core as mx
+import numpy as np
 
 PHASE = {"name": "start"}
 
@@ -191,7 +188,15 @@ EXPERIMENTS = {"admit-all-speculation": _admit_all_speculation}
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    try:
+        return decode(argv)
+    except MemoryError:
+        print(json.dumps({"status": "memory-error", "phase": PHASE["name"]}), flush=True)
+        return 3
+
+
+def decode(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.lib.worker decode")
     ap.add_argument("--model", required=True)
     ap.add_argument("--mode", choices=("resident", "deltafin"), required=True)
     ap.add_argument("--budget", type=int, help="deltafin memory_budget in bytes")
@@ -206,11 +211,12 @@ def main(argv=None):
                     help="load(pipeline=...) where the runtime has that option")
     ap.add_argument("--throttle", nargs=2, metavar=("FILE", "VALUE"),
                     help="write VALUE into FILE (a blkio throttle) when timing starts")
-    ap.add_argument("--trace-out", help="write the routing trace (simulate_cache.py JSONL)")
+    ap.add_argument("--trace-out",
+                    help="write the routing trace (bench.lib.cache_simulator's JSONL)")
     ap.add_argument("--routing", action="store_true",
                     help="record routing (overlap with the previous token) via on_route")
     ap.add_argument("--experiment", choices=sorted(EXPERIMENTS),
-                    help="patch the runtime in this process only (bench/experiments.py)")
+                    help="patch the runtime in this process only (bench.experiments)")
     args = ap.parse_args(argv)
     if args.experiment:
         EXPERIMENTS[args.experiment]()
@@ -304,7 +310,7 @@ def main(argv=None):
 
     if args.throttle:
         # The warm-up filled the cache at full disk speed; only timed tokens
-        # run under the throttle (bench/iobound.py).
+        # run under the throttle (bench.studies.iobound).
         with open(args.throttle[0], "w") as f:
             f.write(args.throttle[1])
     phase("decode")
@@ -327,7 +333,7 @@ def main(argv=None):
     dcount = {k: pn.get(k, 0) - bn.get(k, 0) for k in pn}
     ticks = {k: after["ticks"].get(k, 0) - before["ticks"].get(k, 0) for k in after["ticks"]}
     total_ticks = sum(ticks.values()) or 1
-    # CPU time other processes used meanwhile (this is a shared 2-core machine):
+    # CPU time other processes used meanwhile (the machine may be shared):
     # system-wide busy time minus this process's own, as a share of all CPUs.
     hz = os.sysconf("SC_CLK_TCK")
     ncpu = os.cpu_count() or 1
@@ -414,10 +420,3 @@ def main(argv=None):
     result["breakdown"] = breakdown
     print(json.dumps(result), flush=True)
 
-
-if __name__ == "__main__":
-    try:
-        main()
-    except MemoryError:
-        print(json.dumps({"status": "memory-error", "phase": PHASE["name"]}), flush=True)
-        sys.exit(3)

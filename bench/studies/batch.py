@@ -3,11 +3,11 @@ to the union bound computed from the recorded routing; compute-bound and I/O-bou
 (disk throttled with a cgroup v1 blkio cap); and mlx_lm.server under 8 clients,
 batching against sequential serving.
 
-    python bench/batch.py [--workdir /tmp/deltafin-bench-batch] [--tokens 12]
-                          [--io-mbps 25] [--server-seconds 30] [--json FILE]
+    python -m bench.studies.batch [--workdir /tmp/deltafin-bench-batch] [--tokens 12]
+                                  [--io-mbps 25] [--server-seconds 30] [--json FILE]
 
 Model: K3 layout (KDA + MLA trunk, MXFP4 latent experts), 3 MoE layers x 64 experts,
-8 per token, 418 KB records: small enough to run every B in minutes on 2 cores.
+8 per token, 418 KB records: small enough to run every B on a small CPU.
 
 Union bound: at each MoE call (a prefill chunk or one decode step of the batch) the
 least a batch can read is the union of the experts its sequences route to, less what
@@ -33,11 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CGROUP_PREFIX, ROOT, Cgroup, ensure_model, log, machine_info  # noqa: E402
+from bench.lib.common import CGROUP_PREFIX, ROOT, Cgroup, ensure_model, log, machine_info
 
 MODEL = dict(hidden_size=256, num_layers=4, num_experts=64, experts_per_token=8,
              routed_expert_hidden_size=512, moe_intermediate_size=512, vocab_size=1024)
+# A real routing trace, read where this machine has it; without it the union table
+# leaves the trace columns out.
 TRACE = Path("/work/shared/traces/olmoe_299.jsonl")
 BLKIO = Path("/sys/fs/cgroup/blkio")
 
@@ -120,7 +121,7 @@ def worker(args):
 
 
 def run_child(argv, cap: "Throttle" = None, timeout=900):
-    cmd = [sys.executable, __file__, "--worker"] + [str(a) for a in argv]
+    cmd = [sys.executable, "-m", "bench.studies.batch", "--worker"] + [str(a) for a in argv]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                        preexec_fn=cap.preexec() if cap else None)
@@ -152,7 +153,7 @@ def throttle_available(path: Path) -> str:
 
 
 def serve(model, extra, clients, seconds, max_tokens, budget, cap: "Throttle" = None):
-    from stress_server import free_port, start_server, stop_server
+    from bench.lib.server import free_port, start_server, stop_server
 
     import tempfile
 

@@ -1,6 +1,6 @@
 """How close can an online cache policy get to Belady on a routing trace?
 
-The shipped policy (the runtime's ExpertPool, through bench/simulate_cache.py)
+The shipped policy (the runtime's ExpertPool, through bench.lib.cache_simulator)
 against the best member of a broad family of online policies, each tuned in
 hindsight on the trace itself: an upper bound for online policies of these kinds,
 not something a runtime could ship (its parameters are chosen by looking at the
@@ -8,7 +8,7 @@ answer). The shipped policy is also checked on the trace's two halves and on
 sub-traces of its layers (first / second half, even / odd), where no parameter was
 tuned, to see that its ratio is a property of routing rather than of one file.
 
-    python bench/policy_bound.py --trace ../shared/traces/olmoe_299.jsonl
+    python -m bench.studies.policy_bound --trace TRACE.jsonl
 
 Family (one pool of `fraction` of all experts, calls layer by layer, demand fetch):
 LRU; LFU; SlotMap over all layers with half-life 32/128, repeat weight 0.5/1,
@@ -27,15 +27,12 @@ given factor of Belady's misses.
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import simulate_cache as sc  # noqa: E402
-from deltafin_mlx.engine.policy import SlotMap  # noqa: E402
+from bench.lib import cache_simulator as sc
+from deltafin_mlx.engine.policy import SlotMap
 
 
 def _calls_away(num_layers, num_experts, position, power):

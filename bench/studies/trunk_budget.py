@@ -1,6 +1,6 @@
 """Budgets below the trunk: trunk layers stream too (the 'run at any budget' claim).
 
-    python bench/trunk_budget.py [--workdir /tmp/deltafin-bench] [--repeats 2] [--tokens 6]
+    python -m bench.studies.trunk_budget [--workdir /tmp/deltafin-bench] [--repeats 2] [--tokens 6]
 
 A K3-layout model whose trunk alone is larger than the smaller budgets (hidden 3072,
 KDA attention 24 x 128, K3's real expert shape, 12 layers, 16 experts per layer) and
@@ -15,60 +15,17 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from bench.lib import common, worker
 
 OVERRIDES = dict(hidden_size=3072, num_layers=12, num_experts=16, vocab_size=1024,
                  kda_num_heads=24, kda_head_dim=128, **common.K3_EXPERT)
 
-WORKER = r"""
-import json, sys, time
-import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
-from deltafin_mlx.engine.load import load, load_resident
-path, mode, budget, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-if mode == "resident":
-    m = load_resident(path)
-else:
-    m, _ = load(path, memory_budget=budget, tokenizer=False)
-cache = make_prompt_cache(m)
-y = mx.argmax(m(mx.array([[1, 2, 3, 4]]), cache=cache)[:, -1], -1)
-mx.eval(y)
-for _ in range(2):
-    y = mx.argmax(m(y[:, None], cache=cache)[:, -1], -1)
-    mx.eval(y)
-st = getattr(m, "_deltafin", None)
-def counters():
-    if st is None:
-        return (0, 0, 0)
-    return (st.store.bytes_read, st.trunk.bytes_read if st.trunk else 0, st.stats.stall_seconds)
-c0, out = counters(), []
-start = time.perf_counter()
-for _ in range(tokens):
-    y = mx.argmax(m(y[:, None], cache=cache)[:, -1], -1)
-    mx.eval(y)
-    out.append(y.item())
-wall = time.perf_counter() - start
-c1 = counters()
-r = {"s_per_token": wall / tokens, "tokens": out}
-if st is not None:
-    p = st.plan
-    r.update(expert_bytes_per_token=(c1[0] - c0[0]) / tokens,
-             trunk_bytes_per_token=(c1[1] - c0[1]) / tokens,
-             stall_share=(c1[2] - c0[2]) / wall, streamed_layers=len(p.streamed),
-             embed_on_demand=p.embed_on_demand, slots=p.slots, floor=p.floor,
-             cache_fraction=p.cache_fraction)
-print(json.dumps(r))
-"""
-
-
 def run(model, mode, budget, tokens, cap=None, timeout=900):
-    cmd = [sys.executable, "-c", WORKER, str(model), mode, str(budget), str(tokens)]
+    cmd = worker.command("budget-decode", model, mode, budget, tokens)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=cap.preexec() if cap else None)
+                         env=worker.environment(), preexec_fn=cap.preexec() if cap else None)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -134,7 +91,8 @@ def main():
     report = {"model_bytes": total, "trunk_bytes_float32": inv.trunk_bytes, "floor": floor,
               "budgets": budgets, "disk_gbps": disk, "compute_s_per_token": compute,
               "runs": rows, "cgroups": can_cap, "machine": common.machine_info()}
-    lines = [f"# `python bench/trunk_budget.py` ({a.repeats} repeats, {a.tokens} tokens)", "",
+    lines = [f"# `python -m bench.studies.trunk_budget` ({a.repeats} repeats, "
+             f"{a.tokens} tokens)", "",
              f"Model {total / 1e9:.2f} GB on disk (K3 layout {OVERRIDES}); trunk "
              f"{inv.trunk_bytes / 1e9:.2f} GB in memory at float32; floor {floor / 1e9:.2f} GB. "
              f"Disk (O_DIRECT, record-sized reads) {gbps:.2f} GB/s median "

@@ -1,11 +1,12 @@
 """Peak RSS of a long prompt's prefill, over the interpreter's baseline, by prefill
 chunk: one pass, mlx-lm's default 2048, smaller chunks, and the memory plan's.
 
-    .venv/bin/python bench/prefill_memory.py [MODEL] [--budget 40MB] [--tokens 3000]
+    .venv/bin/python -m bench.studies.prefill_memory [MODEL] [--budget 40MB] [--tokens 3000]
 
 MODEL defaults to a synthetic K3 layout of 8 layers (tests/test_prefill_memory.py's),
-generated under /tmp/deltafin-bench/prefill. Each measurement runs in a fresh process.
-Writes bench/results/prefill_memory.json and .md.
+generated under /tmp/deltafin-bench/prefill. Each measurement runs in a fresh process
+(`bench.lib.worker prefill-peak`, the test's measurement too). Writes
+bench/results/prefill_memory.json and .md.
 """
 
 import argparse
@@ -15,18 +16,15 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from test_prefill_memory import MEASURE  # noqa: E402  (the test's own measurement)
+from bench.lib import ROOT, worker
 
 
 def fixture(root: Path) -> Path:
-    from conftest import make_source
     from deltafin_convert.convert import ConvertOptions, convert
+    from deltafin_mlx.testing.synthetic import make_checkpoint
 
     if not (root / "model" / "deltafin.json").exists():
-        src = make_source(root / "src", "kimi_k3", num_layers=8)
+        src = make_checkpoint(root / "src", "kimi_k3", seed=0, num_layers=8)
         convert(str(src), root / "model", ConvertOptions(progress=False))
     return root / "model"
 
@@ -45,8 +43,9 @@ def main(argv=None):
         runs = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            out = subprocess.run([sys.executable, "-c", MEASURE, str(model), args.budget,
-                                  str(args.tokens), step], capture_output=True, text=True)
+            out = subprocess.run(worker.command("prefill-peak", model, args.budget,
+                                                args.tokens, step),
+                                 capture_output=True, text=True, env=worker.environment())
             if out.returncode:
                 sys.exit(out.stderr.strip().splitlines()[-1])
             r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -59,7 +58,7 @@ def main(argv=None):
         print(f"{label}: {rows[-1]['mb']} MB over baseline", flush=True)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [f"# Prefill memory ({date})", "",
-             f"`python bench/prefill_memory.py {' '.join(argv or sys.argv[1:])}`: a "
+             f"`python -m bench.studies.prefill_memory {' '.join(argv or sys.argv[1:])}`: a "
              f"{args.tokens}-token prompt, budget {args.budget}, {model}", "",
              "| prefill chunk | peak RSS over baseline (MB), per run | process wall (s) |",
              "|---|---|---|"]

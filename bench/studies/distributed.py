@@ -1,16 +1,16 @@
 """1 process vs 2 tensor-parallel ranks (mlx.launch, ring backend) on this machine.
 
-    python bench/distributed.py [--tokens 16] [--repeats 3] [--throttle-mbps 20]
+    python -m bench.studies.distributed [--tokens 16] [--repeats 3] [--throttle-mbps 20]
 
 A K3-layout model (K3's MXFP4 experts at a smaller width, see MODEL) converted with
 `--ranks 2` runs greedy decoding at the same budget per process: once in one
 process, once as 2 ranks. Two regimes:
-  compute  the disk as it is (O_DIRECT reads; this VM's disk is fast next to its CPU)
+  compute  the disk as it is (O_DIRECT reads)
   io       each process's reads capped by a cgroup v1 blkio throttle of its own
            (`blkio.throttle.read_bps_device`, one cgroup per rank as if each had its
            own disk, which two Macs do); skipped cleanly where blkio is not writable
-Here both ranks share 2 CPU cores and one disk, so compute does not scale as it
-would on two machines. Results: bench/results/distributed.{json,md}.
+On one machine both ranks share its CPU cores and its disk, so compute does not
+scale as it would on two machines. Results: bench/results/distributed.{json,md}.
 """
 
 import argparse
@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.lib import ROOT
+
 BIN = Path(sys.executable).parent
 BLKIO = Path("/sys/fs/cgroup/blkio")
 CGROUP = "deltafin-dist-r{rank}"
@@ -144,7 +145,7 @@ def worker(out: Path, model: str, budget: str, tokens: int, throttled: bool):
 
 def measure(model: Path, budget: int, tokens: int, ranks: int, throttled: bool) -> list:
     with tempfile.TemporaryDirectory(prefix="deltafin-dist-") as tmp:
-        args = [str(Path(__file__).resolve()), "--worker", tmp, str(model), str(budget),
+        args = ["-m", "bench.studies.distributed", "--worker", tmp, str(model), str(budget),
                 str(tokens), "1" if throttled else "0"]
         if ranks == 1:
             cmd = [sys.executable, *args]
@@ -188,7 +189,7 @@ def main():
     else:
         log("blkio cgroup not writable: skipping the io regime")
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": " ".join(["python", "bench/distributed.py", *sys.argv[1:]]),
+              "command": " ".join(["python", "-m", "bench.studies.distributed", *sys.argv[1:]]),
               "model": MODEL, "budget_bytes_per_process": budget,
               "throttle_mbps": args.throttle_mbps, "regimes": {}}
     for regime in regimes:

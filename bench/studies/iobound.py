@@ -1,14 +1,15 @@
 """The I/O-bound regime, emulated: decode under a disk read throttle.
 
 On a Mac the GPU computes an expert far faster than the SSD reads it; on this CPU
-it is the other way round. This runs bench/worker.py in a cgroup v1 blkio cgroup
-whose read throttle (`blkio.throttle.read_bps_device`) makes reading one expert
-record cost R times computing it (R in --ratios), at several expert-cache shares,
-and compares the bytes read with Belady's MIN replayed on the same routing with
-the same number of slots (the optimal demand cache).
+it is the other way round. This runs the profiled decode (`bench.lib.worker
+decode`) in a cgroup v1 blkio cgroup whose read throttle
+(`blkio.throttle.read_bps_device`) makes reading one expert record cost R times
+computing it (R in --ratios), at several expert-cache shares, and compares the
+bytes read with Belady's MIN replayed on the same routing with the same number of
+slots (the optimal demand cache).
 
-    .venv/bin/python bench/iobound.py    # as root; ~10 minutes; see bench/README.md
-    .venv/bin/python bench/iobound.py --ratios 32 --shares 0.25 --repeats 3
+    .venv/bin/python -m bench.studies.iobound    # as root; see bench/README.md
+    .venv/bin/python -m bench.studies.iobound --ratios 32 --shares 0.25 --repeats 3
 
 Where the blkio controller is not writable (not root, no cgroup v1), it says so
 and exits 0 without measuring.
@@ -24,11 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import common  # noqa: E402
-import simulate_cache as sc  # noqa: E402
+from bench.lib import cache_simulator as sc
+from bench.lib import common
 
 BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
 # A small K3-layout model: routed experts of 512 x 512 in MXFP4 (a 408 KiB record,
@@ -81,7 +79,7 @@ def disk_of(path: Path) -> str:
 
 def expert_compute_s(model: Path, info: dict, args) -> float:
     """Seconds of computation per routed expert here: mlx-lm's decode with every
-    expert in memory (bench/worker.py --mode resident, no reads at all), per token,
+    expert in memory (worker decode --mode resident, no reads at all), per token,
     divided by the experts a token uses. The trunk's share is included, so R is
     the read time of one expert over everything a token computes per expert."""
     res = common.run_worker(["--model", model, "--mode", "resident", "--tokens", args.tokens,
@@ -255,7 +253,7 @@ def main(argv=None):
                 rows.append(row)
                 common.log(format_table([row], info).splitlines()[-1])
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": "python bench/iobound.py " + " ".join(argv or sys.argv[1:]),
+              "command": "python -m bench.studies.iobound " + " ".join(argv or sys.argv[1:]),
               "model": info, "expert_compute_s": compute, "device": device,
               "tokens": args.tokens, "warmup": args.warmup, "repeats": args.repeats,
               "reader_threads": args.reader_threads, "rows": rows,

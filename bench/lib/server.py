@@ -1,0 +1,91 @@
+"""A server on a free loopback port, and what its clients and meters need:
+start and stop it, send a chat request, read its peak memory and the baseline
+that peak is compared with. Only loopback addresses are used."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.lib import worker
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_server(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, extra=()):
+    """The server logs every request: to a file (a pipe nobody drains would fill
+    up and block the server)."""
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "DELTAFIN_BUDGET": budget}
+    log = open(log_path, "w")
+    if server == "deltafin":
+        cmd = [str(bin_dir / "deltafin-run"), "serve", str(model), "--budget", budget,
+               "--context", str(context), "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        cmd = [str(bin_dir / "mlx_lm.server"), "--model", str(model), "--trust-remote-code",
+               "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError("server exited: " + Path(log_path).read_text()[-2000:])
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not come up in 180 s")
+
+
+def chat(port, prompt, max_tokens, stream, timeout=120):
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": stream}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read().decode()
+    if not stream:
+        msg = json.loads(raw)["choices"][0]["message"]
+        return (msg.get("reasoning") or msg.get("reasoning_content") or "") + (msg.get("content") or "")
+    text = ""
+    for line in raw.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            delta = json.loads(line[6:])["choices"][0].get("delta", {})
+            text += (delta.get("reasoning") or delta.get("reasoning_content") or "") + (
+                delta.get("content") or "")
+    return text
+
+
+def peak_rss(pid) -> int:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def baseline_rss() -> int:
+    """Peak memory of a process that has imported what the server imports, with no
+    model: subtracted from the server's peak to compare with the budget."""
+    out = subprocess.run(worker.command("server-baseline"), capture_output=True, text=True,
+                         env=worker.environment())
+    return int(out.stdout.strip()) * 1024 if out.returncode == 0 else 0

@@ -1,0 +1,54 @@
+"""Every program a benchmark runs in a fresh process, as one module with modes:
+
+    python -m bench.lib.worker decode --model DIR --mode resident     # profiled decode
+    python -m bench.lib.worker read-mode MODEL FRACTION MODE PIPELINE TOKENS
+    python -m bench.lib.worker budget-decode MODEL MODE BUDGET TOKENS
+    python -m bench.lib.worker prefill-peak MODEL BUDGET TOKENS STEP
+    python -m bench.lib.worker server-baseline
+
+Each mode prints its result as one JSON line (the last line of stdout), except
+server-baseline, which prints a number of KiB. A fresh process per measurement
+keeps one run's memory, caches and patches out of the next.
+"""
+
+import importlib
+import os
+import sys
+
+from bench.lib import ROOT
+
+# mode -> the module (in this package) whose main(argv) runs it
+MODES = {
+    "decode": "decode",
+    "read-mode": "read_mode",
+    "budget-decode": "budget_decode",
+    "prefill-peak": "prefill_peak",
+    "server-baseline": "server_baseline",
+}
+
+
+def command(mode: str, *args) -> list:
+    """The command line that runs `mode` with `args` in a fresh interpreter."""
+    if mode not in MODES:
+        raise ValueError(f"unknown worker mode {mode!r}; known: {sorted(MODES)}")
+    return [sys.executable, "-m", __name__, mode, *map(str, args)]
+
+
+def environment() -> dict:
+    """This process's environment with the repository root on PYTHONPATH, so that
+    `-m bench.lib.worker` resolves whatever the child's working directory."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    if not argv or argv[0] not in MODES:
+        print(__doc__, file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"{__name__}.{MODES[argv[0]]}")
+    return module.main(argv[1:]) or 0

@@ -1,0 +1,5 @@
+import sys
+
+from bench.lib.worker import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""One question per module, each run as `python -m bench.studies.NAME`."""
