@@ -11,7 +11,7 @@ try:
     from deltafin_mlx.batch import batch_generate
     from deltafin_mlx.chat import ChatSession
     from deltafin_mlx.engine.load import load, open_tokenizer
-    from deltafin_mlx.engine.runtime import runtime
+    from deltafin_mlx.engine.runtime import find_runtime, runtime
     from deltafin_mlx.errors import DeltafinError
     from deltafin_mlx.format.model_dir import open_model_dir
     from deltafin_mlx.generate import Completion, RunStats, generate, stream_generate
@@ -21,5 +21,5 @@ except KeyboardInterrupt:  # Ctrl-C while MLX and mlx-lm import (seconds): one l
     print("\ndeltafin: interrupted", file=sys.stderr)
     raise SystemExit(130) from None
 
-__all__ = ["load", "open_model_dir", "open_tokenizer", "runtime", "generate", "stream_generate",
+__all__ = ["load", "open_model_dir", "open_tokenizer", "runtime", "find_runtime", "generate", "stream_generate",
            "batch_generate", "ChatSession", "Completion", "RunStats", "DeltafinError"]

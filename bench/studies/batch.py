@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.common import CGROUP_PREFIX, ROOT, Cgroup, ensure_model, log, machine_info
+from deltafin_mlx import runtime
 
 MODEL = dict(hidden_size=256, num_layers=4, num_experts=64, experts_per_token=8,
              routed_expert_hidden_size=512, moe_intermediate_size=512, vocab_size=1024)
@@ -89,7 +90,7 @@ def worker(args):
     for B in args.sizes:
         model, tok = load(args.model, memory_budget=args.budget, cache_slots=args.slots,
                           lookahead=not args.no_lookahead, context=256, sequences=B)
-        d = model._deltafin
+        d = runtime(model)
         record = d.manifest.experts["record_size"]
         unions = []
         if args.record:

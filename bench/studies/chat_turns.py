@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from bench.lib import ROOT
 from deltafin_mlx.chat import ChatSession
 from deltafin_mlx.engine.load import load
+from deltafin_mlx import runtime
 
 MESSAGE = "Tell me about the quick brown fox and the lazy dog, in a few words."
 
@@ -56,7 +57,7 @@ def main(argv=None):
         if args.budget is None:
             args.budget = demo_budget(Path(args.model), argparse.Namespace(reader_threads=1))
     model, tok = load(args.model, args.budget, context=4096)
-    result = {"model": args.model, "budget_bytes": model._deltafin.plan.budget,
+    result = {"model": args.model, "budget_bytes": runtime(model).plan.budget,
               "turns": args.turns, "max_tokens": args.max_tokens,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     for name, keep in (("cache kept", True), ("history re-prefilled", False)):
@@ -64,7 +65,7 @@ def main(argv=None):
     same = all(a["tokens"] == b["tokens"]
                for a, b in zip(result["cache kept"], result["history re-prefilled"]))
     result["same_tokens"] = same
-    model._deltafin.close()
+    runtime(model).close()
 
     lines = [f"# Chat turn latencies ({result['date']})", "",
              f"`{' '.join(['python -m bench.studies.chat_turns'] + (argv or sys.argv[1:]))}`: "

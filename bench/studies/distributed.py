@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from bench.lib import ROOT
+from deltafin_mlx import runtime
 
 BIN = Path(sys.executable).parent
 BLKIO = Path("/sys/fs/cgroup/blkio")
@@ -118,7 +119,7 @@ def worker(out: Path, model: str, budget: str, tokens: int, throttled: bool):
     from deltafin_mlx.engine.load import load
 
     model, _ = load(model, memory_budget=int(budget), tokenizer=False)
-    state = model._deltafin
+    state = runtime(model)
     cache = make_prompt_cache(model)
     logits = model(mx.array([PROMPT]), cache=cache)[:, -1]
     mx.eval(logits)

@@ -24,6 +24,8 @@ import time
 import zlib
 from pathlib import Path
 
+from deltafin_mlx import runtime
+
 
 def rates(fn, buf, reps=7):
     ts = []
@@ -119,7 +121,7 @@ def token_check_cost(model_dir, tokens=48, repeats=5):
         embed.__class__ = guarded
         res["cost"] = 1 - res["checked"]["tokens_per_s_median"] / res["unchecked"]["tokens_per_s_median"]
         out[label] = res
-        model._deltafin.close()
+        runtime(model).close()
     return out
 
 

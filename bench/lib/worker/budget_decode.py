@@ -8,6 +8,8 @@ expert bytes read per token, the stall share and the plan's shape.
 import json
 import time
 
+from deltafin_mlx import find_runtime
+
 
 def main(argv):
     import mlx.core as mx
@@ -26,7 +28,7 @@ def main(argv):
     for _ in range(2):
         y = mx.argmax(m(y[:, None], cache=cache)[:, -1], -1)
         mx.eval(y)
-    st = getattr(m, "_deltafin", None)
+    st = find_runtime(m)
 
     def counters():
         if st is None:

@@ -23,6 +23,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from deltafin_mlx import runtime
+
 PHASE = {"name": "start"}
 
 
@@ -250,7 +252,7 @@ def decode(argv=None):
         model, _ = load(args.model, memory_budget=args.budget, tokenizer=False,
                         reader_threads=args.reader_threads, lookahead=bool(args.lookahead),
                         **extra)
-        plan = model._deltafin.plan
+        plan = runtime(model).plan
         pd = {k: getattr(plan, k) for k in ("budget", "trunk_bytes", "state_bytes",
                                             "working_bytes", "slot_bytes", "moe_layers",
                                             "experts_per_token", "num_experts") if hasattr(plan, k)}
@@ -258,7 +260,7 @@ def decode(argv=None):
             if hasattr(plan, k):
                 pd[k] = getattr(plan, k)
         result["plan"] = pd
-        store = model._deltafin.store
+        store = runtime(model).store
         # Only when asked: a routing callback may take the runtime off a fast path
         # (e.g. the all-resident one), so timed full-budget runs go without it.
         if (args.routing or args.trace_out) and hasattr(store, "on_route"):
@@ -277,10 +279,10 @@ def decode(argv=None):
              "threads": thread_cpu()}
         c["prof"] = prof.snapshot()
         if args.mode == "deltafin":
-            s = model._deltafin.stats
+            s = runtime(model).stats
             c["stats"] = {k: getattr(s, k) for k in ("hits", "misses", "speculative_issued",
                                                      "speculative_used", "stall_seconds")}
-            c["bytes_read"] = model._deltafin.store.bytes_read
+            c["bytes_read"] = runtime(model).store.bytes_read
         return c
 
     phase("prefill")
@@ -376,7 +378,7 @@ def decode(argv=None):
     if args.mode == "deltafin":
         s0, s1 = before["stats"], after["stats"]
         d = {k: s1[k] - s0[k] for k in s0}
-        rec = model._deltafin.manifest.experts["record_size"]
+        rec = runtime(model).manifest.experts["record_size"]
         d["bytes_read"] = after["bytes_read"] - before["bytes_read"]
         result["stats"] = d
         lookups = d["hits"] + d["misses"]
@@ -414,7 +416,7 @@ def decode(argv=None):
                 with open(args.trace_out, "w") as f:
                     for i, t in enumerate(toks):
                         f.write(json.dumps({"tok": i, "layers": t}) + "\n")
-        model._deltafin.close()
+        runtime(model).close()
     else:
         breakdown["graph_and_runtime_python_s"] = dthreads.get(main_tid, 0.0) / n
     result["breakdown"] = breakdown

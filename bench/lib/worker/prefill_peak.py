@@ -8,6 +8,8 @@ measure the same thing.
 
 import json
 
+from deltafin_mlx import runtime
+
 
 def status(field):
     """VmRSS now, or VmHWM its peak (ru_maxrss would count the parent's)."""
@@ -31,5 +33,5 @@ def main(argv):
     for r in stream_generate(model, tok, prompt, 2, **extra):
         pass
     peak = status("VmHWM")
-    print(json.dumps({"over_baseline": peak - base, "budget": model._deltafin.plan.budget,
-                      "step": model._deltafin.plan.prefill_step, "prompt": r.prompt_tokens}))
+    print(json.dumps({"over_baseline": peak - base, "budget": runtime(model).plan.budget,
+                      "step": runtime(model).plan.prefill_step, "prompt": r.prompt_tokens}))

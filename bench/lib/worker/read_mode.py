@@ -7,6 +7,8 @@ experts (bench.studies.read_modes): s/token and the share stalled on reads.
 import json
 import time
 
+from deltafin_mlx import runtime
+
 
 def main(argv):
     import mlx.core as mx
@@ -17,8 +19,8 @@ def main(argv):
     path, fraction, mode, pipeline, tokens = (argv[0], float(argv[1]), argv[2],
                                               argv[3] == "1", int(argv[4]))
     probe, _ = load(path, tokenizer=False, cache_slots=1)
-    plan = probe._deltafin.plan
-    probe._deltafin.close()
+    plan = runtime(probe).plan
+    runtime(probe).close()
     slots = max(plan.experts_per_token, int(fraction * plan.num_experts * plan.moe_layers))
     m, _ = load(path, tokenizer=False, cache_slots=slots, read_mode=mode, pipeline=pipeline)
     cache = make_prompt_cache(m)
@@ -27,11 +29,11 @@ def main(argv):
     for _ in range(3):
         y = mx.argmax(m(y[:, None], cache=cache)[:, -1], -1)
         mx.eval(y)
-    stall0 = m._deltafin.stats.stall_seconds
+    stall0 = runtime(m).stats.stall_seconds
     start = time.perf_counter()
     for _ in range(tokens):
         y = mx.argmax(m(y[:, None], cache=cache)[:, -1], -1)
         mx.eval(y)
     wall = time.perf_counter() - start
     print(json.dumps({"s_per_token": wall / tokens,
-                      "stall_share": (m._deltafin.stats.stall_seconds - stall0) / wall}))
+                      "stall_share": (runtime(m).stats.stall_seconds - stall0) / wall}))
