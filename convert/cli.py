@@ -5,7 +5,8 @@ import sys
 import time
 from pathlib import Path
 
-from deltafin_mlx.cli.common import HelpFormatter, add_version, human_bytes, quiet_broken_pipe
+from deltafin_mlx.cli.common import HelpFormatter, add_version, quiet_broken_pipe
+from deltafin_mlx.sizes import human_bytes
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
 
 try:

@@ -7,7 +7,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from deltafin_mlx.cli.common import human_bytes
+from deltafin_mlx.sizes import human_bytes
 from deltafin_mlx.format.manifest import read_manifest
 
 ARCHITECTURES = {"kimi_k3": "Kimi K3", "kimi_k2": "Kimi K2", "deepseek_v3": "DeepSeek-V3",

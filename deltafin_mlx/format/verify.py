@@ -150,7 +150,7 @@ def run_verify(argv) -> int:
     import json
     import sys
 
-    from deltafin_mlx.cli.common import human_bytes
+    from deltafin_mlx.sizes import human_bytes
 
     args = verify_parser().parse_args(argv)
     bar = None

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from deltafin_mlx.engine.cache import max_slots as max_chunk_slots
 from deltafin_mlx.engine.cache import pool_limit
-from deltafin_mlx.cli.common import human_bytes
+from deltafin_mlx.sizes import human_bytes
 from deltafin_mlx.plan.footprint import Inventory
 from deltafin_mlx.errors import BudgetError
 
