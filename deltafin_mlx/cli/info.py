@@ -7,6 +7,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from deltafin_mlx.cli.options import Parser
 from deltafin_mlx.sizes import human_bytes
 from deltafin_mlx.format.manifest import read_manifest
 
@@ -86,8 +87,6 @@ def format_info(r: dict) -> str:
 
 
 def info_parser():
-    from deltafin_mlx.cli.main import Parser
-
     p = Parser(prog="deltafin-run info", description="Describe a converted model (reads "
                "only its manifest and config.json).")
     p.add_argument("model", help="a directory written by deltafin-convert")
@@ -96,7 +95,7 @@ def info_parser():
     return p
 
 
-def run_info(argv) -> int:
+def cmd_info(argv) -> int:
     args = info_parser().parse_args(argv)
     r = model_info(args.model)
     print(json.dumps(r, indent=1) if args.json else format_info(r))
