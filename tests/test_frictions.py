@@ -166,10 +166,11 @@ def test_main_help_lists_every_command():
     p = run(["--help"])
     assert p.returncode == 0
     usage = p.stdout.split("\n\n")[0]
-    for command in ("MODEL PROMPT", "--chat", "plan", "bench", "info", "verify", "--demo"):
+    for command in ("MODEL PROMPT", "--chat", "plan", "bench", "batch", "serve", "info", "verify",
+                    "--demo"):
         assert command in usage, usage
     commands = p.stdout.split("commands:")[1]
-    for command in ("plan", "bench", "info", "verify", "--demo"):
+    for command in ("plan", "bench", "batch", "serve", "info", "verify", "--demo"):
         assert re.search(rf"^  {re.escape(command)} ", commands, re.M), commands
 
 

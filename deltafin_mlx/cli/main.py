@@ -19,14 +19,14 @@ from deltafin_mlx.cli.plan import cmd_plan
 from deltafin_mlx.cli.run import cmd_run
 from deltafin_mlx.cli.serve import cmd_serve
 from deltafin_mlx.cli.verify import cmd_verify
-from deltafin_mlx.errors import (BatchError, BudgetError, ContextError, ModelError, ReadError,
-                                 SessionError, TokenIdError, UsageError)
+from deltafin_mlx.errors import DeltafinError, UsageError
 
 USAGE = """deltafin-run MODEL PROMPT [options]
        deltafin-run MODEL --chat [options]
        deltafin-run plan MODEL|CONFIG.json|HUB_ID [options]
        deltafin-run bench MODEL [options]
        deltafin-run batch MODEL IN.jsonl -o OUT.jsonl [options]
+       deltafin-run serve MODEL [options]
        deltafin-run info MODEL
        deltafin-run verify MODEL
        deltafin-run --demo [PROMPT] [options]"""
@@ -38,6 +38,8 @@ COMMANDS = """commands:
                     (of a converted model, a source config.json or a hub id)
   bench             a short decode benchmark
   batch             answer every prompt of a JSONL file, decoded together (resumable)
+  serve             an OpenAI-compatible HTTP server (mlx_lm.server's), every request
+                    checked before it reaches the model
   info              what a converted model is: architecture, experts, quantization,
                     sizes, source, when it was converted
   verify            check every file and every expert record's checksum
@@ -152,9 +154,10 @@ def main(argv=None):
 
 
 def one_line(e: BaseException) -> str:
+    """A DeltafinError's message as it is; anything else is a bug (or the system's
+    error), shown with its type."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, (UsageError, ModelError, BudgetError, ReadError, BatchError, SessionError,
-                      ContextError, TokenIdError)):
+    if isinstance(e, DeltafinError):
         return msg
     if isinstance(e, OSError) and e.filename:
         return f"{e.filename}: {e.strerror}"
