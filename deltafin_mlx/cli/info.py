@@ -3,13 +3,12 @@ config.json alone (nothing big is read): architecture, layers, experts,
 quantization, sizes on disk, where it came from and when it was converted."""
 
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 from deltafin_mlx.cli.options import Parser
-from deltafin_mlx.sizes import human_bytes
 from deltafin_mlx.format.manifest import read_manifest
+from deltafin_mlx.sizes import human_bytes
 
 ARCHITECTURES = {"kimi_k3": "Kimi K3", "kimi_k2": "Kimi K2", "deepseek_v3": "DeepSeek-V3",
                  "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral"}

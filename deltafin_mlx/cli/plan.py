@@ -27,13 +27,13 @@ import mlx.core as mx
 import numpy as np
 
 from deltafin_mlx.cli.options import Parser, positive, positive_or_auto
-from deltafin_mlx.sizes import human_bytes
 from deltafin_mlx.format.hub import HubError, fetch_config, looks_like_hub_id
 from deltafin_mlx.plan.footprint import Inventory, inventory_from_config, inventory_from_manifest
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError, read_manifest
 from deltafin_mlx.plan.memory import MemoryPlan, plan_memory
 from deltafin_mlx.plan.rates import cached_rate, compute_key, disk_key
 from deltafin_mlx.model.shard import expert_layout, sharded_inventory
+from deltafin_mlx.sizes import human_bytes
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
