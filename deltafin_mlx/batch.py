@@ -30,6 +30,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from deltafin_mlx.generate import StatsMeter, chat_prompt
 from deltafin_mlx.errors import BatchError
+from deltafin_mlx.stops import StopMatcher
 
 LINE_KEYS = {"id", "prompt", "messages", "max_tokens", "temp", "top_p", "top_k", "min_p",
              "seed", "stop"}
@@ -215,7 +216,7 @@ def prepare(req: Request, tokenizer, opts: BatchOptions) -> Prepared:
         sampler = KeyedSampler(seed, temp, top_p, top_k, min_p)
     else:
         seed = None
-    return Prepared(req, prompt, max_tokens, [s for s in stop if s], sampler, seed)
+    return Prepared(req, prompt, max_tokens, stop, sampler, seed)
 
 
 class Running:
@@ -226,22 +227,24 @@ class Running:
         self.tokens: List[int] = []
         self.logprobs: List[float] = []
         self.detok = tokenizer.detokenizer
+        self.stops = StopMatcher(p.stop)
         self.start = time.perf_counter()
         self.steps = 0
         self.batch_sum = 0
         self.bytes_read = 0.0
 
-    def stop_at(self) -> Optional[int]:
-        text = self.detok.text
-        hits = [text.find(s) for s in self.p.stop]
-        hits = [i for i in hits if i >= 0]
-        return min(hits) if hits else None
+    def add_token(self, token: int):
+        self.tokens.append(token)
+        self.detok.add_token(token)
+        self.stops.add(self.detok.last_segment)
 
-    def result(self, reason: str, cut: Optional[int] = None) -> dict:
-        self.detok.finalize()
-        text = self.detok.text
-        if cut is not None:
-            text = text[:cut]
+    def result(self, reason: str) -> dict:
+        self.detok.finalize()  # the text held back for more tokens is checked too
+        self.stops.add(self.detok.last_segment)
+        self.stops.flush()
+        if self.stops.stopped:
+            reason = "stop"
+        text = self.stops.text
         seconds = time.perf_counter() - self.start
         out = {"id": self.p.request.id, "text": text, "tokens": self.tokens,
                "finish_reason": reason}
@@ -302,20 +305,18 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
                 run = running[r.uid]
                 run.steps += 1
                 run.batch_sum += len(gen_rs)
-                reason, cut = r.finish_reason, None
+                reason = r.finish_reason
                 if not (reason == "stop" and r.token in eos):
-                    run.tokens.append(r.token)
+                    run.add_token(r.token)
                     if opts.logprobs:
                         run.logprobs.append(r.logprobs[r.token].item())
-                    run.detok.add_token(r.token)
-                    cut = run.stop_at() if run.p.stop else None
-                    if cut is not None:
+                    if run.stops.stopped:
                         if reason is None:
                             gen.remove([r.uid])
                         reason = "stop"
                 if reason is not None:
                     del running[r.uid]
-                    yield run.result(reason, cut)
+                    yield run.result(reason)
             if progress is not None:
                 progress.step(len(gen_rs))
     finally:

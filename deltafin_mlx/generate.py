@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 from deltafin_mlx.errors import ContextError
+from deltafin_mlx.stops import StopMatcher
 
 
 @dataclass
@@ -211,16 +212,17 @@ class Completion:
 
 def generate(model, tokenizer, prompt, max_tokens: int = 256, *,
              stop: Sequence[str] = (), **kwargs) -> Completion:
-    """Generate to completion: the text, its tokens and what it cost."""
-    text, tokens, last, reason = "", [], None, None
+    """Generate to completion: the text, its tokens and what it cost. The text ends
+    before the earliest of the `stop` strings (finish_reason "stop")."""
+    stops = StopMatcher(stop)
+    tokens, last, reason = [], None, None
     for r in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
-        text += r.text
+        stops.add(r.text)
         tokens.append(r.token)
         last, reason = r, r.finish_reason
-        hit = next((s for s in stop if s in text), None)
-        if hit is not None:
-            text = text[: text.index(hit)]
+        if stops.stopped:
             reason = "stop"
             break
+    stops.flush()
     stats = last.deltafin if last is not None else RunStats()
-    return Completion(text, tokens, stats, reason)
+    return Completion(stops.text, tokens, stats, reason)

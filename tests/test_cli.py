@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import deltafin_mlx
+from deltafin_mlx.errors import HubError, TokenizerError, TrunkReadError
 
 BIN = Path(sys.executable).parent
 
@@ -141,6 +142,25 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(args, words, converted, tmp_p
     assert err.startswith(("deltafin-run: error:", "deltafin-run plan: error:")), err
     for w in words:
         assert w in err
+
+
+@pytest.mark.parametrize("error", [
+    TokenizerError("tokenizer.model: line 3 is not a token and a rank"),
+    TrunkReadError("trunk/layer.3.safetensors: cannot read (Input/output error)"),
+    HubError("someone/some-model: not found on the hub"),
+])
+def test_every_deltafin_error_is_its_message_alone(error, monkeypatch, capsys):
+    """Whatever stage raises it, a DeltafinError is shown as it is: no class name, no
+    --debug hint (those mark a bug)."""
+    import deltafin_mlx.cli.run as run_command
+    from deltafin_mlx.cli.main import main
+
+    def fail(*args):
+        raise error
+
+    monkeypatch.setattr(run_command, "open_model", fail)
+    assert main(["some-model", "hi"]) == 1
+    assert capsys.readouterr().err == f"deltafin-run: error: {error}\n"
 
 
 # --- the mlx-lm drop-in -------------------------------------------------------------

@@ -166,19 +166,23 @@ def test_main_help_lists_every_command():
     p = run(["--help"])
     assert p.returncode == 0
     usage = p.stdout.split("\n\n")[0]
-    for command in ("MODEL PROMPT", "--chat", "plan", "bench", "info", "verify", "--demo"):
+    for command in ("MODEL PROMPT", "--chat", "plan", "bench", "batch", "serve", "info", "verify",
+                    "--demo"):
         assert command in usage, usage
     commands = p.stdout.split("commands:")[1]
-    for command in ("plan", "bench", "info", "verify", "--demo"):
+    for command in ("plan", "bench", "batch", "serve", "info", "verify", "--demo"):
         assert re.search(rf"^  {re.escape(command)} ", commands, re.M), commands
 
 
 def all_parsers():
-    import deltafin_mlx.cli.main as cli
+    from deltafin_mlx.cli.batch import batch_parser
+    from deltafin_mlx.cli.bench import bench_parser
     from deltafin_mlx.cli.info import info_parser
-    from deltafin_mlx.format.verify import verify_parser
+    from deltafin_mlx.cli.main import run_parser
+    from deltafin_mlx.cli.plan import plan_parser
+    from deltafin_mlx.cli.verify import verify_parser
 
-    return [cli.run_parser(), cli.plan_parser(), cli.bench_parser(), cli.batch_parser(), info_parser(),
+    return [run_parser(), plan_parser(), bench_parser(), batch_parser(), info_parser(),
             verify_parser(), convert_cli.build_parser()]
 
 

@@ -79,7 +79,8 @@ def demo_plan(model_dir: Path, args):
 def run_demo(args) -> int:
     """The demo model, then an ordinary run (or chat) of it: every option of
     deltafin-run works as it does on any model."""
-    from deltafin_mlx.cli.main import cmd_chat, cmd_run
+    from deltafin_mlx.cli.chat import cmd_chat
+    from deltafin_mlx.cli.run import cmd_run
 
     model_dir = prepare(demo_dir(args))
     plan, manifest = demo_plan(model_dir, args)

@@ -3,8 +3,8 @@ config.json alone (nothing big is read): architecture, layers, experts,
 quantization, sizes on disk, where it came from and when it was converted."""
 
 import json
-import sys
 from collections import defaultdict
+from deltafin_mlx.cli.options import Parser
 
 from deltafin_mlx.units import human_bytes
 from deltafin_mlx.format.model_dir import open_model_dir
@@ -77,8 +77,6 @@ def format_info(r: dict) -> str:
 
 
 def info_parser():
-    from deltafin_mlx.cli.main import Parser
-
     p = Parser(prog="deltafin-run info", description="Describe a converted model (reads "
                "only its manifest and config.json).")
     p.add_argument("model", help="a directory written by deltafin-convert")
@@ -87,7 +85,7 @@ def info_parser():
     return p
 
 
-def run_info(argv) -> int:
+def cmd_info(argv) -> int:
     args = info_parser().parse_args(argv)
     r = model_info(args.model)
     print(json.dumps(r, indent=1) if args.json else format_info(r))

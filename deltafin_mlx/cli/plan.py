@@ -17,13 +17,14 @@ The disk and compute rates are measured once per machine and cached (rates.py), 
 given with --disk-gbps / --compute-gwps.
 """
 
+import json
 import os
 import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 
-from deltafin_mlx.units import human_bytes
+from deltafin_mlx.cli.options import Parser, positive, positive_or_auto
 from deltafin_mlx.format.hub import HubError, fetch_config, looks_like_hub_id
 from deltafin_mlx.plan.footprint import inventory_from_config, inventory_from_manifest
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
@@ -34,6 +35,7 @@ from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, measure
                                      measure_disk_gbps)
 from deltafin_mlx.plan.speed import project
 from deltafin_mlx.model.shard import expert_layout, sharded_inventory
+from deltafin_mlx.units import human_bytes
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -52,6 +54,48 @@ def _config_path(target: Path, name: str) -> Path:
         except HubError as e:
             raise ModelError(str(e)) from None
     raise ModelError(f"{target}: no such model directory or config.json")
+
+
+def plan_parser():
+    p = Parser(prog="deltafin-run plan", description="Show the memory plan for a model, "
+               "without loading its weights.")
+    p.add_argument("model", help="a Deltafin model directory, a source directory or "
+                   "config.json, or a Hugging Face hub id (only its config.json is fetched)")
+    p.add_argument("--budget", default=None,
+                   help="memory budget, e.g. 8GB (default: from available memory)")
+    p.add_argument("--context", type=int, default=4096,
+                   help="tokens of context to hold KV/state for (at most the model's maximum)")
+    p.add_argument("--sequences", type=positive_or_auto, default=1, metavar="N|auto",
+                   help="sequences decoded together (a batch job); auto: the most that fit "
+                   "(default: 1)")
+    for flag, default, what in (("--bits", 4, "trunk quantization bits"),
+                                ("--group-size", 64, "trunk quantization group size"),
+                                ("--expert-bits", 4, "bits for bf16/fp16 experts"),
+                                ("--expert-group-size", 64, "group size for bf16/fp16 experts")):
+        p.add_argument(flag, type=int, default=None,
+                       help=f"{what}, as deltafin-convert would use them; only for planning a "
+                       f"source (default: {default})")
+    p.add_argument("--disk-gbps", type=float, default=None,
+                   help="disk read bandwidth in GB/s (default: measured once, then cached)")
+    p.add_argument("--compute-gwps", type=float, default=None,
+                   help="quantized matvec rate, G weights/s (default: measured once, then cached)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure the disk and compute rates again instead of using cached ones")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="activation dtype to plan for (default: float32 on CPU; the model's "
+                   "dtype on GPU — plan an Apple GPU with bfloat16)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--ranks", type=positive, default=1,
+                   help="plan one rank of N running the model tensor parallel (mlx.launch)")
+    return p
+
+
+def cmd_plan(argv) -> int:
+    args = plan_parser().parse_args(argv)
+    report = plan_from_path(args)
+    print(json.dumps(report, indent=1) if args.json else format_plan(report))
+    return 0
 
 
 def plan_from_path(args) -> dict:

@@ -30,7 +30,9 @@ import select
 import socket
 import sys
 from types import SimpleNamespace
-from deltafin_mlx.errors import RequestError
+
+from deltafin_mlx.cli.options import Parser
+from deltafin_mlx.errors import RequestError, UsageError
 
 DEFAULT_MAX_BODY = 16 << 20
 PREFILL_STEP = 256
@@ -198,8 +200,6 @@ def log_counters(model):
 
 
 def parser():
-    from deltafin_mlx.cli.main import Parser  # one-line usage errors, as every deltafin-run command
-
     p = Parser(
         prog="deltafin-run serve", description=__doc__.splitlines()[0],
         epilog="Other options are mlx_lm.server's (e.g. --max-tokens, --prefill-step-size).")
@@ -219,9 +219,9 @@ def parser():
 def cmd_serve(argv) -> int:
     args, rest = parser().parse_known_args(argv)
     if args.context <= 0:
-        raise ValueError(f"--context must be 1 or more, not {args.context}")
+        raise UsageError(f"--context must be 1 or more, not {args.context}")
     if args.max_body_bytes <= 0:
-        raise ValueError("--max-body-bytes must be 1 or more")
+        raise UsageError("--max-body-bytes must be 1 or more")
     import mlx_lm.server as server
 
     from deltafin_mlx.engine.load import load

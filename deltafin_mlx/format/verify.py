@@ -1,5 +1,5 @@
-"""`deltafin-run verify MODEL`: check every byte of a converted model against what
-its format records.
+"""Check every byte of a converted model against what its format records (the
+library of `deltafin-run verify MODEL`, deltafin_mlx/cli/verify.py).
 
 What is checked: the manifest parses; every file it lists resolves inside the model
 directory (after symlinks) and is a regular file (else the check stops: the
@@ -134,61 +134,3 @@ def _check_bank(real: Path, rel: str, layer: int, layout, report: VerifyReport, 
     finally:
         os.close(fd)
 
-
-def verify_parser():
-    from deltafin_mlx.cli.main import Parser
-
-    p = Parser(prog="deltafin-run verify", description="Check a converted model: every "
-               "file's size and checksum, every expert record's CRC-32.")
-    p.add_argument("model", help="a directory written by deltafin-convert")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    return p
-
-
-def run_verify(argv) -> int:
-    import json
-    import sys
-
-    from deltafin_mlx.units import human_bytes
-
-    args = verify_parser().parse_args(argv)
-    bar = None
-    progress = None
-    if sys.stderr.isatty() and not args.json:
-        from tqdm import tqdm
-
-        bar = tqdm(total=0, unit="B", unit_scale=True, desc="verifying", leave=False,
-                   file=sys.stderr, dynamic_ncols=True)
-
-        def progress(done, total):
-            bar.total = total
-            bar.n = done
-            bar.refresh()
-
-    try:
-        report = verify_model(args.model, progress)
-    finally:
-        if bar is not None:
-            bar.close()
-    if args.json:
-        print(json.dumps({"model": str(report.path), "ok": report.ok,
-                          "files_checked": report.files_checked,
-                          "records_checked": report.records_checked,
-                          "bytes_checked": report.bytes_checked,
-                          "whole_file_checksums": report.whole_file_checksums,
-                          "problems": report.problems}))
-    else:
-        for problem in report.problems:
-            print(f"deltafin-run verify: damaged: {problem}", file=sys.stderr)
-        summary = (f"{report.files_checked} files, {report.records_checked} expert records "
-                   f"({human_bytes(report.bytes_checked)}) checked")
-        if not report.whole_file_checksums:
-            summary += (" (an older manifest without whole-file checksums: sizes, config.json "
-                        "and expert records checked)")
-        if report.ok:
-            print(f"{report.path}: OK: {summary}")
-        else:
-            print(f"{report.path}: {len(report.problems)} problem(s) found; {summary}",
-                  file=sys.stderr)
-    return 0 if report.ok else 1

@@ -1,0 +1,74 @@
+"""`deltafin-run bench MODEL`: a short decode benchmark. Synthetic prompts are
+prefilled in the plan's chunks and decoded greedily, a few times; the medians of
+prefill and decode speed are reported with the last run's expert counters."""
+
+import json
+import statistics
+
+from deltafin_mlx.cli.options import Parser, add_load_options, count, load_model, positive
+
+
+def bench_parser():
+    p = Parser(prog="deltafin-run bench", description="A short decode benchmark.")
+    p.add_argument("model", help="a directory written by deltafin-convert")
+    p.add_argument("-n", "--max-tokens", type=count, default=32, help="tokens decoded per run")
+    p.add_argument("--prompt-tokens", type=positive, default=16, help="prompt length of each run")
+    p.add_argument("--repeats", type=positive, default=3, help="runs (the median is reported)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_load_options(p)
+    return p
+
+
+def cmd_bench(argv) -> int:
+    args = bench_parser().parse_args(argv)
+    model, _ = load_model(args, tokenizer=False)
+    runs = [bench_run(model, args, i) for i in range(args.repeats)]
+    tps = [r.decode_tokens_per_second for r in runs]
+    pps = [r.prefill_tokens_per_second for r in runs]
+    step = model._deltafin.plan.prefill_step
+    result = {
+        "model": args.model,
+        "budget_bytes": model._deltafin.plan.budget,
+        "cache_fraction": model._deltafin.plan.cache_fraction,
+        "tokens_per_second_median": statistics.median(tps),
+        "tokens_per_second_range": [min(tps), max(tps)],
+        "prefill_tokens_per_second_median": statistics.median(pps),
+        "prefill_tokens_per_second_range": [min(pps), max(pps)],
+        "prefill_step": step,
+        "runs": [r.to_dict() for r in runs],
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"prefill, {args.prompt_tokens} tokens x {args.repeats}: median "
+              f"{result['prefill_tokens_per_second_median']:.2f} tok/s "
+              f"(range {min(pps):.2f}-{max(pps):.2f}, chunks of {step}); "
+              f"decode, {args.max_tokens} tokens: median "
+              f"{result['tokens_per_second_median']:.2f} tok/s "
+              f"(range {min(tps):.2f}-{max(tps):.2f}); cache {result['cache_fraction']:.0%} "
+              f"of experts; last run: {runs[-1].line()}")
+    model._deltafin.close()
+    return 0
+
+
+def bench_run(model, args, i: int):
+    """One run's RunStats: run `i`'s prompt (each run's differs), then the decode."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from deltafin_mlx.generate import StatsMeter
+
+    step = model._deltafin.plan.prefill_step
+    cache = make_prompt_cache(model)
+    prompt = mx.array([[(7 * j + i) % 200 + 1 for j in range(args.prompt_tokens)]])
+    meter = StatsMeter(model)
+    for start in range(0, prompt.shape[1] - 1, step):  # the plan's prefill chunks
+        model(prompt[:, start : min(start + step, prompt.shape[1] - 1)], cache=cache)
+        mx.eval([c.state for c in cache])
+    y = mx.argmax(model(prompt[:, -1:], cache=cache)[:, -1], axis=-1)
+    mx.eval(y)
+    meter.first_token()
+    for _ in range(args.max_tokens):
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        mx.eval(y)
+    return meter.now(args.max_tokens + 1, args.prompt_tokens)

@@ -1,0 +1,198 @@
+"""`deltafin-run MODEL --chat`: a conversation at the terminal, one turn a message,
+the model's cache kept between turns (and in a session file with --session)."""
+
+import signal
+import sys
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+from deltafin_mlx.chat import ChatSession, session_path
+from deltafin_mlx.cli.options import load_model
+from deltafin_mlx.errors import ContextError
+from deltafin_mlx.generate import PrefillProgress
+from deltafin_mlx.stops import StopMatcher
+
+
+def cmd_chat(args) -> int:
+    model, tokenizer = load_model(args)
+    try:
+        return run_chat(model, tokenizer, args)
+    finally:
+        model._deltafin.close()
+
+
+HELP = """\
+Type a message and press Enter. End a line with \\ to continue it on the next line,
+or put \"\"\" on a line of its own to start and end a block of several lines.
+  /help     this help
+  /reset    forget the conversation (and empty the model's cache)
+  /stats    expert-cache counters so far
+  /quit     leave (so do Ctrl-D, and Ctrl-C at an empty prompt)
+A line starting with // is sent as a message that starts with /.
+Ctrl-C while a reply is generated stops it; the reply so far is KEPT in the history
+(the model sees it, closed as a finished turn, in the next turn).
+With --session FILE the conversation and the model's cache are saved after every
+turn and restored at the next start, so the history is not prefilled again."""
+
+
+class StopOnSignal:
+    """While active, Ctrl-C asks the current turn to stop at the next token (or
+    prefill chunk) instead of raising; a second Ctrl-C raises as usual."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = None
+
+    def __enter__(self):
+        self.requested = False
+
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+
+        self.previous = signal.signal(signal.SIGINT, handler)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+        return False
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
+def read_message(prompt: str = "> ", more: str = "... ", out=None):
+    """One message from the user: None at end of input (Ctrl-D, or Ctrl-C at an
+    empty prompt); "" when a Ctrl-C cleared a half-typed line."""
+    out = out or sys.stderr
+    tty = sys.stdin.isatty()
+    if tty:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+
+    def line(p):
+        if tty:
+            return input(p)
+        print(p, end="", file=out, flush=True)
+        s = sys.stdin.readline()
+        if not s:
+            raise EOFError
+        return s.rstrip("\n")
+
+    try:
+        first = line(prompt)
+        if first.strip() == '"""':
+            lines = []
+            while True:
+                s = line(more)
+                if s.strip() == '"""':
+                    return "\n".join(lines)
+                lines.append(s)
+        lines = [first]
+        while lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1]
+            lines.append(line(more))
+        return "\n".join(lines)
+    except EOFError:
+        return None
+    except KeyboardInterrupt:
+        try:
+            import readline
+
+            typed = readline.get_line_buffer()
+        except ImportError:
+            typed = ""
+        print(file=out)
+        return "" if typed else None
+
+
+def run_chat(model, tokenizer, args) -> int:
+    """The interactive loop; `args` as `deltafin-run` parses them."""
+    options = dict(system=args.system, thinking=not args.no_think,
+                   thinking_effort=args.thinking_effort)
+    path = session_path(args.session) if args.session else None
+    if path is not None and path.exists():
+        session = ChatSession.restore(path, model, tokenizer, **options)
+        print(f"[session] restored {sum(m['role'] != 'system' for m in session.messages)} "
+              f"messages ({len(session.tokens)} tokens, no prefill needed) from {path}",
+              file=sys.stderr)
+    else:
+        session = ChatSession(model, tokenizer, **options)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    sampler = make_sampler(args.temp, top_p=args.top_p, top_k=args.top_k)
+    tty = sys.stdout.isatty()
+    print("Deltafin chat: /help for help, /reset clears the history, /quit (or Ctrl-D) ends.",
+          file=sys.stderr)
+    while True:
+        text = read_message()
+        if text is None:
+            break
+        if not text.strip():
+            continue
+        command = text.strip()
+        if command.startswith("/") and not command.startswith("//"):
+            if command in ("/quit", "/exit"):
+                break
+            if command == "/help":
+                print(HELP, file=sys.stderr)
+            elif command == "/reset":
+                session.reset()
+                if path is not None:
+                    session.save(path)
+                print("[history cleared]", file=sys.stderr)
+            elif command == "/stats":
+                s = model._deltafin.stats
+                print(f"[deltafin] {len(session.tokens)} tokens in the conversation; experts: "
+                      f"{s.hits} hits, {s.misses} misses ({s.hit_rate:.0%} hit rate), "
+                      f"{model._deltafin.store.bytes_read / 1e6:.1f} MB read", file=sys.stderr)
+            else:
+                print(f"[unknown command {command.split()[0]}: not sent; /help lists the "
+                      "commands, // sends a message starting with /]", file=sys.stderr)
+            continue
+        if command.startswith("//"):
+            text = text.lstrip()[1:]
+
+        stop = StopMatcher(args.stop)
+        shown = {"channel": None}
+
+        def on_text(channel, piece):
+            if channel == "answer":
+                piece = stop.add(piece)
+            if not piece:
+                return
+            if channel != shown["channel"]:
+                if channel == "think":
+                    print("\033[2m" if tty else "[thinking] ", end="")
+                elif shown["channel"] == "think":
+                    print("\033[0m\n" if tty else "\n[answer] ", end="")
+                shown["channel"] = channel
+            print(piece, end="", flush=True)
+
+        progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
+        try:
+            with StopOnSignal() as stopper:
+                turn = session.ask(text, args.max_tokens, sampler=sampler, progress=progress,
+                                   stop_requested=lambda: stopper() or stop.stopped,
+                                   on_text=on_text)
+        except ContextError as e:
+            print(f"[{e}; /reset starts over]", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:
+            print("\n[stopped inside a step: the turn is dropped, the next one prefills the "
+                  "history again]", file=sys.stderr)
+            continue
+        tail = stop.flush() if shown["channel"] == "answer" else ""
+        print(tail + ("\033[0m" if tty and shown["channel"] == "think" else ""))
+        if turn.finish_reason == "interrupted" and not stop.stopped:
+            print("[interrupted: the reply so far is kept in the history]", file=sys.stderr)
+        print(f"[deltafin] {turn.stats.line()}; prefilled {turn.prefilled} tokens "
+              f"({turn.reused} from the cache)", file=sys.stderr)
+        if path is not None:
+            session.save(path)
+    print(file=sys.stderr)
+    return 0

@@ -1,0 +1,97 @@
+"""What every `deltafin-run` command parses alike: the one-line usage error, the
+option value checks, the loading and sampling options, and loading the model
+those options describe."""
+
+import argparse
+import sys
+
+from deltafin_mlx.cli.common import HelpFormatter
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit code 2)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)  # every option shows its default
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_or_auto(value):
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    return n
+
+
+def count(text):
+    """A number of tokens: a non-negative integer."""
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {n}")
+    return n
+
+
+def positive(text):
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {n}")
+    return n
+
+
+def temperature(text):
+    t = float(text)
+    if not (t >= 0 and t != float("inf")):  # NaN fails every comparison
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
+    return t
+
+
+def top_p(text):
+    p = float(text)
+    if not 0 < p <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {text}")
+    return p
+
+
+def add_load_options(p):
+    p.add_argument("--budget", default=None,
+                   help="memory budget, e.g. 8GB (default: from available memory)")
+    p.add_argument("--reader-threads", type=int, default=1, help="background read threads")
+    p.add_argument("--no-lookahead", action="store_true", help="no speculative expert reads")
+    p.add_argument("--verify", action="store_true", help="check expert checksums on read")
+    p.add_argument("--read-mode", choices=("direct", "mmap"), default="direct",
+                   help="how experts are read: O_DIRECT (F_NOCACHE on macOS), or mmap")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def add_sampling_options(p, min_p: bool = False):
+    """Sampling, stops and prompt format: the same for a run, a chat and a batch."""
+    p.add_argument("--temp", type=temperature, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--top-k", type=count, default=0, help="sample from the k likeliest (0: all)")
+    if min_p:
+        p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: not fixed)")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop before this text; repeat the option for several (default: none)")
+    p.add_argument("--no-think", action="store_true", help="thinking off (K3 prompt format)")
+    p.add_argument("--raw", action="store_true", help="no chat template: prompts as they are")
+
+
+def load_model(args, **extra):
+    """The model `args` names, loaded with add_load_options' options (and --context
+    where the command has one); `extra` goes to `load` as is."""
+    from deltafin_mlx.engine.load import load
+
+    if getattr(args, "context", None) is not None:
+        extra.setdefault("context", args.context)
+    return load(args.model, memory_budget=args.budget, reader_threads=args.reader_threads,
+                lookahead=not args.no_lookahead, verify=args.verify, read_mode=args.read_mode,
+                progress=sys.stderr.isatty(), **extra)

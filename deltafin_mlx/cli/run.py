@@ -1,0 +1,97 @@
+"""`deltafin-run MODEL PROMPT`: one prompt, one reply, streamed to stdout (or one
+JSON object with --json), the run's counters on stderr."""
+
+import json
+import sys
+
+from deltafin_mlx.cli.options import load_model
+from deltafin_mlx.errors import UsageError
+from deltafin_mlx.stops import StopMatcher
+
+
+def cmd_run(args) -> int:
+    if args.prompt is None:
+        raise UsageError("no prompt given (a prompt, '-' for stdin, or --chat)")
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    model, tokenizer, prompt = open_model(args, text)
+    trace = start_trace(model, args.trace_routing)
+    reply, tokens, stats, reason = generate_reply(model, tokenizer, prompt, args,
+                                                  echo=not args.json)
+    if trace:
+        trace.close()
+    if args.json:
+        print(json.dumps({"text": reply, "tokens": tokens, "finish_reason": reason,
+                          "stats": stats.to_dict()}))
+    else:
+        print()
+        print(f"[deltafin] {stats.line()}", file=sys.stderr)
+    model._deltafin.close()
+    if reason == "interrupted":
+        print("deltafin-run: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def open_model(args, text):
+    """(model, tokenizer, prompt tokens): everything a run reads from the model
+    directory, in one place. The tokenizer comes first, because the prompt's length
+    and config.json's maximum size the context the model is then loaded for."""
+    from deltafin_mlx.engine.load import model_config, open_tokenizer
+    from deltafin_mlx.plan.memory import max_context, round_context
+
+    tokenizer = open_tokenizer(args.model)
+    prompt = make_prompt(tokenizer, text, args)
+    context = args.context or round_context(len(prompt) + args.max_tokens,
+                                            max_context(model_config(args.model)))
+    model, _ = load_model(args, context=context, tokenizer=tokenizer)
+    return model, tokenizer, prompt
+
+
+def make_prompt(tokenizer, text, args):
+    """The prompt's tokens: `text` as the user's message in the model's chat
+    template, or as it is with --raw."""
+    from deltafin_mlx.generate import chat_prompt
+
+    if args.raw:
+        return tokenizer.encode(text)
+    return chat_prompt(tokenizer, [{"role": "user", "content": text}],
+                       thinking=not args.no_think)
+
+
+def generate_reply(model, tokenizer, prompt, args, echo=True):
+    """(text, tokens, stats, finish reason); with `echo` the text is printed as it
+    comes, up to the first stop string."""
+    from deltafin_mlx.generate import PrefillProgress, StatsMeter, stream_generate
+
+    stop = StopMatcher(args.stop)
+    meter = StatsMeter(model)
+    stats, tokens, reason = meter.now(0, len(prompt)), [], None
+    progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
+    try:
+        for r in stream_generate(model, tokenizer, prompt, args.max_tokens, temp=args.temp,
+                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                 prompt_progress_callback=progress):
+            tokens.append(r.token)
+            stats, reason = r.deltafin, r.finish_reason
+            out = stop.add(r.text)
+            if echo and out:
+                print(out, end="", flush=True)
+            if stop.stopped:
+                reason = "stop"
+                break
+    except KeyboardInterrupt:  # the stats so far are still shown
+        reason = "interrupted"
+        if not tokens:
+            stats = meter.now(0, len(prompt))
+    out = stop.flush()
+    if echo and out:
+        print(out, end="", flush=True)
+    return stop.text, tokens, stats, reason
+
+
+def start_trace(model, path):
+    if not path:
+        return None
+    from deltafin_mlx.engine.trace import RoutingTrace
+
+    return RoutingTrace(model, path)
