@@ -25,6 +25,7 @@ from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_
 
 from deltafin_mlx.generate import PrefillProgress, RunStats, StatsMeter, fit_context, stream_generate
 from deltafin_mlx.errors import SessionError
+from deltafin_mlx.engine.runtime import runtime, find_runtime
 
 SESSION_FORMAT = "deltafin-chat"
 SESSION_VERSION = 1
@@ -54,7 +55,7 @@ def model_fingerprint(model) -> str:
     activation dtype its state was computed in."""
     from mlx.utils import tree_flatten
 
-    raw = (model._deltafin.manifest.path / "deltafin.json").read_bytes()
+    raw = (runtime(model).manifest.path / "deltafin.json").read_bytes()
     dtype = next((v.dtype for _, v in tree_flatten(model.parameters())
                   if mx.issubdtype(v.dtype, mx.floating)), None)
     return f"{hashlib.sha256(raw).hexdigest()[:32]}/{dtype}"
@@ -265,7 +266,7 @@ class ChatSession:
         session.messages = json.loads(meta["messages"])
         if not _consistent(cache, len(session.tokens)):
             raise SessionError(f"{path}: damaged (its cache and its tokens disagree)")
-        plan = getattr(model, "_deltafin", None)
+        plan = find_runtime(model)
         if plan is not None and len(session.tokens) >= plan.plan.context:
             raise SessionError(f"{path}: {len(session.tokens)} tokens, beyond the planned "
                                f"context of {plan.plan.context} (raise --context)")

@@ -3,7 +3,8 @@
 Deltafin runs mlx-lm's own model classes, generation, prompt caches and server; a
 few of the hooks it needs are not public. Each one is reached through a function
 here, so that an mlx-lm release that moves one breaks this file, not the runtime.
-Checked against mlx-lm 0.32.x (pyproject.toml pins `mlx-lm>=0.32.2,<0.33`).
+`deltafin-run serve` also subclasses mlx-lm's server classes and overrides
+`ModelProvider._load`. Checked against mlx-lm 0.32.x (pyproject.toml pins `mlx-lm>=0.32.2,<0.33`).
 """
 
 import mlx_lm.utils as _utils

@@ -10,6 +10,7 @@ import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 from deltafin_mlx.errors import ContextError
 from deltafin_mlx.stops import StopMatcher
+from deltafin_mlx.engine.runtime import find_runtime
 
 
 @dataclass
@@ -77,7 +78,7 @@ class StatsMeter:
     `first_token()` marks the end of the prefill."""
 
     def __init__(self, model):
-        self.state = getattr(model, "_deltafin", None)
+        self.state = find_runtime(model)
         self.start = time.perf_counter()
         self.first = None
         self.base = self._read()
@@ -112,7 +113,7 @@ class StatsMeter:
 
 def planned_prefill_step(model, default: int = 512) -> int:
     """The prefill chunk the memory plan sized (its activations fit the budget)."""
-    state = getattr(model, "_deltafin", None)
+    state = find_runtime(model)
     return state.plan.prefill_step if state is not None else default
 
 
@@ -120,7 +121,7 @@ def fit_context(model, prompt_tokens: int, max_tokens: int, cached: int = 0) -> 
     """The tokens that may be generated after a prompt within the planned context
     (KV/state is reserved for that many tokens): a prompt that does not fit is
     refused, never a silent overrun; generation stops where the context ends."""
-    state = getattr(model, "_deltafin", None)
+    state = find_runtime(model)
     if state is None:
         return max_tokens
     context, used = state.plan.context, cached + prompt_tokens

@@ -73,9 +73,11 @@ def make_classes(path: Path):
 
         def shard(self, group=None):
             """mlx-lm's tensor-parallel entry point (sharded_load, mlx_lm.server)."""
+            from deltafin_mlx.engine.runtime import find_runtime
+
             if self._loaded is None:
                 self._load(group or "auto")
-            elif getattr(self._loaded._deltafin, "group", None) is None and group is not None \
+            elif getattr(find_runtime(self._loaded), "group", None) is None and group is not None \
                     and group.size() > 1:
                 raise ValueError("this Deltafin model was loaded whole; shard() must come first")
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 from test_runtime import greedy as decode  # tests/ is on the path: run as a script, or by pytest
 
 from deltafin_mlx.engine.load import load
+from deltafin_mlx import runtime
 
 PROMPT = [[5, 17, 42, 99, 3, 250, 7, 11]]
 
@@ -46,7 +47,7 @@ def main():
                                 memory_budget=None if budget == "-" else budget,
                                 cache_slots=None if slots == "-" else int(slots))
                 tokens, logits = greedy(model, steps)
-                state = model._deltafin
+                state = runtime(model)
                 run = dict(tokens=tokens, bytes_read=state.store.bytes_read,
                            misses=state.stats.misses, hits=state.stats.hits,
                            slots=state.plan.slots, record_bytes=state.store.reader.record_size)

@@ -30,6 +30,7 @@ from deltafin_mlx.engine.load import load, load_resident
 from deltafin_mlx.format.manifest import read_manifest
 from deltafin_mlx.plan.memory import plan_memory, choose_sequences
 from deltafin_mlx.plan.footprint import inventory_from_manifest
+from deltafin_mlx import runtime
 
 
 def token_prompts(n, seed=0, lengths=(3, 17, 6, 29, 1, 11, 8, 23, 4, 14)):
@@ -71,7 +72,7 @@ def streamed(converted):
 
     yield get
     for model, _ in cache.values():
-        model._deltafin.close()
+        runtime(model).close()
 
 
 @pytest.mark.parametrize("arch", ["kimi_k3", "qwen3_moe"])
@@ -84,7 +85,7 @@ def test_greedy_batch_equals_each_prompt_run_alone(arch, converted, streamed):
             for i, (p, s) in enumerate(zip(prompts, steps))]
     # batch 4 < 10 requests: sequences join and leave the batch as others finish
     results = batch_generate(model, tok, reqs, raw=True, batch_size=4, logprobs=True)
-    assert model._deltafin.stats.misses > 0
+    assert runtime(model).stats.misses > 0
     resident = load_resident(converted(arch))
     for req, res, n in zip(reqs, results, steps):
         prompt = tok.encode(req["prompt"])
@@ -117,14 +118,14 @@ def test_experts_are_read_once_per_step_for_the_whole_batch(converted):
             for i, p in enumerate(token_prompts(8, seed=3))]
     per_token = {}
     for b in (1, 8):
-        before = model._deltafin.store.bytes_read
+        before = runtime(model).store.bytes_read
         res = batch_generate(model, tok, reqs, raw=True, batch_size=b)
         tokens = sum(r["stats"]["generation_tokens"] for r in res)
-        per_token[b] = (model._deltafin.store.bytes_read - before) / tokens
+        per_token[b] = (runtime(model).store.bytes_read - before) / tokens
         assert abs(sum(r["stats"]["expert_bytes_read"] for r in res)
-                   - (model._deltafin.store.bytes_read - before)) <= len(res)
+                   - (runtime(model).store.bytes_read - before)) <= len(res)
     assert per_token[8] < 0.7 * per_token[1]
-    model._deltafin.close()
+    runtime(model).close()
 
 
 def test_seeded_sampling_is_the_lone_runs_and_independent_of_the_batch(converted, streamed):

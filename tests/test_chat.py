@@ -14,6 +14,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from deltafin_mlx.chat import Channels, ChatSession, SessionError, _consistent
 from deltafin_mlx.generate import ContextError
 from deltafin_mlx.engine.load import load
+from deltafin_mlx import runtime
 
 QUESTION = "Tell me about the fox and the dog."
 
@@ -22,7 +23,7 @@ QUESTION = "Tell me about the fox and the dog."
 def k3(converted):
     model, tok = load(converted("kimi_k3"), "200MB", context=2048)
     yield model, tok
-    model._deltafin.close()
+    runtime(model).close()
 
 
 def test_three_equal_turns_prefill_only_the_new_turn(k3):
@@ -50,7 +51,7 @@ def test_a_turn_equals_a_fresh_prefill_of_the_same_tokens(converted):
     again = fresh.ask("And then?", 6, prompt=prompt)
     assert again.prefilled == len(prompt) and reply.prefilled < len(prompt) / 2
     assert again.tokens == reply.tokens
-    model._deltafin.close()
+    runtime(model).close()
 
 
 def test_saved_session_continues_with_no_prefill_of_history_and_the_same_tokens(k3, tmp_path):
@@ -81,7 +82,7 @@ def test_a_session_of_another_model_or_format_version_is_refused(k3, converted, 
     other, other_tok = load(converted("qwen3_moe"), "200MB", context=1024)
     with pytest.raises(SessionError, match="another model"):
         ChatSession.restore(tmp_path / "k3.safetensors", other, other_tok)
-    other._deltafin.close()
+    runtime(other).close()
 
     cache, meta = load_prompt_cache(str(tmp_path / "k3.safetensors"), return_metadata=True)
     save_prompt_cache(str(tmp_path / "v9.safetensors"), cache, {**meta, "version": "9"})
@@ -104,7 +105,7 @@ def test_a_diverging_history_is_trimmed_where_it_can_be_else_rebuilt(k3, convert
         kept = session.sync(edited)
         assert kept == (10 if trimmable else 0)  # recurrent state cannot be trimmed
         assert session.tokens == held[:kept] and _consistent(session.cache, kept)
-    qwen._deltafin.close()
+    runtime(qwen).close()
 
 
 def test_an_interrupted_reply_is_kept_and_the_next_turn_continues(k3):
@@ -138,7 +139,7 @@ def test_a_prompt_beyond_the_planned_context_is_refused_and_nothing_changes(conv
     with pytest.raises(ContextError, match=r"beyond the planned context of 300 tokens"):
         session.ask(" ".join(["The quick brown fox."] * 40), 4)
     assert session.tokens == held and len(session.messages) == 2
-    model._deltafin.close()
+    runtime(model).close()
 
 
 def test_thinking_is_split_from_the_answer_and_markup_never_shown(k3):

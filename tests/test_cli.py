@@ -12,6 +12,7 @@ import pytest
 
 import deltafin_mlx
 from deltafin_mlx.errors import HubError, TokenizerError, TrunkReadError
+from deltafin_mlx import runtime
 
 BIN = Path(sys.executable).parent
 
@@ -117,7 +118,7 @@ def test_python_api_generate_and_stream_generate(converted):
     streamed = list(deltafin_mlx.stream_generate(model, tokenizer, "Hello", max_tokens=6))
     assert [r.token for r in streamed] == done.tokens
     assert streamed[-1].deltafin.tokens == 6
-    model._deltafin.close()
+    runtime(model).close()
 
 
 # --- bad input ------------------------------------------------------------------------
@@ -232,4 +233,4 @@ def test_mlx_lm_load_uses_deltafin_tokenizer_and_never_remote_tokenizer_code(con
     assert isinstance(tokenizer._tokenizer, KimiTokenizer)
     text = mlx_lm.generate(model, tokenizer, "Hello", max_tokens=4)
     assert isinstance(text, str)
-    model._deltafin.close()
+    runtime(model).close()

@@ -30,6 +30,7 @@ from deltafin_mlx.format.model_dir import read_config
 from deltafin_mlx.format.manifest import ModelError, read_manifest
 from deltafin_mlx.plan.memory import plan_memory
 from deltafin_mlx.model.shard import check_divisible, expert_layout, sharded_inventory
+from deltafin_mlx import runtime
 
 HERE = Path(__file__).parent
 WORKER = HERE / "dist_worker.py"
@@ -108,7 +109,7 @@ def single_process(path, steps=STEPS, **kw):
 
     model, _ = load(path, tokenizer=False, group=None, **kw)
     tokens, logits = greedy(model, steps)
-    stats = model._deltafin
+    stats = runtime(model)
     out = tokens, logits, stats.store.bytes_read, stats.plan.slots
     stats.close()
     return out
@@ -369,4 +370,4 @@ def test_mlx_lm_server_under_mlx_launch_answers_a_request(models, tmp_path):
     model, tok = mlx_lm.load(str(sliced), trust_remote_code=True)
     expected = mlx_lm.generate(model, tok, "hello there", max_tokens=6)
     assert answer["choices"][0]["text"] == expected
-    model._deltafin.close()
+    runtime(model).close()

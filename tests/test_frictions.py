@@ -20,6 +20,7 @@ from deltafin_convert import cli as convert_cli
 from deltafin_mlx.format.bank import read_layout
 from deltafin_mlx.cli.main import main
 from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
+from deltafin_mlx import runtime
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def test_load_and_the_cli_expand_a_tilde(converted, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(home))
     model, tokenizer = deltafin_mlx.load("~/models/k3", memory_budget="200MB")
     assert len(deltafin_mlx.generate(model, tokenizer, "Hi", max_tokens=3).tokens) == 3
-    model._deltafin.close()
+    runtime(model).close()
     # A quoted ~ reaches the CLI unexpanded by the shell.
     p = run(["~/models/k3", "Hi", "-n", "3", "--json", "--budget", "200MB"], env={"HOME": home})
     assert p.returncode == 0, p.stderr

@@ -32,6 +32,8 @@ from deltafin_mlx.tokenizer.kimi import read_special_tokens, read_tiktoken_ranks
 from deltafin_mlx.format.verify import verify_model
 from test_reliability import no_hang
 
+from deltafin_mlx import runtime
+
 BIN = Path(sys.executable).parent
 LOAD = dict(tokenizer=False, cache_slots=4, reader_threads=0, lookahead=False)
 
@@ -89,7 +91,7 @@ def test_symlink_inside_the_model_is_followed(converted, copy_of):
     (path / "trunk" / "globals.safetensors").rename(path / "globals-real.safetensors")
     os.symlink("../globals-real.safetensors", path / "trunk" / "globals.safetensors")
     model, _ = load(path, **LOAD)
-    model._deltafin.close()
+    runtime(model).close()
 
 
 @pytest.mark.parametrize("name", ["config.json", MANIFEST_NAME, "tokenizer_config.json",
@@ -150,7 +152,7 @@ def test_large_files_are_checked_at_load_only_with_verify(converted, copy_of, mo
     rel = read_manifest(path, check_files=False).trunk_files["globals"]
     _overwrite(path / rel, (path / rel).stat().st_size - 100, os.urandom(16))  # tensor data
     model, _ = load(path, **LOAD)  # not checked at load: too large to read every time
-    model._deltafin.close()
+    runtime(model).close()
     with pytest.raises(ModelError, match=rf"{rel}: modified since conversion"):
         load(path, verify=True, **LOAD)
 
@@ -211,7 +213,7 @@ def test_a_manifest_without_checksums_still_loads_and_verify_says_so(converted, 
     del d["checksums"]
     (path / MANIFEST_NAME).write_text(json.dumps(d))
     model, _ = load(path, **LOAD)
-    model._deltafin.close()
+    runtime(model).close()
     report = verify_model(path)
     assert report.ok and report.whole_file_checksums is False
 
@@ -359,7 +361,7 @@ def test_out_of_vocabulary_ids_are_an_error_through_the_api(converted, bad):
     with pytest.raises(TokenIdError, match=rf"token id {bad} is outside the vocabulary"):
         model(mx.array([[3, bad, 5]]))
     model(mx.array([[0, vocab - 1]]))  # the edges are fine
-    model._deltafin.close()
+    runtime(model).close()
     resident = load_resident(converted("kimi_k3"))
     with pytest.raises(TokenIdError):
         resident(mx.array([[bad]]))
@@ -372,7 +374,7 @@ def test_out_of_vocabulary_ids_through_the_mlx_lm_drop_in(converted):
     m = Model(ModelArgs())
     with pytest.raises(TokenIdError):
         m(mx.array([[100000]]))
-    m._deltafin.close()
+    runtime(m).close()
 
 
 # --- the server ---------------------------------------------------------------

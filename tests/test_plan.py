@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from deltafin_mlx.cli.main import main
+from deltafin_mlx import runtime
 
 # Kimi K3's release config.json: $DELTAFIN_K3_CONFIG, else ../shared/kimi-k3/ beside the checkout.
 K3_CONFIG = Path(os.environ.get("DELTAFIN_K3_CONFIG") or
@@ -117,10 +118,10 @@ def test_plan_of_a_converted_model_matches_what_load_does(converted):
 
     r = plan_json(converted("kimi_k3"), "--budget", "50MB")
     model, _ = load(converted("kimi_k3"), memory_budget="50MB", tokenizer=False)
-    plan = model._deltafin.plan
+    plan = runtime(model).plan
     assert r["floor_bytes"] == plan.floor and r["expert_cache_slots"] == plan.slots
     assert r["streamed_layers"] == sorted(int(k) for k in plan.streamed)
-    model._deltafin.close()
+    runtime(model).close()
 
 
 def test_plan_text_output_names_every_part(converted, capsys):

@@ -12,6 +12,8 @@ from deltafin_mlx.engine.load import load
 from deltafin_mlx.format.manifest import read_manifest
 from test_runtime import expected, greedy, prompt_of  # noqa: F401  (fixture)
 
+from deltafin_mlx import runtime
+
 
 def test_a_pool_within_the_limit_is_one_chunk():
     assert pool_chunks(1560, 92, 16, 896, 1560) == [(0, 1560)]
@@ -53,11 +55,11 @@ def test_tokens_stay_exact_with_the_pool_in_several_chunks(converted, expected, 
     for slots, lookahead in ((24, True), (48, False)):  # 48 is capped at 3 x 11
         model, _ = load(path, cache_slots=slots, reader_threads=1, lookahead=lookahead,
                         tokenizer=False)
-        cache = model._deltafin.store.cache
+        cache = runtime(model).store.cache
         assert len(cache.chunks) > 1
         assert all(n <= 11 for _, n in cache.chunks)
         assert cache.capacity == min(slots, 33)
         tokens, logits = greedy(model, prompt_of(12), 16)
         assert (tokens == ref_tokens).all(), slots
         assert mx.array_equal(logits, ref_logits).item(), slots
-        model._deltafin.close()
+        runtime(model).close()

@@ -39,6 +39,8 @@ from deltafin_mlx.engine.reader import ReadError, open_bank, read_record
 from deltafin_mlx.format.aligned import aligned_empty
 from test_runtime import greedy
 
+from deltafin_mlx import runtime
+
 CLEAR = (ModelError, BankError, ReadError, BudgetError)
 PROMPT = mx.array([[1, 5, 9, 200, 17, 33]])
 # Few slots, reads in the caller, no speculation: every run reads the same records.
@@ -106,7 +108,7 @@ def first_logits(model):
 
 
 def close(model):
-    model._deltafin.close()
+    runtime(model).close()
 
 
 def same_files(a: Path, b: Path):
@@ -943,7 +945,7 @@ def test_persistent_read_errors_name_the_bank_and_offset(
 
 def test_budget_far_below_the_floor_states_the_floor(k3, clean):
     model, _ = load(k3, **{**FAST, "memory_budget": "4GB", "cache_slots": None})
-    floor = model._deltafin.plan.floor
+    floor = runtime(model).plan.floor
     close(model)
     for budget in (1, 4096, floor // 100, floor - 1):
         with pytest.raises(BudgetError, match=rf"below this model's floor of [0-9.]+ [KMGT]?B "
@@ -952,7 +954,7 @@ def test_budget_far_below_the_floor_states_the_floor(k3, clean):
     # At the floor exactly it runs, with the least cache, and gives the same logits.
     model, _ = load(k3, **{**FAST, "memory_budget": floor, "cache_slots": None})
     try:
-        assert model._deltafin.plan.cache_bytes <= floor
+        assert runtime(model).plan.cache_bytes <= floor
         assert mx.array_equal(first_logits(model), clean).item()
     finally:
         close(model)
@@ -968,7 +970,7 @@ def test_budget_larger_than_the_machine_loads_and_is_capped_by_the_model(k3, cle
     for budget in (huge, f"{huge // 10**12 + 1}TB"):
         model, _ = load(k3, **{**FAST, "memory_budget": budget, "cache_slots": None})
         try:
-            plan = model._deltafin.plan
+            plan = runtime(model).plan
             all_experts = plan.num_experts * plan.moe_layers * plan.slot_bytes
             assert plan.cache_bytes <= all_experts
             assert mx.array_equal(first_logits(model), clean).item()

@@ -19,6 +19,7 @@ from deltafin_mlx.format.manifest import ModelError, read_manifest
 from deltafin_mlx.plan.memory import BudgetError
 from deltafin_mlx.engine.reader import ReadError
 from deltafin_mlx.testing.synthetic import ARCHITECTURES
+from deltafin_mlx import runtime
 
 
 def greedy(model, prompt, steps):
@@ -60,11 +61,11 @@ def test_greedy_32_tokens_equal_mlx_lm_when_most_accesses_miss(arch, converted, 
     model, _ = load(converted(arch), cache_slots=k, tokenizer=False)
     tokens, logits = greedy(model, prompt_of(12), 32)
     ref_tokens, ref_logits = expected(arch, 1, 12)
-    stats = model._deltafin.stats
+    stats = runtime(model).stats
     assert stats.misses >= stats.hits  # at least half of the accesses missed
     assert (tokens == ref_tokens).all()
     assert mx.array_equal(logits, ref_logits).item()  # bit-identical, not just close
-    model._deltafin.close()
+    runtime(model).close()
 
 
 @pytest.mark.parametrize("arch", ["kimi_k3", "qwen3_moe"])
@@ -77,7 +78,7 @@ def test_batch_2_with_an_80_token_prompt_equals_mlx_lm(arch, converted, expected
     ref_tokens, ref_logits = expected(arch, 2, 84)
     assert (tokens == ref_tokens).all()
     assert mx.array_equal(logits, ref_logits).item()
-    model._deltafin.close()
+    runtime(model).close()
 
 
 SETTINGS = [  # the fixture has 3 MoE layers x 16 experts, 4 per token
@@ -100,8 +101,8 @@ def test_logits_are_bit_identical_across_deltafin_settings(converted, expected):
         assert (tokens == ref_tokens).all(), settings
         assert mx.array_equal(logits, ref_logits).item(), settings
         if settings["lookahead"] and settings["cache_slots"] in (12, 30):
-            assert model._deltafin.stats.speculative_issued > 0
-        model._deltafin.close()
+            assert runtime(model).stats.speculative_issued > 0
+        runtime(model).close()
 
 
 def test_a_slot_in_use_is_never_overwritten(converted, monkeypatch):
@@ -136,21 +137,21 @@ def test_a_slot_in_use_is_never_overwritten(converted, monkeypatch):
         model, _ = load(path, cache_slots=slots, reader_threads=2, lookahead=True,
                         tokenizer=False)
         greedy(model, prompt_of(20, batch=2), 8)
-        model._deltafin.close()
+        runtime(model).close()
     assert checked["n"] > 100
 
 
 def test_stats_count_hits_misses_speculation_bytes_and_stalls(converted):
     model, _ = load(converted("kimi_k3"), cache_slots=20, tokenizer=False)
     greedy(model, prompt_of(8), 16)
-    s = model._deltafin.stats
-    store = model._deltafin.store
+    s = runtime(model).stats
+    store = runtime(model).store
     assert s.hits > 0 and s.misses > 0
     assert s.speculative_issued > 0 and 0 <= s.speculative_used <= s.speculative_issued
     assert store.bytes_read == (s.misses + s.speculative_issued) * read_manifest(
         converted("kimi_k3")).experts["record_size"]
     assert s.stall_seconds > 0
-    model._deltafin.close()
+    runtime(model).close()
 
 
 # --- budget -------------------------------------------------------------------
@@ -177,14 +178,14 @@ def test_peak_memory_stays_within_budget_when_experts_are_4x_the_budget(tmp_path
     budget = banks // 4
     code = (
         "import resource, mlx.core as mx, numpy as np\n"
-        "from deltafin_mlx.engine.load import load\n"
+        "from deltafin_mlx import load, runtime\n"
         "from mlx_lm.models.cache import make_prompt_cache\n"
         "mx.eval(mx.zeros(8) + 1)\n"
         "def rss():\n"
         "    return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
         "base = rss()\n"
         f"model, _ = load({str(out)!r}, memory_budget={budget}, tokenizer=False)\n"
-        "plan = model._deltafin.plan\n"
+        "plan = runtime(model).plan\n"
         "cache = make_prompt_cache(model)\n"
         "y = mx.array([[1, 2, 3, 4]])\n"
         "peak = 0\n"
@@ -192,7 +193,7 @@ def test_peak_memory_stays_within_budget_when_experts_are_4x_the_budget(tmp_path
         "    y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)\n"
         "    mx.eval(y)\n"
         "    peak = max(peak, rss())\n"
-        "s = model._deltafin.stats\n"
+        "s = runtime(model).stats\n"
         "print(base, peak, plan.cache_fraction, s.misses, s.hits)\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -219,7 +220,7 @@ def test_verify_names_layer_and_expert_of_a_corrupt_record(converted, copy_of):
     model, _ = load(path, cache_slots=4, verify=True, tokenizer=False)
     with pytest.raises(ReadError, match=rf"checksum mismatch in layer {layer} expert \d+"):
         greedy(model, prompt_of(4), 2)
-    model._deltafin.close()
+    runtime(model).close()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "grow", "delete", "header"])
@@ -288,5 +289,5 @@ def test_a_read_refused_with_einval_falls_back_to_buffered_reads(converted, expe
     tokens, logits = greedy(model, prompt_of(12), 8)
     ref_tokens, ref_logits = expected("kimi_k3", 1, 12, 8)
     assert (tokens == ref_tokens).all() and mx.array_equal(logits, ref_logits).item()
-    assert not any(b.direct for b in model._deltafin.store.cache.banks.values())
-    model._deltafin.close()
+    assert not any(b.direct for b in runtime(model).store.cache.banks.values())
+    runtime(model).close()

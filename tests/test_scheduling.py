@@ -20,6 +20,8 @@ from deltafin_mlx.engine.reader import ReadCancelled, ReadJob, Reader
 from deltafin_mlx.engine.streaming_moe import IORates
 from test_runtime import expected, greedy, prompt_of  # noqa: F401  (fixture)
 
+from deltafin_mlx import runtime
+
 
 class GatedReads:
     """Stands in for read_record: records the order of reads; every read waits
@@ -238,8 +240,8 @@ def test_stale_guesses_are_dropped_unread_and_tokens_stay_exact(converted, expec
     model, _ = load(path, cache_slots=12, reader_threads=1, lookahead=True, tokenizer=False)
     tokens, logits = greedy(model, prompt_of(12), 16)
     ref_tokens, ref_logits = expected("kimi_k3", 1, 12, 16)
-    stats = model._deltafin.stats
-    store = model._deltafin.store
+    stats = runtime(model).stats
+    store = runtime(model).store
     cache = store.cache
     assert stats.speculative_cancelled > 0
     # Every read counted was a real read: demand misses plus guesses not dropped.
@@ -247,4 +249,4 @@ def test_stale_guesses_are_dropped_unread_and_tokens_stay_exact(converted, expec
     assert all(not j.cancelled for j in cache.pending.values())
     assert (tokens == ref_tokens).all()
     assert mx.array_equal(logits, ref_logits).item()
-    model._deltafin.close()
+    runtime(model).close()

@@ -14,6 +14,8 @@ from deltafin_mlx.format.manifest import read_manifest
 from deltafin_mlx.plan.memory import BudgetError, plan_memory
 from test_runtime import greedy, prompt_of
 
+from deltafin_mlx import runtime
+
 
 @pytest.fixture(scope="module", params=["kimi_k3", "qwen3_moe"])
 def model_and_reference(request, tmp_path_factory):
@@ -39,11 +41,11 @@ def test_floor_streams_trunk_layers_and_embedding_rows(model_and_reference):
     path, _ = model_and_reference
     floor = budgets_of(path)[0]
     model, _ = load(path, memory_budget=floor, tokenizer=False)
-    plan = model._deltafin.plan
+    plan = runtime(model).plan
     assert len(plan.streamed) >= 3 and plan.embed_on_demand
     assert plan.slots == plan.experts_per_token
     assert plan.used_bytes <= floor
-    model._deltafin.close()
+    runtime(model).close()
 
 
 def test_every_budget_down_to_the_floor_gives_mlx_lm_tokens_and_logits(model_and_reference):
@@ -53,15 +55,15 @@ def test_every_budget_down_to_the_floor_gives_mlx_lm_tokens_and_logits(model_and
     streamed_counts = []
     for budget in budgets_of(path):
         model, _ = load(path, memory_budget=budget, tokenizer=False)
-        streamed_counts.append(len(model._deltafin.plan.streamed))
+        streamed_counts.append(len(runtime(model).plan.streamed))
         tokens, logits = greedy(model, prompt_of(10), 12)
         assert (tokens == ref_tokens).all(), budget
         assert mx.array_equal(logits, ref_logits).item(), budget
         tokens, logits = greedy(model, prompt_of(20, batch=2, seed=1), 6)
         assert (tokens == ref2_tokens).all(), budget
         assert mx.array_equal(logits, ref2_logits).item(), budget
-        assert model._deltafin.trunk is None or model._deltafin.trunk.bytes_read > 0
-        model._deltafin.close()
+        assert runtime(model).trunk is None or runtime(model).trunk.bytes_read > 0
+        runtime(model).close()
     assert streamed_counts[0] > streamed_counts[-1] or streamed_counts[-1] == 0
     assert streamed_counts[0] >= 3
 

@@ -51,11 +51,13 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "chat_turns.json"))
     args = p.parse_args(argv)
     if args.model is None:
-        from deltafin_mlx.cli.demo import demo_budget, demo_dir, prepare
+        from deltafin_mlx.cli.demo import demo_dir, demo_plan, prepare
+        from deltafin_mlx.format.model_dir import open_model_dir
 
         args.model = str(prepare(demo_dir(argparse.Namespace(demo_dir=None))))
         if args.budget is None:
-            args.budget = demo_budget(Path(args.model), argparse.Namespace(reader_threads=1))
+            args.budget = demo_plan(open_model_dir(args.model),
+                                    argparse.Namespace(budget=None, reader_threads=1)).budget
     model, tok = load(args.model, args.budget, context=4096)
     result = {"model": args.model, "budget_bytes": runtime(model).plan.budget,
               "turns": args.turns, "max_tokens": args.max_tokens,

@@ -6,6 +6,8 @@ import sys
 from deltafin_mlx.cli.options import (Parser, add_load_options, add_sampling_options, count,
                                       load_model, positive, positive_or_auto)
 
+from deltafin_mlx.engine.runtime import runtime
+
 
 def batch_parser():
     p = Parser(prog="deltafin-run batch", description="Answer every prompt of a JSONL file "
@@ -38,11 +40,11 @@ def cmd_batch(argv) -> int:
     _, todo = read_job(args.input, args.output)
     model, tokenizer = load_model(args, context=args.context, sequences=args.batch_size,
                                   max_sequences=max(1, len(todo)))
-    opts.batch_size = model._deltafin.plan.sequences
+    opts.batch_size = runtime(model).plan.sequences
     summary = run_job(model, tokenizer, args.input, args.output, opts,
                       show_progress=False if args.no_progress else None)
     print(f"[deltafin] {summary_line(summary)}", file=sys.stderr)
-    model._deltafin.close()
+    runtime(model).close()
     return 0
 
 

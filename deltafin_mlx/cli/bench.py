@@ -6,6 +6,7 @@ import json
 import statistics
 
 from deltafin_mlx.cli.options import Parser, add_load_options, count, load_model, positive
+from deltafin_mlx.engine.runtime import runtime
 
 
 def bench_parser():
@@ -25,11 +26,11 @@ def cmd_bench(argv) -> int:
     runs = [bench_run(model, args, i) for i in range(args.repeats)]
     tps = [r.decode_tokens_per_second for r in runs]
     pps = [r.prefill_tokens_per_second for r in runs]
-    step = model._deltafin.plan.prefill_step
+    step = runtime(model).plan.prefill_step
     result = {
         "model": args.model,
-        "budget_bytes": model._deltafin.plan.budget,
-        "cache_fraction": model._deltafin.plan.cache_fraction,
+        "budget_bytes": runtime(model).plan.budget,
+        "cache_fraction": runtime(model).plan.cache_fraction,
         "tokens_per_second_median": statistics.median(tps),
         "tokens_per_second_range": [min(tps), max(tps)],
         "prefill_tokens_per_second_median": statistics.median(pps),
@@ -47,7 +48,7 @@ def cmd_bench(argv) -> int:
               f"{result['tokens_per_second_median']:.2f} tok/s "
               f"(range {min(tps):.2f}-{max(tps):.2f}); cache {result['cache_fraction']:.0%} "
               f"of experts; last run: {runs[-1].line()}")
-    model._deltafin.close()
+    runtime(model).close()
     return 0
 
 
@@ -58,7 +59,7 @@ def bench_run(model, args, i: int):
 
     from deltafin_mlx.generate import StatsMeter
 
-    step = model._deltafin.plan.prefill_step
+    step = runtime(model).plan.prefill_step
     cache = make_prompt_cache(model)
     prompt = mx.array([[(7 * j + i) % 200 + 1 for j in range(args.prompt_tokens)]])
     meter = StatsMeter(model)

@@ -12,14 +12,15 @@ from deltafin_mlx.cli.options import load_model
 from deltafin_mlx.errors import ContextError
 from deltafin_mlx.generate import PrefillProgress
 from deltafin_mlx.stops import StopMatcher
+from deltafin_mlx.engine.runtime import runtime
 
 
-def cmd_chat(args) -> int:
-    model, tokenizer = load_model(args)
+def cmd_chat(args, model_dir=None) -> int:
+    model, tokenizer = load_model(args, model_dir)
     try:
         return run_chat(model, tokenizer, args)
     finally:
-        model._deltafin.close()
+        runtime(model).close()
 
 
 HELP = """\
@@ -146,10 +147,10 @@ def run_chat(model, tokenizer, args) -> int:
                     session.save(path)
                 print("[history cleared]", file=sys.stderr)
             elif command == "/stats":
-                s = model._deltafin.stats
+                s = runtime(model).stats
                 print(f"[deltafin] {len(session.tokens)} tokens in the conversation; experts: "
                       f"{s.hits} hits, {s.misses} misses ({s.hit_rate:.0%} hit rate), "
-                      f"{model._deltafin.store.bytes_read / 1e6:.1f} MB read", file=sys.stderr)
+                      f"{runtime(model).store.bytes_read / 1e6:.1f} MB read", file=sys.stderr)
             else:
                 print(f"[unknown command {command.split()[0]}: not sent; /help lists the "
                       "commands, // sends a message starting with /]", file=sys.stderr)

@@ -53,27 +53,25 @@ def prepare(root: Path) -> Path:
     return model
 
 
-def demo_plan(model_dir: Path, args):
+def demo_plan(model_dir, args):
     """A plan whose budget holds the trunk and a quarter of the experts (the same
-    plan `load` then makes from that budget)."""
+    plan `load` then makes from that budget), for the opened demo model."""
     import mlx.core as mx
-    from mlx_lm.utils import load_config
 
-    from deltafin_mlx.plan.footprint import inventory_from_manifest
     from deltafin_mlx.engine.load import default_activation_dtype
-    from deltafin_mlx.format.manifest import read_manifest
+    from deltafin_mlx.plan.footprint import inventory_from_manifest
     from deltafin_mlx.plan.memory import plan_memory
 
-    m = read_manifest(model_dir)
+    m = model_dir.manifest
     act = default_activation_dtype() or getattr(mx, m.dtype)
-    inv = inventory_from_manifest(m, load_config(model_dir), act)
+    inv = inventory_from_manifest(m, model_dir.config, act)
     budget = args.budget
     if budget is None:
         plan = plan_memory(inv, 1 << 50, reader_threads=args.reader_threads)
         total = m.experts["num_experts"] * len(m.moe_layers)
         slots = max(m.experts["experts_per_token"], int(total * CACHE_FRACTION))
         budget = plan.state_bytes + plan.working_bytes + inv.trunk_bytes + slots * plan.slot_bytes
-    return plan_memory(inv, budget, reader_threads=args.reader_threads), m
+    return plan_memory(inv, budget, reader_threads=args.reader_threads)
 
 
 def run_demo(args) -> int:
@@ -81,10 +79,11 @@ def run_demo(args) -> int:
     deltafin-run works as it does on any model."""
     from deltafin_mlx.cli.chat import cmd_chat
     from deltafin_mlx.cli.run import cmd_run
+    from deltafin_mlx.format.model_dir import open_model_dir
 
-    model_dir = prepare(demo_dir(args))
-    plan, manifest = demo_plan(model_dir, args)
-    banks = sum(s for rel, s in manifest.files.items() if rel.endswith(".bank"))
+    model_dir = open_model_dir(prepare(demo_dir(args)))
+    plan = demo_plan(model_dir, args)
+    banks = sum(s for rel, s in model_dir.manifest.files.items() if rel.endswith(".bank"))
     print(
         f"[demo] budget {plan.budget / 1e6:.1f} MB for a model whose experts take "
         f"{banks / 1e6:.1f} MB on disk: {plan.slots} of "
@@ -93,9 +92,9 @@ def run_demo(args) -> int:
         file=sys.stderr,
     )
     print("[demo] the weights are random, so the text below is meaningless.", file=sys.stderr)
-    args.model, args.budget = str(model_dir), plan.budget
+    args.model, args.budget = str(model_dir.path), plan.budget
     if args.chat:
-        return cmd_chat(args)
+        return cmd_chat(args, model_dir)
     if args.prompt is None:
         args.prompt = "Explain how Deltafin runs a model larger than memory."
-    return cmd_run(args)
+    return cmd_run(args, model_dir)

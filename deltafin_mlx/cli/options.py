@@ -85,13 +85,14 @@ def add_sampling_options(p, min_p: bool = False):
     p.add_argument("--raw", action="store_true", help="no chat template: prompts as they are")
 
 
-def load_model(args, **extra):
-    """The model `args` names, loaded with add_load_options' options (and --context
-    where the command has one); `extra` goes to `load` as is."""
+def load_model(args, model_dir=None, **extra):
+    """The model `args` names (or `model_dir`, already opened), loaded with
+    add_load_options' options (and --context where the command has one); `extra`
+    goes to `load` as is."""
     from deltafin_mlx.engine.load import load
 
     if getattr(args, "context", None) is not None:
         extra.setdefault("context", args.context)
-    return load(args.model, memory_budget=args.budget, reader_threads=args.reader_threads,
+    return load(model_dir or args.model, memory_budget=args.budget, reader_threads=args.reader_threads,
                 lookahead=not args.no_lookahead, verify=args.verify, read_mode=args.read_mode,
                 progress=sys.stderr.isatty(), **extra)

@@ -7,13 +7,15 @@ import sys
 from deltafin_mlx.cli.options import load_model
 from deltafin_mlx.errors import UsageError
 from deltafin_mlx.stops import StopMatcher
+from deltafin_mlx.engine.runtime import runtime
 
 
-def cmd_run(args) -> int:
+def cmd_run(args, model_dir=None) -> int:
+    """`model_dir`: the directory already opened (the demo opens it to plan)."""
     if args.prompt is None:
         raise UsageError("no prompt given (a prompt, '-' for stdin, or --chat)")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    model, tokenizer, prompt = open_model(args, text)
+    model, tokenizer, prompt = open_model(args, text, model_dir)
     trace = start_trace(model, args.trace_routing)
     reply, tokens, stats, reason = generate_reply(model, tokenizer, prompt, args,
                                                   echo=not args.json)
@@ -25,25 +27,28 @@ def cmd_run(args) -> int:
     else:
         print()
         print(f"[deltafin] {stats.line()}", file=sys.stderr)
-    model._deltafin.close()
+    runtime(model).close()
     if reason == "interrupted":
         print("deltafin-run: interrupted", file=sys.stderr)
         return 130
     return 0
 
 
-def open_model(args, text):
-    """(model, tokenizer, prompt tokens): everything a run reads from the model
-    directory, in one place. The tokenizer comes first, because the prompt's length
-    and config.json's maximum size the context the model is then loaded for."""
-    from deltafin_mlx.engine.load import model_config, open_tokenizer
-    from deltafin_mlx.plan.memory import max_context, round_context
+def open_model(args, text, model_dir=None):
+    """(model, tokenizer, prompt tokens), from the model directory opened once. The
+    tokenizer comes first, because the prompt's length and config.json's maximum
+    size the context the model is then loaded for."""
+    from deltafin_mlx.engine.load import open_tokenizer
+    from deltafin_mlx.format.model_dir import open_model_dir
+    from deltafin_mlx.model.config import max_context
+    from deltafin_mlx.plan.memory import round_context
 
-    tokenizer = open_tokenizer(args.model)
+    model_dir = open_model_dir(model_dir or args.model)
+    tokenizer = open_tokenizer(model_dir)
     prompt = make_prompt(tokenizer, text, args)
     context = args.context or round_context(len(prompt) + args.max_tokens,
-                                            max_context(model_config(args.model)))
-    model, _ = load_model(args, context=context, tokenizer=tokenizer)
+                                            max_context(model_dir.config))
+    model, _ = load_model(args, model_dir, context=context)
     return model, tokenizer, prompt
 
 

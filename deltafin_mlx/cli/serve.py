@@ -33,6 +33,8 @@ from types import SimpleNamespace
 
 from deltafin_mlx.cli.options import Parser
 from deltafin_mlx.errors import RequestError, UsageError
+from deltafin_mlx.engine.runtime import runtime, find_runtime
+from deltafin_mlx import compat
 
 DEFAULT_MAX_BODY = 16 << 20
 PREFILL_STEP = 256
@@ -59,7 +61,7 @@ def make_handler(base, settings):
     class DeltafinHandler(base):
         def _refuse(self, status: int, message: str):
             logging.info("refused (%d): %s", status, message)
-            self._set_completion_headers(status)
+            compat.send_completion_headers(self, status)
             self.end_headers()
             self.wfile.write(json.dumps({"error": message}).encode())
 
@@ -137,15 +139,13 @@ def make_handler(base, settings):
 
         def _prompt_tokens(self, request) -> int:
             """The prompt's length, tokenized as mlx-lm's generation thread will."""
-            from mlx_lm.server import ResponseGenerator
-
             tokenizer = settings.tokenizer
             args = SimpleNamespace(chat_template_kwargs=self.chat_template_kwargs)
             if request.request_type == "text" and not isinstance(request.prompt, str):
                 raise RequestError("prompt must be a string")
             try:
-                prompt = ResponseGenerator._tokenize(self.response_generator, tokenizer,
-                                                     request, args)[0]
+                prompt = compat.server_prompt_tokens(self.response_generator, tokenizer,
+                                                     request, args)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # messages of any shape; template errors
@@ -191,7 +191,7 @@ class _Watched:
 
 
 def log_counters(model):
-    state = getattr(model, "_deltafin", None)
+    state = find_runtime(model)
     if state is None:
         return
     s = state.stats
@@ -253,8 +253,8 @@ def cmd_serve(argv) -> int:
         response_generator = server.ResponseGenerator(provider, server.LRUPromptCache(
             provider.cli_args.prompt_cache_size))
         logging.info("deltafin-run serve: %s, budget %d bytes, context %d tokens",
-                     args.model, model._deltafin.plan.budget, args.context)
-        server._run_http_server(host, port, response_generator, handler_class=handler)
+                     args.model, runtime(model).plan.budget, args.context)
+        compat.run_http_server(host, port, response_generator, handler_class=handler)
 
     if not any(a.startswith("--prefill-step-size") for a in rest):
         # Prompt activations grow with the prefill chunk, outside the plan's working
@@ -264,7 +264,7 @@ def cmd_serve(argv) -> int:
     if not any(a.startswith("--prompt-cache-bytes") for a in rest):
         # The prompt cache keeps KV caches of earlier requests: at most what the
         # plan set aside for KV at the planned context.
-        rest += ["--prompt-cache-bytes", str(model._deltafin.plan.state_bytes)]
+        rest += ["--prompt-cache-bytes", str(runtime(model).plan.state_bytes)]
     server.ModelProvider, server.run = DeltafinProvider, run
     sys.argv = ["deltafin-run serve", "--model", args.model, "--host", args.host,
                 "--port", str(args.port), *rest]

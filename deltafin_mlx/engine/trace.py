@@ -7,10 +7,12 @@ the input of bench/simulate_cache.py. Only the first sequence of a batch is trac
 import json
 import os
 
+from deltafin_mlx.engine.runtime import runtime
+
 
 class RoutingTrace:
     def __init__(self, model, path):
-        self.store = model._deltafin.store
+        self.store = runtime(model).store
         self.file = open(os.path.expanduser(path), "w")
         self.layers = self.store.layers
         self.pending = {}
