@@ -1,20 +1,9 @@
 """`deltafin-run plan`: the memory plan and a projected speed, without loading weights.
 
 Works on a converted model, or on a source `config.json` plus the conversion options
-(plan Kimi K3 before downloading 1.4 TB). The projection is a cost model:
-
-    compute per token = weights touched per token / quantized matvec rate
-    reads per token   = streamed trunk bytes + expected expert misses x record size
-    time per token    = max(compute, reads / disk bandwidth)  (reads overlap compute)
-                        .. compute + reads / disk bandwidth     (no overlap)
-
-with the expert hit rate taken two ways: the cache's share of all experts (no skew,
-a floor), and the hit rate the runtime's pool policy reaches on real routing at the
-same number of slots per layer per routed expert (bench/simulate_cache.py on
-../shared/traces/olmoe_299.jsonl, REAL_ROUTING_HITS). bench/iobound.py measures the
-model: where reads dominate, time per token is bytes read / disk bandwidth.
-The disk and compute rates are measured once per machine and cached (rates.py), or
-given with --disk-gbps / --compute-gwps.
+(plan Kimi K3 before downloading 1.4 TB). The projection is plan/speed.py's cost
+model; the disk and compute rates are measured once per machine and cached
+(plan/rates.py), or given with --disk-gbps / --compute-gwps.
 """
 
 import json
