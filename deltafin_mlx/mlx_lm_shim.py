@@ -10,7 +10,7 @@ loading to use Deltafin's tokenizer for Deltafin directories (K3 ships no
 tokenizer.json, only a tiktoken vocabulary).
 
 Under `mlx.launch` with more than one rank, the model is sharded (tensor parallel,
-see shard.py) and its loading waits for mlx-lm's `shard(group)` call (mlx_lm.server's
+see model/shard.py) and its loading waits for mlx-lm's `shard(group)` call (mlx_lm.server's
 `sharded_load` builds the model class twice; only the second one loads).
 
 Environment: DELTAFIN_BUDGET (e.g. "8GB") sets the memory budget (per rank);

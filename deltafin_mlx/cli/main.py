@@ -80,7 +80,7 @@ def run_parser():
     p.add_argument("--demo-dir", default=None,
                    help="where the demo model lives (default: ~/.cache/deltafin/demo)")
     p.add_argument("--trace-routing", metavar="FILE", default=None,
-                   help="write each token's routed experts as JSONL, for bench/simulate_cache.py "
+                   help="write each token's routed experts as JSONL, for python -m bench.studies.simulate_cache "
                    "(default: no trace)")
     add_load_options(p)
     add_version(p)

@@ -206,7 +206,7 @@ def load(
         state at `context` tokens in the budget; "auto" lets the planner choose,
         at most `max_sequences`.
     group: a mx.distributed.Group to shard the model over (tensor parallel, as
-        mlx-lm's shard(); see shard.py), None for the whole model in this process,
+        mlx-lm's shard(); see model/shard.py), None for the whole model in this process,
         or "auto": the global group when mlx.launch started more than one rank.
         The budget is per rank.
     """
@@ -378,7 +378,7 @@ def _progress(desc):
 def load_tokenizer(path: Path, manifest, config: dict):
     """The model's tokenizer. Every tokenizer file a loader may open by fixed name
     is checked first (inside the directory, a regular file, bounded); the files
-    themselves are validated (tokenizer.py); whatever a tokenizer library raises,
+    themselves are validated (tokenizer/kimi.py); whatever a tokenizer library raises,
     Rust panics included, becomes one ModelError line."""
     from deltafin_mlx.format.integrity import TOKENIZER_FILE_NAMES, TOKENIZER_MAX_BYTES, check_if_present
     from deltafin_mlx.errors import TokenizerError

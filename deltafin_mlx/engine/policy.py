@@ -10,7 +10,8 @@ exponentially decayed count of uses (the LRFU family, leaning to frequency):
 
 an estimate of how many times per token the expert is used. Two corrections
 fit it to routing traffic (together about one point of hit rate on drifting
-traffic in bench/simulate_cache.py, and none lost on steady traffic):
+traffic in the cache simulator, bench/studies/simulate_cache.py, and none lost
+on steady traffic; docs/LEARNED.md):
 
 * A use in the call right after another use of the same expert counts only
   `repeat_weight`. Consecutive tokens share a third or so of their experts;
@@ -24,7 +25,7 @@ The victim is the resident, unprotected expert of lowest value; ties go to
 the lowest slot. The time unit is the token: `use` advances the clock by the
 number of tokens the call routed, so a batched call ages popularity as much
 as the same tokens one at a time. The defaults were tuned with
-bench/simulate_cache.py on Zipf-skewed traces, steady and drifting.
+the cache simulator on Zipf-skewed traces, steady and drifting.
 """
 
 import numpy as np
@@ -189,12 +190,8 @@ class ExpertPool:
     many layer calls away the expert's layer is (`distance_power`): layers run in
     a fixed order, so a slot kept for a layer that runs next is held one call for
     its chance of a hit, one kept for the layer that just ran is held a whole
-    token. In bench/simulate_cache.py on Zipf-skewed traces (N=896, k=16, 4
-    layers, 1024 tokens) the shared map reached 0.80 / 0.88 of Belady at 10% /
-    25% cache without the bonus and 0.89 / 0.91 with it; the partitions reach
-    0.90 / 0.91. At 10% of OLMoE's real routing (16 layers, shared map) the
-    distance term lifts it from 0.62 to 0.69 of Belady (docs/LEARNED.md; power 3
-    chosen on generated 16-layer traces, where it beat 2 in every setting).
+    token. What the bonus, the partitions and the distance term each gain on
+    generated and real routing is in docs/LEARNED.md ("The pool's shared map").
     """
 
     def __init__(self, num_slots: int, num_experts: int, layers, experts_per_token: int,

@@ -1,7 +1,7 @@
 """Routing traces: each token's routed experts per MoE layer, as JSONL.
 
 One line per token: {"tok": i, "layers": [[expert ids of the 1st MoE layer], ...]},
-the input of bench/simulate_cache.py. Only the first sequence of a batch is traced.
+the input of the cache simulator (python -m bench.studies.simulate_cache). Only the first sequence of a batch is traced.
 """
 
 import json

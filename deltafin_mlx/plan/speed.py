@@ -17,7 +17,7 @@ from deltafin_mlx.plan.footprint import Inventory
 from deltafin_mlx.plan.memory import MemoryPlan
 
 # Hit rate of the shipped pool policy on OLMoE's real routing (16 layers x 64 experts,
-# 8 per token; bench/simulate_cache.py --trace ../shared/traces/olmoe_299.jsonl), by
+# 8 per token; python -m bench.studies.simulate_cache --trace olmoe_299.jsonl), by
 # cache slots per layer per routed expert: 10%, 25% and 50% of its experts.
 REAL_ROUTING_HITS = ((0.0, 0.0), (0.8, 0.369), (2.0, 0.614), (4.0, 0.819), (8.0, 1.0))
 
