@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from deltafin_mlx.generate import StatsMeter, chat_prompt
+from deltafin_mlx.generate import StatsMeter, chat_prompt, planned_pass
 from deltafin_mlx.errors import BatchError
 from deltafin_mlx.stops import StopMatcher
 
@@ -53,7 +53,7 @@ class BatchOptions:
     batch_size: int = 8  # sequences decoded together
     context: int = 4096  # longest prompt + max_tokens a request may have
     logprobs: bool = False  # each generated token's log-probability in the output
-    prefill_step_size: int = 2048
+    prefill_step_size: Optional[int] = None  # tokens per sequence per prefill call; None: the plan's pass
 
 
 @dataclass
@@ -285,7 +285,8 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
     gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
                          sampler=greedy, completion_batch_size=B,
                          prefill_batch_size=min(B, PREFILL_BATCH),
-                         prefill_step_size=opts.prefill_step_size)
+                         prefill_step_size=opts.prefill_step_size
+                         or max(1, planned_pass(model) // min(B, PREFILL_BATCH)))
     eos = set(tokenizer.eos_token_ids)
     running = {}
     try:

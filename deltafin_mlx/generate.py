@@ -111,10 +111,12 @@ class StatsMeter:
         )
 
 
-def planned_prefill_step(model, default: int = 512) -> int:
-    """The prefill chunk the memory plan sized (its activations fit the budget)."""
+def planned_pass(model, default: int = 512) -> int:
+    """Prompt tokens per prefill pass, as the memory plan sized it: mlx-lm hands the
+    model a pass in one call, which goes through each layer whole (its attention in
+    the plan's chunks), so each expert the pass routes to is read once."""
     state = find_runtime(model)
-    return state.plan.prefill_step if state is not None else default
+    return state.plan.prefill_pass if state is not None else default
 
 
 def fit_context(model, prompt_tokens: int, max_tokens: int, cached: int = 0) -> int:
@@ -140,28 +142,47 @@ def cached_tokens(prompt_cache) -> int:
 
 
 class PrefillProgress:
-    """Prefill progress on a terminal: tokens done, tokens/s, ETA (one line, redrawn)."""
+    """Prefill progress on a terminal: tokens done, the pass and the layer it is in,
+    tokens/s, ETA (one line, redrawn). mlx-lm reports each finished pass
+    (`__call__`); the engine reports each layer a pass finishes (`layer`)."""
 
     def __init__(self, stream, min_tokens: int = 256):
         self.stream = stream
         self.min_tokens = min_tokens
         self.start = None
         self.shown = False
+        self.done = self.total = 0
+        self.pass_tokens = 0  # tokens per pass, when the engine reports layers
 
     def __call__(self, done: int, total: int):
-        now = time.perf_counter()
         if self.start is None:
-            self.start = now
-        if total < self.min_tokens:
-            return
+            self.start = time.perf_counter()
+        self.done, self.total = done, total
         if done >= total:
             if self.shown:
                 self.stream.write("\r\033[K")
                 self.stream.flush()
             return
+        self._show(done, "")
+
+    def layer(self, finished: int, layers: int):
+        """`finished` of the model's `layers` MoE layers are done with the pass."""
+        if not self.total or self.done >= self.total:
+            return
+        passing = min(self.pass_tokens, self.total - 1 - self.done) or 1
+        passes = -(-(self.total - 1) // max(self.pass_tokens, 1))
+        this = self.done // max(self.pass_tokens, 1) + 1
+        self._show(self.done + passing * finished / layers,
+                   f" (pass {this}/{passes}, layer {finished}/{layers})")
+
+    def _show(self, done: float, where: str):
+        if self.total < self.min_tokens:
+            return
+        now = time.perf_counter()
         rate = done / (now - self.start) if done and now > self.start else 0.0
-        eta = f", ETA {(total - done) / rate:.0f} s" if rate else ""
-        self.stream.write(f"\r[prefill] {done}/{total} tokens, {rate:.1f} tok/s{eta}\033[K")
+        eta = f", ETA {(self.total - done) / rate:.0f} s" if rate else ""
+        self.stream.write(f"\r[prefill] {int(done)}/{self.total} tokens{where}, "
+                          f"{rate:.1f} tok/s{eta}\033[K")
         self.stream.flush()
         self.shown = True
 
@@ -181,23 +202,32 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tok
                     *, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                     seed: Optional[int] = None, **kwargs):
     """mlx-lm's stream_generate; every response carries `.deltafin` (RunStats so far).
-    The prompt is prefilled in the plan's chunks (`prefill_step_size`), so its
+    The prompt is prefilled in the plan's passes (`prefill_step_size`), so its
     activations stay within the memory budget."""
     if seed is not None:
         mx.random.seed(seed)
     sampler = kwargs.pop("sampler", None) or make_sampler(temp, top_p=top_p, top_k=top_k)
-    kwargs.setdefault("prefill_step_size", planned_prefill_step(model))
+    kwargs.setdefault("prefill_step_size", planned_pass(model))
     if isinstance(prompt, str):  # as mlx-lm encodes it
         bos = getattr(tokenizer, "bos_token", None)
         prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
     max_tokens = fit_context(model, len(prompt), max_tokens,
                              cached_tokens(kwargs.get("prompt_cache")))
     meter = StatsMeter(model)
-    for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                    sampler=sampler, **kwargs):
-        meter.first_token()
-        r.deltafin = meter.now(r.generation_tokens, r.prompt_tokens)
-        yield r
+    progress, state = kwargs.get("prompt_progress_callback"), find_runtime(model)
+    layers = getattr(progress, "layer", None) if state is not None else None
+    if layers is not None:  # a long prefill shows the layer each pass is at
+        progress.pass_tokens = kwargs["prefill_step_size"]
+        state.store.on_pass_layer = layers
+    try:
+        for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                        sampler=sampler, **kwargs):
+            meter.first_token()
+            r.deltafin = meter.now(r.generation_tokens, r.prompt_tokens)
+            yield r
+    finally:
+        if layers is not None:
+            state.store.on_pass_layer = None
 
 
 @dataclass

@@ -255,28 +255,31 @@ def test_plan_rates_are_measured_once_then_cached(converted, tmp_path, monkeypat
     measured = []
     monkeypatch.setattr(plan, "measure_disk_gbps",
                         lambda *a, **k: measured.append("disk") or float(next(rates)))
-    monkeypatch.setattr(plan, "measure_compute_gwps",
-                        lambda *a, **k: measured.append("compute") or float(next(rates)))
+    monkeypatch.setattr(plan, "measure_compute_gwps", lambda *a, batch=1, **k: measured.append(
+        "compute" if batch == 1 else "prefill") or float(next(rates)))
 
     def plan_of(*extra):
         assert main(["plan", str(converted("kimi_k3")), "--budget", "50MB", "--json", *extra]) == 0
         return json.loads(capsys.readouterr().out)
 
     first, second = plan_of(), plan_of()
-    assert measured == ["disk", "compute"]  # once, by the first run
+    assert measured == ["disk", "compute", "prefill"]  # once, by the first run
     assert first["disk_rate_from"].startswith("measured now")
     assert second["disk_rate_from"].startswith("measured 20")  # the date it was measured
     assert "cached in" in second["compute_rate_from"]
+    assert "cached in" in second["prefill_rate_from"]
     assert (tmp_path / "cache" / "deltafin" / "rates.json").exists()
-    for key in ("disk_gbps", "compute_gweights_per_second", "projection"):
+    for key in ("disk_gbps", "compute_gweights_per_second", "prefill_gweights_per_second",
+                "projection", "prefill_projection"):
         assert first[key] == second[key]
     again = plan_of("--remeasure")
-    assert measured == ["disk", "compute"] * 2 and again["disk_gbps"] != first["disk_gbps"]
+    assert measured == ["disk", "compute", "prefill"] * 2
+    assert again["disk_gbps"] != first["disk_gbps"]
     assert plan_of()["disk_gbps"] == again["disk_gbps"]  # the new measurement is kept
     given = plan_of("--disk-gbps", "1.5", "--compute-gwps", "7")
     assert (given["disk_gbps"], given["disk_rate_from"]) == (1.5, "given")
     assert (given["compute_gweights_per_second"], given["compute_rate_from"]) == (7, "given")
-    assert len(measured) == 4
+    assert len(measured) == 6  # the prefill rate stays cached
 
 
 def test_plan_takes_a_hub_id_fetching_only_its_config(tmp_path, sources):

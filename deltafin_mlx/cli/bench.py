@@ -26,7 +26,7 @@ def cmd_bench(argv) -> int:
     runs = [bench_run(model, args, i) for i in range(args.repeats)]
     tps = [r.decode_tokens_per_second for r in runs]
     pps = [r.prefill_tokens_per_second for r in runs]
-    step = runtime(model).plan.prefill_step
+    step = runtime(model).plan.prefill_pass
     result = {
         "model": args.model,
         "budget_bytes": runtime(model).plan.budget,
@@ -35,7 +35,7 @@ def cmd_bench(argv) -> int:
         "tokens_per_second_range": [min(tps), max(tps)],
         "prefill_tokens_per_second_median": statistics.median(pps),
         "prefill_tokens_per_second_range": [min(pps), max(pps)],
-        "prefill_step": step,
+        "prefill_pass": step,
         "runs": [r.to_dict() for r in runs],
     }
     if args.json:
@@ -43,7 +43,7 @@ def cmd_bench(argv) -> int:
     else:
         print(f"prefill, {args.prompt_tokens} tokens x {args.repeats}: median "
               f"{result['prefill_tokens_per_second_median']:.2f} tok/s "
-              f"(range {min(pps):.2f}-{max(pps):.2f}, chunks of {step}); "
+              f"(range {min(pps):.2f}-{max(pps):.2f}, passes of {step} tokens); "
               f"decode, {args.max_tokens} tokens: median "
               f"{result['tokens_per_second_median']:.2f} tok/s "
               f"(range {min(tps):.2f}-{max(tps):.2f}); cache {result['cache_fraction']:.0%} "
@@ -59,11 +59,11 @@ def bench_run(model, args, i: int):
 
     from deltafin_mlx.generate import StatsMeter
 
-    step = runtime(model).plan.prefill_step
+    step = runtime(model).plan.prefill_pass
     cache = make_prompt_cache(model)
     prompt = mx.array([[(7 * j + i) % 200 + 1 for j in range(args.prompt_tokens)]])
     meter = StatsMeter(model)
-    for start in range(0, prompt.shape[1] - 1, step):  # the plan's prefill chunks
+    for start in range(0, prompt.shape[1] - 1, step):  # the plan's prefill passes
         model(prompt[:, start : min(start + step, prompt.shape[1] - 1)], cache=cache)
         mx.eval([c.state for c in cache])
     y = mx.argmax(model(prompt[:, -1:], cache=cache)[:, -1], axis=-1)

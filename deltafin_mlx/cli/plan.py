@@ -22,11 +22,15 @@ from deltafin_mlx.model.config import max_context
 from deltafin_mlx.plan.memory import check_context, plan_memory
 from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, measure_compute_gwps,
                                      measure_disk_gbps)
-from deltafin_mlx.plan.speed import project
+from deltafin_mlx.plan.speed import project, project_prefill
 from deltafin_mlx.model.shard import expert_layout, sharded_inventory
 from deltafin_mlx.units import human_bytes
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+# Prompt lengths whose time to first token `plan` projects.
+PROJECTED_PROMPTS = (300, 3000, 30000)
+PREFILL_BATCH = 256  # tokens per matrix product when the prefill rate is measured
 
 # deltafin-convert's options a source is planned with, and their defaults there.
 CONVERSION_OPTIONS = {"bits": 4, "group_size": 64, "expert_bits": 4, "expert_group_size": 64}
@@ -68,6 +72,9 @@ def plan_parser():
                    help="disk read bandwidth in GB/s (default: measured once, then cached)")
     p.add_argument("--compute-gwps", type=float, default=None,
                    help="quantized matvec rate, G weights/s (default: measured once, then cached)")
+    p.add_argument("--prefill-gwps", type=float, default=None,
+                   help="quantized matrix product rate at a prefill's batch, G weights/s "
+                   "(default: measured once, then cached)")
     p.add_argument("--remeasure", action="store_true",
                    help="measure the disk and compute rates again instead of using cached ones")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -140,6 +147,14 @@ def plan_from_path(args) -> dict:
             compute_key(mode, 4, group, act),
             lambda: measure_compute_gwps(mode, group_size=group, act=act), remeasure)
         compute_from = _rate_origin(entry)
+    if args.prefill_gwps:
+        batched, batched_from = args.prefill_gwps, "given"
+    else:
+        batched, entry = cached_rate(
+            compute_key(mode, 4, group, act, PREFILL_BATCH),
+            lambda: measure_compute_gwps(mode, group_size=group, act=act, batch=PREFILL_BATCH),
+            remeasure)
+        batched_from = _rate_origin(entry)
     streamed = [int(k) for k in plan.streamed]
     from deltafin_mlx.plan.slots import max_slots, pool_chunks, pool_limit
 
@@ -187,7 +202,14 @@ def plan_from_path(args) -> dict:
         "disk_rate_from": disk_from,
         "compute_gweights_per_second": compute,
         "compute_rate_from": compute_from,
+        "prefill_gweights_per_second": batched,
+        "prefill_rate_from": batched_from,
         "projection": project(inv, plan, disk, compute),
+        "prefill_step": plan.prefill_step,
+        "prefill_pass": plan.prefill_pass,
+        "prefill_bytes": plan.prefill_bytes,
+        "prefill_projection": [project_prefill(inv, plan, n, disk, batched)
+                               for n in PROJECTED_PROMPTS],
     }
 
 
@@ -241,6 +263,14 @@ def _percent(f: float) -> str:
     return f"{100 * f:.1f}%" if f >= 0.001 or f == 0 else f"{100 * f:.2g}%"
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
+
+
 def format_plan(r: dict) -> str:
     p = r["projection"]
     maximum = f" (the model's maximum: {r['max_context']:,})" if r.get("max_context") else ""
@@ -285,5 +315,16 @@ def format_plan(r: dict) -> str:
         f"routing at as many slots per routed expert): "
         f"{human_bytes(p['real_routing_read_bytes_per_token'])} read per token, "
         f"{p['real_routing_tokens_per_second']:.3g} tok/s where reads overlap compute",
+        f"  prefill      {r['prefill_gweights_per_second']:.3g} G weights/s in matrix products "
+        f"of {PREFILL_BATCH} tokens ({r['prefill_rate_from']})",
+        f"prefill        passes of up to {r['prefill_pass']:,} tokens through each layer "
+        f"(attention in chunks of {r['prefill_step']}), {human_bytes(r['prefill_bytes'])} "
+        "of activations beyond the working buffers; each pass reads the experts its "
+        "tokens route to once",
+        "  first token  " + "; ".join(
+            f"{q['prompt_tokens']:,} tokens: {_duration(q['seconds_to_first_token'])} "
+            f"({q['passes']:,} pass{'es' if q['passes'] > 1 else ''}, "
+            f"{human_bytes(q['read_bytes'])} read)" for q in r["prefill_projection"])
+        + " (uniform routing, the cache's share held; longer prompts need --context)",
     ]
     return "\n".join(lines)

@@ -37,7 +37,6 @@ from deltafin_mlx.engine.runtime import runtime, find_runtime
 from deltafin_mlx import compat
 
 DEFAULT_MAX_BODY = 16 << 20
-PREFILL_STEP = 256
 
 
 def peer_closed(sock) -> bool:
@@ -257,10 +256,9 @@ def cmd_serve(argv) -> int:
         compat.run_http_server(host, port, response_generator, handler_class=handler)
 
     if not any(a.startswith("--prefill-step-size") for a in rest):
-        # Prompt activations grow with the prefill chunk, outside the plan's working
-        # memory: mlx-lm's 2048 took a 40 MB-budget server to +179 MiB on a prompt
-        # of 3700 tokens, 256 to +49 MiB (docs/PERFORMANCE.md).
-        rest += ["--prefill-step-size", str(PREFILL_STEP)]
+        # A prompt is prefilled in the plan's passes: mlx-lm's 2048 tokens per call
+        # would hold activations the budget does not have (docs/PERFORMANCE.md).
+        rest += ["--prefill-step-size", str(runtime(model).plan.prefill_pass)]
     if not any(a.startswith("--prompt-cache-bytes") for a in rest):
         # The prompt cache keeps KV caches of earlier requests: at most what the
         # plan set aside for KV at the planned context.

@@ -146,16 +146,17 @@ class ExpertCache:
             self.fresh_speculative.discard(old)
         self.slot_key[slot] = key
 
-    def request(self, layer: int, experts: np.ndarray, tokens: int) -> List[ReadJob]:
+    def request(self, layer: int, experts: np.ndarray, tokens: int, keep=()) -> List[ReadJob]:
         """Start reads for the misses among `experts` of `layer` (at most
         `capacity` distinct experts) for a call routing `tokens` tokens (0 for
-        a later group of the same call); returns the reads to wait for."""
+        a later group of the same call), never evicting the keys in `keep` (a
+        group still computing); returns the reads to wait for."""
         keys = [self.key(layer, e) for e in experts]
         self.pool.use(layer, experts, tokens)
         wanted = set(keys)
         if tokens:
             self._cancel_stale(layer, wanted)
-        protected = wanted | set(self.pending)
+        protected = wanted | set(self.pending) | set(keep)
         jobs = []
         for key, e in zip(keys, experts):
             if key in self.pending:
@@ -173,7 +174,7 @@ class ExpertCache:
                 # Every other slot is being filled by a speculative read: drop
                 # the guesses (or let them finish), then there is room.
                 self._retire_speculation(keep=wanted)
-                protected = wanted | set(self.pending)
+                protected = wanted | set(self.pending) | set(keep)
                 slot = self.pool.place(layer, e, protected)
             self._assign(key, slot)
             job = ReadJob(self.banks[layer], int(e), self._targets(slot), speculative=False)

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from deltafin_mlx.format.bank import BankError, read_layout
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
+from deltafin_mlx.engine.chunked_attention import chunk_attention
 from deltafin_mlx.format.manifest import ModelError
 from deltafin_mlx.format.model_dir import open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
@@ -280,6 +281,7 @@ def load(
         pipeline = mx.default_device() == mx.cpu
     store = ExpertStore(cache, reader, stats, manifest.experts["experts_per_token"], lookahead,
                         pipeline)
+    store.pass_above = plan.prefill_step
     for layer in manifest.moe_layers:
         sp = manifest.switch_path(layer)
         original = get_module(model, sp)
@@ -312,6 +314,12 @@ def load(
     if streamed:
         trunk = TrunkStreamer(model, manifest, dict(enumerate(paths)), streamed,
                               activation_dtype)
+    # A prefill pass goes through each layer whole; attention takes it in chunks.
+    for p in paths:
+        layer = get_module(model, p)
+        if getattr(layer, "self_attn", None) is not None:
+            chunk_attention(layer.self_attn, plan.prefill_step,
+                            linear=bool(getattr(layer, "is_linear", False)))
     if plan.slots >= plan.num_experts * plan.moe_layers:
         cache.preload_all(_progress("loading experts") if progress else None)
     model.eval()

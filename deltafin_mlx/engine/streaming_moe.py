@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from deltafin_mlx.engine.cache import CacheStats, ExpertCache
+from deltafin_mlx.engine.cache import CacheStats, ExpertCache, np_view
 from deltafin_mlx.engine.reader import Reader
 
 
@@ -51,6 +51,11 @@ class ExpertStore:
         self.moe_blocks: Dict[int, nn.Module] = {}  # layer -> the block owning the router
         self.on_route = None  # optional callback(layer, indices), e.g. a RoutingTrace
         self.rates = IORates()
+        # Tokens of a call beyond which it is a prefill pass (the plan's attention
+        # chunk): its experts are read once, in groups, and its pairs computed in
+        # pieces of a chunk's size (see StreamingSwitchGLU._pass).
+        self.pass_above = 512
+        self.on_pass_layer = None  # optional callback(MoE layers done, MoE layers) in a pass
 
     @property
     def bytes_read(self) -> int:
@@ -177,7 +182,8 @@ class StreamingSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         store, cache, layer = self._store, self._store.cache, self._layer
-        if cache.all_resident and store.on_route is None:
+        long_call = indices.size // max(indices.shape[-1], 1) > store.pass_above
+        if cache.all_resident and store.on_route is None and not long_call:
             # Every expert is in memory: map ids to slots lazily, like mlx-lm
             # would index its stacked tensor, with no evaluation here.
             self._moe_input = None
@@ -186,8 +192,10 @@ class StreamingSwitchGLU(nn.Module):
         nxt = store.next_layer.get(layer)
         predicted = None
         store.rates.tick(store.reader, store.stats)
+        # A pass's guesses would be most of the next layer's experts, which that
+        # layer reads once anyway.
         if (store.lookahead and nxt is not None and self._moe_input is not None
-                and store.rates.guesses_pay()):
+                and not long_call and store.rates.guesses_pay()):
             predicted = predict_experts(store.moe_blocks[nxt], self._moe_input, store.k)
         self._moe_input = None
         mx.eval(indices, predicted) if predicted is not None else mx.eval(indices)
@@ -200,6 +208,8 @@ class StreamingSwitchGLU(nn.Module):
             store.on_route(layer, idx)
 
         room = cache.pool.capacity_of(layer)
+        if long_call:
+            return self._pass(cache, x, idx, needed, tokens, room)
         if needed.size > room:
             return self._chunked(cache, x, idx, needed, tokens, room)
         jobs = cache.request(layer, needed, tokens)
@@ -258,6 +268,51 @@ class StreamingSwitchGLU(nn.Module):
             order.append(pairs)
         return self._assemble(outs, order, lead, k, flat.size)
 
+    def _pass(self, cache: ExpertCache, x, idx, needed, tokens, room):
+        """A prefill pass (more tokens than an attention chunk): every expert its
+        tokens route to is read at most once, in groups that fit the layer's slots,
+        each group's reads running while the previous group computes. The (token,
+        expert) pairs are computed in pieces of at most an attention chunk's pairs
+        (the memory one call of a chunked prefill takes) and written into one
+        output buffer. Each pair's arithmetic is the same as in one call, so the
+        result is too."""
+        layer, k = self._layer, idx.shape[-1]
+        lead, flat = idx.shape[:-1], idx.reshape(-1)
+        xs = x.reshape(-1, x.shape[-1])
+        held = np.array([cache.pool.slot_of(layer, e) is not None for e in needed], dtype=bool)
+        order = _pass_order(needed, held, np.unique(idx[..., -1, :]))
+        misses = int((~held).sum())
+        size = room if not misses else max(1, min(room // 2, -(-order.size // 2)))
+        groups = [order[s : s + size] for s in range(0, order.size, size)]
+        piece = self._store.pass_above * k
+        out = out_np = None
+        jobs = cache.request(layer, groups[0], tokens)
+        for i, group in enumerate(groups):
+            cache.wait(jobs)
+            if i + 1 < len(groups):  # the next group's reads, behind this group's arithmetic
+                keep = {cache.key(layer, e) for e in group}
+                jobs = cache.request(layer, groups[i + 1], 0, keep=keep)
+            pairs = np.nonzero(np.isin(flat, group))[0]
+            emap = np.zeros(cache.num_experts, dtype=np.int64)
+            emap[group] = cache.slots_of(layer, group)
+            for s in range(0, pairs.size, piece):
+                part = pairs[s : s + piece]
+                slots = mx.array(emap[flat[part]].astype(np.uint32)).reshape(1, -1, 1)
+                rows = mx.array((part // k).astype(np.uint32))
+                y = self._inner(xs[rows][None], slots).reshape(part.size, -1)
+                mx.eval(y)
+                if out is None:
+                    out = mx.zeros((flat.size, y.shape[-1]), dtype=y.dtype)
+                    mx.eval(out)
+                    out_np = np_view(out)
+                out_np[part] = np_view(y)
+        # A pass allocates arrays of many sizes; MLX keeps freed ones for reuse,
+        # which at a pass's sizes would hold memory the plan does not count.
+        mx.clear_cache()
+        if self._store.on_pass_layer is not None:
+            self._store.on_pass_layer(self._store.layers.index(layer) + 1, len(self._store.layers))
+        return out.reshape(*lead, k, -1)
+
     def _chunked(self, cache: ExpertCache, x, idx, needed, tokens, room):
         """More distinct experts than slots (a long prompt, a big batch): run the
         (token, expert) pairs in groups of experts that fit, each evaluated before
@@ -281,6 +336,15 @@ class StreamingSwitchGLU(nn.Module):
             outs.append(y)
             order.append(pairs)
         return self._assemble(outs, order, lead, k, flat.size)
+
+
+def _pass_order(needed: np.ndarray, held: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """The order a pass reads and computes its experts in: those already held
+    first (computed before any read can evict them), then the rest, the experts
+    the pass's last tokens use at the end, so that they are what the cache keeps
+    for decoding (the next token shares about a third of them)."""
+    late = np.isin(needed, last)
+    return np.concatenate([needed[held], needed[~held & ~late], needed[~held & late]])
 
 
 def _by_votes(predicted: np.ndarray) -> np.ndarray:

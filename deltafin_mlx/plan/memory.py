@@ -32,6 +32,7 @@ HEADROOM = 0.85  # of available memory, for the default budget
 RING = 2  # buffers per streamed layer shape: one in use, one being read
 PREFILL_STEPS = (512, 256, 128, 64, 32, 16)  # prompt tokens per forward pass, largest first
 PREFILL_SHARE = 16  # up to 1/16 of the budget may hold a prefill chunk's activations
+MAX_PASS = 8192  # prompt tokens one prefill pass may take through the layers
 
 
 
@@ -153,9 +154,41 @@ def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dt
     return step * per_token
 
 
+def pass_bytes_per_token(config: dict, activation_dtype: mx.Dtype) -> int:
+    """What each token of a prefill pass holds while the pass goes through a layer
+    (the whole pass goes through each layer before the next, engine/streaming_moe):
+    its hidden state and the layer's hidden-sized intermediates, the router's
+    scores, and the routed experts' outputs (k per token, written into one buffer,
+    then weighted by their scores), plus K3's attention-residual history."""
+    tc = text_config(config)
+    size = activation_dtype.size
+    hidden = tc.get("hidden_size", 0)
+    k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 8
+    experts = tc.get("n_routed_experts") or tc.get("num_experts") or tc.get("num_local_experts") or 0
+    shared = (tc.get("n_shared_experts") or tc.get("num_shared_experts") or 0) * max(
+        tc.get("moe_intermediate_size") or 0, tc.get("routed_expert_hidden_size") or 0)
+    blocks = 0
+    if tc.get("attn_res_block_size"):
+        blocks = -(-tc.get("num_hidden_layers", 1) // tc["attn_res_block_size"])
+    return size * (3 * k * hidden + (8 + blocks) * hidden + 3 * shared) + 2 * 4 * experts
+
+
+def pass_tokens(config: dict, step: int, context: int, activation_dtype: mx.Dtype,
+                allowance: int) -> int:
+    """Prompt tokens per prefill pass: as many as the allowance holds beside one
+    chunk's activations (attention runs in chunks of `step` within a layer), at
+    least one chunk, at most MAX_PASS and the context."""
+    room = allowance - prefill_bytes(config, step, context, activation_dtype)
+    n = room // max(pass_bytes_per_token(config, activation_dtype), 1)
+    return int(max(step, min(n, MAX_PASS, context)))
+
+
 def min_prefill_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:
-    """What the smallest prefill chunk needs beyond WORKING_BYTES (part of the floor)."""
-    need = prefill_bytes(config, PREFILL_STEPS[-1], context, activation_dtype)
+    """What the smallest prefill chunk and pass need beyond WORKING_BYTES (part of
+    the floor)."""
+    step = PREFILL_STEPS[-1]
+    need = (prefill_bytes(config, step, context, activation_dtype)
+            + step * pass_bytes_per_token(config, activation_dtype))
     return max(0, need - WORKING_BYTES)
 
 
@@ -187,8 +220,9 @@ class MemoryPlan:
     num_experts: int
     moe_layers: int
     streamed_read_bytes: int  # trunk bytes read per token
-    prefill_step: int = PREFILL_STEPS[-1]  # prompt tokens per forward pass (bounds activations)
-    prefill_bytes: int = 0  # that chunk's activations beyond the working buffers
+    prefill_step: int = PREFILL_STEPS[-1]  # attention chunk: prompt tokens per attention call
+    prefill_bytes: int = 0  # prefill activations beyond the working buffers (chunk + pass)
+    prefill_pass: int = PREFILL_STEPS[-1]  # prompt tokens per pass through the layers
     notes: List[str] = field(default_factory=list)
     floor_parts: Dict[str, int] = field(default_factory=dict)  # what the floor is made of; sums to it
     sequences: int = 1  # sequences decoded together; state_bytes covers all of them
@@ -283,13 +317,17 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
             + f", {k} experts per token{prefill})"
         )
 
-    # Prefill activations: the largest chunk whose activations fit in WORKING_BYTES
-    # (and the floor's share), or in up to 1/16 of a larger budget: bigger chunks
-    # read each expert fewer times.
+    # Prefill activations, in WORKING_BYTES (and the floor's share) or up to 1/16 of
+    # a larger budget: the largest attention chunk that fits, then as many tokens
+    # per pass as the rest holds (a pass reads each expert its tokens use once).
     least = WORKING_BYTES + min_prefill
     allowance = max(least, min(budget // PREFILL_SHARE, budget - floor + least))
-    step = prefill_step(inv.config, context, inv.activation_dtype, allowance)
-    extra = max(0, prefill_bytes(inv.config, step, context, inv.activation_dtype) - WORKING_BYTES)
+    # Half of it bounds the attention chunk, the rest holds the pass: a pass reads
+    # each expert once, a bigger chunk only saves calls.
+    step = prefill_step(inv.config, context, inv.activation_dtype, allowance // 2)
+    passing = pass_tokens(inv.config, step, context, inv.activation_dtype, allowance)
+    extra = max(0, prefill_bytes(inv.config, step, context, inv.activation_dtype)
+                + passing * pass_bytes_per_token(inv.config, inv.activation_dtype) - WORKING_BYTES)
     fixed += extra
 
     # Pin trunk layers while they fit (each saves its size in reads per token),
@@ -321,7 +359,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         floor=floor, experts_per_token=k, num_experts=inv.num_experts,
         moe_layers=len(inv.moe_layers), streamed_read_bytes=read, floor_parts=floor_parts,
         sequences=sequences, sequence_recurrent_bytes=recurrent, sequence_kv_bytes=kv,
-        prefill_step=step, prefill_bytes=extra,
+        prefill_step=step, prefill_bytes=extra, prefill_pass=passing,
     )
 
 

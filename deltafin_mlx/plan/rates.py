@@ -36,11 +36,12 @@ def disk_key(path) -> str:
     return f"disk:{platform.node()}:{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
 
 
-def compute_key(mode: str, bits: int, group_size: int, dtype) -> str:
+def compute_key(mode: str, bits: int, group_size: int, dtype, batch: int = 1) -> str:
     import mlx.core as mx
 
     return (f"compute:{platform.node()}:{platform.machine()}:{mx.default_device()}:"
-            f"mlx-{mx.__version__}:{mode}:{bits}:{group_size}:{str(dtype).split('.')[-1]}")
+            f"mlx-{mx.__version__}:{mode}:{bits}:{group_size}:{str(dtype).split('.')[-1]}"
+            + (f":batch{batch}" if batch > 1 else ""))
 
 
 def _read() -> dict:
@@ -109,11 +110,12 @@ def measure_disk_gbps(path=None, nbytes: int = 256 << 20, block: int = 16 << 20,
 
 
 def measure_compute_gwps(mode: str = "affine", bits: int = 4, group_size: int = 64,
-                         dim: int = 4096, act: mx.Dtype = mx.float32) -> float:
-    """Batch-1 quantized matvec rate, in G weights per second."""
+                         dim: int = 4096, act: mx.Dtype = mx.float32, batch: int = 1) -> float:
+    """Quantized matrix product rate, in G weights (times tokens) per second: a
+    matvec at batch 1 (decoding), a matrix product at a prefill pass's batch."""
     w = mx.random.normal((dim, dim)).astype(act)
     q = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
-    x = mx.random.normal((1, dim)).astype(act)
+    x = mx.random.normal((batch, dim)).astype(act)
     biases = q[2] if len(q) > 2 else None
     mx.eval(q, x)
     y = mx.quantized_matmul(x, q[0], q[1], biases, transpose=True, group_size=group_size,
@@ -125,4 +127,4 @@ def measure_compute_gwps(mode: str = "affine", bits: int = 4, group_size: int = 
         y = mx.quantized_matmul(x, q[0], q[1], biases, transpose=True,
                                 group_size=group_size, bits=bits, mode=mode)
         mx.eval(y)
-    return n * dim * dim / (time.perf_counter() - start) / 1e9
+    return n * batch * dim * dim / (time.perf_counter() - start) / 1e9

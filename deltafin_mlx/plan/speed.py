@@ -53,3 +53,34 @@ def project(inv: Inventory, plan: MemoryPlan, disk_gbps: float, compute_gwps: fl
         "real_routing_read_bytes_per_token": real_read,
         "real_routing_tokens_per_second": 1 / max(compute, real_io),
     }
+
+
+def distinct_experts(tokens: int, experts: int, per_token: int) -> float:
+    """Expected distinct experts `tokens` tokens route to in one layer, under
+    uniform routing (real routing is skewed: fewer)."""
+    return experts * (1 - (1 - per_token / experts) ** tokens)
+
+
+def project_prefill(inv: Inventory, plan: MemoryPlan, prompt_tokens: int, disk_gbps: float,
+                    compute_gwps: float) -> dict:
+    """Time to first token for a prompt, in the plan's passes: each pass reads the
+    experts its tokens route to once (less the cache's share of them) and the
+    streamed trunk layers once, overlapped with its computation (every weight
+    touched per token, at `compute_gwps`: the rate of matrix products over many
+    tokens, which a pass's are)."""
+    weights = sum(u.weights for u in inv.units.values())
+    weights += len(inv.moe_layers) * inv.experts_per_token * inv.expert_weights
+    passes, seconds, read = 0, 0.0, 0.0
+    left = prompt_tokens
+    while left > 0:
+        tokens = min(left, plan.prefill_pass)
+        union = distinct_experts(tokens, inv.num_experts, inv.experts_per_token)
+        pass_read = (len(inv.moe_layers) * union * (1 - plan.cache_fraction) * inv.record_size
+                     + plan.streamed_read_bytes)
+        compute = tokens * weights / (compute_gwps * 1e9)
+        seconds += max(compute, pass_read / (disk_gbps * 1e9))
+        read += pass_read
+        passes += 1
+        left -= tokens
+    return {"prompt_tokens": prompt_tokens, "passes": passes, "read_bytes": read,
+            "seconds_to_first_token": seconds}

@@ -1,5 +1,5 @@
 """Peak RSS of a long prompt's prefill over the interpreter's baseline, at one
-prefill chunk (an integer) or the memory plan's ("plan"). Shared by
+prefill pass (an integer) or the memory plan's ("plan"). Shared by
 bench.studies.prefill_memory and tests/test_prefill_memory.py, so that both
 measure the same thing.
 
@@ -34,4 +34,5 @@ def main(argv):
         pass
     peak = status("VmHWM")
     print(json.dumps({"over_baseline": peak - base, "budget": runtime(model).plan.budget,
-                      "step": runtime(model).plan.prefill_step, "prompt": r.prompt_tokens}))
+                      "step": runtime(model).plan.prefill_step,
+                      "pass": runtime(model).plan.prefill_pass, "prompt": r.prompt_tokens}))

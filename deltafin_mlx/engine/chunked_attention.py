@@ -1,0 +1,62 @@
+"""Attention in chunks within a layer, so that a whole prefill pass can go through
+each decoder layer before the next.
+
+A pass hands the model all of its prompt tokens in one call: every MoE layer then
+routes all of them at once and reads each expert they use once, instead of once per
+chunk. What grows with the tokens of one call is attention (scores against the
+whole context, K3's KDA recurrence keeping per-token state copies on the CPU), so
+each decoder layer's attention module takes a long call in chunks of the plan's
+`prefill_step` tokens, in order, each with the cache as the previous chunk left
+it — exactly the calls a chunked prefill would make, with the same masks — and
+hands back their outputs joined. Everything else in a layer works token by token.
+"""
+
+import mlx.core as mx
+
+
+def chunk_bounds(tokens: int, step: int):
+    """(start, end) of each chunk of at most `step` tokens, the last at least two
+    tokens long (a one-token call takes a different mask path in mlx-lm: none)."""
+    bounds = [(s, min(s + step, tokens)) for s in range(0, tokens, step)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        (s, _), _ = bounds[-2], bounds.pop()
+        bounds[-1] = (s, tokens)
+    return bounds
+
+
+def chunk_mask(mask, start: int, end: int, tokens: int, linear: bool):
+    """The mask mlx-lm would have made for the chunk [start, end) of a call of
+    `tokens` tokens: "causal" and None stay as they are; an attention mask array
+    (..., tokens, offset + tokens) keeps the chunk's rows and the keys up to its
+    end; a recurrent layer's padding mask (B, tokens) keeps the chunk's columns."""
+    if mask is None or isinstance(mask, str):
+        return mask
+    if linear:
+        return mask[..., start:end]
+    offset = mask.shape[-1] - tokens
+    return mask[..., start:end, : offset + end]
+
+
+def chunk_attention(module, step: int, linear: bool = False):
+    """Make `module` (a decoder layer's attention) take calls longer than `step`
+    tokens in chunks. The instance gets a subclass, so no parameter is renamed."""
+    base = type(module)
+
+    def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+        tokens = x.shape[1]
+        if tokens <= step or cache is None:
+            return base.__call__(self, x, mask, cache, *args, **kwargs)
+        outs = []
+        for start, end in chunk_bounds(tokens, step):
+            out = base.__call__(self, x[:, start:end], chunk_mask(mask, start, end, tokens, linear),
+                                cache, *args, **kwargs)
+            # Evaluated chunk by chunk, as a chunked prefill evaluates its calls: the
+            # chunk's scores are freed before the next chunk's are made, and MLX's
+            # cache of freed buffers (sized by a context that grows each chunk) is
+            # emptied as mlx-lm empties it after each prefill call.
+            mx.eval(out, cache.state)
+            mx.clear_cache()
+            outs.append(out)
+        return mx.concatenate(outs, axis=1)
+
+    module.__class__ = type(f"Chunked{base.__name__}", (base,), {"__call__": __call__})
