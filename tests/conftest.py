@@ -57,6 +57,13 @@ def reference_model(src, trunk_bits=4, group_size=64, expert_bits=4, expert_grou
     return model
 
 
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path_factory, monkeypatch):
+    """Every test has its own user cache directory: a hot set saved by one test (or by
+    the user's own runs) never warms another test's cache (engine/hot_set.py)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))
+
+
 @pytest.fixture(scope="session")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("sources")

@@ -95,7 +95,8 @@ def token_check_cost(model_dir, tokens=48, repeats=5):
 
     out = {}
     for label, slots in (("all experts cached", None), ("streaming, 4 slots", 4)):
-        model, _ = load(model_dir, cache_slots=slots, tokenizer=False, memory_budget="2GB")
+        model, _ = load(model_dir, cache_slots=slots, tokenizer=False, memory_budget="2GB",
+                        warm_start=False)
         embed = get_module(model, find_path(model, "embed_tokens"))
         guarded, original = type(embed), type(embed).__mro__[1]
         from mlx_lm.models.cache import make_prompt_cache

@@ -68,6 +68,9 @@ def add_load_options(p):
     p.add_argument("--verify", action="store_true", help="check expert checksums on read")
     p.add_argument("--read-mode", choices=("direct", "mmap"), default="direct",
                    help="how experts are read: O_DIRECT (F_NOCACHE on macOS), or mmap")
+    p.add_argument("--no-warm-start", action="store_true",
+                   help="start with an empty expert cache and save none at exit (default: "
+                   "read back in the background what the last run of this model held)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -95,4 +98,4 @@ def load_model(args, model_dir=None, **extra):
         extra.setdefault("context", args.context)
     return load(model_dir or args.model, memory_budget=args.budget, reader_threads=args.reader_threads,
                 lookahead=not args.no_lookahead, verify=args.verify, read_mode=args.read_mode,
-                progress=sys.stderr.isatty(), **extra)
+                warm_start=not args.no_warm_start, progress=sys.stderr.isatty(), **extra)

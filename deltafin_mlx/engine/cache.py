@@ -105,6 +105,12 @@ class ExpertCache:
         self.pending: Dict[tuple, ReadJob] = {}  # (layer, expert) -> read in flight
         self.fresh_speculative = set()  # keys read ahead and not yet demanded
         self.all_resident = False  # set by preload_all
+        # A warm start's reads (a previous run's hot set) not yet demanded, and per
+        # partition the order they were queued in: the last queued, least valuable
+        # and least likely started, is the first given up when a miss needs a slot.
+        self.warming = set()
+        self._warm_order: Dict[object, list] = {}
+        self.warm_issued = 0
         self.slot_maps = {}
 
         layout: BankLayout = banks[self.layers[0]].layout
@@ -159,6 +165,18 @@ class ExpertCache:
         protected = wanted | set(self.pending) | set(keep)
         jobs = []
         for key, e in zip(keys, experts):
+            if key in self.warming:
+                self.warming.discard(key)
+                job = self.pending.get(key)
+                if job is not None and self.reader.cancel(job):
+                    # Its warm read has not started, and guesses queue behind one
+                    # another: read it now as a demand read (a miss), into its slot.
+                    self.stats.misses += 1
+                    job = ReadJob(self.banks[layer], int(e),
+                                  self._targets(self.pool.slot_of(layer, e)), speculative=False)
+                    self.pending[key] = job
+                    jobs.append(self.reader.submit(job))
+                    continue
             if key in self.pending:
                 jobs.append(self.pending[key])
             if self.pool.slot_of(layer, e) is not None:
@@ -168,6 +186,10 @@ class ExpertCache:
                     self.stats.speculative_used += 1
                 continue
             self.stats.misses += 1
+            if self.warming and not self.pool.has_free(layer):
+                # An unread warm-start guess costs nothing to give up; an expert
+                # already read (or used this run) does.
+                self._yield_warm(layer)
             try:
                 slot = self.pool.place(layer, e, protected)
             except RuntimeError:
@@ -175,7 +197,12 @@ class ExpertCache:
                 # the guesses (or let them finish), then there is room.
                 self._retire_speculation(keep=wanted)
                 protected = wanted | set(self.pending) | set(keep)
-                slot = self.pool.place(layer, e, protected)
+                try:
+                    slot = self.pool.place(layer, e, protected)
+                except RuntimeError:
+                    self._retire_speculation(keep=wanted, warm=True)
+                    protected = wanted | set(self.pending) | set(keep)
+                    slot = self.pool.place(layer, e, protected)
             self._assign(key, slot)
             job = ReadJob(self.banks[layer], int(e), self._targets(slot), speculative=False)
             self.pending[key] = job
@@ -216,7 +243,7 @@ class ExpertCache:
         their slots are free again at once (nothing will write them)."""
         for key, job in list(self.pending.items()):
             if (job.speculative and key[0] == layer and key not in wanted
-                    and self.reader.cancel(job)):
+                    and key not in self.warming and self.reader.cancel(job)):
                 del self.pending[key]
                 slot = self.pool.slot_of(*key)
                 self.pool.evict(*key)
@@ -225,12 +252,75 @@ class ExpertCache:
                 if slot is not None:
                     self.slot_key[slot] = None
 
-    def _retire_speculation(self, keep):
+    def _retire_speculation(self, keep, warm: bool = False):
+        """Cancel or wait out the guesses not in `keep`. Unstarted warm-start reads
+        are left alone unless `warm` (`_yield_warm` has already given up those of
+        the partition short of a slot)."""
         for key, job in list(self.pending.items()):
             if job.speculative and key not in keep:
+                if key in self.warming and not warm and not job.started:
+                    continue
                 job.cancelled = True
                 job.done.wait()
         self.collect()
+
+    def warm(self, keys) -> int:
+        """Queue reads of a previous run's hot set, `keys` ((layer, expert), most
+        valuable first), as guesses behind every demand read, each into a free slot
+        only (a guess never evicts; nothing is in flight at load anyway). Returns
+        how many were queued."""
+        issued = 0
+        for layer, e in keys:
+            if self.pool.slot_of(layer, e) is not None:
+                continue
+            slot = self.pool.place(layer, e, set(self.pending), speculative=True)
+            if slot is None:
+                continue  # its partition is full
+            key = self.key(layer, e)
+            self._assign(key, slot)
+            job = ReadJob(self.banks[layer], int(e), self._targets(slot), speculative=True)
+            self.pending[key] = job
+            self.warming.add(key)
+            self._warm_order.setdefault(self._partition(layer), []).append(key)
+            self.reader.submit(job)
+            issued += 1
+        self.warm_issued += issued
+        return issued
+
+    def _partition(self, layer):
+        return layer if self.pool.partitioned else None
+
+    def _drop_warm(self, key) -> bool:
+        """Give up `key`'s warm read if no thread has taken it: its slot is free."""
+        job = self.pending.get(key)
+        if job is None or not self.reader.cancel(job):
+            return False
+        del self.pending[key]
+        self.warming.discard(key)
+        slot = self.pool.slot_of(*key)
+        self.pool.evict(*key)
+        if slot is not None:
+            self.slot_key[slot] = None
+        return True
+
+    def _yield_warm(self, layer) -> bool:
+        """Free a slot for `layer` by giving up its partition's last queued,
+        unstarted warm read."""
+        queued = self._warm_order.get(self._partition(layer), [])
+        while queued:
+            key = queued.pop()
+            if key in self.warming and self._drop_warm(key):
+                return True
+        return False
+
+    def cancel_warm(self) -> list:
+        """Give up every warm read no thread has taken (closing: they would only
+        delay it); returns their keys, each partition's in the order they were queued."""
+        dropped = []
+        for queued in self._warm_order.values():
+            dropped.extend(key for key in queued if key in self.warming and self._drop_warm(key))
+            queued.clear()
+        return dropped
 
     def wait(self, jobs: List[ReadJob]):
         start = time.perf_counter()
@@ -249,6 +339,7 @@ class ExpertCache:
         for key, job in list(self.pending.items()):
             if job.done.is_set():
                 del self.pending[key]
+                self.warming.discard(key)
                 if job.error is not None:
                     slot = self.pool.slot_of(*key)
                     self.pool.evict(*key)

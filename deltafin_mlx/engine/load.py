@@ -22,6 +22,7 @@ from deltafin_mlx.plan.memory import MAX_SEQUENCES, plan_memory
 from deltafin_mlx.engine.reader import Reader, open_bank
 from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
                     sharded_inventory)
+from deltafin_mlx.engine.hot_set import HotSet, hot_key
 from deltafin_mlx.engine.streaming_moe import ExpertStore, StreamingSwitchGLU, tap_moe_input
 from deltafin_mlx.engine.runtime import Runtime, attach
 from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
@@ -179,6 +180,7 @@ def load(
     sequences=1,
     max_sequences: int = MAX_SEQUENCES,
     group="auto",
+    warm_start: bool = True,
 ) -> Tuple[nn.Module, object]:
     """Load a Deltafin model directory (a path, or a ModelDir already opened with
     `open_model_dir`). Returns (model, tokenizer).
@@ -210,6 +212,10 @@ def load(
         mlx-lm's shard(); see model/shard.py), None for the whole model in this process,
         or "auto": the global group when mlx.launch started more than one rank.
         The budget is per rank.
+    warm_start: save the expert cache's hot set when the runtime closes (in
+        ~/.cache/deltafin/hot/, keyed by the model) and read it back in the
+        background at the next load, behind every demand read (engine/hot_set.py).
+        Nothing to do when every expert fits.
     """
     if read_mode not in READ_MODES:
         raise ValueError(f"read_mode must be one of {READ_MODES}")
@@ -324,7 +330,13 @@ def load(
         cache.preload_all(_progress("loading experts") if progress else None)
     model.eval()
     guard_token_ids(model)
-    attach(model, Runtime(model_dir, plan, store, trunk, group))
+    hot = None
+    key = hot_key(manifest, act, rank, ranks) if warm_start and not cache.all_resident else None
+    if key is not None:
+        hot = HotSet(cache, key)
+        if reader_threads:  # without reader threads a read would hold up the load
+            hot.preload()
+    attach(model, Runtime(model_dir, plan, store, trunk, group, hot))
 
     tok = tokenizer if not isinstance(tokenizer, bool) else None
     if tokenizer is True:

@@ -167,6 +167,9 @@ class SlotMap:
         self._slot_of[expert] = slot
         return slot
 
+    def has_free(self) -> bool:
+        return bool(self._free)
+
     def evict(self, expert: int) -> None:
         """Free the slot of `expert` (e.g. after a failed read); no-op if it
         is not resident."""
@@ -263,3 +266,30 @@ class ExpertPool:
                     for layer, m in self.maps.items() for e, s in m.resident().items()}
         n = self.num_experts
         return {(self.layers[k // n], k % n): s for k, s in self.shared.resident().items()}
+
+    def has_free(self, layer) -> bool:
+        """Is a slot that `layer`'s experts may use empty?"""
+        m, _, _ = self._where(layer, 0)
+        return m.has_free()
+
+    def ranked(self):
+        """{layer: its resident experts, most valuable first}: what a warm restart
+        reads back first. Ties keep slot order (a warm start fills slots in the order
+        of its own ranking). The shared map's values are taken without the distance
+        term, which only says which layer runs next."""
+        order = {layer: [] for layer in self.layers}
+        if self.partitioned:
+            for layer, m in self.maps.items():
+                held = sorted(m.resident().items(), key=lambda es: es[1])  # by slot
+                experts = np.array([e for e, _ in held], dtype=np.int64)
+                if experts.size:
+                    values = m.value(experts)
+                    order[layer] = experts[np.argsort(-values, kind="stable")].tolist()
+            return order
+        held = sorted(self.shared.resident().items(), key=lambda ks: ks[1])
+        keys = np.array([k for k, _ in held], dtype=np.int64)
+        if keys.size:
+            values = self.shared.value(keys)
+            for k in keys[np.argsort(-values, kind="stable")].tolist():
+                order[self.layers[k // self.num_experts]].append(k % self.num_experts)
+        return order

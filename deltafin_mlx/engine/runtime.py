@@ -17,13 +17,15 @@ _ATTRIBUTE = "_deltafin"  # on mlx-lm's model (and the drop-in's wrapper)
 
 class Runtime:
     def __init__(self, model_dir: ModelDir, plan: MemoryPlan, store: ExpertStore,
-                 trunk: Optional[TrunkStreamer] = None, group=None):
+                 trunk: Optional[TrunkStreamer] = None, group=None, hot_set=None):
         self.model_dir = model_dir
         self.manifest = model_dir.manifest
         self.plan = plan
         self.store = store
         self.trunk = trunk
         self.group = group  # the tensor-parallel group, None in one process
+        self.hot_set = hot_set  # engine/hot_set.HotSet, None without a warm start
+        self._closed = False
 
     @property
     def stats(self):
@@ -35,10 +37,19 @@ class Runtime:
         return self.store.cache
 
     def close(self):
-        """Stop the reader threads and close the banks (the model is unusable after)."""
-        self.store.close()
-        if self.trunk is not None:
-            self.trunk.close()
+        """Save the cache's hot set for the next load (with a warm start), stop the
+        reader threads and close the banks (the model is unusable after). Closing
+        twice does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.hot_set is not None:
+                self.hot_set.save()
+        finally:
+            self.store.close()
+            if self.trunk is not None:
+                self.trunk.close()
 
 
 def attach(model, state: Runtime):

@@ -69,11 +69,11 @@ def _kind(mode) -> str:
     return "not a plain file"
 
 
-def open_inside(root, rel, limit: int):
+def open_inside(root, rel, limit: int, inside="the model directory"):
     """An open binary file for `root/rel`, checked as `resolve_inside` does and at
     most `limit` bytes long. Opened non-blocking, so a file swapped for a FIFO
     after the check still cannot block; the open file is checked again."""
-    real, st = resolve_inside(root, rel)
+    real, st = resolve_inside(root, rel, inside=inside)
     if st.st_size > limit:
         raise ModelError(f"{Path(root) / rel}: {st.st_size} bytes, more than the "
                          f"{limit} bytes such a file may have")
@@ -88,9 +88,9 @@ def open_inside(root, rel, limit: int):
     return f
 
 
-def read_inside(root, rel, limit: int) -> bytes:
+def read_inside(root, rel, limit: int, inside="the model directory") -> bytes:
     """All of `root/rel`, a regular file inside `root` of at most `limit` bytes."""
-    with open_inside(root, rel, limit) as f:
+    with open_inside(root, rel, limit, inside) as f:
         try:
             data = f.read(limit + 1)
         except OSError as e:

@@ -5,6 +5,7 @@ file it lists exists with its recorded size, so damage is found at load time, no
 in the middle of a generation.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -47,6 +48,9 @@ class Manifest:
     source: dict = field(default_factory=dict)
     # relative path -> "crc32:xxxxxxxx"; empty for manifests written before it
     checksums: Dict[str, str] = field(default_factory=dict)
+    # SHA-256 of deltafin.json as read (hex): what names this exact model without
+    # reading the file again; empty for a manifest built in memory (the converter)
+    digest: str = ""
 
     @property
     def moe_layers(self):
@@ -146,6 +150,7 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
             files=d["files"],
             source=d.get("source", {}),
             checksums=d.get("checksums", {}),
+            digest=hashlib.sha256(raw).hexdigest(),
         )
     except _Leaves as e:
         raise ModelError(f"{mpath}: corrupt manifest ({e})") from None

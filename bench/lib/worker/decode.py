@@ -249,6 +249,12 @@ def decode(argv=None):
             extra["pipeline"] = args.pipeline == "on"
         if args.cache_slots:
             extra["cache_slots"] = args.cache_slots
+        import inspect
+
+        if "warm_start" in inspect.signature(load).parameters:
+            # Every configuration starts cold, as before warm restarts existed: a hot
+            # set left by the previous configuration would favour whichever runs next.
+            extra["warm_start"] = False
         model, _ = load(args.model, memory_budget=args.budget, tokenizer=False,
                         reader_threads=args.reader_threads, lookahead=bool(args.lookahead),
                         **extra)

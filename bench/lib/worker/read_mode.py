@@ -18,11 +18,12 @@ def main(argv):
 
     path, fraction, mode, pipeline, tokens = (argv[0], float(argv[1]), argv[2],
                                               argv[3] == "1", int(argv[4]))
-    probe, _ = load(path, tokenizer=False, cache_slots=1)
+    probe, _ = load(path, tokenizer=False, cache_slots=1, warm_start=False)
     plan = runtime(probe).plan
     runtime(probe).close()
     slots = max(plan.experts_per_token, int(fraction * plan.num_experts * plan.moe_layers))
-    m, _ = load(path, tokenizer=False, cache_slots=slots, read_mode=mode, pipeline=pipeline)
+    m, _ = load(path, tokenizer=False, cache_slots=slots, read_mode=mode, pipeline=pipeline,
+                warm_start=False)
     cache = make_prompt_cache(m)
     y = mx.argmax(m(mx.array([[1, 2, 3, 4]]), cache=cache)[:, -1], -1)
     mx.eval(y)
