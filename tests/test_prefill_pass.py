@@ -23,7 +23,8 @@ def streamed(path, **options):
     """A model whose cache holds only a few experts, at a budget whose plan makes
     passes longer than its attention chunk."""
     k = read_manifest(path).experts["experts_per_token"]
-    model, tok = load(path, BUDGET, cache_slots=k + 1, context=1024, **options)
+    model, tok = load(path, BUDGET, cache_slots=k + 1, context=1024, warm_start=False,
+                      **options)
     plan = runtime(model).plan
     assert plan.prefill_pass > plan.prefill_step
     return model, tok
@@ -138,10 +139,45 @@ def test_progress_shows_the_pass_and_the_layer_it_is_at(converted):
 
     model, tok = streamed(converted("qwen3_moe"))
     shown = io.StringIO()
-    prompt = prompt_of(2 * runtime(model).plan.prefill_pass + 10).tolist()[0]
-    generate(model, tok, prompt, 2, prompt_progress_callback=PrefillProgress(shown, min_tokens=1))
+    prompt = prompt_of(2 * 100 + 10).tolist()[0]  # passes of 100 tokens: 100, 100, 9
+    generate(model, tok, prompt, 2, prefill_step_size=100,
+             prompt_progress_callback=PrefillProgress(shown, min_tokens=1))
     layers = len(runtime(model).manifest.moe_layers)
     assert f"(pass 1/3, layer 1/{layers})" in shown.getvalue()
     assert f"(pass 3/3, layer {layers}/{layers})" in shown.getvalue()
     assert shown.getvalue().endswith("\r\033[K")  # the line is cleared when the prompt is done
     runtime(model).close()
+
+
+@pytest.fixture(scope="module")
+def many_experts(tmp_path_factory):
+    """K3's layout with many experts per layer for the experts a token uses, as K3
+    has (896 for 16): the prompt's last token then adds little to what it reads."""
+    from conftest import make_source
+    from deltafin_convert.convert import ConvertOptions, convert
+
+    root = tmp_path_factory.mktemp("many_experts")
+    src = make_source(root / "src", "kimi_k3", num_experts=128, experts_per_token=4)
+    convert(str(src), root / "model", ConvertOptions(progress=False))
+    return root / "model"
+
+
+@pytest.mark.parametrize("share", [0.1, 0.25, 0.5])
+def test_a_prompts_prefill_reads_at_most_1_1x_the_union_of_its_routing(share, many_experts):
+    """The passes and the prompt's last token, with the default settings (reads
+    ahead on), at caches holding at least one token's experts in every layer."""
+    m = read_manifest(many_experts)
+    total = m.experts["num_experts"] * len(m.moe_layers)
+    model, _ = load(many_experts, "200MB", cache_slots=int(share * total), context=1024,
+                    tokenizer=False, warm_start=False)
+    state = runtime(model)
+    routed = set()
+    state.store.on_route = lambda layer, idx: routed.update(
+        (layer, int(e)) for e in np.unique(idx))
+    prompt = prompt_of(600)
+    before = state.store.bytes_read
+    cache = prefill(model, prompt, state.plan.prefill_pass)
+    mx.eval(model(prompt[:, -1:], cache=cache))  # the last token: the first token's logits
+    read = state.store.bytes_read - before
+    assert read <= 1.10 * len(routed) * m.experts["record_size"]
+    state.close()

@@ -287,7 +287,7 @@ def load(
         pipeline = mx.default_device() == mx.cpu
     store = ExpertStore(cache, reader, stats, manifest.experts["experts_per_token"], lookahead,
                         pipeline)
-    store.pass_above = plan.prefill_step
+    store.pass_piece_tokens = plan.prefill_step
     for layer in manifest.moe_layers:
         sp = manifest.switch_path(layer)
         original = get_module(model, sp)

@@ -51,10 +51,9 @@ class ExpertStore:
         self.moe_blocks: Dict[int, nn.Module] = {}  # layer -> the block owning the router
         self.on_route = None  # optional callback(layer, indices), e.g. a RoutingTrace
         self.rates = IORates()
-        # Tokens of a call beyond which it is a prefill pass (the plan's attention
-        # chunk): its experts are read once, in groups, and its pairs computed in
-        # pieces of a chunk's size (see StreamingSwitchGLU._pass).
-        self.pass_above = 512
+        # A prefill pass's pairs are computed in pieces of this many tokens' pairs
+        # (the plan's attention chunk: what one call of a chunked prefill held).
+        self.pass_piece_tokens = 512
         self.on_pass_layer = None  # optional callback(MoE layers done, MoE layers) in a pass
 
     @property
@@ -182,7 +181,11 @@ class StreamingSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         store, cache, layer = self._store, self._store.cache, self._layer
-        long_call = indices.size // max(indices.shape[-1], 1) > store.pass_above
+        # A call of more than one token per sequence is a prefill pass (decoding,
+        # even a batch's, is one token per sequence).
+        per_sequence = indices.shape[-2] if indices.ndim >= 3 else indices.size // max(
+            indices.shape[-1], 1)
+        long_call = per_sequence > 1
         if cache.all_resident and store.on_route is None and not long_call:
             # Every expert is in memory: map ids to slots lazily, like mlx-lm
             # would index its stacked tensor, with no evaluation here.
@@ -269,7 +272,7 @@ class StreamingSwitchGLU(nn.Module):
         return self._assemble(outs, order, lead, k, flat.size)
 
     def _pass(self, cache: ExpertCache, x, idx, needed, tokens, room):
-        """A prefill pass (more tokens than an attention chunk): every expert its
+        """A prefill pass (more than one token per sequence): every expert its
         tokens route to is read at most once, in groups that fit the layer's slots,
         each group's reads running while the previous group computes. The (token,
         expert) pairs are computed in pieces of at most an attention chunk's pairs
@@ -280,11 +283,11 @@ class StreamingSwitchGLU(nn.Module):
         lead, flat = idx.shape[:-1], idx.reshape(-1)
         xs = x.reshape(-1, x.shape[-1])
         held = np.array([cache.pool.slot_of(layer, e) is not None for e in needed], dtype=bool)
-        order = _pass_order(needed, held, np.unique(idx[..., -1, :]))
+        order = _pass_order(needed, held, idx)
         misses = int((~held).sum())
         size = room if not misses else max(1, min(room // 2, -(-order.size // 2)))
         groups = [order[s : s + size] for s in range(0, order.size, size)]
-        piece = self._store.pass_above * k
+        piece = self._store.pass_piece_tokens * k
         out = out_np = None
         jobs = cache.request(layer, groups[0], tokens)
         for i, group in enumerate(groups):
@@ -338,13 +341,17 @@ class StreamingSwitchGLU(nn.Module):
         return self._assemble(outs, order, lead, k, flat.size)
 
 
-def _pass_order(needed: np.ndarray, held: np.ndarray, last: np.ndarray) -> np.ndarray:
+def _pass_order(needed: np.ndarray, held: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """The order a pass reads and computes its experts in: those already held
-    first (computed before any read can evict them), then the rest, the experts
-    the pass's last tokens use at the end, so that they are what the cache keeps
-    for decoding (the next token shares about a third of them)."""
-    late = np.isin(needed, last)
-    return np.concatenate([needed[held], needed[~held & ~late], needed[~held & late]])
+    first (computed before any read can evict them), then the rest by the last
+    position that uses them, so that what the cache keeps at the end of the pass is
+    what its last tokens used (the next token shares about a third of them)."""
+    positions = idx.reshape(-1, idx.shape[-2], idx.shape[-1]) if idx.ndim >= 3 else idx[None]
+    last_use = np.full(int(needed.max()) + 1, -1)
+    for p in range(positions.shape[1]):  # later positions overwrite earlier ones
+        last_use[positions[:, p].reshape(-1)] = p
+    missing = needed[~held]
+    return np.concatenate([needed[held], missing[np.argsort(last_use[missing], kind="stable")]])
 
 
 def _by_votes(predicted: np.ndarray) -> np.ndarray:
