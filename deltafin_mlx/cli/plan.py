@@ -30,7 +30,7 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 # Prompt lengths whose time to first token `plan` projects.
 PROJECTED_PROMPTS = (300, 3000, 30000)
-PREFILL_BATCH = 256  # tokens per matrix product when the prefill rate is measured
+PREFILL_BATCH = 64  # tokens per matrix product when the prefill rate is measured
 
 # deltafin-convert's options a source is planned with, and their defaults there.
 CONVERSION_OPTIONS = {"bits": 4, "group_size": 64, "expert_bits": 4, "expert_group_size": 64}
@@ -149,10 +149,13 @@ def plan_from_path(args) -> dict:
         compute_from = _rate_origin(entry)
     if args.prefill_gwps:
         batched, batched_from = args.prefill_gwps, "given"
+    elif args.compute_gwps:  # a machine described by hand: its matvec rate, unless told more
+        batched, batched_from = args.compute_gwps, "--compute-gwps (no --prefill-gwps given)"
     else:
         batched, entry = cached_rate(
             compute_key(mode, 4, group, act, PREFILL_BATCH),
-            lambda: measure_compute_gwps(mode, group_size=group, act=act, batch=PREFILL_BATCH),
+            lambda: measure_compute_gwps(mode, group_size=group, act=act, batch=PREFILL_BATCH,
+                                         dim=2048),
             remeasure)
         batched_from = _rate_origin(entry)
     streamed = [int(k) for k in plan.streamed]
