@@ -24,10 +24,18 @@ def main(argv):
     model, tok = load(path, 64 << 30, context=tokens + decode + 64, warm_start=False,
                       cache_slots=None if slots == "all" else int(slots))
     state = runtime(model)
-    routed, timing = set(), {"prefill": True}
+    routed, seen = set(), {"steps": 0, "read": None}
+    first_layer = state.store.layers[0]
 
     def on_route(layer, idx):
-        if timing["prefill"]:
+        # The prefill is the passes and the prompt's last token (the first
+        # one-token step); mlx-lm starts the next token's step before it yields
+        # the first token, so the prefill's reads are taken as that step begins.
+        if idx.shape[-2] == 1 and layer == first_layer:
+            seen["steps"] += 1
+            if seen["steps"] == 2:
+                seen["read"] = state.store.bytes_read - before
+        if seen["read"] is None:
             routed.update((layer, int(e)) for e in np.unique(idx))
 
     if slots != "all":  # with every expert resident there is nothing to read
@@ -37,13 +45,12 @@ def main(argv):
             f.write(argv[5])
     prompt = np.random.default_rng(0).integers(1, 700, tokens).tolist()
     mx.eval(mx.ones(4) + 1)
-    before, start, first, read = state.store.bytes_read, time.perf_counter(), None, None
+    start, first, read = time.perf_counter(), None, None
+    before = state.store.bytes_read
     for r in stream_generate(model, tok, prompt, decode):
         if first is None:
-            # The first token: the prefill, and the prompt's last token's step.
             first = time.perf_counter() - start
-            timing["prefill"] = False
-            read = state.store.bytes_read - before
+            read = seen["read"] if seen["read"] is not None else state.store.bytes_read - before
     record = state.manifest.experts["record_size"]
     plan = state.plan
     print(json.dumps({
