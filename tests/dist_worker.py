@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-from test_runtime import greedy as decode  # tests/ is on the path: run as a script, or by pytest
+from deltafin_mlx.testing.decode import greedy as decode
 
 from deltafin_mlx.engine.load import load
 from deltafin_mlx import runtime

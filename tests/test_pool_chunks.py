@@ -10,7 +10,8 @@ import deltafin_mlx.plan.slots as slots_mod
 from deltafin_mlx.plan.slots import pool_chunks, pool_limit
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.format.manifest import read_manifest
-from test_runtime import expected, greedy, prompt_of  # noqa: F401  (fixture)
+from deltafin_mlx.testing.decode import greedy
+from test_runtime import expected, prompt_of  # noqa: F401  (fixture)
 
 from deltafin_mlx import runtime
 

@@ -37,7 +37,7 @@ from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, 
 from deltafin_mlx.plan.memory import BudgetError
 from deltafin_mlx.engine.reader import ReadError, open_bank, read_record
 from deltafin_mlx.format.aligned import aligned_empty
-from test_runtime import greedy
+from deltafin_mlx.testing.decode import greedy
 
 from deltafin_mlx import runtime
 

@@ -8,7 +8,6 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import make_source
 from deltafin_convert.convert import ConvertOptions, convert
@@ -18,23 +17,9 @@ from deltafin_mlx.engine.load import load
 from deltafin_mlx.format.manifest import ModelError, read_manifest
 from deltafin_mlx.plan.memory import BudgetError
 from deltafin_mlx.engine.reader import ReadError
+from deltafin_mlx.testing.decode import greedy
 from deltafin_mlx.testing.synthetic import ARCHITECTURES
 from deltafin_mlx import runtime
-
-
-def greedy(model, prompt, steps):
-    """Greedy decoding with mlx-lm's cache; returns tokens (B, steps) and every
-    step's logits."""
-    cache = make_prompt_cache(model)
-    logits = model(prompt, cache=cache)[:, -1]
-    all_logits, tokens = [logits], []
-    for _ in range(steps):
-        y = mx.argmax(logits, axis=-1)
-        tokens.append(y)
-        logits = model(y[:, None], cache=cache)[:, -1]
-        all_logits.append(logits)
-    mx.eval(tokens, all_logits)
-    return np.array(mx.stack(tokens, axis=1)), mx.stack(all_logits, axis=1)
 
 
 def prompt_of(length, batch=1, seed=0):

@@ -18,7 +18,8 @@ from deltafin_mlx.engine.load import load
 from deltafin_mlx.engine.policy import ExpertPool
 from deltafin_mlx.engine.reader import ReadCancelled, ReadJob, Reader
 from deltafin_mlx.engine.streaming_moe import IORates
-from test_runtime import expected, greedy, prompt_of  # noqa: F401  (fixture)
+from deltafin_mlx.testing.decode import greedy
+from test_runtime import expected, prompt_of  # noqa: F401  (fixture)
 
 from deltafin_mlx import runtime
 

@@ -12,7 +12,8 @@ from deltafin_mlx.plan.footprint import inventory_from_manifest
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.format.manifest import read_manifest
 from deltafin_mlx.plan.memory import BudgetError, plan_memory
-from test_runtime import greedy, prompt_of
+from deltafin_mlx.testing.decode import greedy
+from test_runtime import prompt_of
 
 from deltafin_mlx import runtime
 

@@ -15,11 +15,11 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from deltafin_mlx import runtime
 from deltafin_mlx.engine import hot_set
 from deltafin_mlx.engine.load import load
+from deltafin_mlx.testing import decode
 
 SLOTS = 12  # a quarter of the fixtures' 3 MoE layers x 16 experts
 TOKENS = 16
@@ -31,17 +31,7 @@ def prompt_of(length, seed=0):
 
 
 def greedy(model, prompt, steps=TOKENS):
-    """Greedy tokens and every step's logits, with mlx-lm's cache."""
-    cache = make_prompt_cache(model)
-    logits = model(prompt, cache=cache)[:, -1]
-    tokens, all_logits = [], [logits]
-    for _ in range(steps):
-        y = mx.argmax(logits, axis=-1)
-        tokens.append(y)
-        logits = model(y[:, None], cache=cache)[:, -1]
-        all_logits.append(logits)
-    mx.eval(tokens, all_logits)
-    return np.array(mx.stack(tokens, axis=1)), mx.stack(all_logits, axis=1)
+    return decode.greedy(model, prompt, steps)
 
 
 def run_once(path, seed=0, drain=False, **options):

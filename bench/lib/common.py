@@ -319,3 +319,19 @@ def machine_info() -> dict:
     except (OSError, IndexError):
         pass
     return info
+
+
+def demo_model(budget=None):
+    """(path, budget) of the demo model (built on first use): the budget given, or
+    the demo's own, which caches a quarter of its experts."""
+    import argparse
+
+    from deltafin_mlx.cli.demo import demo_dir, demo_plan, prepare
+    from deltafin_mlx.format.model_dir import open_model_dir
+
+    path = str(prepare(demo_dir(argparse.Namespace(demo_dir=None))))
+    if budget is None:
+        budget = demo_plan(open_model_dir(path), argparse.Namespace(budget=None,
+                                                                    reader_threads=1)).budget
+    return path, budget
+

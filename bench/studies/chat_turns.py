@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench.lib import ROOT
+from bench.lib import ROOT, common
 from deltafin_mlx.chat import ChatSession
 from deltafin_mlx.engine.load import load
 from deltafin_mlx import runtime
@@ -51,13 +51,7 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "chat_turns.json"))
     args = p.parse_args(argv)
     if args.model is None:
-        from deltafin_mlx.cli.demo import demo_dir, demo_plan, prepare
-        from deltafin_mlx.format.model_dir import open_model_dir
-
-        args.model = str(prepare(demo_dir(argparse.Namespace(demo_dir=None))))
-        if args.budget is None:
-            args.budget = demo_plan(open_model_dir(args.model),
-                                    argparse.Namespace(budget=None, reader_threads=1)).budget
+        args.model, args.budget = common.demo_model(args.budget)
     model, tok = load(args.model, args.budget, context=4096)
     result = {"model": args.model, "budget_bytes": runtime(model).plan.budget,
               "turns": args.turns, "max_tokens": args.max_tokens,

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.lib import ROOT
+from bench.lib import ROOT, common
 
 PROMPTS = [
     "Explain how Deltafin runs a model larger than memory.",
@@ -71,14 +71,8 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "warm_start.json"))
     args = p.parse_args(argv)
     if args.model is None:
-        from deltafin_mlx.cli.demo import demo_dir, demo_plan, prepare
-        from deltafin_mlx.format.model_dir import open_model_dir
-
         # Resolved before XDG_CACHE_HOME is pointed elsewhere (the demo lives under it).
-        args.model = str(prepare(demo_dir(argparse.Namespace(demo_dir=None))))
-        if args.budget is None:
-            args.budget = demo_plan(open_model_dir(args.model),
-                                    argparse.Namespace(budget=None, reader_threads=1)).budget
+        args.model, args.budget = common.demo_model(args.budget)
 
     results = {"model": args.model, "budget": args.budget, "tokens": args.tokens,
                "date": time.strftime("%Y-%m-%d"), "runs": {}}

@@ -1,0 +1,20 @@
+"""The one greedy decode the tests and benchmarks compare models with: mlx-lm's
+prompt cache, the whole prompt in one call, then one token at a time."""
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+
+def greedy(model, prompt: mx.array, steps: int):
+    """Greedy tokens (batch, steps) and every step's logits (batch, steps + 1, vocab)."""
+    cache = make_prompt_cache(model)
+    logits = model(prompt, cache=cache)[:, -1]
+    all_logits, tokens = [logits], []
+    for _ in range(steps):
+        y = mx.argmax(logits, axis=-1)
+        tokens.append(y)
+        logits = model(y[:, None], cache=cache)[:, -1]
+        all_logits.append(logits)
+    mx.eval(tokens, all_logits)
+    return np.array(mx.stack(tokens, axis=1)), mx.stack(all_logits, axis=1)
