@@ -35,11 +35,6 @@ from deltafin_mlx.engine.cache import CacheStats, ExpertCache, np_view
 from deltafin_mlx.engine.reader import Reader
 
 
-# A pass guesses the next layer's experts where the disk held its last layer back
-# for more than this share of its time.
-PASS_WAITS = 0.2
-
-
 class ExpertStore:
     """The expert cache, the reader it uses, the counters, and lookahead wiring."""
 
@@ -60,7 +55,6 @@ class ExpertStore:
         # (the plan's attention chunk: what one call of a chunked prefill held).
         self.pass_piece_tokens = 512
         self.on_pass_layer = None  # optional callback(MoE layers done, MoE layers) in a pass
-        self.pass_waits = False  # the last layer of a pass waited on the disk (PASS_WAITS)
 
     @property
     def bytes_read(self) -> int:
@@ -201,11 +195,10 @@ class StreamingSwitchGLU(nn.Module):
         nxt = store.next_layer.get(layer)
         predicted = None
         store.rates.tick(store.reader, store.stats)
-        # A pass reads the next layer's experts once anyway: it guesses them (to read
-        # while this layer and the next one's attention compute) only where the
-        # disk held the last layer of the pass back (`pass_waits`).
-        guesses = store.rates.guesses_pay() if not long_call else store.pass_waits
-        if store.lookahead and nxt is not None and self._moe_input is not None and guesses:
+        # A pass's guesses would be most of the next layer's experts, which that
+        # layer reads once anyway.
+        if (store.lookahead and nxt is not None and self._moe_input is not None
+                and not long_call and store.rates.guesses_pay()):
             predicted = predict_experts(store.moe_blocks[nxt], self._moe_input, store.k)
         self._moe_input = None
         mx.eval(indices, predicted) if predicted is not None else mx.eval(indices)
@@ -219,7 +212,7 @@ class StreamingSwitchGLU(nn.Module):
 
         room = cache.pool.capacity_of(layer)
         if long_call:
-            return self._pass(cache, x, idx, needed, tokens, room, predicted)
+            return self._pass(cache, x, idx, needed, tokens, room)
         if needed.size > room:
             return self._chunked(cache, x, idx, needed, tokens, room)
         jobs = cache.request(layer, needed, tokens)
@@ -278,17 +271,15 @@ class StreamingSwitchGLU(nn.Module):
             order.append(pairs)
         return self._assemble(outs, order, lead, k, flat.size)
 
-    def _pass(self, cache: ExpertCache, x, idx, needed, tokens, room, predicted=None):
+    def _pass(self, cache: ExpertCache, x, idx, needed, tokens, room):
         """A prefill pass (more than one token per sequence): every expert its
         tokens route to is read at most once, in groups that fit the layer's slots,
         each group's reads running while the previous group computes. The (token,
         expert) pairs are computed in pieces of at most an attention chunk's pairs
         (the memory one call of a chunked prefill takes) and written into one
         output buffer. Each pair's arithmetic is the same as in one call, so the
-        result is too. `predicted`: the next layer's experts as guessed from this
-        layer's input, read behind this layer's last group."""
+        result is too."""
         layer, k = self._layer, idx.shape[-1]
-        started, stalled = time.perf_counter(), cache.stats.stall_seconds
         lead, flat = idx.shape[:-1], idx.reshape(-1)
         xs = x.reshape(-1, x.shape[-1])
         held = np.array([cache.pool.slot_of(layer, e) is not None for e in needed], dtype=bool)
@@ -299,15 +290,11 @@ class StreamingSwitchGLU(nn.Module):
         piece = self._store.pass_piece_tokens * k
         out = out_np = None
         jobs = cache.request(layer, groups[0], tokens)
-        if len(groups) == 1:
-            self._guess_next(cache, predicted, groups[0])
         for i, group in enumerate(groups):
             cache.wait(jobs)
             if i + 1 < len(groups):  # the next group's reads, behind this group's arithmetic
                 keep = {cache.key(layer, e) for e in group}
                 jobs = cache.request(layer, groups[i + 1], 0, keep=keep)
-                if i + 2 == len(groups):
-                    self._guess_next(cache, predicted, np.concatenate([group, groups[i + 1]]))
             pairs = np.nonzero(np.isin(flat, group))[0]
             emap = np.zeros(cache.num_experts, dtype=np.int64)
             emap[group] = cache.slots_of(layer, group)
@@ -325,22 +312,9 @@ class StreamingSwitchGLU(nn.Module):
         # A pass allocates arrays of many sizes; MLX keeps freed ones for reuse,
         # which at a pass's sizes would hold memory the plan does not count.
         mx.clear_cache()
-        elapsed = time.perf_counter() - started
-        self._store.pass_waits = cache.stats.stall_seconds - stalled > PASS_WAITS * elapsed
         if self._store.on_pass_layer is not None:
             self._store.on_pass_layer(self._store.layers.index(layer) + 1, len(self._store.layers))
         return out.reshape(*lead, k, -1)
-
-    def _guess_next(self, cache: ExpertCache, predicted, in_use: np.ndarray):
-        """Queue the next layer's guessed experts behind this layer's last reads,
-        in at most half of its slots (its first group's share), never evicting
-        what this layer still computes."""
-        nxt = self._store.next_layer.get(self._layer)
-        if predicted is None or nxt is None:
-            return
-        keep = {cache.key(self._layer, e) for e in in_use}
-        cache.prefetch(nxt, _by_votes(np.array(predicted)), keep,
-                       limit=max(1, cache.pool.capacity_of(nxt) // 2))
 
     def _chunked(self, cache: ExpertCache, x, idx, needed, tokens, room):
         """More distinct experts than slots (a long prompt, a big batch): run the
