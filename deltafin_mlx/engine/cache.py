@@ -269,14 +269,15 @@ class ExpertCache:
         valuable first), as guesses behind every demand read, each into a free slot
         only (a guess never evicts; nothing is in flight at load anyway). Returns
         how many were queued."""
-        issued = 0
+        issued, protected = 0, set(self.pending)
         for layer, e in keys:
             if self.pool.slot_of(layer, e) is not None:
                 continue
-            slot = self.pool.place(layer, e, set(self.pending), speculative=True)
+            slot = self.pool.place(layer, e, protected, speculative=True)
             if slot is None:
                 continue  # its partition is full
             key = self.key(layer, e)
+            protected.add(key)
             self._assign(key, slot)
             job = ReadJob(self.banks[layer], int(e), self._targets(slot), speculative=True)
             self.pending[key] = job

@@ -211,10 +211,8 @@ class StreamingSwitchGLU(nn.Module):
             store.on_route(layer, idx)
 
         room = cache.pool.capacity_of(layer)
-        if long_call:
-            return self._pass(cache, x, idx, needed, tokens, room)
-        if needed.size > room:
-            return self._chunked(cache, x, idx, needed, tokens, room)
+        if long_call or needed.size > room:
+            return self._grouped(cache, x, idx, needed, tokens, room, prefill=long_call)
         jobs = cache.request(layer, needed, tokens)
         if predicted is not None:
             in_use = {cache.key(layer, e) for e in needed}
@@ -229,15 +227,23 @@ class StreamingSwitchGLU(nn.Module):
         emap[needed] = cache.slots_of(layer, needed)
         return self._inner(x, mx.array(emap[idx].astype(np.uint32)))
 
-    def _pairs(self, cache: ExpertCache, xs, flat, k, group):
-        """mlx-lm's SwitchGLU on the (token, expert) pairs whose expert is in `group`."""
-        pairs = np.nonzero(np.isin(flat, group))[0]
+    def _slot_map(self, cache: ExpertCache, group) -> np.ndarray:
+        """expert -> slot for the experts of `group` (others map to slot 0, unused)."""
         emap = np.zeros(cache.num_experts, dtype=np.int64)
         emap[group] = cache.slots_of(self._layer, group)
+        return emap
+
+    def _pair_outputs(self, xs, flat, k, emap, pairs) -> mx.array:
+        """mlx-lm's SwitchGLU on the (token, expert) pairs `pairs` (flat indices
+        into the call's routing): one row per pair."""
         slots = mx.array(emap[flat[pairs]].astype(np.uint32)).reshape(1, -1, 1)
         rows = mx.array((pairs // k).astype(np.uint32))
-        y = self._inner(xs[rows][None], slots)  # (1, P, 1, D)
-        return pairs, y.reshape(len(pairs), -1)
+        return self._inner(xs[rows][None], slots).reshape(len(pairs), -1)  # (1, P, 1, D)
+
+    def _pairs(self, cache: ExpertCache, xs, flat, k, group):
+        """The pairs whose expert is in `group`, and their outputs."""
+        pairs = np.nonzero(np.isin(flat, group))[0]
+        return pairs, self._pair_outputs(xs, flat, k, self._slot_map(cache, group), pairs)
 
     @staticmethod
     def _assemble(outs, order, lead, k, size):
@@ -271,19 +277,21 @@ class StreamingSwitchGLU(nn.Module):
             order.append(pairs)
         return self._assemble(outs, order, lead, k, flat.size)
 
-    def _pass(self, cache: ExpertCache, x, idx, needed, tokens, room):
-        """A prefill pass (more than one token per sequence): every expert its
-        tokens route to is read at most once, in groups that fit the layer's slots,
-        each group's reads running while the previous group computes. The (token,
-        expert) pairs are computed in pieces of at most an attention chunk's pairs
-        (the memory one call of a chunked prefill takes) and written into one
-        output buffer. Each pair's arithmetic is the same as in one call, so the
-        result is too."""
+    def _grouped(self, cache: ExpertCache, x, idx, needed, tokens, room, prefill: bool):
+        """A prefill pass (more than one token per sequence), or a call needing more
+        distinct experts than the layer has slots (a big batch): every expert the
+        call routes to is read at most once, in groups that fit the layer's slots,
+        each group's reads running while the previous group computes. Held experts
+        go first (computed before any read can evict them). The (token, expert)
+        pairs are computed in pieces of at most an attention chunk's pairs (the
+        memory one call of a chunked prefill takes) and written into one output
+        buffer. Each pair's arithmetic is the same as in one call, so the result is
+        too."""
         layer, k = self._layer, idx.shape[-1]
         lead, flat = idx.shape[:-1], idx.reshape(-1)
         xs = x.reshape(-1, x.shape[-1])
         held = np.array([cache.pool.slot_of(layer, e) is not None for e in needed], dtype=bool)
-        order = _pass_order(needed, held, idx)
+        order = _read_order(needed, held, idx)
         misses = int((~held).sum())
         size = room if not misses else max(1, min(room // 2, -(-order.size // 2)))
         groups = [order[s : s + size] for s in range(0, order.size, size)]
@@ -296,60 +304,34 @@ class StreamingSwitchGLU(nn.Module):
                 keep = {cache.key(layer, e) for e in group}
                 jobs = cache.request(layer, groups[i + 1], 0, keep=keep)
             pairs = np.nonzero(np.isin(flat, group))[0]
-            emap = np.zeros(cache.num_experts, dtype=np.int64)
-            emap[group] = cache.slots_of(layer, group)
+            emap = self._slot_map(cache, group)
             for s in range(0, pairs.size, piece):
                 part = pairs[s : s + piece]
-                slots = mx.array(emap[flat[part]].astype(np.uint32)).reshape(1, -1, 1)
-                rows = mx.array((part // k).astype(np.uint32))
-                y = self._inner(xs[rows][None], slots).reshape(part.size, -1)
+                y = self._pair_outputs(xs, flat, k, emap, part)
                 mx.eval(y)
                 if out is None:
                     out = mx.zeros((flat.size, y.shape[-1]), dtype=y.dtype)
                     mx.eval(out)
                     out_np = np_view(out)
                 out_np[part] = np_view(y)
-        # A pass allocates arrays of many sizes; MLX keeps freed ones for reuse,
-        # which at a pass's sizes would hold memory the plan does not count.
-        mx.clear_cache()
-        if self._store.on_pass_layer is not None:
-            self._store.on_pass_layer(self._store.layers.index(layer) + 1, len(self._store.layers))
+        if prefill:
+            # A pass allocates arrays of many sizes; MLX keeps freed ones for reuse,
+            # which at a pass's sizes would hold memory the plan does not count.
+            mx.clear_cache()
+            if self._store.on_pass_layer is not None:
+                self._store.on_pass_layer(self._store.layers.index(layer) + 1,
+                                          len(self._store.layers))
         return out.reshape(*lead, k, -1)
 
-    def _chunked(self, cache: ExpertCache, x, idx, needed, tokens, room):
-        """More distinct experts than slots (a long prompt, a big batch): run the
-        (token, expert) pairs in groups of experts that fit, each evaluated before
-        the next group's reads reuse the slots. Each pair's arithmetic is the same
-        as in one call, so the result is too. Resident experts go first: read
-        last, they are what stays for the next call (a batch's next step needs
-        most of the same experts), so each call reads only what is not held."""
-        held = np.array([cache.pool.slot_of(self._layer, e) is not None for e in needed],
-                        dtype=bool)
-        needed = np.concatenate([needed[held], needed[~held]])
-        k = idx.shape[-1]
-        lead = idx.shape[:-1]
-        flat = idx.reshape(-1)
-        xs = x.reshape(-1, x.shape[-1])
-        outs, order = [], []
-        for start in range(0, needed.size, room):
-            group = needed[start : start + room]
-            cache.wait(cache.request(self._layer, group, tokens if start == 0 else 0))
-            pairs, y = self._pairs(cache, xs, flat, k, group)
-            mx.eval(y)
-            outs.append(y)
-            order.append(pairs)
-        return self._assemble(outs, order, lead, k, flat.size)
 
-
-def _pass_order(needed: np.ndarray, held: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """The order a pass reads and computes its experts in: those already held
-    first (computed before any read can evict them), then the rest by the last
-    position that uses them, so that what the cache keeps at the end of the pass is
-    what its last tokens used (the next token shares about a third of them)."""
-    positions = idx.reshape(-1, idx.shape[-2], idx.shape[-1]) if idx.ndim >= 3 else idx[None]
+def _read_order(needed: np.ndarray, held: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """The order a grouped call reads and computes its experts in: those already
+    held first, then the rest by the last position that uses them, so that what the
+    cache keeps at the end of a pass is what its last tokens used (the next token
+    shares about a third of them)."""
+    positions = np.broadcast_to(np.arange(idx.shape[-2])[:, None], idx.shape[-2:])
     last_use = np.full(int(needed.max()) + 1, -1)
-    for p in range(positions.shape[1]):  # later positions overwrite earlier ones
-        last_use[positions[:, p].reshape(-1)] = p
+    np.maximum.at(last_use, idx.reshape(-1), np.broadcast_to(positions, idx.shape).reshape(-1))
     missing = needed[~held]
     return np.concatenate([needed[held], missing[np.argsort(last_use[missing], kind="stable")]])
 

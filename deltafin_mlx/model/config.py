@@ -39,6 +39,13 @@ def experts_per_token(config: dict) -> int:
     raise ModelError("config.json does not say how many experts each token uses")
 
 
+def routed_experts(config: dict) -> int:
+    """Routed experts per MoE layer (0 where config.json names none)."""
+    tc = text_config(config)
+    return int(tc.get("n_routed_experts") or tc.get("num_experts") or tc.get("num_local_experts")
+               or 0)
+
+
 def max_context(config: dict):
     """The longest context the model takes (None where config.json does not say)."""
     return text_config(config).get("max_position_embeddings") or config.get("max_position_embeddings")

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from deltafin_mlx.plan.slots import max_slots as max_chunk_slots
 from deltafin_mlx.plan.slots import pool_limit
-from deltafin_mlx.model.config import max_context, text_config
+from deltafin_mlx.model.config import experts_per_token, max_context, routed_experts, text_config
 from deltafin_mlx.units import human_bytes, parse_size
 from deltafin_mlx.plan.footprint import Inventory
 from deltafin_mlx.errors import BudgetError
@@ -141,7 +141,7 @@ def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dt
     tc = text_config(config)
     size = activation_dtype.size
     hidden = tc.get("hidden_size", 0)
-    k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 8
+    k = experts_per_token(config)
     expert = max(tc.get("moe_intermediate_size") or 0, tc.get("routed_expert_hidden_size") or 0)
     dense = tc.get("intermediate_size") or 0
     per_token = 16 * hidden * size + 4 * k * expert * size + 4 * dense * size
@@ -163,8 +163,8 @@ def pass_bytes_per_token(config: dict, activation_dtype: mx.Dtype) -> int:
     tc = text_config(config)
     size = activation_dtype.size
     hidden = tc.get("hidden_size", 0)
-    k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 8
-    experts = tc.get("n_routed_experts") or tc.get("num_experts") or tc.get("num_local_experts") or 0
+    k = experts_per_token(config)
+    experts = routed_experts(config)
     shared = (tc.get("n_shared_experts") or tc.get("num_shared_experts") or 0) * max(
         tc.get("moe_intermediate_size") or 0, tc.get("routed_expert_hidden_size") or 0)
     blocks = 0
