@@ -129,12 +129,24 @@ def rates_after(calls, layer_s, read_s, reads_per_call, stall_s=0.0):
     return rates
 
 
-def test_guesses_run_while_the_disk_has_time_to_spare():
-    # Reads take a tenth of a layer's computation, the disk idles 80% of the time.
-    rates = rates_after(50, layer_s=0.010, read_s=0.001, reads_per_call=2)
+def test_guesses_run_while_calls_wait_on_a_disk_with_time_to_spare():
+    # Reads take a tenth of a layer's computation, the disk idles 80% of the time,
+    # and calls spend 4 of their 14 ms waiting on reads.
+    rates = rates_after(50, layer_s=0.014, read_s=0.0014, reads_per_call=2, stall_s=0.004)
     assert rates.busy == pytest.approx(0.2, abs=0.05)
+    assert rates.stall_share == pytest.approx(0.29, abs=0.02)
     assert rates.guesses_pay(0.3)
     assert not rates.guesses_pay(0.1)
+
+
+def test_no_guesses_where_calls_rarely_wait_on_reads():
+    # The compute-bound regime: pipelining hides the demand reads (calls stall 10%
+    # of their time), so a right guess removes little and every guess's read slows
+    # the arithmetic; even guesses that are always right are not queued.
+    rates = rates_after(50, layer_s=0.010, read_s=0.001, reads_per_call=2, stall_s=0.001)
+    assert rates.busy == pytest.approx(0.2, abs=0.05)
+    assert rates.stall_share == pytest.approx(0.1, abs=0.02)
+    assert not rates.guesses_pay(1.0)
 
 
 def test_guesses_stop_when_reads_saturate_the_disk_even_if_reads_are_cheap():

@@ -147,6 +147,8 @@ def run_one(model: Path, info: dict, slots: int, throttle, args, lookahead: int,
                                           / args.tokens / opt_bpt if opt_bpt else None),
         "time_over_io": res["s_per_token"] / (bpt / bw) if bw and bpt else None,
         "precision": res["precision"], "recall": res["recall"], "hit_rate": res["hit_rate"],
+        "stall_share": res.get("stall_share"),
+        "guesses_per_token": s["speculative_issued"] / args.tokens,
         "wasted_read_share": wasted * rec / (bpt * args.tokens) if bpt else 0.0,
         "achieved_bps": bpt * res["tokens_per_s"],
         "reader_bps_while_reading": (res["breakdown"].get("reader_gbps_while_reading") or 0) * 1e9,
@@ -178,8 +180,9 @@ def median_row(runs: list) -> dict:
 def format_table(rows: list, info: dict) -> str:
     head = ("| R | cache | lookahead | tok/s | MB read/token | optimal MB/token | bytes/optimal "
             "| policy alone / optimal | next token known / optimal "
-            "| time/(bytes/bw) | precision | recall | wasted reads | achieved / throttle MB/s |")
-    lines = [head, "|" + "---|" * 14]
+            "| time/(bytes/bw) | precision | recall | guesses / token | stall share | wasted reads "
+            "| achieved / throttle MB/s |")
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         if "tokens_per_s" not in r:
             lines.append(f"| {r['ratio']} | {r['share']:.0%} | | {r.get('status')} |")
@@ -192,6 +195,7 @@ def format_table(rows: list, info: dict) -> str:
             f"| {f(r.get('policy_over_optimal'), '.2f')} "
             f"| {f(r.get('next_token_known_over_optimal'), '.2f')} "
             f"| {f(r['time_over_io'], '.2f')} | {f(r['precision'], '.2f')} | {f(r['recall'], '.2f')} "
+            f"| {f(r.get('guesses_per_token'), '.1f')} | {f(r.get('stall_share'), '.0%')} "
             f"| {r['wasted_read_share']:.0%} | {r['achieved_bps'] / 1e6:.0f} / "
             f"{r['throttle_bps'] / 1e6:.0f} |")
     return "\n".join(lines)

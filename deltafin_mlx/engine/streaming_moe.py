@@ -17,9 +17,13 @@ be taken back once started). So guesses are queued only while
         > (chance wrong) x (read time x disk busy share
                             + max(read time - layer computation, 0)),
 
-all measured as the run goes: guesses stop where reads saturate the disk (a Mac's
+and calls spend more than STALL_FLOOR of their time waiting on reads, all
+measured as the run goes: guesses stop where reads saturate the disk (a Mac's
 SSD against its GPU, a throttled disk, a small cache) and run where the disk has
-time to spare. The busy share is reader time over wall time, or, where it is
+time to spare. Where calls rarely wait, pipelining already hides the demand reads
+behind the resident experts' arithmetic, so a right guess saves almost nothing,
+while every guess's read slows that memory-bound arithmetic, which the disk
+terms do not see (docs/LEARNED.md has the runs). The busy share is reader time over wall time, or, where it is
 higher, the recent read rate over the rate the disk delivered while calls waited
 on it (a disk that banks idle time as credit serves single reads fast).
 """
@@ -75,12 +79,17 @@ class IORates:
     busy; `guesses_pay` is the rule in the module docstring."""
 
     SMOOTH = 0.25  # weight of the newest call in the running means
+    # Guesses only while calls stall on reads for more than this share of their
+    # time: below it they cost more arithmetic than the stalls they could remove
+    # (compute-bound runs stall 11-13% and lose 9-16% with guesses).
+    STALL_FLOOR = 0.25
 
     def __init__(self):
         self.layer_s = None
         self.read_s = None
         self.busy = 0.0
         self._wall = self._reading = self._reads = 0.0  # running sums behind `busy`
+        self._stalled = 0.0  # running sum of time stalled on reads, over `_wall`
         # Reads per second the disk delivered while calls were waiting on it (so
         # it was reading flat out): what it can do, whatever single reads take.
         self.capacity = None
@@ -122,6 +131,7 @@ class IORates:
                 self._wall = (1 - a) * self._wall + a * wall
                 self._reading = (1 - a) * self._reading + a * reading
                 self._reads = (1 - a) * self._reads + a * reads
+                self._stalled = (1 - a) * self._stalled + a * stalled
                 self.busy = self._reading / self._wall
                 # A disk that banks idle time as credit (a token-bucket throttle,
                 # some cloud volumes) serves single reads fast and still delivers
@@ -138,12 +148,19 @@ class IORates:
                 self.read_s = per_read if self.read_s is None else (1 - a) * self.read_s + a * per_read
         self._last = mark
 
+    @property
+    def stall_share(self) -> float:
+        """Recent share of the time calls spent waiting on reads."""
+        return self._stalled / self._wall if self._wall else 0.0
+
     def guesses_pay(self, right: float = None) -> bool:
         """Does a guess right with probability `right` (default: the recent
         share) pay for its disk time?"""
         right = self.right if right is None else right
         if self.layer_s is None or self.read_s is None:
             return True  # nothing measured yet: guesses also measure the disk
+        if self.stall_share <= self.STALL_FLOOR:
+            return False
         busy = min(self.busy, 1.0)
         gain = right * min(self.read_s, self.layer_s) * (1.0 - busy)
         # A wrong guess spends disk time the run needed, and one still being read
