@@ -8,13 +8,11 @@ import json
 import socket
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from bench.lib.server import free_port, start_server, stop_server
+from bench.lib.server import free_port, get, post, start_server, stop_server
 
 CONTEXT = 512
 CHAT = "/v1/chat/completions"
@@ -29,25 +27,6 @@ def serve(converted, tmp_path_factory):
                         context=CONTEXT)
     yield port, proc, log
     stop_server(proc)
-
-
-def post(port, path, body, raw=None, timeout=60):
-    data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data,
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-def get(port, path):
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def expected_reply(model, prompt, n):

@@ -73,6 +73,31 @@ def chat(port, prompt, max_tokens, stream, timeout=120):
     return text
 
 
+def post(port, path, body, raw=None, timeout=60):
+    """POST a JSON body (or `raw` bytes) on loopback: (status, parsed JSON reply)."""
+    import urllib.error
+
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data,
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def get(port, path, timeout=30):
+    """GET on loopback: (status, body bytes)."""
+    import urllib.error
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
 def peak_rss(pid) -> int:
     try:
         for line in open(f"/proc/{pid}/status"):
