@@ -6,13 +6,10 @@ One server serves the whole module."""
 
 import json
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from bench.lib.server import free_port, get, post, start_server, stop_server
+from bench.lib.server import expected_reply, free_port, get, post, start_server, stop_server
 
 CONTEXT = 512
 CHAT = "/v1/chat/completions"
@@ -27,14 +24,6 @@ def serve(converted, tmp_path_factory):
                         context=CONTEXT)
     yield port, proc, log
     stop_server(proc)
-
-
-def expected_reply(model, prompt, n):
-    """What `deltafin-run MODEL PROMPT -n N` answers (greedy)."""
-    out = subprocess.run([str(Path(sys.executable).parent / "deltafin-run"), str(model), prompt,
-                          "-n", str(n), "--json"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["text"]
 
 
 def chat(content="Hello there", **extra):

@@ -28,11 +28,12 @@ def stop_server(proc):
         proc.kill()
 
 
-def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, extra=()):
+def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, extra=(),
+                 env=None):
     """The server logs every request: to a file (a pipe nobody drains would fill
-    up and block the server)."""
+    up and block the server). `env`: more environment (DELTAFIN_CONTEXT, ...)."""
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "DELTAFIN_BUDGET": budget}
+    env = {**os.environ, "DELTAFIN_BUDGET": budget, **(env or {})}
     log = open(log_path, "w")
     if server == "deltafin":
         cmd = [str(bin_dir / "deltafin-run"), "serve", str(model), "--budget", budget,
@@ -96,6 +97,16 @@ def get(port, path, timeout=30):
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+def expected_reply(model, prompt, n) -> str:
+    """What `deltafin-run MODEL PROMPT -n N` answers (greedy): a server's reply to
+    the same chat prompt must equal it."""
+    out = subprocess.run([str(Path(sys.executable).parent / "deltafin-run"), str(model), prompt,
+                          "-n", str(n), "--json"], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout)["text"]
 
 
 def peak_rss(pid) -> int:
