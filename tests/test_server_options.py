@@ -124,3 +124,14 @@ def test_a_failing_generation_loop_fails_its_requests_only_and_restarts():
     assert list(replies) == ["reply to hello"] and restarts == [1]
     assert gen.is_healthy
     gen._stop = True
+
+
+def test_a_config_naming_another_model_file_is_refused_before_serving(converted, copy_of):
+    """mlx-lm executes the `model_file` config.json names before Deltafin runs; every
+    deltafin-run command refuses such a config.json (its checksum is in the manifest)."""
+    model = copy_of(converted("kimi_k3"))
+    config = json.loads((model / "config.json").read_text())
+    config["model_file"] = "../elsewhere.py"
+    (model / "config.json").write_text(json.dumps(config))
+    p = serve(model, "--budget", "40MB", "--port", free_port())
+    assert p.returncode == 1 and "config.json" in one_line(p.stderr)
