@@ -187,3 +187,30 @@ def test_a_client_that_resets_has_its_generation_stopped(serve):
         time.sleep(0.2)
     assert metrics(port)['deltafin_requests_total{outcome="gone"}'] == before + 1
     assert get(serve[0], "/health")[0] == 200
+
+
+def test_forty_simultaneous_clients_are_all_answered_without_a_reset(serve):
+    """A burst of 40 connections at the same instant: the listen backlog and the
+    thread per connection take them all; each gets its reply (or a 503), none a
+    reset."""
+    import threading
+
+    port, results, go = serve[0], [], threading.Event()
+
+    def client(i):
+        go.wait()
+        try:
+            results.append(post(port, "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": f"Client {i}"}],
+                                 "max_tokens": 2}, timeout=120)[0])
+        except OSError as e:
+            results.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join(timeout=180)
+    assert len(results) == 40 and set(results) <= {200, 503}, results
+    assert results.count(200) >= 30

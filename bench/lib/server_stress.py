@@ -61,7 +61,12 @@ def hostile(port, rng, vocab, context, max_tokens):
     the expected error, else what went wrong."""
     kind = rng.choice(["bias_oov", "bias_negative", "long_prompt", "malformed", "nested",
                        "not_object", "bad_length", "oversized", "disconnect", "nan",
-                       "long_but_fits", *VALUES])
+                       "long_but_fits", "text_beyond", *VALUES])
+    if kind == "text_beyond":  # within the body bound, more text than the context holds
+        raw = json.dumps(_body("x" * (context * 100), max_tokens)).encode()
+        status, _ = raw_post(port, raw, {"Content-Type": "application/json",
+                                         "Content-Length": str(len(raw))})
+        return "refused-ok" if status in (400, 413) else f"{kind} got {status}"
     if kind == "long_but_fits":  # most of the context: answered, within memory
         try:
             chat(port, "stream " * (context // 2 - 300), max_tokens, stream=False)

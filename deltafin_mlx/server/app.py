@@ -208,9 +208,11 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
         httpd.RequestHandlerClass = lambda *a, **k: handler(
             generator, *a, system_fingerprint=fingerprint, **k)
         log.info("deltafin-run serve: %s on http://%s:%d, budget %s, context %d tokens, "
-                 "%d request%s at once (%d more may wait), bodies up to %s",
-                 cfg.model, cfg.host, cfg.port, human_bytes(plan.budget), cfg.context,
-                 plan.sequences, "s" * (plan.sequences != 1), cfg.queue, human_bytes(max_body))
+                 "%d request%s at once (%d more may wait), %d expert slots (%.0f%% of the "
+                 "experts), bodies up to %s", cfg.model, cfg.host, cfg.port,
+                 human_bytes(plan.budget), cfg.context, plan.sequences,
+                 "s" * (plan.sequences != 1), cfg.queue, plan.slots,
+                 100 * plan.cache_fraction, human_bytes(max_body))
         try:
             httpd.serve_forever()
         except KeyboardInterrupt:
