@@ -3,20 +3,25 @@ tokens per second for 1, 2, 4 and 8 clients sending at once, with concurrent
 requests decoded together (`--sequences auto`, the default) and one at a time
 (`--sequences 1`), so the two compare within one run.
 
-    python -m bench.studies.serve_clients [MODEL] [--budget 40MB] [--clients 1,2,4,8]
+    python -m bench.studies.serve_clients [--model fixture|k3-mid|DIR] [--budget 40MB]
+                                          [--context 1024] [--clients 1,2,4,8]
                                           [--rounds 3] [--tokens 24]
 
-Without MODEL the test fixtures' synthetic K3-layout model is generated (seconds).
-Each round sends one streamed chat request per client at the same instant, a
-different prompt each (no prompt-cache reuse); a client's time to first token is
+Models: `fixture`, the tests' synthetic K3-layout model (every expert fits the
+budget: compute-bound), or `k3-mid`, bench.studies.batch's model (192 experts of
+418 KB; at 40 MB about a tenth of them are cached: experts are read as decoding
+goes), generated once under /tmp/deltafin-bench; or a converted directory.
+Each round sends one streamed /v1/completions request (`--chat`: chat) per client
+at the same instant, a different short prompt each (no prompt-cache reuse); a client's time to first token is
 from the start to its first streamed text, the aggregate rate is all clients'
 reply tokens (from the usage chunk) over the round's wall time. Reports medians
 over rounds (time to first token: over clients and rounds) and writes
-bench/results/serve_clients.json.
+bench/results/serve_clients_MODEL.json.
 """
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -41,11 +46,16 @@ def fixture_model(workdir: Path) -> Path:
     return out
 
 
-def stream_one(port, prompt, tokens, start_event, out, i):
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+def stream_one(port, prompt, tokens, chat, start_event, out, i):
+    body = {"max_tokens": tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
     start_event.wait()
     t0 = time.perf_counter()
     first, n = None, 0
@@ -56,17 +66,19 @@ def stream_one(port, prompt, tokens, start_event, out, i):
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 n = chunk["usage"]["completion_tokens"]
-            elif first is None and chunk["choices"] and chunk["choices"][0].get("delta", {}):
-                delta = chunk["choices"][0]["delta"]
-                if delta.get("content") or delta.get("reasoning"):
+            elif first is None and chunk["choices"]:
+                c = chunk["choices"][0]
+                delta = c.get("delta", {})
+                if c.get("text") or delta.get("content") or delta.get("reasoning"):
                     first = time.perf_counter() - t0
     out[i] = (first, n, time.perf_counter() - t0)
 
 
-def one_round(port, clients, tokens, tag):
+def one_round(port, clients, tokens, chat, tag):
     out, go = [None] * clients, threading.Event()
     threads = [threading.Thread(target=stream_one, args=(
-        port, f"{tag} client {i}: tell me about streaming experts from disk", tokens, go, out, i))
+        port, f"{tag} client {i}: tell me about streaming experts from disk", tokens, chat, go,
+        out, i))
         for i in range(clients)]
     for t in threads:
         t.start()
@@ -79,19 +91,31 @@ def one_round(port, clients, tokens, tag):
             "tokens": sum(o[1] for o in out if o), "wall_s": wall}
 
 
-def measure(model, budget, sequences, counts, rounds, tokens, logdir):
+def started_line(log_path: Path) -> str:
+    for line in log_path.read_text().splitlines():
+        if "deltafin-run serve:" in line:
+            return line.split("deltafin-run serve: ", 1)[1]
+    return ""
+
+
+def measure(model, budget, context, sequences, counts, rounds, tokens, chat, logdir):
     port = free_port()
-    proc = start_server(model, port, budget, logdir / f"serve-{sequences}.log", server="deltafin",
+    log_path = logdir / f"serve-{sequences}.log"
+    proc = start_server(model, port, budget, log_path, server="deltafin", context=context,
                         extra=["--sequences", str(sequences)])
+    slots = re.search(r"(\d+) request.* at once.*?(\d+) expert slots", started_line(log_path))
+    log(f"--sequences {sequences}: {started_line(log_path)}")
     rows = []
     try:
-        one_round(port, 1, 4, "warm-up")
+        one_round(port, 1, 4, chat, "warm-up")
         for clients in counts:
-            runs = [one_round(port, clients, tokens, f"{sequences}/{clients}/{r}")
+            runs = [one_round(port, clients, tokens, chat, f"{sequences}/{clients}/{r}")
                     for r in range(rounds)]
             ttft = [t for r in runs for t in r["ttft_s"]]
             rate = [r["tokens"] / r["wall_s"] for r in runs]
             row = {"sequences": sequences, "clients": clients,
+                   "running_at_once": int(slots.group(1)) if slots else None,
+                   "expert_slots": int(slots.group(2)) if slots else None,
                    "ttft_median_s": statistics.median(ttft) if ttft else None,
                    "ttft_max_s": max(ttft) if ttft else None,
                    "aggregate_tok_s_median": statistics.median(rate),
@@ -108,27 +132,47 @@ def measure(model, budget, sequences, counts, rounds, tokens, logdir):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model", nargs="?")
+    p.add_argument("--model", default="fixture")
     p.add_argument("--budget", default="40MB")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--chat", action="store_true",
+                   help="chat requests (the chat template's system prompt is prefilled: "
+                   "measures prefill), instead of /v1/completions of short prompts")
     p.add_argument("--clients", default="1,2,4,8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=24)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_clients.json"))
+    p.add_argument("--out", default=None,
+                   help="default: bench/results/serve_clients_MODEL.json")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="deltafin-serve-clients-"))
-    model = Path(a.model) if a.model else fixture_model(work)
+    if a.model == "fixture":
+        model = fixture_model(work)
+    elif a.model == "k3-mid":
+        from bench.lib.common import ensure_model
+        from bench.studies.batch import MODEL
+
+        model = ensure_model(Path("/tmp/deltafin-bench"), "k3-mid", MODEL)
+    else:
+        model = Path(a.model)
     counts = [int(c) for c in a.clients.split(",")]
     rows = []
     for sequences in ("auto", 1):
-        rows += measure(model, a.budget, sequences, counts, a.rounds, a.tokens, work)
-    result = {"date": time.strftime("%Y-%m-%d"), "model": str(model), "budget": a.budget,
+        rows += measure(model, a.budget, a.context, sequences, counts, a.rounds, a.tokens,
+                        a.chat, work)
+    result = {"date": time.strftime("%Y-%m-%d"), "model": a.model, "budget": a.budget,
+              "context": a.context, "endpoint": "chat" if a.chat else "completions",
               "tokens": a.tokens, "command": "python -m bench.studies.serve_clients " +
               " ".join(sys.argv[1:]), "rows": rows}
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"{'sequences':>9} {'clients':>7} {'first token s':>13} {'tok/s all':>9}")
+    name = a.model if a.model in ("fixture", "k3-mid") else "dir"
+    out = Path(a.out or ROOT / "bench" / "results" / f"serve_clients_{name}.json")
+    out.write_text(json.dumps(result, indent=1))
+    print("| --sequences | at once | expert slots | clients | first token s (median, max) "
+          "| tok/s, all clients |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"{r['sequences']!s:>9} {r['clients']:>7} {r['ttft_median_s']:>13.2f} "
-              f"{r['aggregate_tok_s_median']:>9.1f}")
+        print(f"| {r['sequences']} | {r['running_at_once']} | {r['expert_slots']} | "
+              f"{r['clients']} | {r['ttft_median_s']:.2f}, {r['ttft_max_s']:.2f} | "
+              f"{r['aggregate_tok_s_median']:.1f} |")
     return 0
 
 
