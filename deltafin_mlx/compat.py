@@ -3,8 +3,10 @@
 Deltafin runs mlx-lm's own model classes, generation, prompt caches and server; a
 few of the hooks it needs are not public. Each one is reached through a function
 here, so that an mlx-lm release that moves one breaks this file, not the runtime.
-`deltafin-run serve` also subclasses mlx-lm's server classes and overrides
-`ModelProvider._load`. Checked against mlx-lm 0.32.x (pyproject.toml pins `mlx-lm>=0.32.2,<0.33`).
+`deltafin-run serve` (deltafin_mlx/server/) also subclasses mlx-lm's server
+classes: it overrides `ModelProvider._load`, `APIHandler._set_completion_headers`,
+and `ResponseGenerator._run_generate` and `_next_request` (reading its `requests`
+queue, `_stop` flag and `_generation_thread`). Checked against mlx-lm 0.32.x (pyproject.toml pins `mlx-lm>=0.32.2,<0.33`).
 """
 
 import mlx_lm.utils as _utils
@@ -29,13 +31,7 @@ def server_prompt_tokens(response_generator, tokenizer, request, args):
     return ResponseGenerator._tokenize(response_generator, tokenizer, request, args)[0]
 
 
-def run_http_server(host, port, response_generator, handler_class):
-    """mlx-lm's HTTP server loop with a handler class of our own."""
-    import mlx_lm.server as server
+def server_generation_loop(response_generator):
+    """mlx-lm's generation loop (its thread's body), run in the calling thread."""
+    response_generator._generate()
 
-    server._run_http_server(host, port, response_generator, handler_class=handler_class)
-
-
-def send_completion_headers(handler, status: int):
-    """The headers mlx-lm's handler sends before a completion body."""
-    handler._set_completion_headers(status)

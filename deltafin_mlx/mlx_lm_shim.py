@@ -14,9 +14,20 @@ see model/shard.py) and its loading waits for mlx-lm's `shard(group)` call (mlx_
 `sharded_load` builds the model class twice; only the second one loads).
 
 Environment: DELTAFIN_BUDGET (e.g. "8GB") sets the memory budget (per rank);
+DELTAFIN_CONTEXT (default 4096) the tokens of prompt plus reply planned for;
 DELTAFIN_SEQUENCES (a number or "auto", default 1) the sequences whose KV/recurrent
-state it must hold — mlx_lm.server batches up to --decode-concurrency of them when
-the caches merge.
+state it must hold — mlx_lm.server decodes at most that many together.
+
+From the model's side the drop-in refuses what it can see: token ids outside the
+vocabulary (at the embedding) and a call longer than the planned context. Inside
+mlx_lm.server it also installs Deltafin's request checks (server/mlx_lm_guard.py:
+logit_bias ids, every value's type and range, content other than text, prompts
+beyond the context) and fits mlx-lm's batching and prompt cache to the plan; what
+it cannot do there is listed in that module and in `deltafin-run serve --help`.
+mlx-lm executes the `model_file` config.json names before any Deltafin code
+runs, so a config.json edited to name a file elsewhere is out of Deltafin's
+reach on that path (`deltafin-run verify` and every deltafin-run command refuse
+it: config.json's checksum is in the manifest).
 """
 
 import os
@@ -82,6 +93,7 @@ def make_classes(path: Path):
                 raise ValueError("this Deltafin model was loaded whole; shard() must come first")
 
         def __call__(self, inputs, cache=None, **kwargs):
+            check_call_length(self._inner, inputs)
             return self._inner(inputs, cache=cache, **kwargs)
 
         @property
@@ -103,6 +115,19 @@ def make_classes(path: Path):
     return Model, ModelArgs
 
 
+def check_call_length(model, inputs):
+    """A single call longer than the planned context cannot fit it: refused
+    before any work (mlx-lm hands a prompt over in passes of its prefill step)."""
+    from deltafin_mlx.engine.runtime import find_runtime
+    from deltafin_mlx.errors import ContextError
+
+    state = find_runtime(model)
+    n = inputs.shape[-1] if getattr(inputs, "ndim", 0) else 0
+    if state is not None and n > state.plan.context:
+        raise ContextError(f"{n} tokens in one call; the planned context is "
+                           f"{state.plan.context} tokens (DELTAFIN_CONTEXT=N plans for more)")
+
+
 def load_for_mlx_lm(path: Path, group=None):
     """The Deltafin model for mlx-lm's loaders. A model or budget that cannot be
     used is one line on stderr and exit status 1 (SystemExit), not a traceback
@@ -117,9 +142,14 @@ def load_for_mlx_lm(path: Path, group=None):
         print(f"deltafin: error: DELTAFIN_SEQUENCES={seqs!r:.60}: not a positive number or "
               "'auto'", file=sys.stderr)
         raise SystemExit(1)
+    context = os.environ.get("DELTAFIN_CONTEXT") or "4096"
+    if not (context.isascii() and context.isdigit() and 1 <= int(context) <= 1 << 24):
+        print(f"deltafin: error: DELTAFIN_CONTEXT={context!r:.60}: not a number of tokens",
+              file=sys.stderr)
+        raise SystemExit(1)
     try:
         model, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
-                        tokenizer=False, group=group,
+                        tokenizer=False, group=group, context=int(context),
                         sequences=seqs if seqs == "auto" else int(seqs))
     except BudgetError as e:
         print(f"deltafin: error: DELTAFIN_BUDGET={os.environ.get('DELTAFIN_BUDGET', '')!r:.60}: "
@@ -128,6 +158,9 @@ def load_for_mlx_lm(path: Path, group=None):
     except ModelError as e:
         print(f"deltafin: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    from deltafin_mlx.server.mlx_lm_guard import install
+
+    install()  # inside mlx_lm.server: Deltafin's request checks
     return model
 
 

@@ -59,7 +59,7 @@ def test_every_study_is_a_module_of_bench_studies():
     assert {m.split(".")[-1] for m in entry_points()} >= {
         "run", "experiments", "batch", "chat_turns", "diskprobe", "distributed",
         "integrity_cost", "iobound", "k3_projection", "policy_bound", "prefill_memory",
-        "read_modes", "serve_memory", "simulate_cache", "stress_server", "trunk_budget"}
+        "read_modes", "serve_clients", "serve_memory", "simulate_cache", "stress_server", "trunk_budget"}
 
 
 @pytest.mark.parametrize("name", entry_points())

@@ -380,8 +380,20 @@ def test_out_of_vocabulary_ids_through_the_mlx_lm_drop_in(converted):
 # --- the server ---------------------------------------------------------------
 
 
-def test_a_client_that_disconnects_stops_its_generation():
-    from deltafin_mlx.cli.serve import ClientGone, _Watched
+def _tcp_pair():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    listener.close()
+    return server, client
+
+
+def test_a_client_that_resets_stops_its_generation_one_that_half_closes_does_not():
+    import struct
+
+    from deltafin_mlx.server.handler import ClientGone, _Watched
 
     class Ctx:
         stopped = False
@@ -389,21 +401,27 @@ def test_a_client_that_disconnects_stops_its_generation():
         def stop(self):
             self.stopped = True
 
-    ctx = Ctx()
-
     class Inner:
         def generate(self, request, args, progress):
             return ctx, iter(range(100))
 
-    a, b = socket.socketpair()
-    watched = _Watched(Inner(), a)
-    _, responses = watched.generate(None, None)
-    assert next(responses) == 0 and not ctx.stopped  # client still there
-    b.close()
+    class Handler:
+        def __init__(self, sock):
+            self.connection = sock
+
+    ctx = Ctx()
+    server, client = _tcp_pair()
+    _, responses = _Watched(Inner(), Handler(server), None).generate(None, None)
+    assert next(responses) == 0
+    client.shutdown(socket.SHUT_WR)  # sent its request, still reading
+    assert next(responses) == 1 and not ctx.stopped
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()  # a reset
+    time.sleep(0.2)
     with pytest.raises(ClientGone):
         next(responses)
     assert ctx.stopped
-    a.close()
+    server.close()
 
 
 # --- the converter ----------------------------------------------------------

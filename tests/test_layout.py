@@ -117,7 +117,7 @@ def test_the_converter_library_uses_only_format_model_and_plan():
     assert bad == {}
 
 
-@pytest.mark.parametrize("stage", ["format", "model", "plan", "engine", "tokenizer"])
+@pytest.mark.parametrize("stage", ["format", "model", "plan", "engine", "tokenizer", "server"])
 def test_library_stages_never_import_the_command_line_layer(stage):
     bad = {n: sorted(t for t in ts if t.startswith("deltafin_mlx.cli"))
            for n, ts in graph().items() if n.startswith(f"deltafin_mlx.{stage}")}

@@ -28,11 +28,12 @@ def stop_server(proc):
         proc.kill()
 
 
-def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, extra=()):
+def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, extra=(),
+                 env=None):
     """The server logs every request: to a file (a pipe nobody drains would fill
-    up and block the server)."""
+    up and block the server). `env`: more environment (DELTAFIN_CONTEXT, ...)."""
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "DELTAFIN_BUDGET": budget}
+    env = {**os.environ, "DELTAFIN_BUDGET": budget, **(env or {})}
     log = open(log_path, "w")
     if server == "deltafin":
         cmd = [str(bin_dir / "deltafin-run"), "serve", str(model), "--budget", budget,
@@ -71,6 +72,41 @@ def chat(port, prompt, max_tokens, stream, timeout=120):
             text += (delta.get("reasoning") or delta.get("reasoning_content") or "") + (
                 delta.get("content") or "")
     return text
+
+
+def post(port, path, body, raw=None, timeout=60):
+    """POST a JSON body (or `raw` bytes) on loopback: (status, parsed JSON reply)."""
+    import urllib.error
+
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data,
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def get(port, path, timeout=30):
+    """GET on loopback: (status, body bytes)."""
+    import urllib.error
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def expected_reply(model, prompt, n) -> str:
+    """What `deltafin-run MODEL PROMPT -n N` answers (greedy): a server's reply to
+    the same chat prompt must equal it."""
+    out = subprocess.run([str(Path(sys.executable).parent / "deltafin-run"), str(model), prompt,
+                          "-n", str(n), "--json"], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout)["text"]
 
 
 def peak_rss(pid) -> int:

@@ -15,7 +15,8 @@ import time
 import urllib.error
 from pathlib import Path
 
-from bench.lib.server import baseline_rss, chat, free_port, peak_rss, start_server, stop_server
+from bench.lib.server import (baseline_rss, chat, free_port, get, peak_rss, start_server,
+                              stop_server)
 
 PROMPTS = [
     "Hello there",
@@ -30,11 +31,11 @@ def _body(prompt, max_tokens, **extra):
             "temperature": 0.0, **extra}
 
 
-def raw_post(port, raw: bytes, headers: dict, timeout=60):
+def raw_post(port, raw: bytes, headers: dict, timeout=60, path="/v1/chat/completions"):
     """POST bytes exactly as given (any Content-Length); returns (status, body)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + raw)
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + raw)
         data = b""
         while True:
             chunk = s.recv(65536)
@@ -60,7 +61,12 @@ def hostile(port, rng, vocab, context, max_tokens):
     the expected error, else what went wrong."""
     kind = rng.choice(["bias_oov", "bias_negative", "long_prompt", "malformed", "nested",
                        "not_object", "bad_length", "oversized", "disconnect", "nan",
-                       "long_but_fits"])
+                       "long_but_fits", "text_beyond", *VALUES])
+    if kind == "text_beyond":  # within the body bound, more text than the context holds
+        raw = json.dumps(_body("x" * (context * 100), max_tokens)).encode()
+        status, _ = raw_post(port, raw, {"Content-Type": "application/json",
+                                         "Content-Length": str(len(raw))})
+        return "refused-ok" if status in (400, 413) else f"{kind} got {status}"
     if kind == "long_but_fits":  # most of the context: answered, within memory
         try:
             chat(port, "stream " * (context // 2 - 300), max_tokens, stream=False)
@@ -79,9 +85,16 @@ def hostile(port, rng, vocab, context, max_tokens):
     elif kind == "malformed":
         raw = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": '
     elif kind == "nested":
-        raw = b"[" * 200_000 + b"]" * 200_000
+        raw = b"[" * 20_000 + b"]" * 20_000  # deeper than any parser recursion, within the body bound
     elif kind == "not_object":
         raw = b'[1, 2, 3]'
+    elif kind in VALUES:
+        path, body = VALUES[kind]
+        raw = body if isinstance(body, bytes) else json.dumps(
+            {**_body("Hello there", max_tokens), **body}).encode()
+        status, _ = raw_post(port, raw, {"Content-Type": "application/json",
+                                         "Content-Length": str(len(raw))}, path=path)
+        return "refused-ok" if status == 400 else f"{kind} got {status}"
     elif kind == "nan":
         raw = json.dumps(_body("Hello there", max_tokens, temperature=float("nan"))).encode()
     elif kind == "oversized":
@@ -93,6 +106,23 @@ def hostile(port, rng, vocab, context, max_tokens):
         status, _ = raw_post(port, raw, {"Content-Type": "application/json",
                                          "Content-Length": str(len(raw))})
     return "refused-ok" if status == expect else f"{kind} got {status}"
+
+
+# Values that once reached mlx-lm's generation thread (and stopped it for every
+# client), or fetched a URL: each must be a 400 now.
+VALUES = {
+    "stop_int": ("/v1/chat/completions", {"stop": [1]}),
+    "stop_nested": ("/v1/chat/completions", {"stop": [[1, 2]]}),
+    "top_k_huge": ("/v1/chat/completions", {"top_k": 100000, "temperature": 0.7}),
+    "empty_prompt": ("/v1/completions", {"prompt": "", "messages": None}),
+    "image_url": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]}]}),
+    "seed_huge": ("/v1/chat/completions", {"seed": 2 ** 70}),
+    "bias_list": ("/v1/chat/completions", {"logit_bias": {"5": [1]}}),
+    "stream_options": ("/v1/chat/completions", {"stream_options": "x"}),
+    "utf16": ("/v1/chat/completions", json.dumps({"messages": [
+        {"role": "user", "content": "hi"}]}).encode("utf-16")),
+}
 
 
 def percentile(xs, q):
@@ -147,7 +177,7 @@ def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_reque
         alive = proc.poll() is None
         # Still serving, and correctly, after everything it was sent.
         after = {p: chat(port, p, max_tokens, stream=False) for p in PROMPTS} if alive else {}
-        alive = alive and after == expected
+        alive = alive and after == expected and get(port, "/health")[0] == 200
         rss = peak_rss(proc.pid)
     finally:
         stop_server(proc)

@@ -1,278 +1,150 @@
-"""`deltafin-run serve MODEL`: mlx-lm's OpenAI-compatible server for a Deltafin
-model, with every request checked before it reaches the model.
+"""`deltafin-run serve MODEL`: an OpenAI-compatible HTTP server for a Deltafin
+model (deltafin_mlx/server/), every request checked before it reaches the model.
 
-    deltafin-run serve MODEL [--budget B] [--context N] [--max-body-bytes N]
-                             [--host 127.0.0.1] [--port 8080] [mlx_lm.server options]
+Endpoints: POST /v1/chat/completions, /v1/completions (streamed or not, logprobs
+with top alternatives best first; /v1/completions also takes the legacy integer
+`logprobs`), /tokenize {"content": TEXT} and /detokenize {"tokens": [IDS]};
+GET /v1/models, /health and /metrics (requests, tokens and the expert cache's
+hits, misses and bytes read, in Prometheus' text format).
 
-It is mlx_lm.server (its handler, batching, prompt cache and response format),
-given a Deltafin model loaded once at start and a handler subclass that refuses
-with HTTP 400, and keeps serving:
-- bodies that are not JSON objects, too large, nested too deep or without a valid
-  Content-Length;
-- `logit_bias` ids outside the vocabulary (mlx-lm would index past the logits:
-  a segfault) and non-finite numbers;
-- prompts longer than the context the memory plan was made for (naming both
-  numbers); `max_tokens` is cut to what the context has left;
-- adapters (any "model" a request names is answered by the served model; mlx-lm
-  would load the path it names).
-A client that disconnects stops its generation at the next token. Prompts are
-processed 256 tokens at a time (mlx-lm: 2048) so their activations stay small
-next to the budget, and the prompt cache holds at most the KV bytes the plan set
-aside. After every
-request Deltafin's counters (expert hits, misses, bytes read) are logged.
+What it guarantees, whatever clients send:
+  - every value is checked first (types, ranges, lengths, nesting) and a bad one is
+    HTTP 400 naming the field; token ids outside the vocabulary, prompts beyond the
+    planned context and content other than text (images, URLs: nothing is ever
+    fetched) are refused before any work;
+  - memory stays within the plan: --sequences requests generate together (decoded
+    in one batch, sharing expert reads), --queue more wait, and beyond that a
+    request gets HTTP 503 at once; a body is read only once its request has a
+    place, and no larger than the planned context can use;
+  - a failure inside generation fails the requests it was serving (HTTP 500), not
+    the server: generation goes on and /health stays 200;
+  - a client that resets its connection stops its generation at the next token
+    (one that only half-closes still gets its answer).
+After every request one log line gives its tokens, times and the expert reads
+made while it ran. Ctrl-C stops the server.
+
+The plain `mlx_lm.server --trust-remote-code --model MODEL` also serves a Deltafin
+model (through the drop-in deltafin_model.py) but has none of the above but the
+checks the drop-in makes from the model's side; use it for trusted clients only.
 """
 
-import io
+import argparse
 import json
-import logging
-import math
-import select
-import socket
-import sys
-from types import SimpleNamespace
 
-from deltafin_mlx.cli.options import Parser
-from deltafin_mlx.errors import RequestError, UsageError
-from deltafin_mlx.engine.runtime import runtime, find_runtime
-from deltafin_mlx import compat
-
-DEFAULT_MAX_BODY = 16 << 20
+from deltafin_mlx.cli.options import Parser, add_load_options, positive, positive_or_auto
 
 
-def peer_closed(sock) -> bool:
-    """Whether the client closed its end (readable with nothing to read)."""
+def port(text):
+    n = int(text)
+    if not 1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1..65535, not {n}")
+    return n
+
+
+def size(text):
+    from deltafin_mlx.errors import BudgetError
+    from deltafin_mlx.units import parse_size
+
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if not readable:
-            return False
-        return sock.recv(1, socket.MSG_PEEK) == b""
-    except (OSError, ValueError):
-        return True
+        return parse_size(text)
+    except BudgetError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
-class ClientGone(Exception):
-    pass
+def cache_bytes(text):
+    return 0 if text.strip() == "0" else size(text)
 
 
-def make_handler(base, settings):
-    """A subclass of mlx-lm's APIHandler that validates requests first."""
-
-    class DeltafinHandler(base):
-        def _refuse(self, status: int, message: str):
-            logging.info("refused (%d): %s", status, message)
-            compat.send_completion_headers(self, status)
-            self.end_headers()
-            self.wfile.write(json.dumps({"error": message}).encode())
-
-        def do_POST(self):
-            length = self.headers.get("Content-Length")
-            try:
-                length = int(length)
-            except (TypeError, ValueError):
-                return self._refuse(411 if length is None else 400,
-                                    "a valid Content-Length header is required")
-            if length < 0:
-                return self._refuse(400, f"Content-Length {length} is negative")
-            if length > settings.max_body:
-                return self._refuse(413, f"the body is {length} bytes, more than "
-                                         f"{settings.max_body}")
-            raw = self.rfile.read(length)
-            try:
-                body = json.loads(raw)
-            except (ValueError, RecursionError) as e:
-                return self._refuse(400, f"the body is not valid JSON ({type(e).__name__}: "
-                                         f"{str(e)[:200]})")
-            if not isinstance(body, dict):
-                return self._refuse(400, "the body must be a JSON object")
-            # mlx-lm's handler reads and parses the body itself.
-            self.rfile = io.BytesIO(raw)
-            return super().do_POST()
-
-        def validate_model_parameters(self):
-            super().validate_model_parameters()
-            vocab = settings.vocab
-            for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                         "presence_penalty", "frequency_penalty", "xtc_probability",
-                         "xtc_threshold"):
-                v = getattr(self, name, None)
-                if isinstance(v, float) and not math.isfinite(v):
-                    raise ValueError(f"{name} must be a finite number")
-            for name in ("repetition_context_size", "presence_context_size",
-                         "frequency_context_size"):
-                v = getattr(self, name, 0)
-                if isinstance(v, int) and v > settings.context:
-                    raise ValueError(f"{name} {v} is more than the context of "
-                                     f"{settings.context} tokens")
-            if self.logit_bias is not None:
-                for k, v in self.logit_bias.items():
-                    if not 0 <= k < vocab:
-                        raise ValueError(f"logit_bias names token id {k}, outside the "
-                                         f"vocabulary (0..{vocab - 1})")
-                    if not math.isfinite(v):
-                        raise ValueError(f"logit_bias for token {k} is not finite")
-            # Whatever "model" a client names, this model answers (mlx-lm would try
-            # to load the named path).
-            if self.adapter is not None:
-                raise ValueError("adapters are not supported by deltafin-run serve")
-
-        def handle_completion(self, request, stop_words):
-            try:
-                n = self._prompt_tokens(request)
-            except RequestError as e:
-                return self._refuse(400, str(e))
-            if n + 1 > settings.context:
-                return self._refuse(400, f"the prompt is {n} tokens; the planned context is "
-                                         f"{settings.context} tokens (deltafin-run serve "
-                                         "--context N plans for more)")
-            self.max_tokens = min(self.max_tokens, settings.context - n)
-            real = self.response_generator
-            self.response_generator = _Watched(real, self.connection)
-            try:
-                super().handle_completion(request, stop_words)
-            except (ClientGone, BrokenPipeError, ConnectionResetError):
-                logging.info("client disconnected; its generation was stopped")
-                self.close_connection = True
-            finally:
-                self.response_generator = real
-                log_counters(settings.model)
-
-        def _prompt_tokens(self, request) -> int:
-            """The prompt's length, tokenized as mlx-lm's generation thread will."""
-            tokenizer = settings.tokenizer
-            args = SimpleNamespace(chat_template_kwargs=self.chat_template_kwargs)
-            if request.request_type == "text" and not isinstance(request.prompt, str):
-                raise RequestError("prompt must be a string")
-            try:
-                prompt = compat.server_prompt_tokens(self.response_generator, tokenizer,
-                                                     request, args)
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as e:  # messages of any shape; template errors
-                raise RequestError(f"cannot build the prompt ({type(e).__name__}: "
-                                   f"{str(e)[:200]})") from None
-            return len(prompt)
-
-    return DeltafinHandler
+def json_object(text):
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
-class _Watched:
-    """The response generator, as one request's handler sees it: stops the
-    generation when the client has gone (checked before each token is sent and
-    during prompt processing)."""
-
-    def __init__(self, inner, sock):
-        self._inner = inner
-        self._sock = sock
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def generate(self, request, args, progress_callback=None):
-        holder = {}
-
-        def progress(done, total):
-            if peer_closed(self._sock) and "ctx" in holder:
-                holder["ctx"].stop()
-            if progress_callback is not None:
-                progress_callback(done, total)
-
-        ctx, responses = self._inner.generate(request, args, progress)
-        holder["ctx"] = ctx
-
-        def watched():
-            for r in responses:
-                if peer_closed(self._sock):
-                    ctx.stop()
-                    raise ClientGone()
-                yield r
-
-        return ctx, watched()
+def non_negative_number(text):
+    v = float(text)
+    if not (v >= 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
+    return v
 
 
-def log_counters(model):
-    state = find_runtime(model)
-    if state is None:
-        return
-    s = state.stats
-    logging.info("[deltafin] experts: %d hits, %d misses (%.0f%% hit rate), %.1f MB read",
-                 s.hits, s.misses, 100 * s.hit_rate, state.store.bytes_read / 1e6)
+def fraction(text):
+    v = float(text)
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], not {text}")
+    return v
 
 
 def parser():
-    p = Parser(
-        prog="deltafin-run serve", description=__doc__.splitlines()[0],
-        epilog="Other options are mlx_lm.server's (e.g. --max-tokens, --prefill-step-size).")
-    p.add_argument("model")
-    p.add_argument("--budget", default=None, help="memory budget, e.g. 8GB")
-    p.add_argument("--context", type=int, default=4096,
-                   help="longest prompt plus reply to plan memory for (default 4096)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY)
-    p.add_argument("--reader-threads", type=int, default=1)
-    p.add_argument("--verify", action="store_true", help="check expert checksums on read")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--debug", action="store_true")
+    p = Parser(prog="deltafin-run serve", description=__doc__)
+    p.add_argument("model", help="a directory written by deltafin-convert")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=port, default=8080, help="port to listen on")
+    p.add_argument("--context", type=positive, default=4096,
+                   help="tokens of prompt plus reply each request may use (memory is "
+                   "planned for it)")
+    p.add_argument("--sequences", type=positive_or_auto, default="auto",
+                   help="requests generating together, each with its KV/state at --context "
+                   "in the budget ('auto': the most the budget holds, at most 32)")
+    p.add_argument("--queue", type=int, default=64,
+                   help="requests that may wait for a place; beyond, HTTP 503")
+    p.add_argument("--queue-seconds", type=float, default=300.0,
+                   help="the longest a request waits for a place before HTTP 503")
+    p.add_argument("--max-body-bytes", type=positive, default=None,
+                   help="largest request body (default: what --context can use: "
+                   "context x the longest token's bytes, as JSON)")
+    p.add_argument("--max-tokens", type=positive, default=512,
+                   help="reply tokens when a request names none (cut to the context left)")
+    p.add_argument("--temp", type=non_negative_number, default=0.0,
+                   help="temperature when a request names none")
+    p.add_argument("--top-p", type=fraction, default=1.0, help="top_p when a request names none")
+    p.add_argument("--top-k", type=int, default=0, help="top_k when a request names none")
+    p.add_argument("--min-p", type=fraction, default=0.0, help="min_p when a request names none")
+    p.add_argument("--chat-template-args", type=json_object, default=None,
+                   help="JSON object passed to the chat template, e.g. '{\"thinking\": false}'")
+    p.add_argument("--prefill-step-size", type=positive, default=None,
+                   help="prompt tokens per pass (default: the memory plan's pass, shared by "
+                   "the prompts prefilled together)")
+    p.add_argument("--prompt-cache-size", type=positive, default=10,
+                   help="earlier prompts whose KV cache is kept for reuse")
+    p.add_argument("--prompt-cache-bytes", type=cache_bytes, default=None,
+                   help="most bytes those caches may hold, e.g. 200MB (default: the plan's "
+                   "KV/state bytes)")
+    p.add_argument("--allowed-origins", default="*",
+                   help="comma-separated origins for CORS")
+    p.add_argument("--log-level", default="INFO",
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                   help="server log level")
+    add_load_options(p)
     return p
 
 
 def cmd_serve(argv) -> int:
-    args, rest = parser().parse_known_args(argv)
-    if args.context <= 0:
-        raise UsageError(f"--context must be 1 or more, not {args.context}")
-    if args.max_body_bytes <= 0:
-        raise UsageError("--max-body-bytes must be 1 or more")
-    import mlx_lm.server as server
+    import sys
 
-    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.errors import UsageError
+    from deltafin_mlx.server.app import ServeConfig, serve
 
-    model, tokenizer = load(args.model, memory_budget=args.budget, context=args.context,
-                            reader_threads=args.reader_threads, verify=args.verify,
-                            progress=sys.stderr.isatty())
-    settings = SimpleNamespace(
-        model=model, tokenizer=tokenizer, context=args.context, max_body=args.max_body_bytes,
-        vocab=model_vocab(model))
-
-    class DeltafinProvider(server.ModelProvider):
-        def _load(self, model_path, adapter_path=None, draft_model_path=None):
-            from mlx_lm.models.cache import make_prompt_cache
-
-            self.model_key = (model_path, adapter_path, draft_model_path)
-            self.model, self.tokenizer = model, tokenizer
-            self.processor, self.draft_model = None, None
-            self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
-
-        def load(self, model_path, adapter_path=None, draft_model_path=None):
-            if self.model is None:
-                self._load("default_model")
-            return self.model, self.tokenizer
-
-    handler = make_handler(server.APIHandler, settings)
-
-    def run(host, port, provider):
-        response_generator = server.ResponseGenerator(provider, server.LRUPromptCache(
-            provider.cli_args.prompt_cache_size))
-        logging.info("deltafin-run serve: %s, budget %d bytes, context %d tokens",
-                     args.model, runtime(model).plan.budget, args.context)
-        compat.run_http_server(host, port, response_generator, handler_class=handler)
-
-    if not any(a.startswith("--prefill-step-size") for a in rest):
-        # A prompt is prefilled in the plan's passes: mlx-lm's 2048 tokens per call
-        # would hold activations the budget does not have (docs/PERFORMANCE.md).
-        rest += ["--prefill-step-size", str(runtime(model).plan.prefill_pass)]
-    if not any(a.startswith("--prompt-cache-bytes") for a in rest):
-        # The prompt cache keeps KV caches of earlier requests: at most what the
-        # plan set aside for KV at the planned context.
-        rest += ["--prompt-cache-bytes", str(runtime(model).plan.state_bytes)]
-    server.ModelProvider, server.run = DeltafinProvider, run
-    sys.argv = ["deltafin-run serve", "--model", args.model, "--host", args.host,
-                "--port", str(args.port), *rest]
-    server.main()
-    return 0
-
-
-def model_vocab(model) -> int:
-    """Rows of the embedding table (what token ids index)."""
-    from deltafin_mlx.model.modules import find_path, get_module
-
-    embed = get_module(model, find_path(model, "embed_tokens"))
-    return getattr(type(embed), "vocab_size", None) or embed.weight.shape[0]
+    args = parser().parse_args(argv)
+    if args.queue < 0:
+        raise UsageError(f"--queue must be 0 or more, not {args.queue}")
+    if not args.queue_seconds > 0:
+        raise UsageError(f"--queue-seconds must be positive, not {args.queue_seconds}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be 0 or more, not {args.top_k}")
+    return serve(ServeConfig(
+        model=args.model, host=args.host, port=args.port, budget=args.budget,
+        context=args.context, sequences=args.sequences, queue=args.queue,
+        queue_seconds=args.queue_seconds, max_body_bytes=args.max_body_bytes,
+        reader_threads=args.reader_threads, verify=args.verify, read_mode=args.read_mode,
+        lookahead=not args.no_lookahead, warm_start=not args.no_warm_start,
+        prefill_step_size=args.prefill_step_size, prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_bytes=args.prompt_cache_bytes, max_tokens=args.max_tokens,
+        temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        chat_template_args=args.chat_template_args,
+        allowed_origins=tuple(args.allowed_origins.split(",")), log_level=args.log_level,
+        progress=sys.stderr.isatty()))

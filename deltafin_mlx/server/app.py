@@ -1,0 +1,223 @@
+"""`deltafin-run serve`'s server, as a library: bind the port (a port in use is
+one line, before the model loads), load the model for the planned context and
+sequences, and run mlx-lm's response generator (its batching, prompt cache and
+response format) behind Deltafin's handler (server/handler.py) on a threaded
+HTTP server with a listen backlog for a few dozen clients.
+
+Memory: the plan holds `sequences` sequences' KV/recurrent state at `context`
+tokens; that many requests generate together (mlx-lm's batch decoding, which
+reads each expert once per step for all of them), a bounded queue waits, and a
+body is read only once its request has a place (server/admission.py). A
+prompt's text is bounded before it is tokenized: no token of the vocabulary is
+longer than `longest_token_bytes`, so more text than context x that many bytes
+cannot fit.
+"""
+
+import argparse
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Optional
+
+from deltafin_mlx.errors import UsageError
+from deltafin_mlx.server.admission import Admission, AdmissionConfig
+from deltafin_mlx.server.counters import ServerCounters
+from deltafin_mlx.server.schema import RequestLimits
+from deltafin_mlx.units import human_bytes
+
+log = logging.getLogger("deltafin_mlx.server")
+
+JSON_ESCAPE = 6  # the most bytes JSON spends on one byte of text (\u0001)
+BODY_SLACK = 64 << 10  # JSON structure around the text
+
+
+@dataclass
+class ServeConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    budget: Optional[str] = None
+    context: int = 4096
+    sequences: object = "auto"  # requests generating together, or "auto" (the planner's)
+    queue: int = 64  # requests waiting for a place; beyond, 503
+    queue_seconds: float = 300.0  # the longest a request waits for a place
+    max_body_bytes: Optional[int] = None  # default: what the context can use
+    socket_timeout: float = 60.0  # a client silent this long is dropped
+    backlog: int = 128
+    reader_threads: int = 1
+    verify: bool = False
+    read_mode: str = "direct"
+    lookahead: bool = True
+    warm_start: bool = True
+    prefill_step_size: Optional[int] = None  # default: the plan's pass
+    prompt_cache_size: int = 10
+    prompt_cache_bytes: Optional[int] = None  # default: the plan's state bytes
+    max_tokens: int = 512
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    chat_template_args: Optional[dict] = None
+    allowed_origins: tuple = ("*",)
+    log_level: str = "INFO"
+    progress: bool = False
+
+
+@dataclass
+class ServeSettings:
+    """What every request's handler reads."""
+    model: object
+    tokenizer: object
+    limits: RequestLimits
+    max_body: int
+    model_id: str
+    created: int
+    admission: Admission
+    counters: ServerCounters
+    socket_timeout: float
+
+
+class DeltafinHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def bind(host: str, port: int, backlog: int) -> DeltafinHTTPServer:
+    """The listening server, handler to be set; a bad address is one line."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                    flags=socket.AI_PASSIVE)[0][0]
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: {e.strerror}") from None
+    cls = type("Server", (DeltafinHTTPServer,), {"address_family": family,
+                                                 "request_queue_size": backlog})
+    try:
+        return cls((host, port), None)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def longest_token_bytes(tokenizer, vocab: int) -> int:
+    """The most UTF-8 bytes one token's text can have (a token that is part of
+    a character decodes to U+FFFD, 3 bytes: an overestimate, which only loosens
+    the bound)."""
+    longest = 4
+    decode = tokenizer.decode
+    for i in range(vocab):
+        try:
+            longest = max(longest, len(decode([i]).encode("utf-8", "surrogatepass")))
+        except Exception:  # noqa: BLE001 - ids the tokenizer does not map
+            continue
+    return longest
+
+
+def mlx_lm_args(cfg: ServeConfig, plan, sequences: int) -> argparse.Namespace:
+    """The options mlx-lm's server classes read, for this plan."""
+    from deltafin_mlx.batch import PREFILL_BATCH
+
+    prompts_together = min(sequences, PREFILL_BATCH)
+    step = cfg.prefill_step_size or max(1, plan.prefill_pass // prompts_together)
+    return argparse.Namespace(
+        model=cfg.model, adapter_path=None, draft_model=None, num_draft_tokens=3,
+        trust_remote_code=False, chat_template="", use_default_chat_template=False,
+        pipeline=False, temp=cfg.temp, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+        max_tokens=cfg.max_tokens, chat_template_args=cfg.chat_template_args or {},
+        decode_concurrency=sequences, prompt_concurrency=prompts_together,
+        prefill_step_size=step, prompt_cache_size=cfg.prompt_cache_size,
+        # The prompt cache keeps earlier requests' KV: at most what the plan set
+        # aside for KV/state, less what running requests hold.
+        prompt_cache_bytes=cfg.prompt_cache_bytes if cfg.prompt_cache_bytes is not None
+        else plan.state_bytes,
+        kv_bits=None, kv_group_size=64, quantized_kv_start=0,
+        allowed_origins=list(cfg.allowed_origins), log_level=cfg.log_level)
+
+
+def serve(cfg: ServeConfig) -> int:
+    logging.basicConfig(level=getattr(logging, cfg.log_level),
+                        format="%(asctime)s - %(levelname)s - %(message)s")
+    from deltafin_mlx.model.shard import detect_group
+
+    group = detect_group("auto")
+    rank = group.rank() if group is not None else 0
+    # The port first: a port in use is one line before minutes of loading.
+    httpd = bind(cfg.host, cfg.port, cfg.backlog) if rank == 0 else None
+    try:
+        return _serve(cfg, httpd, rank)
+    finally:
+        if httpd is not None:
+            httpd.server_close()
+
+
+def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
+    import mlx_lm.server as server
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.engine.runtime import runtime
+    from deltafin_mlx.server.generation import resilient_generator_class
+    from deltafin_mlx.server.handler import make_handler
+    from deltafin_mlx.server.vocab import model_vocab
+
+    model, tokenizer = load(cfg.model, memory_budget=cfg.budget, context=cfg.context,
+                            sequences=cfg.sequences, reader_threads=cfg.reader_threads,
+                            verify=cfg.verify, read_mode=cfg.read_mode,
+                            lookahead=cfg.lookahead, warm_start=cfg.warm_start,
+                            progress=cfg.progress)
+    state = runtime(model)
+    plan = state.plan
+    vocab = model_vocab(model)
+    limits = RequestLimits(vocab=vocab, context=cfg.context,
+                           max_text_bytes=cfg.context * longest_token_bytes(tokenizer, vocab))
+    max_body = cfg.max_body_bytes or limits.max_text_bytes * JSON_ESCAPE + BODY_SLACK
+    counters = ServerCounters(model, rank)
+    admission = Admission(AdmissionConfig(active=plan.sequences, queued=cfg.queue,
+                                          wait_seconds=cfg.queue_seconds))
+    args = mlx_lm_args(cfg, plan, plan.sequences)
+
+    class DeltafinProvider(server.ModelProvider):
+        def _load(self, model_path, adapter_path=None, draft_model_path=None):
+            self.model_key = (model_path, adapter_path, draft_model_path)
+            self.model, self.tokenizer = model, tokenizer
+            self.processor, self.draft_model = None, None
+            self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+
+        def load(self, model_path, adapter_path=None, draft_model_path=None):
+            if self.model is None:
+                self._load("default_model")
+            return self.model, self.tokenizer
+
+    def restarted():
+        counters.generation_restarts += 1
+
+    generator = resilient_generator_class(server.ResponseGenerator)(
+        DeltafinProvider(args), server.LRUPromptCache(args.prompt_cache_size),
+        on_restart=restarted)
+    try:
+        if httpd is None:  # another rank of mlx.launch: rank 0 serves HTTP
+            generator.join()
+            return 0
+        settings = ServeSettings(model=model, tokenizer=tokenizer, limits=limits,
+                                 max_body=max_body, model_id=Path(cfg.model).name,
+                                 created=int(time.time()), admission=admission,
+                                 counters=counters, socket_timeout=cfg.socket_timeout)
+        handler = make_handler(server.APIHandler, settings)
+        fingerprint = server.get_system_fingerprint()
+        httpd.RequestHandlerClass = lambda *a, **k: handler(
+            generator, *a, system_fingerprint=fingerprint, **k)
+        log.info("deltafin-run serve: %s on http://%s:%d, budget %s, context %d tokens, "
+                 "%d request%s at once (%d more may wait), %d expert slots (%.0f%% of the "
+                 "experts), bodies up to %s", cfg.model, cfg.host, cfg.port,
+                 human_bytes(plan.budget), cfg.context, plan.sequences,
+                 "s" * (plan.sequences != 1), cfg.queue, plan.slots,
+                 100 * plan.cache_fraction, human_bytes(max_body))
+        try:
+            httpd.serve_forever()
+        except KeyboardInterrupt:
+            log.info("stopping")
+        return 0
+    finally:
+        generator.stop_and_join()
+        state.close()

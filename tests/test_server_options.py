@@ -1,0 +1,137 @@
+"""`deltafin-run serve`'s options and limits: a bad option or a port in use is one
+line and an exit at once (Deltafin's usage, not mlx-lm's), --help says what the
+server guarantees, requests beyond the running and waiting places get HTTP 503,
+and a failure inside the generation loop fails only the requests it held."""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from queue import Queue
+
+import pytest
+
+from bench.lib.server import free_port, get, post, start_server, stop_server
+
+BIN = Path(sys.executable).parent
+
+
+def serve(*args, timeout=60):
+    return subprocess.run([str(BIN / "deltafin-run"), "serve", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_line(stderr: str) -> str:
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("option,says", [
+    (["--port", "70000"], "--port: must be in 1..65535"),
+    (["--prefill-step-size", "0"], "--prefill-step-size"),
+    (["--prompt-cache-bytes", "-1"], "--prompt-cache-bytes"),
+    (["--context", "0"], "--context"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+])
+def test_a_bad_option_is_one_line_of_deltafins_usage(converted, option, says):
+    p = serve(converted("kimi_k3"), *option)
+    line = one_line(p.stderr)
+    assert p.returncode == 2 and line.startswith("deltafin-run serve: error:") and says in line
+
+
+def test_a_port_in_use_exits_at_once_with_one_line(converted):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        start = time.time()
+        p = serve(converted("kimi_k3"), "--budget", "40MB", "--port", s.getsockname()[1])
+    assert p.returncode == 1 and time.time() - start < 20
+    assert "cannot listen on 127.0.0.1:" in one_line(p.stderr)
+
+
+def test_help_says_what_the_server_guarantees():
+    out = serve("--help").stdout
+    for phrase in ("/v1/chat/completions", "/v1/models", "/tokenize", "/metrics", "HTTP 400",
+                   "HTTP 503", "nothing is ever", "--sequences", "--queue", "mlx_lm.server",
+                   "trusted clients only"):
+        assert phrase in out, phrase
+
+
+def test_requests_beyond_the_places_get_503_and_the_server_goes_on(converted, tmp_path):
+    port = free_port()
+    proc = start_server(converted("kimi_k3"), port, "40MB", tmp_path / "log", server="deltafin",
+                        context=1024, extra=["--sequences", "1", "--queue", "0"])
+    try:
+        long = {"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 600,
+                "temperature": 0}
+        first = Queue()
+        t = threading.Thread(target=lambda: first.put(post(port, "/v1/chat/completions", long)))
+        t.start()
+        deadline = time.time() + 20
+        while time.time() < deadline:  # the first request holds the one place
+            if b"deltafin_requests_running 1" in get(port, "/metrics")[1]:
+                break
+            time.sleep(0.05)
+        status, reply = post(port, "/v1/chat/completions", {**long, "max_tokens": 2})
+        assert status == 503 and "busy" in reply["error"]["message"]
+        t.join(timeout=120)
+        assert first.get_nowait()[0] == 200
+        assert post(port, "/v1/chat/completions", {**long, "max_tokens": 2})[0] == 200
+    finally:
+        stop_server(proc)
+
+
+def test_a_failing_generation_loop_fails_its_requests_only_and_restarts():
+    """server/generation.py over a stand-in for mlx-lm's ResponseGenerator whose
+    loop raises on one request: that request gets the error, the next is answered
+    and the loop's thread is alive."""
+    from deltafin_mlx.server.generation import GenerationFailed, resilient_generator_class
+
+    class StandIn:  # the parts of mlx-lm's ResponseGenerator the subclass uses
+        def __init__(self, provider, cache):
+            self.requests, self._stop = Queue(), False
+            self._generation_thread = threading.Thread(target=self._run_generate, daemon=True)
+            self._generation_thread.start()
+
+        def _next_request(self, timeout=None):
+            try:
+                return self.requests.get(timeout=timeout)
+            except Exception:
+                return None
+
+        def _generate(self):
+            while not self._stop:
+                r = self._next_request(0.05)
+                if r is None:
+                    continue
+                q, request, _ = r
+                q.put("ctx")
+                if request == "poison":
+                    raise ValueError("bad request reached generation")
+                q.put(f"reply to {request}")
+                q.put(None)
+
+    restarts = []
+    gen = resilient_generator_class(StandIn)(None, None, on_restart=lambda: restarts.append(1))
+    ctx, replies = gen.generate("poison", None)
+    with pytest.raises(GenerationFailed):
+        list(replies)
+    ctx, replies = gen.generate("hello", None)
+    assert list(replies) == ["reply to hello"] and restarts == [1]
+    assert gen.is_healthy
+    gen._stop = True
+
+
+def test_a_config_naming_another_model_file_is_refused_before_serving(converted, copy_of):
+    """mlx-lm executes the `model_file` config.json names before Deltafin runs; every
+    deltafin-run command refuses such a config.json (its checksum is in the manifest)."""
+    model = copy_of(converted("kimi_k3"))
+    config = json.loads((model / "config.json").read_text())
+    config["model_file"] = "../elsewhere.py"
+    (model / "config.json").write_text(json.dumps(config))
+    p = serve(model, "--budget", "40MB", "--port", free_port())
+    assert p.returncode == 1 and "config.json" in one_line(p.stderr)
