@@ -1,0 +1,78 @@
+"""Hostile files, round three: `--force` aimed at the user's own directory, Ctrl-C
+as the converter finishes, manifests that drop their checksums, an unlisted
+generation_config.json, escape sequences in what `info` prints, tokenizers that
+cannot encode every byte or name ids the model does not have. Each is one clear
+line (or no harm at all), never a traceback, a deleted file or a silent change."""
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deltafin_convert import cli as convert_cli
+from deltafin_mlx.cli.main import main
+from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
+from test_hostile import one_error_line, reseal
+
+
+def convert_run(capsys, *args):
+    code = convert_cli.main([*map(str, args), "--quiet"])
+    return code, capsys.readouterr().err
+
+
+# --- deltafin-convert --force ----------------------------------------------------------
+
+
+def test_force_never_touches_a_directory_that_is_not_a_deltafin_output(sources, tmp_path, capsys):
+    out = tmp_path / "mine"
+    (out / "trunk").mkdir(parents=True)
+    (out / "experts").mkdir()
+    (out / "trunk" / "thesis.tex").write_text("years of work")
+    (out / "config.json").write_text('{"theme": "dark"}')
+    (out / MANIFEST_NAME).write_text('{"format": "something else"}')
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    for extra in ([], ["--force"]):
+        code, err = convert_run(capsys, sources("mixtral"), out, *extra)
+        line = one_error_line(err)
+        assert code == 1 and "holds no Deltafin model or conversion" in line
+        assert "--force" not in line
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+    assert (out / "trunk" / "thesis.tex").read_text() == "years of work"
+
+
+def test_force_replaces_a_deltafin_model_or_an_unfinished_conversion(sources, tmp_path, capsys):
+    out = tmp_path / "model"
+    assert convert_run(capsys, sources("mixtral"), out)[0] == 0
+    code, err = convert_run(capsys, sources("qwen3_moe"), out)
+    assert code == 1 and "--force" in err  # another model: replaced only when asked
+    assert convert_run(capsys, sources("qwen3_moe"), out, "--force")[0] == 0
+    assert read_manifest(out).model_type == "qwen3_moe"
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "deltafin.partial.json").write_text("{damaged")
+    assert convert_run(capsys, sources("mixtral"), partial, "--force")[0] == 0
+    assert read_manifest(partial).model_type == "mixtral"
+
+
+def test_ctrl_c_while_the_converter_reports_is_not_a_traceback(sources, tmp_path):
+    """Ctrl-C just after the manifest is written (here: while the result is printed)
+    changes nothing and prints no KeyboardInterrupt traceback."""
+    program = (
+        "import os, signal, sys\n"
+        "import deltafin_convert.cli as c\n"
+        "real = c.human_bytes\n"
+        "def late_ctrl_c(n):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(n)\n"
+        "c.human_bytes = late_ctrl_c\n"
+        "sys.argv = ['deltafin-convert', sys.argv[1], sys.argv[2], '--quiet']\n"
+        "sys.exit(c.main())\n")
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-c", program, str(sources("mixtral")), str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "converted" in p.stdout
+    read_manifest(out)
