@@ -14,6 +14,7 @@ import pytest
 
 from deltafin_convert import cli as convert_cli
 from deltafin_mlx.cli.main import main
+from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
 from test_hostile import one_error_line, reseal
 
@@ -76,3 +77,53 @@ def test_ctrl_c_while_the_converter_reports_is_not_a_traceback(sources, tmp_path
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert "converted" in p.stdout
     read_manifest(out)
+
+
+# --- the manifest and the small files read by fixed name ---------------------------------
+
+
+@pytest.mark.parametrize("checksums", [None, {}])
+def test_a_manifest_without_checksums_is_refused(converted, copy_of, checksums):
+    path = copy_of(converted("qwen3_moe"))
+    d = json.loads((path / MANIFEST_NAME).read_text())
+    if checksums is None:
+        del d["checksums"]
+    else:
+        d["checksums"] = checksums
+    (path / MANIFEST_NAME).write_text(json.dumps(d))
+    with pytest.raises(ModelError, match="no checksums|checksums must name exactly"):
+        read_manifest(path)
+
+
+def test_an_unlisted_generation_config_is_refused(converted, copy_of, capsys):
+    """An added generation_config.json would change the eos tokens unseen."""
+    path = copy_of(converted("qwen3_moe"))
+    d = json.loads((path / MANIFEST_NAME).read_text())
+    for key in ("files", "checksums"):
+        del d[key]["generation_config.json"]
+    d["tokenizer"]["files"].remove("generation_config.json")
+    (path / MANIFEST_NAME).write_text(json.dumps(d))
+    for command in (["info", path], ["plan", path, "--budget", "1GB"], [path, "hi", "-n", "1"]):
+        assert main(list(map(str, command))) == 1
+        line = one_error_line(capsys.readouterr().err)
+        assert "generation_config.json: not listed in the manifest" in line, command
+
+
+def test_an_edited_generation_config_is_refused(converted, copy_of, capsys):
+    path = copy_of(converted("qwen3_moe"))
+    g = path / "generation_config.json"
+    g.write_text(g.read_text().replace("}", ', "x": 1}', 1)[: len(g.read_text())])
+    assert main(["info", str(path)]) == 1
+    assert "generation_config.json: modified since conversion" in one_error_line(
+        capsys.readouterr().err)
+
+
+def test_info_shows_escape_sequences_from_the_manifest_escaped(converted, copy_of, capsys):
+    path = copy_of(converted("qwen3_moe"))
+    d = json.loads((path / MANIFEST_NAME).read_text())
+    d["source"]["id"] = "evil\x1b]0;owned\x07\x1b[2J\u202e"
+    (path / MANIFEST_NAME).write_text(json.dumps(d))
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    assert "evil\\x1b]0;owned\\x07\\x1b[2J\\u202e" in out

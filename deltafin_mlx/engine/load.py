@@ -404,7 +404,7 @@ def load_tokenizer(path: Path, manifest, config: dict):
     from deltafin_mlx.errors import TokenizerError
 
     for name in TOKENIZER_FILE_NAMES:
-        check_if_present(path, name, TOKENIZER_MAX_BYTES)
+        check_if_present(manifest, name, TOKENIZER_MAX_BYTES)
     eos = eos_token_ids(config)
     try:
         if manifest.tokenizer.get("kind") == "kimi_tiktoken":
