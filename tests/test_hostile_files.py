@@ -127,3 +127,50 @@ def test_info_shows_escape_sequences_from_the_manifest_escaped(converted, copy_o
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
     assert "evil\\x1b]0;owned\\x07\\x1b[2J\\u202e" in out
+
+
+# --- tokenizers -------------------------------------------------------------------------
+
+
+def test_a_byte_level_tokenizer_without_a_bytes_token_is_refused_at_load(converted, copy_of,
+                                                                          capsys):
+    """Hugging Face's BPE would drop the byte from every text without a word."""
+    path = copy_of(converted("qwen3_moe"))
+    d = json.loads((path / "tokenizer.json").read_text())
+    vocab, merges = d["model"]["vocab"], d["model"]["merges"]
+    used = {c for merge in merges for part in merge for c in part}
+    byte = next(k for k in vocab if len(k) == 1 and k.isalpha() and k not in used)
+    vocab[byte + "zz"] = vocab.pop(byte)
+    (path / "tokenizer.json").write_text(json.dumps(d))
+    reseal(path, "tokenizer.json")
+    assert main([str(path), "hi", "-n", "1"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert f"no token for 1 of the 256 bytes (0x{ord(byte):02x})" in line
+
+
+def test_a_tiktoken_file_without_a_bytes_token_is_refused_at_load(converted, copy_of, capsys):
+    """tiktoken would panic at the first text holding the byte."""
+    import base64
+
+    path = copy_of(converted("kimi_k3"))
+    lines = (path / "tiktoken.model").read_bytes().splitlines()
+    a = base64.b64encode(b"A")
+    (path / "tiktoken.model").write_bytes(b"\n".join(
+        base64.b64encode(b"\x01\x02zz") + b" " + x.split()[1] if x.split()[0] == a else x
+        for x in lines) + b"\n")
+    reseal(path, "tiktoken.model")
+    assert main([str(path), "hi", "-n", "1"]) == 1
+    assert "no token for 1 of the 256 bytes (0x41)" in one_error_line(capsys.readouterr().err)
+
+
+def test_a_tokenizer_with_more_ids_than_the_embedding_table_is_refused_at_load(
+        converted, copy_of, capsys):
+    path = copy_of(converted("qwen3_moe"))
+    rows = json.loads((path / "config.json").read_text())["vocab_size"]
+    d = json.loads((path / "tokenizer.json").read_text())
+    d["model"]["vocab"]["zqzq"] = rows + 5
+    (path / "tokenizer.json").write_text(json.dumps(d))
+    reseal(path, "tokenizer.json")
+    assert main([str(path), "hi", "-n", "1"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert f"ids up to {rows + 5}, beyond the {rows} rows" in line

@@ -405,15 +405,20 @@ def load_tokenizer(path: Path, manifest, config: dict):
 
     for name in TOKENIZER_FILE_NAMES:
         check_if_present(manifest, name, TOKENIZER_MAX_BYTES)
+    from deltafin_mlx.tokenizer.coverage import check_tokenizer
+
     eos = eos_token_ids(config)
     try:
         if manifest.tokenizer.get("kind") == "kimi_tiktoken":
             from deltafin_mlx.tokenizer.kimi import load_kimi_tokenizer
 
-            return load_kimi_tokenizer(path, eos_token_ids=eos)
-        from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
+            tokenizer = load_kimi_tokenizer(path, eos_token_ids=eos)
+        else:
+            from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
-        return load_hf_tokenizer(Path(path), eos_token_ids=eos)
+            tokenizer = load_hf_tokenizer(Path(path), eos_token_ids=eos)
+        check_tokenizer(tokenizer, text_config(config).get("vocab_size"), path)
+        return tokenizer
     except (KeyboardInterrupt, SystemExit):
         raise
     except ModelError:
