@@ -174,3 +174,22 @@ def test_a_tokenizer_with_more_ids_than_the_embedding_table_is_refused_at_load(
     assert main([str(path), "hi", "-n", "1"]) == 1
     line = one_error_line(capsys.readouterr().err)
     assert f"ids up to {rows + 5}, beyond the {rows} rows" in line
+
+
+# --- under mlx.launch -------------------------------------------------------------------
+
+
+def test_only_rank_0_prints_the_stats_line(converted, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from deltafin_mlx.engine.runtime import Runtime
+
+    assert Runtime.is_primary.fget(SimpleNamespace(group=None))
+    assert Runtime.is_primary.fget(SimpleNamespace(group=SimpleNamespace(rank=lambda: 0)))
+    assert not Runtime.is_primary.fget(SimpleNamespace(group=SimpleNamespace(rank=lambda: 1)))
+    args = [str(converted("qwen3_moe")), "hi", "-n", "2"]
+    assert main(args) == 0
+    assert "[deltafin]" in capsys.readouterr().err
+    monkeypatch.setattr(Runtime, "is_primary", property(lambda self: False))  # as rank 1
+    assert main(args) == 0
+    assert "[deltafin]" not in capsys.readouterr().err
