@@ -30,6 +30,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from deltafin_mlx.batch_io import Results, open_input, read_lines, result_key
 from deltafin_mlx.batch_requests import Request, read_requests
 from deltafin_mlx.errors import DeltafinError
+from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.generate import StatsMeter, chat_prompt, planned_pass
 from deltafin_mlx.stops import StopMatcher
 
@@ -332,6 +333,7 @@ class Progress:
         self.total, self.skipped, self.show = total, skipped, show
         self.done = self.errors = self.tokens = 0
         self.prefill = {}  # uid -> (prompt tokens done, of total), while prefilling
+        self.in_layer = ""  # where the prefill step now running is (the engine says)
         self.start = time.perf_counter()
         self.last = 0.0
 
@@ -340,6 +342,13 @@ class Progress:
         for r in prompt_responses:
             self.prefill[r.uid] = tuple(r.progress)
         self.prefill = {u: p for u, p in self.prefill.items() if p[0] < p[1]}
+        self.in_layer = ""
+        self._draw()
+
+    def layer(self, finished: int, layers: int):
+        """A prefill step has finished `finished` of the model's `layers` MoE layers
+        (the first step of a job can take long before any prompt reports)."""
+        self.in_layer = f" (MoE layer {finished}/{layers})"
         self._draw()
 
     def finished(self, result: dict):
@@ -361,11 +370,12 @@ class Progress:
         left = self.total - done
         eta = (now - self.start) / self.done * left if self.done else float("nan")
         eta = "?" if eta != eta else f"{int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
-        reading = ""
+        reading = f", prefilling{self.in_layer}" if self.in_layer else ""
         if self.prefill:
             have = sum(p[0] for p in self.prefill.values())
             want = sum(p[1] for p in self.prefill.values())
-            reading = f", prefill {have}/{want} tokens of {len(self.prefill)} prompts"
+            reading = (f", prefill {have}/{want} tokens of {len(self.prefill)} prompts"
+                       f"{self.in_layer}")
         print(f"\r\033[K[batch] {done}/{self.total} requests ({self.errors} errors){reading}, "
               f"{self.tokens_per_second:.2f} tok/s, ETA {eta}", end="", file=sys.stderr,
               flush=True)
@@ -412,11 +422,17 @@ def run_job(model, tokenizer, job: Job, opts: BatchOptions,
     show = sys.stderr.isatty() if show_progress is None else show_progress
     progress = Progress(len(job.requests), job.skipped, show)
     meter = StatsMeter(model)
+    state = find_runtime(model) if show else None
+    if state is not None:  # prefill steps report their layers
+        state.store.on_pass_layer = progress.layer
     try:
+        progress.step(0)  # shown from the start, before the first step returns
         for result in iter_batch(model, tokenizer, job.todo, opts, progress):
             job.results.write(result)
             progress.finished(result)
     finally:
+        if state is not None:
+            state.store.on_pass_layer = None
         progress.close()
     s = meter.now(progress.tokens)
     return {"requests": len(job.requests), "skipped": job.skipped,

@@ -221,6 +221,10 @@ def test_ctrl_c_says_how_to_resume_without_a_traceback(job, monkeypatch, capsys)
 
 def test_progress_shows_the_prefill_of_the_prompts_being_read(capsys):
     progress = batch.Progress(total=4, skipped=0, show=True)
+    progress.layer(3, 60)  # the engine, inside the first step, before any prompt reports
+    assert "[batch] 0/4 requests (0 errors), prefilling (MoE layer 3/60)" in (
+        capsys.readouterr().err)
+    progress.last = float("-inf")  # as if half a second had passed (redraws are rate-limited)
     prompt = SimpleNamespace(uid=0, progress=(96, 300))
     progress.step(0, [prompt, SimpleNamespace(uid=1, progress=(0, 200))])
     err = capsys.readouterr().err
