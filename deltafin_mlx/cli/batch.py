@@ -42,6 +42,9 @@ def cmd_batch(argv) -> int:
         if job.skipped:
             print(f"[batch] resuming: {job.skipped} of {len(job.requests)} done",
                   file=sys.stderr)
+        if not job.todo:  # nothing left: no model to load
+            print(f"[batch] nothing to do: {args.output} answers every request", file=sys.stderr)
+            return 0
         if sys.stderr.isatty() and not args.no_progress:
             print(f"[batch] loading {args.model} for {len(job.todo)} requests ...",
                   file=sys.stderr, flush=True)
