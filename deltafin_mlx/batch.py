@@ -20,7 +20,7 @@ import secrets
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx

@@ -7,7 +7,6 @@ format, `-o -`."""
 
 import json
 import os
-import sys
 import tracemalloc
 from types import SimpleNamespace
 

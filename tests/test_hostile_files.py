@@ -5,10 +5,8 @@ cannot encode every byte or name ids the model does not have. Each is one clear
 line (or no harm at all), never a traceback, a deleted file or a silent change."""
 
 import json
-import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
