@@ -1,6 +1,7 @@
 """`deltafin-convert SRC OUT [options]`."""
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -45,7 +46,8 @@ def build_parser():
                    help="split each expert record into this many rank slices, so that each "
                         "of N ranks (N dividing it) reads only its slice (docs/FORMAT.md)")
     p.add_argument("--force", action="store_true",
-                   help="overwrite OUT even if it holds another model or conversion")
+                   help="replace the Deltafin model or unfinished conversion in OUT (a directory "
+                        "that holds neither is never written into)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no notes")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     add_version(p)
@@ -54,6 +56,15 @@ def build_parser():
 
 @quiet_broken_pipe
 def main(argv=None):
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        return _main(argv)
+    finally:
+        if argv is not None:  # called in a process that goes on: Ctrl-C works again
+            signal.signal(signal.SIGINT, handler)
+
+
+def _main(argv):
     args = build_parser().parse_args(argv)
     out = Path(args.out).expanduser()
     finished_before = (not args.force and (out / MANIFEST_NAME).exists()
@@ -70,7 +81,9 @@ def main(argv=None):
     started = time.time()
     try:
         manifest = convert(args.src, args.out, options)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a late Ctrl-C changes nothing
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while reporting
         manifest = finished_after_interrupt(args.out, started)
         if manifest is None:
             print("\ndeltafin-convert: interrupted; rerun the same command to resume",

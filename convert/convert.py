@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from deltafin_mlx import __version__ as deltafin_version
 from deltafin_mlx.format.bank import BankWriter, bank_header_size, record_size_of, slice_sections
-from deltafin_mlx.format.integrity import file_checksum, format_checksum
+from deltafin_mlx.format.integrity import MANIFEST_MAX_BYTES, file_checksum, format_checksum
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, read_manifest
 from deltafin_mlx.mlx_lm_shim import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE
 
@@ -116,7 +116,7 @@ def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
     partial = out / PARTIAL_NAME
     manifest = out / MANIFEST_NAME
     state = None
-    if partial.exists():
+    if partial.is_file() and partial.stat().st_size <= MANIFEST_MAX_BYTES:
         try:
             state = json.loads(partial.read_text())
             state["done"]
@@ -127,6 +127,11 @@ def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
         and state.get("fingerprint") == source.fingerprint
         and state.get("options") == options.recorded()
     )
+    if not (partial.is_file() or _deltafin_manifest(manifest) or _only_our_leftovers(out)):
+        # No option overrides this: --force replaces a Deltafin output, never the
+        # user's files (a directory that merely has trunk/ or config.json in it).
+        raise ConvertError(f"{out}: exists, is not empty and holds no Deltafin model or "
+                           "conversion; nothing was changed: choose a new or empty directory")
     if options.force:
         for name in ("trunk", "experts"):
             shutil.rmtree(out / name, ignore_errors=True)
@@ -147,9 +152,19 @@ def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
             f"{out}: holds an unfinished conversion of another source or with other "
             "options (use --force to start over)"
         )
-    if not _only_our_leftovers(out):
-        raise ConvertError(f"{out}: exists and is not empty (use --force to write into it)")
     return fresh
+
+
+def _deltafin_manifest(path: Path) -> bool:
+    """`path` is a manifest Deltafin wrote (of any version): a small JSON object
+    whose "format" is "deltafin", read only within a size bound."""
+    try:
+        if not path.is_file() or path.stat().st_size > MANIFEST_MAX_BYTES:
+            return False
+        d = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(d, dict) and d.get("format") == "deltafin"
 
 
 def finished_conversion(out: Path, source: Source, options: ConvertOptions) -> bool:

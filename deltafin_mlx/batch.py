@@ -2,38 +2,38 @@
 
     deltafin-run batch MODEL IN.jsonl -o OUT.jsonl [--batch-size B] [-n N] ...
 
-Each input line is `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`,
-with optional per-line `max_tokens`, `temp`, `top_p`, `top_k`, `seed` and `stop`.
+The input's lines (Deltafin's own format or OpenAI's Batch format) are read by
+`batch_requests.py`, the output is appended to and scanned by `batch_io.py`.
 Sequences are decoded together by mlx-lm's `BatchGenerator` (continuous batching:
 a finished sequence's place goes to the next prompt), so at each step every MoE
 layer reads the union of the experts its sequences route to, once.
 
-The output is written for a job that runs for days: one complete JSON line per
-finished request, appended with a single write and fsynced. A kill can leave only
-a last line without its newline, which the next run truncates; the next run then
-skips every id already answered. A request that cannot run (bad JSON, too long,
-unknown keys) becomes an error line; duplicate ids stop the job before it starts.
+A request that cannot run becomes an error line, whether it fails when it is read,
+when it is tokenized and rendered, or inside the decode loop: a step that fails
+retires its sequences and reruns each of them alone, so only the request that
+fails alone gets the error line and every other one its answer.
 """
 
+import dataclasses
 import json
-import os
 import secrets
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from deltafin_mlx.batch_io import Results, open_input, read_lines, result_key
+from deltafin_mlx.batch_requests import Request, read_requests
+from deltafin_mlx.errors import DeltafinError
+from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.generate import StatsMeter, chat_prompt, planned_pass
-from deltafin_mlx.errors import BatchError
 from deltafin_mlx.stops import StopMatcher
 
-LINE_KEYS = {"id", "prompt", "messages", "max_tokens", "temp", "top_p", "top_k", "min_p",
-             "seed", "stop"}
 PREFILL_BATCH = 8  # prompts prefilled together (mlx-lm's default)
 
 
@@ -56,71 +56,6 @@ class BatchOptions:
     prefill_step_size: Optional[int] = None  # tokens per sequence per prefill call; None: the plan's pass
 
 
-@dataclass
-class Request:
-    key: str  # the id as JSON text (ids may be strings or numbers)
-    id: object
-    line: int
-    spec: dict = field(default_factory=dict)
-    error: Optional[str] = None
-
-
-def read_requests(lines: Iterable[str]) -> List[Request]:
-    """One Request per non-empty line. A line that is not a JSON object with an
-    id is kept as an error (keyed by its line number); duplicate ids refuse the job."""
-    out, seen = [], {}
-    for n, text in enumerate(lines, 1):
-        if not text.strip():
-            continue
-        try:
-            spec = json.loads(text)
-        except ValueError as e:
-            out.append(Request(f"line:{n}", None, n, error=f"line {n}: not JSON ({e})"))
-            continue
-        if not isinstance(spec, dict) or "id" not in spec or not _is_id(spec["id"]):
-            out.append(Request(f"line:{n}", None, n,
-                               error=f"line {n}: not an object with an \"id\" (a string or "
-                               "an integer)"))
-            continue
-        key = json.dumps(spec["id"])
-        if key in seen:
-            raise BatchError(f"id {key} appears on lines {seen[key]} and {n}: ids must be "
-                             "unique (the output is matched to the input by id)")
-        seen[key] = n
-        out.append(Request(key, spec["id"], n, spec))
-    return out
-
-
-def _is_id(v) -> bool:
-    return isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))
-
-
-def answered_keys(out_path) -> set:
-    """Ids the output already answers (error lines included). A last line without
-    its newline is what a kill mid-write leaves: it is truncated away."""
-    try:
-        fd = os.open(out_path, os.O_RDWR)
-    except FileNotFoundError:
-        return set()
-    with os.fdopen(fd, "rb+") as f:
-        data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):
-            f.truncate(end)
-            os.fsync(f.fileno())
-    keys = set()
-    for n, raw in enumerate(data[:end].splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            rec = json.loads(raw)
-            keys.add(json.dumps(rec["id"]) if rec["id"] is not None else f"line:{rec['line']}")
-        except (ValueError, KeyError, TypeError):
-            raise BatchError(f"{out_path}: line {n} is not a batch result; not appending to "
-                             "it (use another output file)") from None
-    return keys
-
-
 class KeyedSampler:
     """mlx-lm's sampling chain with a key of its own: a request's samples depend on
     its seed alone, not on what else is in the batch or how often the job was
@@ -130,14 +65,18 @@ class KeyedSampler:
 
     def __init__(self, seed: int, temp: float, top_p: float, top_k: int, min_p: float):
         self.key = mx.random.key(seed)
-        self.temp, self.top_p, self.top_k, self.min_p = temp, top_p, top_k, min_p
+        self.seed, self.temp, self.top_p, self.top_k, self.min_p = seed, temp, top_p, top_k, min_p
+
+    def restarted(self) -> "KeyedSampler":
+        """The sampler as it was before its first sample."""
+        return KeyedSampler(self.seed, self.temp, self.top_p, self.top_k, self.min_p)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         if 0 < self.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p != 0.0:
             logprobs = apply_min_p(logprobs, self.min_p, 1)
-        if self.top_k > 0:
+        if 0 < self.top_k < logprobs.shape[-1]:  # a k beyond the vocabulary keeps all
             logprobs = apply_top_k(logprobs, self.top_k)
         self.key, sub = mx.random.split(self.key)
         return mx.random.categorical(logprobs * (1.0 / self.temp), key=sub)
@@ -156,15 +95,15 @@ class Prepared:
     sampler: object
     seed: Optional[int]
 
+    def restarted(self) -> "Prepared":
+        """This request from its start again (a sampler keyed by its seed restarts)."""
+        sampler = self.sampler.restarted() if isinstance(self.sampler, KeyedSampler) else self.sampler
+        return dataclasses.replace(self, sampler=sampler)
+
 
 def prepare(req: Request, tokenizer, opts: BatchOptions) -> Prepared:
     """Tokens and sampling of one request; ValueError says why it cannot run."""
-    spec = req.spec
-    unknown = sorted(set(spec) - LINE_KEYS)
-    if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r} (known: {', '.join(sorted(LINE_KEYS))})")
-    if ("prompt" in spec) == ("messages" in spec):
-        raise ValueError('needs exactly one of "prompt" (a string) or "messages" (a list)')
+    spec = req.spec  # canonical (batch_requests.py)
     if "prompt" in spec:
         if not isinstance(spec["prompt"], str):
             raise ValueError('"prompt" must be a string')
@@ -174,14 +113,9 @@ def prepare(req: Request, tokenizer, opts: BatchOptions) -> Prepared:
             prompt = chat_prompt(tokenizer, [{"role": "user", "content": spec["prompt"]}],
                                  thinking=opts.thinking)
     else:
-        msgs = spec["messages"]
-        if (not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in msgs)):
-            raise ValueError('"messages" must be a non-empty list of {"role", "content"} '
-                             "objects with string values")
         if opts.raw:
             raise ValueError('"messages" need the chat template; --raw takes "prompt" only')
+        msgs = [{**m, "content": m.get("content") or ""} for m in spec["messages"]]
         prompt = chat_prompt(tokenizer, msgs, thinking=opts.thinking)
     prompt = list(prompt)
     if not prompt:
@@ -248,6 +182,8 @@ class Running:
         seconds = time.perf_counter() - self.start
         out = {"id": self.p.request.id, "text": text, "tokens": self.tokens,
                "finish_reason": reason}
+        if self.p.request.custom_id:
+            out["custom_id"] = self.p.request.id
         if self.p.seed is not None:
             out["seed"] = self.p.seed
         if self.logprobs:
@@ -264,7 +200,10 @@ class Running:
 
 
 def error_line(req: Request, message: str) -> dict:
-    return {"id": req.id, "line": req.line, "error": message}
+    out = {"id": req.id, "line": req.line, "error": message}
+    if req.custom_id:
+        out["custom_id"] = req.id
+    return out
 
 
 def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions,
@@ -277,51 +216,88 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
             continue
         try:
             todo.append(prepare(req, tokenizer, opts))
-        except ValueError as e:
+        except DeltafinError as e:  # the template's own limits, a token id, ...
             yield error_line(req, f"line {req.line}: {e}")
+        except Exception as e:  # whatever the tokenizer or template make of it
+            yield error_line(req, f"line {req.line}: {_failure(e)}")
     if not todo:
         return
     B = max(1, int(opts.batch_size))
-    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-                         sampler=greedy, completion_batch_size=B,
-                         prefill_batch_size=min(B, PREFILL_BATCH),
-                         prefill_step_size=opts.prefill_step_size
-                         or max(1, planned_pass(model) // min(B, PREFILL_BATCH)))
     eos = set(tokenizer.eos_token_ids)
+    alone = deque()  # the sequences of a failed step, rerun one at a time
     running = {}
+    gen = _generator(model, tokenizer, B, opts)
     try:
-        while todo or running:
-            # Keep the generator's queue just full enough: caches are made on insert.
-            while todo and len(running) < B + min(B, PREFILL_BATCH):
-                p = todo.popleft()
-                (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[p.sampler])
-                running[uid] = Running(p, tokenizer)
-            meter = StatsMeter(model)
-            prompt_rs, gen_rs = gen.next()
-            involved = {r.uid for r in prompt_rs} | {r.uid for r in gen_rs}
-            share = meter.now().bytes_read / len(involved) if involved else 0
-            for uid in involved:
-                running[uid].bytes_read += share
-            for r in gen_rs:
-                run = running[r.uid]
-                run.steps += 1
-                run.batch_sum += len(gen_rs)
-                reason = r.finish_reason
-                if not (reason == "stop" and r.token in eos):
-                    run.add_token(r.token)
-                    if opts.logprobs:
-                        run.logprobs.append(r.logprobs[r.token].item())
-                    if run.stops.stopped:
-                        if reason is None:
-                            gen.remove([r.uid])
-                        reason = "stop"
-                if reason is not None:
-                    del running[r.uid]
-                    yield run.result(reason)
+        while todo or alone or running:
+            try:
+                # Keep the generator's queue just full enough: caches are made on insert.
+                if alone and not running:
+                    p = alone.popleft()
+                    running[_insert(gen, p)] = Running(p, tokenizer)
+                while not alone and todo and len(running) < B + min(B, PREFILL_BATCH):
+                    p = todo.popleft()
+                    running[_insert(gen, p)] = Running(p, tokenizer)
+                meter = StatsMeter(model)
+                prompt_rs, gen_rs = gen.next()
+                involved = {r.uid for r in prompt_rs} | {r.uid for r in gen_rs}
+                share = meter.now().bytes_read / len(involved) if involved else 0
+                for uid in involved:
+                    running[uid].bytes_read += share
+                finished = []
+                for r in gen_rs:
+                    run = running[r.uid]
+                    run.steps += 1
+                    run.batch_sum += len(gen_rs)
+                    reason = r.finish_reason
+                    if not (reason == "stop" and r.token in eos):
+                        run.add_token(r.token)
+                        if opts.logprobs:
+                            run.logprobs.append(r.logprobs[r.token].item())
+                        if run.stops.stopped:
+                            if reason is None:
+                                gen.remove([r.uid])
+                            reason = "stop"
+                    if reason is not None:
+                        finished.append((r.uid, run.result(reason)))
+            except DeltafinError:
+                raise  # the model's files or the machine, not a request: stop, resumable
+            except Exception as e:
+                gen.close()
+                gen = _generator(model, tokenizer, B, opts)
+                failed = [run.p for run in running.values()]
+                running = {}
+                if len(failed) == 1:
+                    req = failed[0].request
+                    yield error_line(req, f"line {req.line}: failed while decoding "
+                                     f"({_failure(e)})")
+                else:
+                    alone.extend(p.restarted() for p in failed)
+                continue
+            for uid, result in finished:
+                del running[uid]
+                yield result
             if progress is not None:
-                progress.step(len(gen_rs))
+                progress.step(len(gen_rs), prompt_rs)
     finally:
         gen.close()
+
+
+def _generator(model, tokenizer, B: int, opts: BatchOptions) -> BatchGenerator:
+    return BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+                          sampler=greedy, completion_batch_size=B,
+                          prefill_batch_size=min(B, PREFILL_BATCH),
+                          prefill_step_size=opts.prefill_step_size
+                          or max(1, planned_pass(model) // min(B, PREFILL_BATCH)))
+
+
+def _insert(gen: BatchGenerator, p: Prepared) -> int:
+    (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[p.sampler])
+    return uid
+
+
+def _failure(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def batch_generate(model, tokenizer, requests: Sequence, **options) -> List[dict]:
@@ -338,46 +314,41 @@ def batch_generate(model, tokenizer, requests: Sequence, **options) -> List[dict
     lines = []
     for i, r in enumerate(requests):
         spec = {"prompt": r} if isinstance(r, str) else dict(r)
-        spec.setdefault("id", i)
+        if "custom_id" not in spec:
+            spec.setdefault("id", i)
         lines.append(json.dumps(spec))
     reqs = read_requests(lines)
     order = {r.key: i for i, r in enumerate(reqs)}
     results = [None] * len(reqs)
     for res in iter_batch(model, tokenizer, reqs, opts):
-        key = json.dumps(res["id"]) if res["id"] is not None else f"line:{res['line']}"
-        results[order[key]] = res
+        results[order[result_key(res)]] = res
     return results
 
 
-class Output:
-    """Appends result lines: each one complete JSON plus newline, in one write,
-    fsynced before the next request's result is written."""
-
-    def __init__(self, path):
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def write(self, result: dict):
-        data = (json.dumps(result, ensure_ascii=False) + "\n").encode()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view):]
-        os.fsync(self.fd)
-
-    def close(self):
-        os.close(self.fd)
-
-
 class Progress:
-    """Requests done/total, aggregate tokens/s and ETA, on one stderr line."""
+    """Requests done/total, the prefill's tokens while prompts are read, aggregate
+    tokens/s and ETA, on one stderr line."""
 
     def __init__(self, total: int, skipped: int, show: bool):
         self.total, self.skipped, self.show = total, skipped, show
         self.done = self.errors = self.tokens = 0
+        self.prefill = {}  # uid -> (prompt tokens done, of total), while prefilling
+        self.in_layer = ""  # where the prefill step now running is (the engine says)
         self.start = time.perf_counter()
         self.last = 0.0
 
-    def step(self, tokens: int):
+    def step(self, tokens: int, prompt_responses=()):
         self.tokens += tokens
+        for r in prompt_responses:
+            self.prefill[r.uid] = tuple(r.progress)
+        self.prefill = {u: p for u, p in self.prefill.items() if p[0] < p[1]}
+        self.in_layer = ""
+        self._draw()
+
+    def layer(self, finished: int, layers: int):
+        """A prefill step has finished `finished` of the model's `layers` MoE layers
+        (the first step of a job can take long before any prompt reports)."""
+        self.in_layer = f" (MoE layer {finished}/{layers})"
         self._draw()
 
     def finished(self, result: dict):
@@ -399,8 +370,14 @@ class Progress:
         left = self.total - done
         eta = (now - self.start) / self.done * left if self.done else float("nan")
         eta = "?" if eta != eta else f"{int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
-        print(f"\r[batch] {done}/{self.total} requests ({self.errors} errors), "
-              f"{self.tokens_per_second:.2f} tok/s, ETA {eta}   ", end="", file=sys.stderr,
+        reading = f", prefilling{self.in_layer}" if self.in_layer else ""
+        if self.prefill:
+            have = sum(p[0] for p in self.prefill.values())
+            want = sum(p[1] for p in self.prefill.values())
+            reading = (f", prefill {have}/{want} tokens of {len(self.prefill)} prompts"
+                       f"{self.in_layer}")
+        print(f"\r\033[K[batch] {done}/{self.total} requests ({self.errors} errors){reading}, "
+              f"{self.tokens_per_second:.2f} tok/s, ETA {eta}", end="", file=sys.stderr,
               flush=True)
 
     def close(self):
@@ -408,34 +385,57 @@ class Progress:
             print(file=sys.stderr)
 
 
-def read_job(in_path, out_path) -> Tuple[List[Request], List[Request]]:
-    """(every request of IN, those OUT does not answer yet)."""
+@dataclass
+class Job:
+    """A job's requests, the ones its output does not answer yet, and the output,
+    locked until `close`."""
+
+    requests: List[Request]
+    todo: List[Request]
+    results: Results
+
+    @property
+    def skipped(self) -> int:
+        return len(self.requests) - len(self.todo)
+
+    def close(self):
+        self.results.close()
+
+
+def open_job(in_path, out_path) -> Job:
+    """Read IN, lock OUT (`-`: stdout, no resume) and find what it already answers."""
+    with open_input(in_path) as f:
+        requests = read_requests(line for _, line, _ in read_lines(f))
+    results = Results(out_path)
     try:
-        with open(in_path, encoding="utf-8") as f:
-            requests = read_requests(f)
-    except UnicodeDecodeError as e:
-        raise BatchError(f"{in_path}: not UTF-8 text ({e})") from None
-    done = answered_keys(out_path)
-    return requests, [r for r in requests if r.key not in done]
+        done = results.scan()
+    except BaseException:
+        results.close()
+        raise
+    return Job(requests, [r for r in requests if r.key not in done], results)
 
 
-def run_job(model, tokenizer, in_path, out_path, opts: BatchOptions,
+def run_job(model, tokenizer, job: Job, opts: BatchOptions,
             show_progress: Optional[bool] = None) -> dict:
-    """The batch job: read IN, skip what OUT already answers, append the rest."""
-    requests, todo = read_job(in_path, out_path)
+    """The batch job: answer what its output does not answer yet, appending each
+    result as it finishes."""
     show = sys.stderr.isatty() if show_progress is None else show_progress
-    progress = Progress(len(requests), len(requests) - len(todo), show)
+    progress = Progress(len(job.requests), job.skipped, show)
     meter = StatsMeter(model)
-    out = Output(out_path)
+    state = find_runtime(model) if show else None
+    if state is not None:  # prefill steps report their layers
+        state.store.on_pass_layer = progress.layer
     try:
-        for result in iter_batch(model, tokenizer, todo, opts, progress):
-            out.write(result)
+        progress.step(0)  # shown from the start, before the first step returns
+        for result in iter_batch(model, tokenizer, job.todo, opts, progress):
+            job.results.write(result)
             progress.finished(result)
     finally:
-        out.close()
+        if state is not None:
+            state.store.on_pass_layer = None
         progress.close()
     s = meter.now(progress.tokens)
-    return {"requests": len(requests), "skipped": len(requests) - len(todo),
+    return {"requests": len(job.requests), "skipped": job.skipped,
             "answered": progress.done, "errors": progress.errors, "tokens": progress.tokens,
             "seconds": s.seconds, "tokens_per_second": s.tokens_per_second,
             "batch_size": opts.batch_size, "expert_bytes_read": s.bytes_read}

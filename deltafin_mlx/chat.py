@@ -7,9 +7,10 @@ it after an assistant turn. Before a turn the prompt is compared with the
 cache's tokens; where they diverge the cache is trimmed there (attention caches)
 or rebuilt (recurrent state cannot be trimmed), never used stale.
 
-A session saves to one safetensors file (mlx-lm's `save_prompt_cache`) with the
-conversation, its tokens, the model's fingerprint and the format version in the
-metadata, so a restart continues without prefilling the history again.
+A session saves to one safetensors file (mlx-lm's `save_prompt_cache`, through
+session_file.py, which checksums the cached tensors) with the conversation, its
+tokens, the model's fingerprint and the format version in the metadata, so a
+restart continues without prefilling the history again.
 """
 
 import hashlib
@@ -20,15 +21,15 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_prompt_cache,
-                                 save_prompt_cache, trim_prompt_cache)
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from deltafin_mlx.generate import PrefillProgress, RunStats, StatsMeter, fit_context, stream_generate
 from deltafin_mlx.errors import SessionError
+from deltafin_mlx.session_file import CHECKSUM_KEY, read_session, write_session
 from deltafin_mlx.engine.runtime import runtime, find_runtime
 
 SESSION_FORMAT = "deltafin-chat"
-SESSION_VERSION = 1
+SESSION_VERSION = 2  # 2: a checksum of the cached tensors (session_file.py)
 # A probe conversation: rendering it shows what the template puts between turns.
 _PROBE_USER, _PROBE_REPLY = "Hi.", "Hello."
 
@@ -226,30 +227,22 @@ class ChatSession:
             "options": json.dumps({"system": self.system, "thinking": self.thinking,
                                    "thinking_effort": self.thinking_effort}),
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
-        mx.eval([c.state for c in self.cache])
-        try:
-            save_prompt_cache(str(tmp), self.cache, meta)
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        write_session(path, self.cache, meta)
 
     @classmethod
     def restore(cls, path, model, tokenizer, **options) -> "ChatSession":
         """The session saved at `path`; refused (SessionError) when it was saved by
         another model or another version of this format."""
         path = session_path(path)
-        try:
-            cache, meta = load_prompt_cache(str(path), return_metadata=True)
-        except Exception as e:
-            raise SessionError(f"{path}: not a Deltafin chat session ({e})") from None
+        cache, meta = read_session(path)
         if meta.get("format") != SESSION_FORMAT:
             raise SessionError(f"{path}: not a Deltafin chat session")
         if meta.get("version") != str(SESSION_VERSION):
             raise SessionError(f"{path}: session format version {meta.get('version')}, this "
                                f"Deltafin reads version {SESSION_VERSION}")
+        if CHECKSUM_KEY not in meta:
+            raise SessionError(f"{path}: its cached tensors carry no checksum; start a new "
+                               "session file")
         if meta.get("model") != model_fingerprint(model):
             raise SessionError(f"{path}: saved with another model (or activation dtype); "
                                "start a new session file")

@@ -23,7 +23,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from deltafin_mlx import batch_generate
-from deltafin_mlx.batch import BatchError, answered_keys, read_requests
+from deltafin_mlx.batch_io import Results
+from deltafin_mlx.batch_requests import read_requests
+from deltafin_mlx.errors import BatchError
 from deltafin_mlx.cli.main import main
 from deltafin_mlx.generate import generate
 from deltafin_mlx.engine.load import load, load_resident
@@ -217,8 +219,10 @@ def test_a_partial_last_line_is_truncated_and_redone(converted, tmp_path):
     lines = out.read_text().splitlines(keepends=True)
     # as a kill mid-write would leave it: two results and a third cut short
     out.write_text(lines[0] + lines[1] + lines[2][:-9])
-    assert answered_keys(out) == {json.dumps(json.loads(lines[0])["id"]),
-                                  json.dumps(json.loads(lines[1])["id"])}
+    results = Results(out)
+    assert results.scan() == {json.dumps(json.loads(lines[0])["id"]),
+                              json.dumps(json.loads(lines[1])["id"])}
+    results.close()
     assert out.read_text() == lines[0] + lines[1]
     assert main(args) == 0
     answer = lambda line: (line.endswith("\n"),  # noqa: E731
@@ -320,13 +324,15 @@ def test_plan_shows_the_state_of_each_sequence(converted, capsys):
 
 
 def test_progress_shows_requests_tokens_per_second_and_eta(streamed, tmp_path, capsys):
-    from deltafin_mlx.batch import BatchOptions, run_job, summary_line
+    from deltafin_mlx.batch import BatchOptions, open_job, run_job, summary_line
 
     model, tok = streamed("qwen3_moe")
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": f"p{i}"}) + "\n" for i in range(5)))
-    s = run_job(model, tok, src, out, BatchOptions(max_tokens=4, raw=True, batch_size=2),
+    job = open_job(src, out)
+    s = run_job(model, tok, job, BatchOptions(max_tokens=4, raw=True, batch_size=2),
                 show_progress=True)
+    job.close()
     err = capsys.readouterr().err
     assert "[batch] 1/5 requests" in err and "[batch] 5/5 requests (0 errors)" in err
     assert "tok/s, ETA 0:00:" in err

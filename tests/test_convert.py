@@ -269,14 +269,15 @@ def test_too_little_disk_states_bytes_needed(tmp_path, sources, capsys, monkeypa
     assert_one_error_line(code, err, "not enough free disk space", "bytes", "1000 bytes")
 
 
-def test_out_holding_something_else_is_refused_unless_force(tmp_path, sources, capsys):
+def test_out_holding_something_else_is_refused_even_with_force(tmp_path, sources, capsys):
     out = tmp_path / "o"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    code, err = run_cli([sources("mixtral"), out], capsys)
-    assert_one_error_line(code, err, "not empty", "--force")
-    assert run_cli([sources("mixtral"), out, "--force", "--quiet"], capsys)[0] == 0
-    assert (out / MANIFEST_NAME).exists() and (out / "notes.txt").exists()
+    for extra in ([], ["--force"]):
+        code, err = run_cli([sources("mixtral"), out, *extra], capsys)
+        assert_one_error_line(code, err, "holds no Deltafin model or conversion")
+        assert "--force" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 def test_unfinished_conversion_of_another_source_is_refused(tmp_path, sources, capsys):

@@ -140,7 +140,7 @@ def read_as_rank(bank_path, rank, ranks, expert, verify=True):
     bank = open_bank(bank_path, view)
     targets = {s.name: np.zeros(s.shape, NUMPY[s.dtype]) for s in view.held_sections}
     job = ReadJob(bank, expert, targets, speculative=False)
-    Reader(view.record_size, threads=0, verify=verify).submit(job)
+    Reader(view.record_size, threads=0, checks="every" if verify else "off").submit(job)
     bank.close()
     if job.error is not None:
         raise job.error

@@ -46,7 +46,7 @@ def job(expert, speculative):
 def test_demand_reads_are_served_before_queued_guesses(monkeypatch):
     gate = GatedReads()
     monkeypatch.setattr(rd, "read_record", gate)
-    reader = Reader(record_size=1, threads=1)
+    reader = Reader(record_size=1, threads=1, checks="off")  # fake banks
     first = reader.submit(job(0, speculative=False))
     assert gate.first_taken.wait(5)  # the thread is busy with read 0
     guesses = [reader.submit(job(e, speculative=True)) for e in (1, 2, 3)]
@@ -61,7 +61,7 @@ def test_demand_reads_are_served_before_queued_guesses(monkeypatch):
 def test_a_cancelled_guess_is_never_read_and_a_started_one_cannot_be_cancelled(monkeypatch):
     gate = GatedReads()
     monkeypatch.setattr(rd, "read_record", gate)
-    reader = Reader(record_size=1, threads=1)
+    reader = Reader(record_size=1, threads=1, checks="off")  # fake banks
     started = reader.submit(job(0, speculative=True))
     assert gate.first_taken.wait(5)
     queued = reader.submit(job(1, speculative=True))

@@ -13,10 +13,11 @@ def batch_parser():
     p = Parser(prog="deltafin-run batch", description="Answer every prompt of a JSONL file "
                "(decoded together; rerun the same command to resume). Lines: "
                '{"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, optional '
-               '"max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "stop".')
+               '"max_tokens", "temp" (or "temperature"), "top_p", "top_k", "min_p", "seed", '
+               '"stop"; or OpenAI Batch API lines ({"custom_id": ..., "body": {...}}).')
     p.add_argument("model", help="a directory written by deltafin-convert")
     p.add_argument("input", help="JSONL requests")
-    p.add_argument("-o", "--output", required=True, help="JSONL results (appended)")
+    p.add_argument("-o", "--output", required=True, help="JSONL results (appended to; '-': stdout, without resume)")
     p.add_argument("--batch-size", type=positive_or_auto, default="auto", metavar="N|auto",
                    help="sequences decoded together (default: what the budget allows, at most 32 "
                    "and at most the requests left)")
@@ -32,17 +33,34 @@ def batch_parser():
 
 
 def cmd_batch(argv) -> int:
-    from deltafin_mlx.batch import read_job, run_job, summary_line
+    from deltafin_mlx.batch import open_job, run_job, summary_line
 
     args = batch_parser().parse_args(argv)
     opts = batch_options(args)
-    # "auto" reserves state for no more sequences than there are requests left.
-    _, todo = read_job(args.input, args.output)
-    model, tokenizer = load_model(args, context=args.context, sequences=args.batch_size,
-                                  max_sequences=max(1, len(todo)))
-    opts.batch_size = runtime(model).plan.sequences
-    summary = run_job(model, tokenizer, args.input, args.output, opts,
-                      show_progress=False if args.no_progress else None)
+    job = open_job(args.input, args.output)  # the output stays locked until the job ends
+    try:
+        if job.skipped:
+            print(f"[batch] resuming: {job.skipped} of {len(job.requests)} done",
+                  file=sys.stderr)
+        if not job.todo:  # nothing left: no model to load
+            print(f"[batch] nothing to do: {args.output} answers every request", file=sys.stderr)
+            return 0
+        if sys.stderr.isatty() and not args.no_progress:
+            print(f"[batch] loading {args.model} for {len(job.todo)} requests ...",
+                  file=sys.stderr, flush=True)
+        # "auto" reserves state for no more sequences than there are requests left.
+        model, tokenizer = load_model(args, context=args.context, sequences=args.batch_size,
+                                      max_sequences=max(1, len(job.todo)))
+        opts.batch_size = runtime(model).plan.sequences
+        summary = run_job(model, tokenizer, job, opts,
+                          show_progress=False if args.no_progress else None)
+    except KeyboardInterrupt:
+        again = ("rerun the same command to resume" if job.results.resumable
+                 else "the results so far are on stdout")
+        print(f"\ndeltafin-run: interrupted: {again}", file=sys.stderr)
+        return 130
+    finally:
+        job.close()
     print(f"[deltafin] {summary_line(summary)}", file=sys.stderr)
     runtime(model).close()
     return 0

@@ -1,11 +1,12 @@
 """What deltafin-run and deltafin-convert share as command-line tools: the version,
 help that shows every default, and a quiet end when the reader of stdout goes away
-(`deltafin-run plan ... | head`)."""
+(`deltafin-run plan ... | head`), and text from files made safe for a terminal."""
 
 import argparse
 import functools
 import os
 import sys
+import unicodedata
 
 
 def add_version(p: argparse.ArgumentParser):
@@ -47,3 +48,9 @@ def quiet_broken_pipe(main):
 
     return wrapper
 
+
+
+def printable(text: str) -> str:
+    """`text` safe for a terminal: control and format characters (escape sequences,
+    bidirectional overrides) that came from a file are shown escaped, not obeyed."""
+    return "".join(c if unicodedata.category(c)[0] != "C" else ascii(c)[1:-1] for c in text)

@@ -4,6 +4,7 @@ quantization, sizes on disk, where it came from and when it was converted."""
 
 import json
 from collections import defaultdict
+from deltafin_mlx.cli.common import printable
 from deltafin_mlx.cli.options import Parser
 
 from deltafin_mlx.units import human_bytes
@@ -73,7 +74,7 @@ def format_info(r: dict) -> str:
         f"source         {r['source'] or 'unknown'}",
         f"converted      {converted}",
     ]
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))  # the manifest's strings come from strangers
 
 
 def info_parser():

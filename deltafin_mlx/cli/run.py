@@ -26,7 +26,8 @@ def cmd_run(args, model_dir=None) -> int:
                           "stats": stats.to_dict()}))
     else:
         print()
-        print(f"[deltafin] {stats.line()}", file=sys.stderr)
+        if runtime(model).is_primary:  # every rank computes the same counters
+            print(f"[deltafin] {stats.line()}", file=sys.stderr)
     runtime(model).close()
     if reason == "interrupted":
         print("deltafin-run: interrupted", file=sys.stderr)

@@ -44,16 +44,12 @@ def cmd_verify(argv) -> int:
                           "files_checked": report.files_checked,
                           "records_checked": report.records_checked,
                           "bytes_checked": report.bytes_checked,
-                          "whole_file_checksums": report.whole_file_checksums,
                           "problems": report.problems}))
     else:
         for problem in report.problems:
             print(f"deltafin-run verify: damaged: {problem}", file=sys.stderr)
         summary = (f"{report.files_checked} files, {report.records_checked} expert records "
                    f"({human_bytes(report.bytes_checked)}) checked")
-        if not report.whole_file_checksums:
-            summary += (" (an older manifest without whole-file checksums: sizes, config.json "
-                        "and expert records checked)")
         if report.ok:
             print(f"{report.path}: OK: {summary}")
         else:

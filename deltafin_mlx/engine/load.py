@@ -171,6 +171,7 @@ def load(
     lookahead: bool = True,
     pipeline="auto",
     verify: bool = False,
+    record_checks: str = "first",
     read_mode: str = "direct",
     context: int = 4096,
     cache_slots: Optional[int] = None,
@@ -192,8 +193,10 @@ def load(
     lookahead: queue the next MoE layer's predicted experts as speculative reads.
     pipeline: compute resident experts while missing ones are read ("auto": on
         MLX's CPU backend, where it is bit-identical).
-    verify: check every record's CRC-32 as it is read, and every other file's
-        checksum at load (without it, files up to 64 MB are checked at load).
+    verify: check every record's CRC-32 each time it is read, and every other
+        file's checksum at load (without it, files up to 64 MB are checked at load).
+    record_checks: without `verify`, when a record's CRC-32 is checked: "first"
+        (its first read in this process), "every" read, or "off" (benchmarks).
     read_mode: "direct" (O_DIRECT / F_NOCACHE) or "mmap".
     cache_slots: cap on the expert cache's slots, shared by all MoE layers
         (tests and benchmarks).
@@ -275,7 +278,8 @@ def load(
     model = build_model(config, path)
     switches = switch_shapes(model, manifest)
     stats = CacheStats()
-    reader = Reader(read_size, threads=reader_threads, verify=verify)
+    reader = Reader(read_size, threads=reader_threads,
+                    checks="every" if verify else record_checks)
     quant = manifest.quantization["experts"]
     banks = {layer: open_bank(manifest.bank_path(layer), layouts[layer], read_mode)
              for layer in manifest.moe_layers}
@@ -404,16 +408,21 @@ def load_tokenizer(path: Path, manifest, config: dict):
     from deltafin_mlx.errors import TokenizerError
 
     for name in TOKENIZER_FILE_NAMES:
-        check_if_present(path, name, TOKENIZER_MAX_BYTES)
+        check_if_present(manifest, name, TOKENIZER_MAX_BYTES)
+    from deltafin_mlx.tokenizer.coverage import check_tokenizer
+
     eos = eos_token_ids(config)
     try:
         if manifest.tokenizer.get("kind") == "kimi_tiktoken":
             from deltafin_mlx.tokenizer.kimi import load_kimi_tokenizer
 
-            return load_kimi_tokenizer(path, eos_token_ids=eos)
-        from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
+            tokenizer = load_kimi_tokenizer(path, eos_token_ids=eos)
+        else:
+            from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
-        return load_hf_tokenizer(Path(path), eos_token_ids=eos)
+            tokenizer = load_hf_tokenizer(Path(path), eos_token_ids=eos)
+        check_tokenizer(tokenizer, text_config(config).get("vocab_size"), path)
+        return tokenizer
     except (KeyboardInterrupt, SystemExit):
         raise
     except ModelError:

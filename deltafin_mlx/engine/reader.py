@@ -8,6 +8,13 @@ copy of what the expert cache already holds. Where a filesystem refuses O_DIRECT
 A read lands straight in its slot (one `preadv` scattered over the slot arrays)
 when every section is a whole number of 4096-byte blocks, as all of Kimi K3's are;
 otherwise it goes through an aligned staging buffer and is copied into the slot.
+
+Each record's CRC-32 (from its bank header) is checked on the reader thread:
+by default on the record's first read in this process (`RECORD_CHECKS` "first"; a
+record read again after eviction is the same bytes from the same file), on every
+read with --verify ("every"), or never ("off", for benchmarks). A damaged record
+is a ReadError naming it, never silently wrong weights (docs/PERFORMANCE.md has
+what the check costs).
 """
 
 import errno
@@ -29,6 +36,7 @@ from deltafin_mlx.errors import ReadError
 
 F_NOCACHE = 48  # macOS fcntl
 READ_RETRIES = 2
+RECORD_CHECKS = ("first", "every", "off")
 
 
 class ReadCancelled(Exception):
@@ -43,6 +51,11 @@ class BankFile:
     direct: bool
     mapping: Optional[mmap.mmap] = None
     retired_fds: List[int] = field(default_factory=list)
+    checked: Optional[np.ndarray] = None  # bool per expert: its CRC has been checked
+
+    def __post_init__(self):
+        if self.checked is None:
+            self.checked = np.zeros(self.layout.num_experts, dtype=bool)
 
     def close(self):
         if self.mapping is not None:
@@ -90,9 +103,11 @@ class ReadJob:
 class Reader:
     """Runs read jobs on `threads` background threads (0: in the caller's thread)."""
 
-    def __init__(self, record_size: int, threads: int = 1, verify: bool = False):
+    def __init__(self, record_size: int, threads: int = 1, checks: str = "first"):
+        if checks not in RECORD_CHECKS:
+            raise ValueError(f"checks must be one of {RECORD_CHECKS}")
         self.record_size = record_size
-        self.verify = verify
+        self.checks = checks
         self.threads = threads
         self.bytes_read = 0
         self.reads = 0
@@ -161,7 +176,11 @@ class Reader:
             if job.cancelled:
                 raise ReadCancelled()
             start = time.perf_counter()
-            read_record(job.bank, job.expert, job.targets, self._staging(), self.verify)
+            check = self.checks != "off" and job.bank.layout.checksums is not None and (
+                self.checks == "every" or not job.bank.checked[job.expert])
+            read_record(job.bank, job.expert, job.targets, self._staging(), check)
+            if check:
+                job.bank.checked[job.expert] = True
             took = time.perf_counter() - start
             with self._lock:
                 self.bytes_read += self.record_size

@@ -36,6 +36,11 @@ class Runtime:
     def cache(self):
         return self.store.cache
 
+    @property
+    def is_primary(self) -> bool:
+        """Rank 0 under mlx.launch (or the only process): the one that reports."""
+        return self.group is None or self.group.rank() == 0
+
     def close(self):
         """Save the cache's hot set for the next load (with a warm start), stop the
         reader threads and close the banks (the model is unusable after). Closing

@@ -100,11 +100,17 @@ def read_inside(root, rel, limit: int, inside="the model directory") -> bytes:
     return data
 
 
-def check_if_present(root, rel, limit: int) -> bool:
-    """For a file read by fixed name (tokenizer files): absent is fine, anything
-    present must be a regular file inside `root` within `limit` bytes."""
+def check_if_present(manifest, rel, limit: int) -> bool:
+    """For a file read by fixed name (tokenizer files, generation_config.json): absent
+    is fine; one present must be listed in the manifest (so its checksum is checked
+    at load: an added file would change the output unseen) and be a regular file
+    inside the model directory within `limit` bytes."""
+    root = manifest.path
     if not os.path.lexists(Path(root) / rel):
         return False
+    if rel not in manifest.files:
+        raise ModelError(f"{Path(root) / rel}: not listed in the manifest (added after "
+                         "conversion?); remove it or reconvert the model")
     with open_inside(root, rel, limit):
         pass
     return True
@@ -144,11 +150,9 @@ def file_checksum(path, progress: Optional[Callable[[int], None]] = None) -> int
 
 
 def check_file(manifest, rel: str, progress=None):
-    """`rel` of the model has the checksum the manifest records (if it records
-    one). ModelError names the file otherwise."""
-    want = manifest.checksums.get(rel) if manifest.checksums else None
-    if want is None:
-        return
+    """`rel` of the model has the checksum the manifest records. ModelError names
+    the file otherwise."""
+    want = manifest.checksums[rel]
     real, _ = resolve_inside(manifest.path, rel)
     got = file_checksum(real, progress)
     if got != parse_checksum(want):

@@ -81,7 +81,7 @@ class Manifest:
             "experts": self.experts,
             "tokenizer": self.tokenizer,
             "files": self.files,
-            **({"checksums": self.checksums} if self.checksums else {}),
+            "checksums": self.checksums,
         }
 
     def write(self):
@@ -149,7 +149,7 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
             tokenizer=d["tokenizer"],
             files=d["files"],
             source=d.get("source", {}),
-            checksums=d.get("checksums", {}),
+            checksums=d["checksums"],
             digest=hashlib.sha256(raw).hexdigest(),
         )
     except _Leaves as e:
@@ -210,14 +210,15 @@ def _check_fields(d: dict):
     num_layers = d["num_layers"]
     _need(_is_int(num_layers) and 0 < num_layers <= 1 << 16, f"num_layers {num_layers!r:.40}")
     _need(isinstance(d.get("source", {}), dict), "source must be an object")
-    checksums = d.get("checksums", {})
+    # Every file's checksum is part of the format: without them nothing but sizes
+    # would be checked, so a manifest that drops them is refused, not trusted.
+    _need("checksums" in d, "no checksums (every listed file's CRC-32 is required)")
+    checksums = d["checksums"]
     _need(isinstance(checksums, dict), "checksums must be an object")
-    if checksums:
-
-        _need(set(checksums) == set(files), "checksums must name exactly the listed files")
-        for rel, value in checksums.items():
-            _need(parse_checksum(value) is not None,
-                  f"checksum of {rel!r:.200} is {value!r:.40}, not crc32:<8 hex digits>")
+    _need(set(checksums) == set(files), "checksums must name exactly the listed files")
+    for rel, value in checksums.items():
+        _need(parse_checksum(value) is not None,
+              f"checksum of {rel!r:.200} is {value!r:.40}, not crc32:<8 hex digits>")
 
     trunk_files = d["trunk_files"]
     _need(isinstance(trunk_files, dict), "trunk_files must be an object")

@@ -9,14 +9,13 @@ directory again. The tokenizer is loaded only when asked for
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from deltafin_mlx.compat import decode_tagged_floats
 from deltafin_mlx.errors import ModelError
-from deltafin_mlx.format.integrity import CONFIG_MAX_BYTES, read_inside
+from deltafin_mlx.format.integrity import CONFIG_MAX_BYTES, check_if_present, read_inside
 from deltafin_mlx.format.manifest import Manifest, read_manifest
 
 
@@ -65,7 +64,7 @@ def read_config(path: Path, manifest: Manifest) -> dict:
     if want and hashlib.sha256(raw).hexdigest() != want:
         raise ModelError(f"{cpath}: modified since conversion (its checksum differs)")
     gpath = path / "generation_config.json"
-    if os.path.lexists(gpath):
+    if check_if_present(manifest, gpath.name, CONFIG_MAX_BYTES):
         try:
             generation = json.loads(read_inside(path, gpath.name, CONFIG_MAX_BYTES))
         except (ValueError, RecursionError):

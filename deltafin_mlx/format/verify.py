@@ -4,13 +4,12 @@ library of `deltafin-run verify MODEL`, deltafin_mlx/cli/verify.py).
 What is checked: the manifest parses; every file it lists resolves inside the model
 directory (after symlinks) and is a regular file (else the check stops: the
 directory itself is hostile); each has its recorded size and its recorded whole-file
-CRC-32 (manifests from before whole-file checksums: config.json's SHA-256 instead);
+CRC-32;
 every bank header matches the manifest, and every expert record the CRC-32 its bank
 header holds for it. Each problem names the file (and the record); checking goes on
 past a damaged file, so one run lists all the damage.
 """
 
-import hashlib
 import os
 import zlib
 from dataclasses import dataclass, field
@@ -28,7 +27,6 @@ class VerifyReport:
     files_checked: int = 0
     records_checked: int = 0
     bytes_checked: int = 0
-    whole_file_checksums: bool = True  # False: a manifest from before they were recorded
     problems: List[str] = field(default_factory=list)
 
     @property
@@ -44,7 +42,7 @@ def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) ->
     regular file, raises ModelError; any other damage is a problem in the report."""
     path = Path(path).expanduser()
     m = read_manifest(path, check_files=False)
-    report = VerifyReport(path, whole_file_checksums=bool(m.checksums))
+    report = VerifyReport(path)
     real = {rel: resolve_inside(m.path, rel) for rel in m.files}  # raises on escapes
 
     sound = []
@@ -93,15 +91,10 @@ def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) ->
         except OSError as e:
             report.problems.append(f"{rel}: cannot read ({e.strerror})")
             continue
-        want = parse_checksum(m.checksums.get(rel)) if m.checksums else None
-        if want is not None and crc != want and len(report.problems) == before:
+        want = parse_checksum(m.checksums[rel])
+        if crc != want and len(report.problems) == before:
             report.problems.append(f"{rel}: modified since conversion (damaged or edited: "
                                    f"CRC-32 {crc:08x}, the manifest says {want:08x})")
-    want = m.source.get("config_sha256")
-    if not m.checksums and want and "config.json" in sound:
-        got = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
-        if got != want:
-            report.problems.append("config.json: modified since conversion (its SHA-256 differs)")
     return report
 
 

@@ -87,6 +87,12 @@ def read_tiktoken_ranks(path, data: bytes = None):
         missing = min(set(range(len(ranks))) - seen_ranks)
         raise TokenizerError(f"{path}: ranks are not 0..{len(ranks) - 1} (rank {missing} "
                              "is missing)")
+    # tiktoken panics at the first text holding a byte that has no token of its own.
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        shown = ", ".join(f"0x{b:02x}" for b in missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise TokenizerError(f"{path}: no token for {len(missing)} of the 256 bytes ({shown}): "
+                             "text holding them cannot be encoded")
     return ranks
 
 
@@ -160,6 +166,12 @@ def _bytes_to_unicode():
             table[b] = chr(256 + n)
             n += 1
     return table
+
+
+def byte_token_strings() -> list:
+    """The token string of each byte 0..255 in byte-level BPE vocabularies."""
+    table = _bytes_to_unicode()
+    return [table[b] for b in range(256)]
 
 
 def _token_content(value):

@@ -1,0 +1,143 @@
+"""The files of a batch job: its input read line by line, its output appended to
+under an exclusive lock, and the output's resume state found by a streaming scan.
+
+A job may run for days and its output may hold hundreds of thousands of results,
+so nothing here holds more than one line (at most `LINE_MAX_BYTES`) in memory, and
+only the ids of answered requests are kept. Input and output must be regular
+files (a FIFO would block, /dev/zero never end, /dev/full never hold a result);
+`-` as the output is stdout, written without resume. Two jobs on one output would
+both answer everything: the second is refused while the first holds its lock.
+"""
+
+import fcntl
+import json
+import os
+import stat
+import sys
+from typing import Iterator, Optional, Set, Tuple
+
+from deltafin_mlx.errors import BatchError
+
+# One line of input or output at most: a result holds its text, tokens and, with
+# --logprobs, a number per token, so a long reply stays well below this.
+LINE_MAX_BYTES = 64 << 20
+STDOUT = "-"
+
+
+def _open_regular(path, flags: int, what: str) -> int:
+    """A descriptor for `path`, a regular file; opened non-blocking so that a FIFO
+    cannot hold the open, and checked after opening so nothing is swapped in."""
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o644)
+    except OSError as e:
+        raise BatchError(f"{path}: cannot open the {what} ({e.strerror or e})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise BatchError(f"{path}: the {what} must be a regular file (this is {_kind(mode)})")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _kind(mode) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def read_lines(f, limit: Optional[int] = None) -> Iterator[Tuple[int, Optional[bytes], bool]]:
+    """(line number, bytes without the newline, whether a newline ended it) for each
+    line of binary file `f`; None in place of a line longer than `limit`, skipped
+    without being held (`limit`: LINE_MAX_BYTES)."""
+    limit = LINE_MAX_BYTES if limit is None else limit
+    n = 0
+    while True:
+        raw = f.readline(limit + 1)
+        if not raw:
+            return
+        n += 1
+        if len(raw) > limit:
+            while raw and not raw.endswith(b"\n"):  # the rest of the long line
+                raw = f.readline(1 << 20)
+            yield n, None, raw.endswith(b"\n")
+            continue
+        complete = raw.endswith(b"\n")
+        yield n, raw[:-1] if complete else raw, complete
+
+
+def open_input(path):
+    """The input as a binary file (a regular file only)."""
+    return os.fdopen(_open_regular(path, os.O_RDONLY, "input"), "rb")
+
+
+def result_key(rec) -> str:
+    """The key a result line answers: its id as JSON text, or for a line that had
+    no usable id, its line number."""
+    if rec.get("id") is not None:
+        return json.dumps(rec["id"])
+    return f"line:{int(rec['line'])}"
+
+
+class Results:
+    """The output of a job, locked for this process: the keys it already answers
+    (found by `scan`) and `write`, which appends one complete line with a single
+    write and an fsync, so a kill leaves at most a last line cut short."""
+
+    def __init__(self, path):
+        self.path = path
+        self.resumable = path != STDOUT
+        if not self.resumable:
+            self.fd = sys.stdout.fileno()
+            return
+        self.fd = _open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, "output")
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.fd)
+            raise BatchError(f"{path}: another batch job is writing to this output; wait for "
+                             "it to finish or choose another output file") from None
+
+    def scan(self) -> Set[str]:
+        """Keys of the requests already answered (error lines included). A last
+        line without its newline is what a kill mid-write leaves: it is truncated
+        away. Any other line that is not a result refuses the output."""
+        keys: Set[str] = set()
+        if not self.resumable:
+            return keys
+        end = 0
+        with os.fdopen(os.dup(self.fd), "rb") as f:
+            f.seek(0)
+            for n, raw, complete in read_lines(f):
+                if not complete:
+                    break  # the cut last line: truncated below
+                end = f.tell()
+                if raw is not None and not raw.strip():
+                    continue
+                try:
+                    keys.add(result_key(json.loads(raw)))
+                except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                    raise self._not_results(n) from None
+        if end < os.fstat(self.fd).st_size:
+            os.ftruncate(self.fd, end)
+            os.fsync(self.fd)
+        return keys
+
+    def _not_results(self, n: int) -> BatchError:
+        return BatchError(f"{self.path}: line {n} is not a batch result; not appending to it "
+                          "(use another output file)")
+
+    def write(self, result: dict):
+        data = (json.dumps(result, ensure_ascii=False) + "\n").encode("utf-8")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+        if self.resumable:
+            os.fsync(self.fd)
+
+    def close(self):
+        if self.resumable and self.fd >= 0:
+            os.close(self.fd)  # releases the lock
+        self.fd = -1

@@ -1,0 +1,205 @@
+"""The lines of a batch job's input, read into requests in one canonical form.
+
+Two line formats are read: Deltafin's own, `{"id": ..., "prompt": "..."}` or
+`{"id": ..., "messages": [...]}` with optional `max_tokens`, `temp`, `top_p`,
+`top_k`, `min_p`, `seed`, `stop` (OpenAI's names `temperature` and
+`max_completion_tokens` are taken too), and OpenAI's Batch format,
+`{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}`
+(or `/v1/completions` with a `prompt`). A line that is wrong in any way — not JSON,
+not UTF-8, too long, nested too deep, an unknown key, a message or tool call of
+the wrong shape, an unpaired surrogate — becomes a request that carries its error
+and is answered by an error line; only duplicate ids stop the job before it starts.
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Union
+
+from deltafin_mlx.errors import BatchError
+
+SAMPLING_KEYS = {"max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "stop"}
+LINE_KEYS = {"id", "prompt", "messages"} | SAMPLING_KEYS
+ALIASES = {"temperature": "temp", "max_completion_tokens": "max_tokens"}  # OpenAI's names
+OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+OPENAI_LINE_KEYS = {"custom_id", "method", "url", "body"}
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+
+
+@dataclass
+class Request:
+    key: str  # the id as JSON text (ids may be strings or numbers)
+    id: object
+    line: int
+    spec: dict = field(default_factory=dict)  # canonical: LINE_KEYS only
+    error: Optional[str] = None
+    custom_id: bool = False  # the line was in OpenAI's Batch format
+
+
+def read_requests(lines: Iterable[Union[str, bytes, None]]) -> List[Request]:
+    """One Request per non-empty line (None stands for a line too long to read).
+    A line without a usable id is kept as an error keyed by its line number;
+    duplicate ids refuse the job."""
+    out, seen = [], {}
+    for n, text in enumerate(lines, 1):
+        if text is not None and not text.strip():
+            continue
+        req = _read_line(n, text)
+        if req.id is not None:
+            if req.key in seen:
+                raise BatchError(f"id {req.key} appears on lines {seen[req.key]} and {n}: ids "
+                                 "must be unique (the output is matched to the input by id)")
+            seen[req.key] = n
+        out.append(req)
+    return out
+
+
+def _read_line(n: int, text) -> Request:
+    def bad(why):
+        return Request(f"line:{n}", None, n, error=f"line {n}: {why}")
+
+    if text is None:
+        return bad("longer than a request may be")
+    try:
+        spec = json.loads(text)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        return bad(f"not JSON ({type(e).__name__}: {str(e)[:200]})")
+    openai = isinstance(spec, dict) and "custom_id" in spec
+    name = "custom_id" if openai else "id"
+    if not isinstance(spec, dict) or not _is_id(spec.get(name)):
+        return bad(f'not an object with an "{name}" (a string or an integer)')
+    rid = spec[name]
+    req = Request(json.dumps(rid), rid, n, custom_id=openai)
+    try:
+        _check_text(spec)
+        req.spec = _from_openai(spec) if openai else _own(spec)
+        if ("prompt" in req.spec) == ("messages" in req.spec):
+            raise ValueError('needs exactly one of "prompt" (a string) or "messages" (a list)')
+        if "messages" in req.spec:
+            check_messages(req.spec["messages"])
+    except ValueError as e:
+        req.error = f"line {n}: {e}"
+    return req
+
+
+def _is_id(v) -> bool:
+    if isinstance(v, str):
+        return _encodable(v)
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:  # an unpaired surrogate ("\ud800")
+        return False
+
+
+def _check_text(value, depth: int = 0):
+    """Every string in a line is text: JSON's escapes can spell unpaired
+    surrogates, which no tokenizer and no UTF-8 output can hold."""
+    if depth > 64:
+        raise ValueError("nested more than 64 levels deep")
+    if isinstance(value, str):
+        if not _encodable(value):
+            raise ValueError("a string holds an unpaired surrogate (not text)")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, depth + 1)
+            _check_text(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_text(v, depth + 1)
+
+
+def _renamed(spec: dict, known: set, where: str) -> dict:
+    out = {}
+    for k, v in spec.items():
+        name = ALIASES.get(k, k)
+        if name not in known:
+            shown = sorted(known - {"id"}) + sorted(a for a in ALIASES if ALIASES[a] in known)
+            raise ValueError(f"unknown key {k!r}{where} (known: {', '.join(shown)})")
+        if name in out:
+            raise ValueError(f"both {name!r} and its alias {k!r} given{where}")
+        out[name] = v
+    return out
+
+
+def _own(spec: dict) -> dict:
+    return _renamed(spec, LINE_KEYS, "")
+
+
+def _from_openai(spec: dict) -> dict:
+    unknown = sorted(set(spec) - OPENAI_LINE_KEYS)
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} (a Batch API line has "
+                         f"{', '.join(sorted(OPENAI_LINE_KEYS))})")
+    if spec.get("method", "POST") != "POST":
+        raise ValueError('"method" must be "POST"')
+    url = spec.get("url", "/v1/chat/completions")
+    if url not in OPENAI_URLS:
+        raise ValueError(f'"url" must be one of {", ".join(sorted(OPENAI_URLS))} ({url!r})')
+    body = spec.get("body")
+    if not isinstance(body, dict):
+        raise ValueError('"body" must be an object')
+    body = dict(body)
+    if not isinstance(body.pop("model", ""), str):  # the model is the one loaded
+        raise ValueError('"model" must be a string')
+    if body.pop("n", 1) != 1:
+        raise ValueError('"n" must be 1 (one reply per request)')
+    if body.pop("stream", False) is not False:
+        raise ValueError('"stream" must be false in a batch')
+    canonical = _renamed(body, LINE_KEYS - {"id"}, " in \"body\"")
+    other = ({"messages", "prompt"} - {OPENAI_URLS[url]}) & set(canonical)
+    if other:
+        raise ValueError(f'"{other.pop()}" does not go with url {url}')
+    return {"id": spec["custom_id"], **canonical}
+
+
+def check_messages(msgs):
+    """A chat as a template renders it: a non-empty list of messages with a string
+    role and string content (null with tool calls), and tool calls in OpenAI's shape
+    (`{"id"?, "type"?: "function", "function": {"name", "arguments"}}`)."""
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where} must be an object")
+        unknown = sorted(set(m) - MESSAGE_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown key {unknown[0]!r} "
+                             f"(known: {', '.join(sorted(MESSAGE_KEYS))})")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f'{where}: "role" must be a string')
+        content = m.get("content")
+        if not (isinstance(content, str) or (content is None and "tool_calls" in m)):
+            raise ValueError(f'{where}: "content" must be a string')
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if key in m and not isinstance(m[key], str):
+                raise ValueError(f'{where}: "{key}" must be a string')
+        if "tool_calls" in m:
+            _check_tool_calls(m["tool_calls"], where)
+
+
+def _check_tool_calls(calls, where: str):
+    if not isinstance(calls, list):
+        raise ValueError(f'{where}: "tool_calls" must be a list')
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise ValueError(f'{at} must be an object with a "function" object')
+        if set(call) - {"id", "type", "function"}:
+            raise ValueError(f"{at}: unknown key {sorted(set(call) - {'id', 'type', 'function'})[0]!r}")
+        if "id" in call and not isinstance(call["id"], str):
+            raise ValueError(f'{at}: "id" must be a string')
+        if call.get("type", "function") != "function":
+            raise ValueError(f'{at}: "type" must be "function"')
+        fn = call["function"]
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f'{at}: the function needs a "name" (a non-empty string)')
+        if not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            raise ValueError(f'{at}: "arguments" must be a JSON string or an object')
+        if set(fn) - {"name", "arguments"}:
+            raise ValueError(f"{at}.function: unknown key "
+                             f"{sorted(set(fn) - {'name', 'arguments'})[0]!r}")
