@@ -23,7 +23,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_prompt_cache,
                                  save_prompt_cache, trim_prompt_cache)
 
-from deltafin_mlx.generate import PrefillProgress, RunStats, StatsMeter, fit_context, stream_generate
+from deltafin_mlx.generate import (PrefillProgress, RunStats, StatsMeter, chat_prompt, fit_context,
+                                   stream_generate)
 from deltafin_mlx.errors import SessionError
 from deltafin_mlx.engine.runtime import runtime, find_runtime
 
@@ -89,15 +90,9 @@ class ChatSession:
     # Prompts
 
     def render(self, messages, add_generation_prompt=True) -> List[int]:
-        tok = self.tokenizer
-        if not getattr(tok, "has_chat_template", False):
-            return tok.encode(messages[-1]["content"]) if messages else []
-        extra = {}
-        if self.thinking_effort is not None:
-            extra["thinking_effort"] = self.thinking_effort
-        return list(tok.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-            thinking=self.thinking, enable_thinking=self.thinking, **extra))
+        return chat_prompt(self.tokenizer, messages, thinking=self.thinking,
+                           thinking_effort=self.thinking_effort,
+                           add_generation_prompt=add_generation_prompt)
 
     def _between_turns(self, text):
         """(end-of-turn markup after a reply, the next user turn with the generation

@@ -187,15 +187,17 @@ class PrefillProgress:
         self.shown = True
 
 
-def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True):
+def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True,
+                thinking_effort: Optional[str] = None, add_generation_prompt: bool = True):
     """Token ids for a conversation, with the model's own prompt format when it
-    has one (K3's XTML, a Jinja chat template), else the last message as text."""
+    has one (K3's XTML, a Jinja chat template), else the last message as text.
+    `thinking_effort` is K3's (None: the model's default)."""
     if getattr(tokenizer, "has_chat_template", False):
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, thinking=thinking,
-            enable_thinking=thinking,
-        )
-    return tokenizer.encode(messages[-1]["content"])
+        extra = {} if thinking_effort is None else {"thinking_effort": thinking_effort}
+        return list(tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            thinking=thinking, enable_thinking=thinking, **extra))
+    return tokenizer.encode(messages[-1]["content"]) if messages else []
 
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,

@@ -3,7 +3,7 @@ decoded together; rerunning the same command resumes (deltafin_mlx/batch.py)."""
 
 import sys
 
-from deltafin_mlx.cli.options import (Parser, add_load_options, add_sampling_options, count,
+from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens, add_sampling_options,
                                       load_model, positive, positive_or_auto)
 
 from deltafin_mlx.engine.runtime import runtime
@@ -22,8 +22,7 @@ def batch_parser():
                    "and at most the requests left)")
     p.add_argument("--context", type=positive, default=4096,
                    help="longest prompt + max_tokens of a request (planned per sequence)")
-    p.add_argument("-n", "--max-tokens", type=count, default=256,
-                   help="tokens to generate per request")
+    add_max_tokens(p, 256, "tokens to generate per request")
     add_sampling_options(p, min_p=True)
     p.add_argument("--logprobs", action="store_true", help="each token's log-probability")
     p.add_argument("--no-progress", action="store_true", help="no progress line on a terminal")

@@ -46,6 +46,14 @@ def positive(text):
     return n
 
 
+def add_max_tokens(p, default, what="tokens to generate"):
+    """-n: one rule for run, chat, bench and batch: at least 1 token (a run that
+    generates nothing has nothing to show; mlx-lm's -n -1 "until the context ends"
+    is the default context's job here)."""
+    p.add_argument("-n", "--max-tokens", type=positive, default=default, metavar="N",
+                   help=f"{what}, 1 or more")
+
+
 def temperature(text):
     t = float(text)
     if not (t >= 0 and t != float("inf")):  # NaN fails every comparison

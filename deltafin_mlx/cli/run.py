@@ -53,14 +53,15 @@ def open_model(args, text, model_dir=None):
 
 
 def make_prompt(tokenizer, text, args):
-    """The prompt's tokens: `text` as the user's message in the model's chat
-    template, or as it is with --raw."""
+    """The prompt's tokens: `text` as the user's message (after --system's) in the
+    model's chat template, or as it is with --raw."""
     from deltafin_mlx.generate import chat_prompt
 
     if args.raw:
         return tokenizer.encode(text)
-    return chat_prompt(tokenizer, [{"role": "user", "content": text}],
-                       thinking=not args.no_think)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return chat_prompt(tokenizer, system + [{"role": "user", "content": text}],
+                       thinking=not args.no_think, thinking_effort=args.thinking_effort)
 
 
 def generate_reply(model, tokenizer, prompt, args, echo=True):
