@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_prompt_cache,
                                  save_prompt_cache, trim_prompt_cache)
 
@@ -49,6 +50,9 @@ class Turn:
     reused: int = 0  # history tokens taken from the cache instead
     finish_reason: Optional[str] = None
     stats: RunStats = field(default_factory=RunStats)
+    # Interrupted before its reply began: the turn left the conversation, its tokens
+    # and its cache exactly as they were before it.
+    dropped: bool = False
 
 
 def model_fingerprint(model) -> str:
@@ -151,10 +155,13 @@ class ChatSession:
         """One turn: prefill what the cache lacks, generate the reply, record both.
 
         on_text(channel, text) receives the reply as it streams ("think" or
-        "answer"; markup is never passed). When stop_requested() turns true (Ctrl-C),
-        the turn ends at the next token or prefill chunk and the reply so far is
-        kept in the history, so the conversation stays consistent. `prompt`: the
-        whole conversation's tokens, when the caller built them (prompt_for's)."""
+        "answer"; markup is never passed). When stop_requested() turns true (Ctrl-C)
+        during the reply, the turn ends at the next token and the reply so far is
+        kept in the history as a finished turn. Before the reply's first token it
+        ends at the next prefill chunk (or that token) and the turn is dropped (`Turn.dropped`): the messages, the
+        tokens and the cache are exactly as before it, as they are after an error
+        or a KeyboardInterrupt inside a forward pass (which is re-raised). `prompt`:
+        the whole conversation's tokens, when the caller built them (prompt_for's)."""
         prompt = self.prompt_for(text) if prompt is None else list(prompt)
         reused = self.sync(prompt)
         new = prompt[reused:]
@@ -171,12 +178,15 @@ class ChatSession:
 
         channels = Channels(self.tokenizer, self.thinking)
         meter = StatsMeter(self.model)
+        before = Snapshot.take(self)
         self.messages.append({"role": "user", "content": text})
         try:
             for r in stream_generate(self.model, self.tokenizer, new, max_tokens,
                                      sampler=sampler, prompt_cache=self.cache,
                                      prompt_progress_callback=on_progress, **kwargs):
                 if not turn.tokens:
+                    if stop_requested():  # asked during the prefill: no reply began
+                        raise Interrupted
                     self.tokens += new
                     turn.prefilled = len(new)
                 turn.tokens.append(r.token)
@@ -189,16 +199,12 @@ class ChatSession:
                     turn.finish_reason = "interrupted"
                     break
         except Interrupted:
-            self.tokens += new[: done[0]]  # the chunks that ran are in the cache
-            turn.prefilled = done[0]
-            turn.finish_reason = "interrupted"
+            before.restore(self)
+            turn.prefilled, turn.finish_reason, turn.dropped = done[0], "interrupted", True
             turn.stats = meter.now(0, done[0])
+            return turn
         except BaseException:
-            # Stopped inside a forward pass (an error, a second Ctrl-C): the cache may
-            # hold part of it. The turn did not happen; the next one re-prefills.
-            self.messages.pop()
-            self.cache = make_prompt_cache(self.model)
-            self.tokens = []
+            before.restore(self)  # stopped inside a forward pass: the turn did not happen
             raise
         turn.text, turn.thinking = channels.answer, channels.thinking
         reply = {"role": "assistant", "content": turn.text}
@@ -266,6 +272,41 @@ class ChatSession:
             raise SessionError(f"{path}: {len(session.tokens)} tokens, beyond the planned "
                                f"context of {plan.plan.context} (raise --context)")
         return session
+
+
+@dataclass
+class Snapshot:
+    """A conversation as it stood before a turn: its messages, tokens and each
+    cache layer's state, so a dropped turn leaves no trace. An attention layer is
+    trimmed back to its length (mlx-lm's KV caches write in place past it); any
+    other layer (recurrent state, which cannot be trimmed) gets its state back:
+    its arrays are replaced, never written, by a step, so keeping them costs
+    nothing."""
+
+    messages: List[dict]
+    tokens: List[int]
+    cache: list
+    layers: list  # per cache layer: ("trim", offset) or ("state", state)
+
+    @classmethod
+    def take(cls, session) -> "Snapshot":
+        layers = []
+        for c in session.cache:
+            if hasattr(c, "offset") and c.is_trimmable():
+                layers.append(("trim", c.offset))
+            else:
+                layers.append(("state", tree_map(lambda x: x, c.state)))
+        return cls([dict(m) for m in session.messages], list(session.tokens),
+                   session.cache, layers)
+
+    def restore(self, session):
+        for c, (kind, value) in zip(self.cache, self.layers):
+            if kind == "trim":
+                if c.offset > value:
+                    c.trim(c.offset - value)
+            else:
+                c.state = value
+        session.cache, session.tokens, session.messages = self.cache, self.tokens, self.messages
 
 
 class Channels:

@@ -32,9 +32,15 @@ or put \"\"\" on a line of its own to start and end a block of several lines.
   /quit     leave (so do Ctrl-D, and Ctrl-C at an empty prompt)
 A line starting with // is sent as a message that starts with /.
 Ctrl-C while a reply is generated stops it; the reply so far is KEPT in the history
-(the model sees it, closed as a finished turn, in the next turn).
+(the model sees it, closed as a finished turn, in the next turn). Ctrl-C before the
+reply begins (while a long message is prefilled) DROPS the turn: the conversation,
+the model's cache and the session file stay exactly as they were.
 With --session FILE the conversation and the model's cache are saved after every
 turn and restored at the next start, so the history is not prefilled again."""
+
+
+DROPPED = ("interrupted before the reply began: the turn is dropped; the conversation, "
+           "the cache and the session file are as before it")
 
 
 class StopOnSignal:
@@ -184,13 +190,16 @@ def run_chat(model, tokenizer, args) -> int:
             print(f"[{e}; /reset starts over]", file=sys.stderr)
             continue
         except KeyboardInterrupt:
-            print("\n[stopped inside a step: the turn is dropped, the next one prefills the "
-                  "history again]", file=sys.stderr)
+            print(f"\n[{DROPPED}]", file=sys.stderr)
             continue
+        if turn.dropped:
+            print(f"\n[{DROPPED}]", file=sys.stderr)
+            continue  # nothing changed: the session file stays as it is
         tail = stop.flush() if shown["channel"] == "answer" else ""
         print(tail + ("\033[0m" if tty and shown["channel"] == "think" else ""))
         if turn.finish_reason == "interrupted" and not stop.stopped:
-            print("[interrupted: the reply so far is kept in the history]", file=sys.stderr)
+            print(f"[interrupted: the reply so far ({len(turn.tokens)} tokens) is kept in the "
+                  "history as a finished turn]", file=sys.stderr)
         print(f"[deltafin] {turn.stats.line()}; prefilled {turn.prefilled} tokens "
               f"({turn.reused} from the cache)", file=sys.stderr)
         if path is not None:
