@@ -54,6 +54,8 @@ class BatchOptions:
     context: int = 4096  # longest prompt + max_tokens a request may have
     logprobs: bool = False  # each generated token's log-probability in the output
     prefill_step_size: Optional[int] = None  # tokens per sequence per prefill call; None: the plan's pass
+    # mlx-lm's logits processors for every request: the penalties of sampling.Sampling
+    logits_processors: Optional[list] = None
 
 
 @dataclass
@@ -294,7 +296,9 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
             # Keep the generator's queue just full enough: caches are made on insert.
             while todo and len(running) < B + min(B, PREFILL_BATCH):
                 p = todo.popleft()
-                (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[p.sampler])
+                (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[p.sampler],
+                                    logits_processors=[opts.logits_processors]
+                                    if opts.logits_processors else None)
                 running[uid] = Running(p, tokenizer)
             meter = StatsMeter(model)
             prompt_rs, gen_rs = gen.next()

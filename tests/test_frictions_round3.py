@@ -4,6 +4,7 @@ would do nothing, one -n convention, bench's --context, --demo with every
 subcommand."""
 
 import json
+import re
 
 import pytest
 
@@ -102,3 +103,72 @@ def test_every_subcommand_takes_demo_and_a_cached_demo_says_where_it_is(demo, ca
     prompts.write_text('{"id": 1, "prompt": "Hi", "max_tokens": 2}\n')
     assert main(["batch", *where, str(prompts), "-o", str(tmp_path / "out.jsonl")]) == 0
     assert json.loads((tmp_path / "out.jsonl").read_text())["id"] == 1
+
+
+# --- sampling and output parity ------------------------------------------------------
+
+
+PENALTIES = ["--repetition-penalty", "1.8", "--presence-penalty", "0.5", "--penalty-context", "8"]
+
+
+def mlx_lm_tokens(reference, prompt, steps, **sampling):
+    """mlx-lm itself, the model fully in memory, with mlx-lm's own processors."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    processors = make_logits_processors(**sampling)
+    out = []
+    for token, _ in generate_step(mx.array(prompt), reference, max_tokens=steps,
+                                  logits_processors=processors):
+        out.append(int(token))
+    return out
+
+
+def test_penalties_in_run_chat_and_batch_give_mlx_lm_s_tokens(converted, references, capsys,
+                                                                tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache
+
+    from deltafin_mlx.cli.chat import cmd_chat
+
+    model = converted("kimi_k3")
+    tok = open_tokenizer(open_model_dir(model))
+    prompt = chat_prompt(tok, [{"role": "user", "content": "Hello there"}])
+    expected = mlx_lm_tokens(references("kimi_k3"), prompt, 12, repetition_penalty=1.8,
+                             repetition_context_size=8, presence_penalty=0.5,
+                             presence_context_size=8)
+    plain = run_json(capsys, model, "Hello there", "-n", "12", "--budget", "200MB")["tokens"]
+    assert expected != plain  # the penalties change the reply
+    run = run_json(capsys, model, "Hello there", "-n", "12", "--budget", "200MB", *PENALTIES)
+    assert run["tokens"] == expected
+
+    session = tmp_path / "chat"
+    args = run_parser().parse_args([str(model), "--chat", "-n", "12", "--budget", "200MB",
+                                    "--session", str(session), *PENALTIES])
+    import io, sys
+    stdin, sys.stdin = sys.stdin, io.StringIO("Hello there\n")
+    try:
+        assert cmd_chat(args) == 0
+    finally:
+        sys.stdin = stdin
+    tokens = json.loads(load_prompt_cache(str(session) + ".safetensors", return_metadata=True)[1]
+                        ["tokens"])
+    assert tokens == prompt + expected
+
+    jobs = tmp_path / "in.jsonl"
+    jobs.write_text('{"id": 1, "prompt": "Hello there"}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(model), str(jobs), "-o", str(out), "-n", "12", "--budget", "200MB",
+                 *PENALTIES]) == 0
+    assert json.loads(out.read_text())["tokens"] == expected
+
+
+def test_one_shot_output_hides_markup_and_the_counters_show_peak_memory(converted, capsys):
+    model = converted("kimi_k3")
+    capsys.readouterr()
+    assert main([str(model), "Hello there", "-n", "40", "--budget", "200MB"]) == 0
+    out = capsys.readouterr()
+    assert "<|" not in out.out and "[thinking]" in out.out  # thinking apart, markup never
+    assert re.search(r"peak memory [\d.]+ [KMG]B MLX, [\d.]+ [KMG]B RSS$", out.err.strip())
+    stats = run_json(capsys, model, "Hi", "-n", "2", "--budget", "200MB")["stats"]
+    assert stats["peak_rss_bytes"] > 0 and stats["peak_mlx_bytes"] > 0

@@ -5,10 +5,10 @@ import signal
 import sys
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 
 from deltafin_mlx.chat import ChatSession, session_path
-from deltafin_mlx.cli.options import load_model
+from deltafin_mlx.cli.options import load_model, sampling_of
+from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import ContextError
 from deltafin_mlx.generate import PrefillProgress
 from deltafin_mlx.stops import StopMatcher
@@ -131,7 +131,7 @@ def run_chat(model, tokenizer, args) -> int:
         session = ChatSession(model, tokenizer, **options)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    sampler = make_sampler(args.temp, top_p=args.top_p, top_k=args.top_k)
+    generation = sampling_of(args).generation_kwargs()
     tty = sys.stdout.isatty()
     print("Deltafin chat: /help for help, /reset clears the history, /quit (or Ctrl-D) ends.",
           file=sys.stderr)
@@ -165,27 +165,14 @@ def run_chat(model, tokenizer, args) -> int:
             text = text.lstrip()[1:]
 
         stop = StopMatcher(args.stop)
-        shown = {"channel": None}
-
-        def on_text(channel, piece):
-            if channel == "answer":
-                piece = stop.add(piece)
-            if not piece:
-                return
-            if channel != shown["channel"]:
-                if channel == "think":
-                    print("\033[2m" if tty else "[thinking] ", end="")
-                elif shown["channel"] == "think":
-                    print("\033[0m\n" if tty else "\n[answer] ", end="")
-                shown["channel"] = channel
-            print(piece, end="", flush=True)
+        printer = ReplyPrinter(stop, tty)
 
         progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
         try:
             with StopOnSignal() as stopper:
-                turn = session.ask(text, args.max_tokens, sampler=sampler, progress=progress,
+                turn = session.ask(text, args.max_tokens, progress=progress,
                                    stop_requested=lambda: stopper() or stop.stopped,
-                                   on_text=on_text)
+                                   on_text=printer, **generation)
         except ContextError as e:
             print(f"[{e}; /reset starts over]", file=sys.stderr)
             continue
@@ -195,8 +182,7 @@ def run_chat(model, tokenizer, args) -> int:
         if turn.dropped:
             print(f"\n[{DROPPED}]", file=sys.stderr)
             continue  # nothing changed: the session file stays as it is
-        tail = stop.flush() if shown["channel"] == "answer" else ""
-        print(tail + ("\033[0m" if tty and shown["channel"] == "think" else ""))
+        printer.finish()
         if turn.finish_reason == "interrupted" and not stop.stopped:
             print(f"[interrupted: the reply so far ({len(turn.tokens)} tokens) is kept in the "
                   "history as a finished turn]", file=sys.stderr)
