@@ -172,3 +172,72 @@ def test_one_shot_output_hides_markup_and_the_counters_show_peak_memory(converte
     assert re.search(r"peak memory [\d.]+ [KMG]B MLX, [\d.]+ [KMG]B RSS$", out.err.strip())
     stats = run_json(capsys, model, "Hi", "-n", "2", "--budget", "200MB")["stats"]
     assert stats["peak_rss_bytes"] > 0 and stats["peak_mlx_bytes"] > 0
+
+
+# --- housekeeping: list, rm, the demo's cache ---------------------------------------
+
+
+def test_list_shows_every_model_under_a_directory_with_size_architecture_and_floor(
+        converted, tmp_path, capsys):
+    import shutil
+
+    for arch in ("kimi_k3", "qwen3_moe"):
+        shutil.copytree(converted(arch), tmp_path / "models" / arch)
+    (tmp_path / "models" / "notes").mkdir()
+    rows = [json.loads(line) for line in run_json_lines(capsys, "list", tmp_path / "models")]
+    assert [r["architecture"] for r in rows] == ["kimi_k3", "qwen3_moe"]
+    plan = run_json(capsys, "plan", tmp_path / "models" / "kimi_k3", "--disk-gbps", "2",
+                    "--compute-gwps", "3", "--prefill-gwps", "3")
+    assert rows[0]["floor_bytes"] == plan["floor_bytes"]
+    assert rows[0]["bytes"] > sum(open_model_dir(tmp_path / "models" / "kimi_k3").manifest
+                                  .files.values()) * 0.99
+    capsys.readouterr()
+    assert main(["list", str(tmp_path / "models")]) == 0
+    out = capsys.readouterr().out
+    assert "Kimi K3 (kimi_k3)" in out and "floor " in out and len(out.splitlines()) == 2
+
+
+def run_json_lines(capsys, *args):
+    capsys.readouterr()
+    assert main([*map(str, args), "--json"]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_rm_removes_only_a_converted_model_and_asks_first(converted, copy_of, tmp_path, capsys,
+                                                            monkeypatch):
+    import io
+
+    model = copy_of(converted("kimi_k3"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # not a terminal: no one to ask
+    assert main(["rm", str(model)]) == 1
+    one_error_line(capsys.readouterr().err, "without confirmation", "--yes")
+    (model / "notes.txt").write_text("mine")
+    assert main(["rm", str(model), "--yes"]) == 1
+    one_error_line(capsys.readouterr().err, "did not write", "notes.txt", "not removed")
+    assert model.exists()
+    (model / "notes.txt").unlink()
+    (tmp_path / "link").symlink_to(model)
+    assert main(["rm", str(tmp_path / "link"), "--yes"]) == 1
+    one_error_line(capsys.readouterr().err, "symlink")
+    assert main(["rm", str(tmp_path), "--yes"]) == 1
+    one_error_line(capsys.readouterr().err, "not a Deltafin model")
+    assert main(["rm", str(model), "--yes"]) == 0
+    assert not model.exists() and "freed" in capsys.readouterr().err
+
+
+def test_rm_demo_cleans_the_demos_cache(tmp_path, capsys):
+    from deltafin_mlx.cli.demo import prepare
+
+    root = tmp_path / "demo"
+    prepare(root)
+    assert main(["rm", "--demo", "--demo-dir", str(root), "--yes"]) == 0
+    assert not root.exists() and "freed" in capsys.readouterr().err
+
+
+def test_the_new_commands_options_have_help_and_defaults():
+    from deltafin_mlx.cli.list_models import list_parser
+    from deltafin_mlx.cli.remove import rm_parser
+    from test_frictions import test_every_option_has_help_and_says_its_default as check
+
+    for parser in (list_parser(), rm_parser()):
+        check(parser)

@@ -135,3 +135,26 @@ def demo_argv(command: str, argv: list) -> list:
     if command in BUDGETED and not any(a == "--budget" or a.startswith("--budget=") for a in rest):
         rest += ["--budget", str(demo_plan(model_dir, args).budget)]
     return [str(model_dir.path)] + rest
+
+
+def remove_demo(root: Path) -> int:
+    """Delete the demo's cache under `root`: its converted model (refused unless it
+    is one, format/catalog.py), its synthetic checkpoint, then `root` when empty.
+    Returns the bytes freed."""
+    import shutil
+
+    from deltafin_mlx.errors import ModelError
+    from deltafin_mlx.format.catalog import dir_bytes, remove_model_dir
+
+    freed = 0
+    if (root / "model").exists():
+        freed += remove_model_dir(root / "model")
+    src = root / "source"
+    if src.exists():
+        if src.is_symlink() or not (src / "config.json").is_file():
+            raise ModelError(f"{src}: not the demo's synthetic checkpoint; not removed")
+        freed += dir_bytes(src)
+        shutil.rmtree(src)
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
+    return freed

@@ -14,6 +14,8 @@ from deltafin_mlx.cli.chat import cmd_chat
 from deltafin_mlx.cli.common import add_version, quiet_broken_pipe
 from deltafin_mlx.cli.demo import demo_argv, run_demo
 from deltafin_mlx.cli.info import cmd_info
+from deltafin_mlx.cli.list_models import cmd_list
+from deltafin_mlx.cli.remove import cmd_rm
 from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens, add_sampling_options,
                                       positive)
 from deltafin_mlx.cli.plan import cmd_plan
@@ -30,6 +32,8 @@ USAGE = """deltafin-run MODEL PROMPT [options]
        deltafin-run serve MODEL [options]
        deltafin-run info MODEL
        deltafin-run verify MODEL
+       deltafin-run list [DIR]
+       deltafin-run rm MODEL|--demo [--yes]
        deltafin-run --demo [PROMPT] [options]"""
 
 COMMANDS = """commands:
@@ -44,16 +48,21 @@ COMMANDS = """commands:
   info              what a converted model is: architecture, experts, quantization,
                     sizes, source, when it was converted
   verify            check every file and every expert record's checksum
-  --demo            build a small synthetic K3-layout model and run it streaming
+  list              the converted models under a directory: size, architecture, floor
+  rm                delete a converted model (nothing else), or the demo's cache (--demo)
+  --demo            build a small synthetic K3-layout model and run it streaming; with
+                    a command (plan, bench, batch, info, verify, serve) it is the MODEL
 
 'deltafin-run COMMAND --help' shows a command's options. MODEL is a directory
 written by deltafin-convert (convert a Hugging Face checkpoint with it first)."""
 
 # Each takes the arguments after its name.
 SUBCOMMANDS = {"plan": cmd_plan, "bench": cmd_bench, "batch": cmd_batch, "serve": cmd_serve,
-               "info": cmd_info, "verify": cmd_verify}
-# Loads no model, so never runs under mlx.launch: its output is not a rank's.
-NOT_DISTRIBUTED = {"plan"}
+               "info": cmd_info, "verify": cmd_verify, "list": cmd_list, "rm": cmd_rm}
+# Load no model, so never run under mlx.launch: their output is not a rank's.
+NOT_DISTRIBUTED = {"plan", "list", "rm"}
+# Take --demo themselves (rm --demo removes the demo's cache).
+OWN_DEMO = {"rm"}
 
 
 def run_parser():
@@ -144,7 +153,7 @@ def main(argv=None):
             quiet_other_ranks()  # under mlx.launch: one output, from rank 0
         if name in SUBCOMMANDS:
             rest = argv[1:]
-            if "--demo" in rest:  # `deltafin-run plan --demo`: the demo model is MODEL
+            if "--demo" in rest and name not in OWN_DEMO:  # `deltafin-run plan --demo`: the demo model is MODEL
                 rest = demo_argv(name, rest)
             return SUBCOMMANDS[name](rest)
         return run_default(argv)
