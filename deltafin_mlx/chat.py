@@ -26,6 +26,7 @@ from mlx_lm.models.cache import (can_trim_prompt_cache, load_prompt_cache, make_
 
 from deltafin_mlx.generate import (PrefillProgress, RunStats, StatsMeter, chat_prompt, fit_context,
                                    stream_generate)
+from deltafin_mlx.chat_context import grow
 from deltafin_mlx.errors import SessionError
 from deltafin_mlx.engine.runtime import runtime, find_runtime
 
@@ -76,8 +77,14 @@ class ChatSession:
     """A conversation with `model`: messages, the cache, and the tokens it holds."""
 
     def __init__(self, model, tokenizer, system: Optional[str] = None, thinking: bool = True,
-                 thinking_effort: Optional[str] = None):
+                 thinking_effort: Optional[str] = None,
+                 reload: Optional[Callable[[int], object]] = None):
+        """`reload(context)`: the model loaded again for a larger context (closing
+        this one first), so the conversation can grow past the planned context
+        (chat_context.py); without it a turn beyond the context is refused."""
         self.model = model
+        self.reload = reload
+        self.growth = None  # the last turn's re-plan (chat_context.Growth), if any
         self.tokenizer = tokenizer
         self.system = system
         self.thinking = thinking
@@ -165,6 +172,7 @@ class ChatSession:
         prompt = self.prompt_for(text) if prompt is None else list(prompt)
         reused = self.sync(prompt)
         new = prompt[reused:]
+        self.model, self.growth = grow(self.model, self.reload, len(prompt) + max(max_tokens, 1))
         fit_context(self.model, len(new), max_tokens, cached=reused)  # before any change
         turn = Turn(reused=reused)
         done = [0]
@@ -213,6 +221,24 @@ class ChatSession:
         self.messages.append(reply)
         return turn
 
+    def drop_oldest(self, turns: int = 1) -> int:
+        """Forget the oldest `turns` exchanges (a user message and its reply; the
+        system message stays); the rest is prefilled again at the next turn, since
+        its tokens now start elsewhere. Returns the messages dropped."""
+        head = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+        body = self.messages[head:]
+        cut, seen = 0, 0
+        while cut < len(body) and seen < turns:
+            cut += 1
+            if body[cut - 1]["role"] == "user":
+                while cut < len(body) and body[cut]["role"] != "user":
+                    cut += 1
+                seen += 1
+        self.messages = self.messages[:head] + body[cut:]
+        self.cache = make_prompt_cache(self.model)
+        self.tokens = []
+        return cut
+
     # Saving and restoring
 
     def save(self, path):
@@ -238,9 +264,10 @@ class ChatSession:
                 tmp.unlink()
 
     @classmethod
-    def restore(cls, path, model, tokenizer, **options) -> "ChatSession":
+    def restore(cls, path, model, tokenizer, reload=None, **options) -> "ChatSession":
         """The session saved at `path`; refused (SessionError) when it was saved by
-        another model or another version of this format."""
+        another model or another version of this format. With `reload` (as for
+        ChatSession) a session longer than the planned context grows it."""
         path = session_path(path)
         try:
             cache, meta = load_prompt_cache(str(path), return_metadata=True)
@@ -267,7 +294,9 @@ class ChatSession:
         session.messages = json.loads(meta["messages"])
         if not _consistent(cache, len(session.tokens)):
             raise SessionError(f"{path}: damaged (its cache and its tokens disagree)")
-        plan = find_runtime(model)
+        session.reload = reload
+        session.model, session.growth = grow(model, reload, len(session.tokens) + 1)
+        plan = find_runtime(session.model)
         if plan is not None and len(session.tokens) >= plan.plan.context:
             raise SessionError(f"{path}: {len(session.tokens)} tokens, beyond the planned "
                                f"context of {plan.plan.context} (raise --context)")
