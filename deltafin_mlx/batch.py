@@ -54,6 +54,8 @@ class BatchOptions:
     context: int = 4096  # longest prompt + max_tokens a request may have
     logprobs: bool = False  # each generated token's log-probability in the output
     prefill_step_size: Optional[int] = None  # tokens per sequence per prefill call; None: the plan's pass
+    # mlx-lm's logits processors for every request: the penalties of sampling.Sampling
+    logits_processors: Optional[list] = None
 
 
 class KeyedSampler:
@@ -233,10 +235,10 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
                 # Keep the generator's queue just full enough: caches are made on insert.
                 if alone and not running:
                     p = alone.popleft()
-                    running[_insert(gen, p)] = Running(p, tokenizer)
+                    running[_insert(gen, p, opts)] = Running(p, tokenizer)
                 while not alone and todo and len(running) < B + min(B, PREFILL_BATCH):
                     p = todo.popleft()
-                    running[_insert(gen, p)] = Running(p, tokenizer)
+                    running[_insert(gen, p, opts)] = Running(p, tokenizer)
                 meter = StatsMeter(model)
                 prompt_rs, gen_rs = gen.next()
                 involved = {r.uid for r in prompt_rs} | {r.uid for r in gen_rs}
@@ -290,8 +292,10 @@ def _generator(model, tokenizer, B: int, opts: BatchOptions) -> BatchGenerator:
                           or max(1, planned_pass(model) // min(B, PREFILL_BATCH)))
 
 
-def _insert(gen: BatchGenerator, p: Prepared) -> int:
-    (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[p.sampler])
+def _insert(gen: BatchGenerator, p: Prepared, opts: BatchOptions) -> int:
+    (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[p.sampler],
+                        logits_processors=[opts.logits_processors]
+                        if opts.logits_processors else None)
     return uid
 
 

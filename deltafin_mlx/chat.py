@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from deltafin_mlx.generate import PrefillProgress, RunStats, StatsMeter, fit_context, stream_generate
+from deltafin_mlx.generate import (PrefillProgress, RunStats, StatsMeter, chat_prompt, fit_context,
+                                   stream_generate)
+from deltafin_mlx.chat_context import grow
 from deltafin_mlx.errors import SessionError
 from deltafin_mlx.session_file import CHECKSUM_KEY, read_session, write_session
 from deltafin_mlx.engine.runtime import runtime, find_runtime
@@ -49,6 +52,9 @@ class Turn:
     reused: int = 0  # history tokens taken from the cache instead
     finish_reason: Optional[str] = None
     stats: RunStats = field(default_factory=RunStats)
+    # Interrupted before its reply began: the turn left the conversation, its tokens
+    # and its cache exactly as they were before it.
+    dropped: bool = False
 
 
 def model_fingerprint(model) -> str:
@@ -72,8 +78,14 @@ class ChatSession:
     """A conversation with `model`: messages, the cache, and the tokens it holds."""
 
     def __init__(self, model, tokenizer, system: Optional[str] = None, thinking: bool = True,
-                 thinking_effort: Optional[str] = None):
+                 thinking_effort: Optional[str] = None,
+                 reload: Optional[Callable[[int], object]] = None):
+        """`reload(context)`: the model loaded again for a larger context (closing
+        this one first), so the conversation can grow past the planned context
+        (chat_context.py); without it a turn beyond the context is refused."""
         self.model = model
+        self.reload = reload
+        self.growth = None  # the last turn's re-plan (chat_context.Growth), if any
         self.tokenizer = tokenizer
         self.system = system
         self.thinking = thinking
@@ -90,15 +102,9 @@ class ChatSession:
     # Prompts
 
     def render(self, messages, add_generation_prompt=True) -> List[int]:
-        tok = self.tokenizer
-        if not getattr(tok, "has_chat_template", False):
-            return tok.encode(messages[-1]["content"]) if messages else []
-        extra = {}
-        if self.thinking_effort is not None:
-            extra["thinking_effort"] = self.thinking_effort
-        return list(tok.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-            thinking=self.thinking, enable_thinking=self.thinking, **extra))
+        return chat_prompt(self.tokenizer, messages, thinking=self.thinking,
+                           thinking_effort=self.thinking_effort,
+                           add_generation_prompt=add_generation_prompt)
 
     def _between_turns(self, text):
         """(end-of-turn markup after a reply, the next user turn with the generation
@@ -157,13 +163,17 @@ class ChatSession:
         """One turn: prefill what the cache lacks, generate the reply, record both.
 
         on_text(channel, text) receives the reply as it streams ("think" or
-        "answer"; markup is never passed). When stop_requested() turns true (Ctrl-C),
-        the turn ends at the next token or prefill chunk and the reply so far is
-        kept in the history, so the conversation stays consistent. `prompt`: the
-        whole conversation's tokens, when the caller built them (prompt_for's)."""
+        "answer"; markup is never passed). When stop_requested() turns true (Ctrl-C)
+        during the reply, the turn ends at the next token and the reply so far is
+        kept in the history as a finished turn. Before the reply's first token it
+        ends at the next prefill chunk (or that token) and the turn is dropped (`Turn.dropped`): the messages, the
+        tokens and the cache are exactly as before it, as they are after an error
+        or a KeyboardInterrupt inside a forward pass (which is re-raised). `prompt`:
+        the whole conversation's tokens, when the caller built them (prompt_for's)."""
         prompt = self.prompt_for(text) if prompt is None else list(prompt)
         reused = self.sync(prompt)
         new = prompt[reused:]
+        self.model, self.growth = grow(self.model, self.reload, len(prompt) + max(max_tokens, 1))
         fit_context(self.model, len(new), max_tokens, cached=reused)  # before any change
         turn = Turn(reused=reused)
         done = [0]
@@ -177,12 +187,15 @@ class ChatSession:
 
         channels = Channels(self.tokenizer, self.thinking)
         meter = StatsMeter(self.model)
+        before = Snapshot.take(self)
         self.messages.append({"role": "user", "content": text})
         try:
             for r in stream_generate(self.model, self.tokenizer, new, max_tokens,
                                      sampler=sampler, prompt_cache=self.cache,
                                      prompt_progress_callback=on_progress, **kwargs):
                 if not turn.tokens:
+                    if stop_requested():  # asked during the prefill: no reply began
+                        raise Interrupted
                     self.tokens += new
                     turn.prefilled = len(new)
                 turn.tokens.append(r.token)
@@ -195,16 +208,12 @@ class ChatSession:
                     turn.finish_reason = "interrupted"
                     break
         except Interrupted:
-            self.tokens += new[: done[0]]  # the chunks that ran are in the cache
-            turn.prefilled = done[0]
-            turn.finish_reason = "interrupted"
+            before.restore(self)
+            turn.prefilled, turn.finish_reason, turn.dropped = done[0], "interrupted", True
             turn.stats = meter.now(0, done[0])
+            return turn
         except BaseException:
-            # Stopped inside a forward pass (an error, a second Ctrl-C): the cache may
-            # hold part of it. The turn did not happen; the next one re-prefills.
-            self.messages.pop()
-            self.cache = make_prompt_cache(self.model)
-            self.tokens = []
+            before.restore(self)  # stopped inside a forward pass: the turn did not happen
             raise
         turn.text, turn.thinking = channels.answer, channels.thinking
         reply = {"role": "assistant", "content": turn.text}
@@ -212,6 +221,24 @@ class ChatSession:
             reply["reasoning_content"] = turn.thinking
         self.messages.append(reply)
         return turn
+
+    def drop_oldest(self, turns: int = 1) -> int:
+        """Forget the oldest `turns` exchanges (a user message and its reply; the
+        system message stays); the rest is prefilled again at the next turn, since
+        its tokens now start elsewhere. Returns the messages dropped."""
+        head = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+        body = self.messages[head:]
+        cut, seen = 0, 0
+        while cut < len(body) and seen < turns:
+            cut += 1
+            if body[cut - 1]["role"] == "user":
+                while cut < len(body) and body[cut]["role"] != "user":
+                    cut += 1
+                seen += 1
+        self.messages = self.messages[:head] + body[cut:]
+        self.cache = make_prompt_cache(self.model)
+        self.tokens = []
+        return cut
 
     # Saving and restoring
 
@@ -230,9 +257,10 @@ class ChatSession:
         write_session(path, self.cache, meta)
 
     @classmethod
-    def restore(cls, path, model, tokenizer, **options) -> "ChatSession":
+    def restore(cls, path, model, tokenizer, reload=None, **options) -> "ChatSession":
         """The session saved at `path`; refused (SessionError) when it was saved by
-        another model or another version of this format."""
+        another model or another version of this format. With `reload` (as for
+        ChatSession) a session longer than the planned context grows it."""
         path = session_path(path)
         cache, meta = read_session(path)
         if meta.get("format") != SESSION_FORMAT:
@@ -259,11 +287,48 @@ class ChatSession:
         session.messages = json.loads(meta["messages"])
         if not _consistent(cache, len(session.tokens)):
             raise SessionError(f"{path}: damaged (its cache and its tokens disagree)")
-        plan = find_runtime(model)
+        session.reload = reload
+        session.model, session.growth = grow(model, reload, len(session.tokens) + 1)
+        plan = find_runtime(session.model)
         if plan is not None and len(session.tokens) >= plan.plan.context:
             raise SessionError(f"{path}: {len(session.tokens)} tokens, beyond the planned "
                                f"context of {plan.plan.context} (raise --context)")
         return session
+
+
+@dataclass
+class Snapshot:
+    """A conversation as it stood before a turn: its messages, tokens and each
+    cache layer's state, so a dropped turn leaves no trace. An attention layer is
+    trimmed back to its length (mlx-lm's KV caches write in place past it); any
+    other layer (recurrent state, which cannot be trimmed) gets its state back:
+    its arrays are replaced, never written, by a step, so keeping them costs
+    nothing."""
+
+    messages: List[dict]
+    tokens: List[int]
+    cache: list
+    layers: list  # per cache layer: ("trim", offset) or ("state", state)
+
+    @classmethod
+    def take(cls, session) -> "Snapshot":
+        layers = []
+        for c in session.cache:
+            if hasattr(c, "offset") and c.is_trimmable():
+                layers.append(("trim", c.offset))
+            else:
+                layers.append(("state", tree_map(lambda x: x, c.state)))
+        return cls([dict(m) for m in session.messages], list(session.tokens),
+                   session.cache, layers)
+
+    def restore(self, session):
+        for c, (kind, value) in zip(self.cache, self.layers):
+            if kind == "trim":
+                if c.offset > value:
+                    c.trim(c.offset - value)
+            else:
+                c.state = value
+        session.cache, session.tokens, session.messages = self.cache, self.tokens, self.messages
 
 
 class Channels:

@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 from deltafin_mlx.errors import ContextError
+from deltafin_mlx.units import human_bytes
 from deltafin_mlx.stops import StopMatcher
 from deltafin_mlx.engine.runtime import find_runtime
 
@@ -28,6 +29,10 @@ class RunStats:
     speculative_used: int = 0
     bytes_read: int = 0
     stall_seconds: float = 0.0
+    # The process's high-water marks when the stats were taken: MLX's allocations
+    # (mx.get_peak_memory) and the resident set (getrusage's ru_maxrss).
+    peak_mlx_bytes: int = 0
+    peak_rss_bytes: int = 0
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -69,7 +74,8 @@ class RunStats:
             f"first token after {self.first_token_seconds:.2f} s "
             f"(prefill {self.prefill_tokens_per_second:.1f} tok/s); "
             f"experts: {self.hits} hits, {self.misses} misses ({self.hit_rate:.0%} hit rate), "
-            f"{self.bytes_read / 1e6:.1f} MB read, stalled on reads {self.stall_share:.0%} of the time"
+            f"{self.bytes_read / 1e6:.1f} MB read, stalled on reads {self.stall_share:.0%} of the time; "
+            f"peak memory {human_bytes(self.peak_mlx_bytes)} MLX, {human_bytes(self.peak_rss_bytes)} RSS"
         )
 
 
@@ -108,7 +114,18 @@ class StatsMeter:
             speculative_used=cur.speculative_used - base.speculative_used,
             bytes_read=cur.bytes_read - base.bytes_read,
             stall_seconds=cur.stall_seconds - base.stall_seconds,
+            peak_mlx_bytes=mx.get_peak_memory(),
+            peak_rss_bytes=peak_rss(),
         )
+
+
+def peak_rss() -> int:
+    """The process's resident-set high-water mark in bytes (Linux reports KiB)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def planned_pass(model, default: int = 512) -> int:
@@ -187,15 +204,17 @@ class PrefillProgress:
         self.shown = True
 
 
-def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True):
+def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True,
+                thinking_effort: Optional[str] = None, add_generation_prompt: bool = True):
     """Token ids for a conversation, with the model's own prompt format when it
-    has one (K3's XTML, a Jinja chat template), else the last message as text."""
+    has one (K3's XTML, a Jinja chat template), else the last message as text.
+    `thinking_effort` is K3's (None: the model's default)."""
     if getattr(tokenizer, "has_chat_template", False):
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, thinking=thinking,
-            enable_thinking=thinking,
-        )
-    return tokenizer.encode(messages[-1]["content"])
+        extra = {} if thinking_effort is None else {"thinking_effort": thinking_effort}
+        return list(tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            thinking=thinking, enable_thinking=thinking, **extra))
+    return tokenizer.encode(messages[-1]["content"]) if messages else []
 
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,

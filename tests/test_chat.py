@@ -120,15 +120,66 @@ def test_an_interrupted_reply_is_kept_and_the_next_turn_continues(k3):
     nxt = session.ask(QUESTION, 4)
     assert nxt.reused == len(session.tokens) - nxt.prefilled - len(nxt.tokens)
 
-    # Stopped during the prefill: the chunks that ran stay in the cache.
-    session = ChatSession(model, tok)
-    long = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)
+
+
+LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)
+
+
+def cache_arrays(session):
+    """Every array a conversation's cache holds, up to each attention layer's length."""
+    out = []
+    for c in session.cache:
+        if hasattr(c, "offset") and c.is_trimmable():
+            out += [a[..., : c.offset, :] for a in (c.keys, c.values) if a is not None] \
+                if getattr(c, "keys", None) is not None else []
+        else:
+            out += [a for a in c.state[0] if a is not None]
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("when", ["prefill", "forward pass"])
+def test_a_turn_stopped_before_its_reply_leaves_the_conversation_exactly_as_before(k3, when):
+    """Ctrl-C during the prefill (between chunks), or a second one inside a forward
+    pass: the messages, tokens and every cache array are as before the turn, and the
+    next turn gives the reply it would have given without the stopped one."""
+    model, tok = k3
+    straight, session = ChatSession(model, tok), ChatSession(model, tok)
+    straight.ask(QUESTION, 4)
+    session.ask(QUESTION, 4)
+    messages, tokens = json.dumps(session.messages), list(session.tokens)
+    arrays = cache_arrays(session)
     done = []
-    turn = session.ask(long, 4, prefill_step_size=32, progress=lambda n, total: done.append(n),
-                       stop_requested=lambda: done[-1] > 0)  # Ctrl-C after the first chunk
-    assert turn.finish_reason == "interrupted" and not turn.tokens
-    assert turn.prefilled == 32 and session.tokens == session.render(session.messages[:1])[:32]
+
+    def progress(n, total):
+        done.append(n)
+        if when == "forward pass" and n > 0:
+            raise KeyboardInterrupt  # as a second Ctrl-C lands inside a step
+
+    if when == "prefill":
+        turn = session.ask(LONG, 4, prefill_step_size=32, progress=progress,
+                           stop_requested=lambda: bool(done) and done[-1] > 0)
+        assert turn.dropped and turn.finish_reason == "interrupted" and not turn.tokens
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            session.ask(LONG, 4, prefill_step_size=32, progress=progress)
+    assert done[-1] >= 32  # some of the prefill ran
+    assert json.dumps(session.messages) == messages and session.tokens == tokens
+    after = cache_arrays(session)
+    assert len(after) == len(arrays) and all(mx.array_equal(a, b) for a, b in zip(arrays, after))
     assert _consistent(session.cache, len(session.tokens))
+    assert session.ask("And then?", 6).tokens == straight.ask("And then?", 6).tokens
+
+
+def test_a_first_turn_stopped_in_its_prefill_leaves_an_empty_conversation(k3):
+    model, tok = k3
+    session = ChatSession(model, tok, system="Be brief.")
+    done = []
+    turn = session.ask(LONG, 4, prefill_step_size=32, progress=lambda n, t: done.append(n),
+                       stop_requested=lambda: bool(done) and done[-1] > 0)
+    assert turn.dropped and session.tokens == [] and session.messages == [
+        {"role": "system", "content": "Be brief."}]
+    assert session.ask(QUESTION, 4).reused == 0  # nothing of the stopped turn is reused
 
 
 def test_a_prompt_beyond_the_planned_context_is_refused_and_nothing_changes(converted):

@@ -3,8 +3,8 @@ decoded together; rerunning the same command resumes (deltafin_mlx/batch.py)."""
 
 import sys
 
-from deltafin_mlx.cli.options import (Parser, add_load_options, add_sampling_options, count,
-                                      load_model, positive, positive_or_auto)
+from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens, add_sampling_options,
+                                      load_model, positive, positive_or_auto, sampling_of)
 
 from deltafin_mlx.engine.runtime import runtime
 
@@ -23,9 +23,8 @@ def batch_parser():
                    "and at most the requests left)")
     p.add_argument("--context", type=positive, default=4096,
                    help="longest prompt + max_tokens of a request (planned per sequence)")
-    p.add_argument("-n", "--max-tokens", type=count, default=256,
-                   help="tokens to generate per request")
-    add_sampling_options(p, min_p=True)
+    add_max_tokens(p, 256, "tokens to generate per request")
+    add_sampling_options(p)
     p.add_argument("--logprobs", action="store_true", help="each token's log-probability")
     p.add_argument("--no-progress", action="store_true", help="no progress line on a terminal")
     add_load_options(p)
@@ -72,4 +71,5 @@ def batch_options(args):
     return BatchOptions(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
                         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
                         raw=args.raw, thinking=not args.no_think, context=args.context,
-                        logprobs=args.logprobs)
+                        logprobs=args.logprobs,
+                        logits_processors=sampling_of(args).logits_processors())

@@ -5,15 +5,22 @@ prefill and decode speed are reported with the last run's expert counters."""
 import json
 import statistics
 
-from deltafin_mlx.cli.options import Parser, add_load_options, count, load_model, positive
+from deltafin_mlx.cli.options import Parser, add_load_options, add_max_tokens, load_model, positive
 from deltafin_mlx.engine.runtime import runtime
+from deltafin_mlx.errors import UsageError
+from deltafin_mlx.format.model_dir import open_model_dir
+from deltafin_mlx.model.config import max_context
+from deltafin_mlx.plan.memory import round_context
 
 
 def bench_parser():
     p = Parser(prog="deltafin-run bench", description="A short decode benchmark.")
     p.add_argument("model", help="a directory written by deltafin-convert")
-    p.add_argument("-n", "--max-tokens", type=count, default=32, help="tokens decoded per run")
+    add_max_tokens(p, 32, "tokens decoded per run")
     p.add_argument("--prompt-tokens", type=positive, default=16, help="prompt length of each run")
+    p.add_argument("--context", type=positive, default=None, metavar="N",
+                   help="tokens of KV cache/state to reserve, as a run does (default: prompt + "
+                   "max tokens, rounded up)")
     p.add_argument("--repeats", type=positive, default=3, help="runs (the median is reported)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_load_options(p)
@@ -22,7 +29,13 @@ def bench_parser():
 
 def cmd_bench(argv) -> int:
     args = bench_parser().parse_args(argv)
-    model, _ = load_model(args, tokenizer=False)
+    model_dir = open_model_dir(args.model)
+    context = args.context or round_context(args.prompt_tokens + args.max_tokens + 1,
+                                            max_context(model_dir.config))
+    if context <= args.prompt_tokens + args.max_tokens:
+        raise UsageError(f"--context {context} does not hold --prompt-tokens {args.prompt_tokens} "
+                         f"+ -n {args.max_tokens}")
+    model, _ = load_model(args, model_dir, tokenizer=False, context=context)
     runs = [bench_run(model, args, i) for i in range(args.repeats)]
     tps = [r.decode_tokens_per_second for r in runs]
     pps = [r.prefill_tokens_per_second for r in runs]
@@ -31,6 +44,7 @@ def cmd_bench(argv) -> int:
         "model": args.model,
         "budget_bytes": runtime(model).plan.budget,
         "cache_fraction": runtime(model).plan.cache_fraction,
+        "context": runtime(model).plan.context,
         "tokens_per_second_median": statistics.median(tps),
         "tokens_per_second_range": [min(tps), max(tps)],
         "prefill_tokens_per_second_median": statistics.median(pps),

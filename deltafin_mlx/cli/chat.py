@@ -5,10 +5,11 @@ import signal
 import sys
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 
 from deltafin_mlx.chat import ChatSession, session_path
-from deltafin_mlx.cli.options import load_model
+from deltafin_mlx.chat_context import status as context_status
+from deltafin_mlx.cli.options import load_model, sampling_of
+from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import ContextError
 from deltafin_mlx.generate import PrefillProgress
 from deltafin_mlx.stops import StopMatcher
@@ -16,11 +17,23 @@ from deltafin_mlx.engine.runtime import runtime
 
 
 def cmd_chat(args, model_dir=None) -> int:
+    from deltafin_mlx.format.model_dir import open_model_dir
+
+    model_dir = model_dir or open_model_dir(args.model)
     model, tokenizer = load_model(args, model_dir)
+    current = [model]  # the model as last (re)loaded: the one to close
+
+    def reload(context):
+        """The model planned again for `context` tokens in the same budget."""
+        args.budget = runtime(current[0]).plan.budget
+        runtime(current[0]).close()  # its hot set is saved and read back by the new one
+        current[0], _ = load_model(args, model_dir, tokenizer=False, context=context)
+        return current[0]
+
     try:
-        return run_chat(model, tokenizer, args)
+        return run_chat(model, tokenizer, args, reload)
     finally:
-        runtime(model).close()
+        runtime(current[0]).close()
 
 
 HELP = """\
@@ -29,12 +42,22 @@ or put \"\"\" on a line of its own to start and end a block of several lines.
   /help     this help
   /reset    forget the conversation (and empty the model's cache)
   /stats    expert-cache counters so far
+  /context  how much of the context is in use, and how far the budget lets it grow
+  /drop [N] forget the oldest N exchanges (default 1); the rest is prefilled again
   /quit     leave (so do Ctrl-D, and Ctrl-C at an empty prompt)
 A line starting with // is sent as a message that starts with /.
 Ctrl-C while a reply is generated stops it; the reply so far is KEPT in the history
-(the model sees it, closed as a finished turn, in the next turn).
-With --session FILE the conversation and the model's cache are saved after every
+(the model sees it, closed as a finished turn, in the next turn). Ctrl-C before the
+reply begins (while a long message is prefilled) DROPS the turn: the conversation,
+the model's cache and the session file stay exactly as they were.
+The context grows with the conversation: re-planned in steps up to what the budget
+holds (the expert cache shrinks to make room), one line saying so; beyond that,
+/drop makes room. With --session FILE the conversation and the model's cache are saved after every
 turn and restored at the next start, so the history is not prefilled again."""
+
+
+DROPPED = ("interrupted before the reply began: the turn is dropped; the conversation, "
+           "the cache and the session file are as before it")
 
 
 class StopOnSignal:
@@ -111,21 +134,30 @@ def read_message(prompt: str = "> ", more: str = "... ", out=None):
         return "" if typed else None
 
 
-def run_chat(model, tokenizer, args) -> int:
-    """The interactive loop; `args` as `deltafin-run` parses them."""
+def say_growth(session):
+    """The one line saying the context grew (once per re-plan)."""
+    if session.growth is not None:
+        print(f"[{session.growth.line()}]", file=sys.stderr)
+        session.growth = None
+
+
+def run_chat(model, tokenizer, args, reload=None) -> int:
+    """The interactive loop; `args` as `deltafin-run` parses them; `reload(context)`
+    loads the model for a larger context (ChatSession's)."""
     options = dict(system=args.system, thinking=not args.no_think,
                    thinking_effort=args.thinking_effort)
     path = session_path(args.session) if args.session else None
     if path is not None and path.exists():
-        session = ChatSession.restore(path, model, tokenizer, **options)
+        session = ChatSession.restore(path, model, tokenizer, reload=reload, **options)
+        say_growth(session)
         print(f"[session] restored {sum(m['role'] != 'system' for m in session.messages)} "
               f"messages ({len(session.tokens)} tokens, no prefill needed) from {path}",
               file=sys.stderr)
     else:
-        session = ChatSession(model, tokenizer, **options)
+        session = ChatSession(model, tokenizer, reload=reload, **options)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    sampler = make_sampler(args.temp, top_p=args.top_p, top_k=args.top_k)
+    generation = sampling_of(args).generation_kwargs()
     tty = sys.stdout.isatty()
     print("Deltafin chat: /help for help, /reset clears the history, /quit (or Ctrl-D) ends.",
           file=sys.stderr)
@@ -147,10 +179,25 @@ def run_chat(model, tokenizer, args) -> int:
                     session.save(path)
                 print("[history cleared]", file=sys.stderr)
             elif command == "/stats":
-                s = runtime(model).stats
+                s = runtime(session.model).stats
                 print(f"[deltafin] {len(session.tokens)} tokens in the conversation; experts: "
                       f"{s.hits} hits, {s.misses} misses ({s.hit_rate:.0%} hit rate), "
-                      f"{runtime(model).store.bytes_read / 1e6:.1f} MB read", file=sys.stderr)
+                      f"{runtime(session.model).store.bytes_read / 1e6:.1f} MB read",
+                      file=sys.stderr)
+            elif command == "/context":
+                print(f"[{context_status(session.model, len(session.tokens)).line()}]",
+                      file=sys.stderr)
+            elif command.split()[0] == "/drop":
+                turns = command.split()[1:] or ["1"]
+                if len(turns) != 1 or not turns[0].isdigit() or int(turns[0]) < 1:
+                    print("[/drop N: N is how many of the oldest exchanges to forget, 1 or more]",
+                          file=sys.stderr)
+                    continue
+                dropped = session.drop_oldest(int(turns[0]))
+                if path is not None:
+                    session.save(path)
+                print(f"[dropped the oldest {dropped} messages; the next turn prefills the "
+                      "rest of the conversation again]", file=sys.stderr)
             else:
                 print(f"[unknown command {command.split()[0]}: not sent; /help lists the "
                       "commands, // sends a message starting with /]", file=sys.stderr)
@@ -159,38 +206,33 @@ def run_chat(model, tokenizer, args) -> int:
             text = text.lstrip()[1:]
 
         stop = StopMatcher(args.stop)
-        shown = {"channel": None}
-
-        def on_text(channel, piece):
-            if channel == "answer":
-                piece = stop.add(piece)
-            if not piece:
-                return
-            if channel != shown["channel"]:
-                if channel == "think":
-                    print("\033[2m" if tty else "[thinking] ", end="")
-                elif shown["channel"] == "think":
-                    print("\033[0m\n" if tty else "\n[answer] ", end="")
-                shown["channel"] = channel
-            print(piece, end="", flush=True)
+        printer = ReplyPrinter(stop, tty)
 
         progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
         try:
             with StopOnSignal() as stopper:
-                turn = session.ask(text, args.max_tokens, sampler=sampler, progress=progress,
+                turn = session.ask(text, args.max_tokens, progress=progress,
                                    stop_requested=lambda: stopper() or stop.stopped,
-                                   on_text=on_text)
-        except ContextError as e:
-            print(f"[{e}; /reset starts over]", file=sys.stderr)
+                                   on_text=printer, **generation)
+        except ContextError:
+            say_growth(session)
+            st = context_status(session.model, len(session.tokens))
+            print(f"[this turn does not fit: the budget holds at most {st.largest:,} tokens of "
+                  f"context and the conversation has {st.used:,}; /drop N forgets the oldest N "
+                  "exchanges, /reset starts over]", file=sys.stderr)
             continue
         except KeyboardInterrupt:
-            print("\n[stopped inside a step: the turn is dropped, the next one prefills the "
-                  "history again]", file=sys.stderr)
+            print(f"\n[{DROPPED}]", file=sys.stderr)
             continue
-        tail = stop.flush() if shown["channel"] == "answer" else ""
-        print(tail + ("\033[0m" if tty and shown["channel"] == "think" else ""))
+        if turn.dropped:
+            say_growth(session)
+            print(f"\n[{DROPPED}]", file=sys.stderr)
+            continue  # nothing changed: the session file stays as it is
+        printer.finish()
+        say_growth(session)
         if turn.finish_reason == "interrupted" and not stop.stopped:
-            print("[interrupted: the reply so far is kept in the history]", file=sys.stderr)
+            print(f"[interrupted: the reply so far ({len(turn.tokens)} tokens) is kept in the "
+                  "history as a finished turn]", file=sys.stderr)
         print(f"[deltafin] {turn.stats.line()}; prefilled {turn.prefilled} tokens "
               f"({turn.reused} from the cache)", file=sys.stderr)
         if path is not None:

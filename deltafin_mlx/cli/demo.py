@@ -39,6 +39,8 @@ def prepare(root: Path) -> Path:
 
     model = root / "model"
     if (model / MANIFEST_NAME).exists():
+        print(f"[demo] the demo model, converted earlier, is in {model} "
+              "('deltafin-run rm --demo' removes it)", file=sys.stderr)
         return model
     src = root / "source"
     if not (src / "model.safetensors.index.json").exists():
@@ -98,3 +100,61 @@ def run_demo(args) -> int:
     if args.prompt is None:
         args.prompt = "Explain how Deltafin runs a model larger than memory."
     return cmd_run(args, model_dir)
+
+
+# Subcommands whose options include --budget: the demo gives them its own budget.
+BUDGETED = {"plan", "bench", "batch", "serve"}
+
+
+def demo_argv(command: str, argv: list) -> list:
+    """A subcommand's arguments with `--demo [--demo-dir DIR]` replaced by the demo
+    model's directory (built on first use) as its MODEL, and, where the command
+    takes one and none is given, the demo's budget (a quarter of its experts)."""
+    from types import SimpleNamespace
+
+    from deltafin_mlx.errors import UsageError
+    from deltafin_mlx.format.model_dir import open_model_dir
+
+    rest, where = [], None
+    it = iter(argv)
+    for a in it:
+        if a == "--demo":
+            continue
+        if a == "--demo-dir":
+            where = next(it, None)
+            if where is None:
+                raise UsageError("--demo-dir needs a directory")
+        elif a.startswith("--demo-dir="):
+            where = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if any(a in ("-h", "--help") for a in rest):
+        return rest  # the command's own help, without building anything
+    args = SimpleNamespace(demo_dir=where, budget=None, reader_threads=1)
+    model_dir = open_model_dir(prepare(demo_dir(args)))
+    if command in BUDGETED and not any(a == "--budget" or a.startswith("--budget=") for a in rest):
+        rest += ["--budget", str(demo_plan(model_dir, args).budget)]
+    return [str(model_dir.path)] + rest
+
+
+def remove_demo(root: Path) -> int:
+    """Delete the demo's cache under `root`: its converted model (refused unless it
+    is one, format/catalog.py), its synthetic checkpoint, then `root` when empty.
+    Returns the bytes freed."""
+    import shutil
+
+    from deltafin_mlx.errors import ModelError
+    from deltafin_mlx.format.catalog import dir_bytes, remove_model_dir
+
+    freed = 0
+    if (root / "model").exists():
+        freed += remove_model_dir(root / "model")
+    src = root / "source"
+    if src.exists():
+        if src.is_symlink() or not (src / "config.json").is_file():
+            raise ModelError(f"{src}: not the demo's synthetic checkpoint; not removed")
+        freed += dir_bytes(src)
+        shutil.rmtree(src)
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
+    return freed

@@ -12,9 +12,12 @@ from deltafin_mlx.cli.batch import cmd_batch
 from deltafin_mlx.cli.bench import cmd_bench
 from deltafin_mlx.cli.chat import cmd_chat
 from deltafin_mlx.cli.common import add_version, quiet_broken_pipe
-from deltafin_mlx.cli.demo import run_demo
+from deltafin_mlx.cli.demo import demo_argv, run_demo
 from deltafin_mlx.cli.info import cmd_info
-from deltafin_mlx.cli.options import Parser, add_load_options, add_sampling_options, count, positive
+from deltafin_mlx.cli.list_models import cmd_list
+from deltafin_mlx.cli.remove import cmd_rm
+from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens, add_sampling_options,
+                                      positive)
 from deltafin_mlx.cli.plan import cmd_plan
 from deltafin_mlx.cli.run import cmd_run
 from deltafin_mlx.cli.serve import cmd_serve
@@ -29,6 +32,8 @@ USAGE = """deltafin-run MODEL PROMPT [options]
        deltafin-run serve MODEL [options]
        deltafin-run info MODEL
        deltafin-run verify MODEL
+       deltafin-run list [DIR]
+       deltafin-run rm MODEL|--demo [--yes]
        deltafin-run --demo [PROMPT] [options]"""
 
 COMMANDS = """commands:
@@ -43,16 +48,21 @@ COMMANDS = """commands:
   info              what a converted model is: architecture, experts, quantization,
                     sizes, source, when it was converted
   verify            check every file and every expert record's checksum
-  --demo            build a small synthetic K3-layout model and run it streaming
+  list              the converted models under a directory: size, architecture, floor
+  rm                delete a converted model (nothing else), or the demo's cache (--demo)
+  --demo            build a small synthetic K3-layout model and run it streaming; with
+                    a command (plan, bench, batch, info, verify, serve) it is the MODEL
 
 'deltafin-run COMMAND --help' shows a command's options. MODEL is a directory
 written by deltafin-convert (convert a Hugging Face checkpoint with it first)."""
 
 # Each takes the arguments after its name.
 SUBCOMMANDS = {"plan": cmd_plan, "bench": cmd_bench, "batch": cmd_batch, "serve": cmd_serve,
-               "info": cmd_info, "verify": cmd_verify}
-# Loads no model, so never runs under mlx.launch: its output is not a rank's.
-NOT_DISTRIBUTED = {"plan"}
+               "info": cmd_info, "verify": cmd_verify, "list": cmd_list, "rm": cmd_rm}
+# Load no model, so never run under mlx.launch: their output is not a rank's.
+NOT_DISTRIBUTED = {"plan", "list", "rm"}
+# Take --demo themselves (rm --demo removes the demo's cache).
+OWN_DEMO = {"rm"}
 
 
 def run_parser():
@@ -61,15 +71,14 @@ def run_parser():
                "identical to running it fully in memory. Try 'deltafin-run --demo' first.")
     p.add_argument("model", nargs="?", help="a directory written by deltafin-convert")
     p.add_argument("prompt", nargs="?", help="the prompt ('-' reads it from stdin)")
-    p.add_argument("-n", "--max-tokens", type=count, default=None,
-                   help="tokens to generate (default: 256; 64 with --demo)")
+    add_max_tokens(p, None, "tokens to generate (default: 256; 64 with --demo)")
     add_sampling_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--chat", action="store_true", help="interactive chat")
     p.add_argument("--session", metavar="FILE", default=None,
                    help="chat: save the conversation and the model's cache to FILE after "
                    "each turn, restore it at start (.safetensors is added if missing) (default: none)")
-    p.add_argument("--system", metavar="TEXT", default=None, help="chat: a system message (default: none)")
+    p.add_argument("--system", metavar="TEXT", default=None, help="a system message (default: none)")
     p.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
                    help="K3's thinking effort (default: the model's, max)")
     p.add_argument("--context", type=positive, default=None, metavar="N",
@@ -106,8 +115,14 @@ def refuse_ignored_options(args):
                 ("--raw", args.raw, "a chat needs the model's chat template")):
             if given:
                 raise UsageError(f"{flag} does not work with --chat ({why})")
-    if args.raw and args.no_think:
-        raise UsageError("--no-think changes the chat template, which --raw leaves out")
+    else:
+        if args.session is not None:
+            raise UsageError("--session only applies with --chat (a one-shot run keeps no "
+                             "conversation to save)")
+        for flag, given in (("--no-think", args.no_think), ("--system", args.system),
+                            ("--thinking-effort", args.thinking_effort)):
+            if args.raw and given:
+                raise UsageError(f"{flag} goes into the chat template, which --raw leaves out")
     if args.max_tokens is None:
         args.max_tokens = 64 if args.demo else 256
 
@@ -137,7 +152,10 @@ def main(argv=None):
 
             quiet_other_ranks()  # under mlx.launch: one output, from rank 0
         if name in SUBCOMMANDS:
-            return SUBCOMMANDS[name](argv[1:])
+            rest = argv[1:]
+            if "--demo" in rest and name not in OWN_DEMO:  # `deltafin-run plan --demo`: the demo model is MODEL
+                rest = demo_argv(name, rest)
+            return SUBCOMMANDS[name](rest)
         return run_default(argv)
     except KeyboardInterrupt:
         print("\ndeltafin-run: interrupted", file=sys.stderr)

@@ -46,6 +46,14 @@ def positive(text):
     return n
 
 
+def add_max_tokens(p, default, what="tokens to generate"):
+    """-n: one rule for run, chat, bench and batch: at least 1 token (a run that
+    generates nothing has nothing to show; mlx-lm's -n -1 "until the context ends"
+    is the default context's job here)."""
+    p.add_argument("-n", "--max-tokens", type=positive, default=default, metavar="N",
+                   help=f"{what}, 1 or more")
+
+
 def temperature(text):
     t = float(text)
     if not (t >= 0 and t != float("inf")):  # NaN fails every comparison
@@ -74,18 +82,51 @@ def add_load_options(p):
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
-def add_sampling_options(p, min_p: bool = False):
-    """Sampling, stops and prompt format: the same for a run, a chat and a batch."""
+def probability(text):
+    p = float(text)
+    if not 0 <= p <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], not {text}")
+    return p
+
+
+def finite(text):
+    x = float(text)
+    if x != x or x in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
+    return x
+
+
+def add_sampling_options(p):
+    """Sampling, stops and prompt format: the same for a run, a chat and a batch
+    (deltafin_mlx/sampling.py maps them onto mlx-lm's sampler and logits processors)."""
     p.add_argument("--temp", type=temperature, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling threshold")
     p.add_argument("--top-k", type=count, default=0, help="sample from the k likeliest (0: all)")
-    if min_p:
-        p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold")
+    p.add_argument("--min-p", type=probability, default=0.0,
+                   help="drop tokens below this share of the likeliest's probability (0: off)")
+    p.add_argument("--repetition-penalty", type=finite, default=None, metavar="X",
+                   help="divide the logits of recent tokens by X, mlx-lm's (default: none)")
+    p.add_argument("--presence-penalty", type=finite, default=None, metavar="X",
+                   help="subtract X from the logits of recent tokens (default: none)")
+    p.add_argument("--frequency-penalty", type=finite, default=None, metavar="X",
+                   help="subtract X times each recent token's count from its logit (default: none)")
+    p.add_argument("--penalty-context", type=positive, default=20, metavar="N",
+                   help="the recent tokens the penalties look at")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: not fixed)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop before this text; repeat the option for several (default: none)")
     p.add_argument("--no-think", action="store_true", help="thinking off (K3 prompt format)")
     p.add_argument("--raw", action="store_true", help="no chat template: prompts as they are")
+
+
+def sampling_of(args):
+    """The Sampling that add_sampling_options' options describe."""
+    from deltafin_mlx.sampling import Sampling
+
+    return Sampling(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                    repetition_penalty=args.repetition_penalty,
+                    presence_penalty=args.presence_penalty,
+                    frequency_penalty=args.frequency_penalty, penalty_context=args.penalty_context)
 
 
 def load_model(args, model_dir=None, **extra):

@@ -4,7 +4,8 @@ JSON object with --json), the run's counters on stderr."""
 import json
 import sys
 
-from deltafin_mlx.cli.options import load_model
+from deltafin_mlx.cli.options import load_model, sampling_of
+from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import UsageError
 from deltafin_mlx.stops import StopMatcher
 from deltafin_mlx.engine.runtime import runtime
@@ -17,13 +18,13 @@ def cmd_run(args, model_dir=None) -> int:
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer, prompt = open_model(args, text, model_dir)
     trace = start_trace(model, args.trace_routing)
-    reply, tokens, stats, reason = generate_reply(model, tokenizer, prompt, args,
-                                                  echo=not args.json)
+    reply, thinking, tokens, stats, reason = generate_reply(model, tokenizer, prompt, args,
+                                                            echo=not args.json)
     if trace:
         trace.close()
     if args.json:
-        print(json.dumps({"text": reply, "tokens": tokens, "finish_reason": reason,
-                          "stats": stats.to_dict()}))
+        print(json.dumps({"text": reply, "thinking": thinking, "tokens": tokens,
+                          "finish_reason": reason, "stats": stats.to_dict()}))
     else:
         print()
         if runtime(model).is_primary:  # every rank computes the same counters
@@ -54,34 +55,38 @@ def open_model(args, text, model_dir=None):
 
 
 def make_prompt(tokenizer, text, args):
-    """The prompt's tokens: `text` as the user's message in the model's chat
-    template, or as it is with --raw."""
+    """The prompt's tokens: `text` as the user's message (after --system's) in the
+    model's chat template, or as it is with --raw."""
     from deltafin_mlx.generate import chat_prompt
 
     if args.raw:
         return tokenizer.encode(text)
-    return chat_prompt(tokenizer, [{"role": "user", "content": text}],
-                       thinking=not args.no_think)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return chat_prompt(tokenizer, system + [{"role": "user", "content": text}],
+                       thinking=not args.no_think, thinking_effort=args.thinking_effort)
 
 
 def generate_reply(model, tokenizer, prompt, args, echo=True):
-    """(text, tokens, stats, finish reason); with `echo` the text is printed as it
-    comes, up to the first stop string."""
+    """(answer, thinking, tokens, stats, finish reason); with `echo` the reply is
+    printed as it comes, as a chat shows it (ReplyPrinter: thinking apart, markup
+    never), its answer up to the first stop string."""
+    from deltafin_mlx.chat import Channels
     from deltafin_mlx.generate import PrefillProgress, StatsMeter, stream_generate
 
     stop = StopMatcher(args.stop)
+    printer = ReplyPrinter(stop, sys.stdout.isatty(), echo=echo)
+    channels = Channels(tokenizer, thinking=not (args.raw or args.no_think))
     meter = StatsMeter(model)
     stats, tokens, reason = meter.now(0, len(prompt)), [], None
     progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
     try:
-        for r in stream_generate(model, tokenizer, prompt, args.max_tokens, temp=args.temp,
-                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                 prompt_progress_callback=progress):
+        for r in stream_generate(model, tokenizer, prompt, args.max_tokens, seed=args.seed,
+                                 prompt_progress_callback=progress,
+                                 **sampling_of(args).generation_kwargs()):
             tokens.append(r.token)
             stats, reason = r.deltafin, r.finish_reason
-            out = stop.add(r.text)
-            if echo and out:
-                print(out, end="", flush=True)
+            for channel, piece in channels.add(r.token, final=r.finish_reason is not None):
+                printer(channel, piece)
             if stop.stopped:
                 reason = "stop"
                 break
@@ -89,10 +94,8 @@ def generate_reply(model, tokenizer, prompt, args, echo=True):
         reason = "interrupted"
         if not tokens:
             stats = meter.now(0, len(prompt))
-    out = stop.flush()
-    if echo and out:
-        print(out, end="", flush=True)
-    return stop.text, tokens, stats, reason
+    printer.finish()
+    return stop.text, channels.thinking, tokens, stats, reason
 
 
 def start_trace(model, path):

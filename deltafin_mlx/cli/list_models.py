@@ -1,0 +1,52 @@
+"""`deltafin-run list [DIR]`: the converted models under a directory, each with
+its size on disk, architecture and floor budget (like `ollama list`)."""
+
+import json
+
+from deltafin_mlx.cli.options import Parser
+
+
+def list_parser():
+    p = Parser(prog="deltafin-run list", description="List the converted models under a "
+               "directory: size on disk, architecture, the smallest budget each runs in.")
+    p.add_argument("dir", nargs="?", default=".", help="where to look (4 levels down)")
+    p.add_argument("--context", type=int, default=4096, help="the context the floor is for")
+    p.add_argument("--json", action="store_true", help="one JSON object per model, a line each")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def cmd_list(argv) -> int:
+    import mlx.core as mx
+
+    from deltafin_mlx.engine.load import default_activation_dtype
+    from deltafin_mlx.errors import DeltafinError
+    from deltafin_mlx.format.catalog import dir_bytes, find_model_dirs
+    from deltafin_mlx.format.model_dir import open_model_dir
+    from deltafin_mlx.model.config import architecture_name
+    from deltafin_mlx.plan.floor import floor_bytes
+    from deltafin_mlx.units import human_bytes
+
+    args = list_parser().parse_args(argv)
+    found = 0
+    for path in find_model_dirs(args.dir):
+        found += 1
+        try:
+            model_dir = open_model_dir(path)
+            m = model_dir.manifest
+            act = default_activation_dtype() or getattr(mx, m.dtype)
+            row = {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
+                   "architecture_name": architecture_name(m.model_type),
+                   "floor_bytes": floor_bytes(model_dir, act, args.context)}
+        except DeltafinError as e:  # one damaged model does not hide the others
+            row = {"model": str(path), "error": str(e)}
+        if args.json:
+            print(json.dumps(row))
+        elif "error" in row:
+            print(f"{row['model']}  unusable: {row['error']}")
+        else:
+            print(f"{row['model']}  {human_bytes(row['bytes'])}  {row['architecture_name']} "
+                  f"({row['architecture']})  floor {human_bytes(row['floor_bytes'])}")
+    if not found and not args.json:
+        print(f"no converted models under {args.dir}")
+    return 0

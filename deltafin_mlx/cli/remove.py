@@ -1,0 +1,60 @@
+"""`deltafin-run rm MODEL` / `rm --demo`: delete a converted model (only a
+directory deltafin-convert wrote, nothing else: format/catalog.py), or the demo's
+cache, after a confirmation or with --yes."""
+
+import sys
+
+from deltafin_mlx.cli.options import Parser
+from deltafin_mlx.errors import UsageError
+
+
+def rm_parser():
+    p = Parser(prog="deltafin-run rm", description="Delete a converted model directory "
+               "(refused for anything deltafin-convert did not write), or the demo's cache.")
+    p.add_argument("model", nargs="?", help="a directory written by deltafin-convert")
+    p.add_argument("--demo", action="store_true",
+                   help="remove the demo's model and synthetic checkpoint instead")
+    p.add_argument("--demo-dir", default=None,
+                   help="where the demo lives (default: ~/.cache/deltafin/demo)")
+    p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def confirm(what: str, yes: bool) -> bool:
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise UsageError(f"not removing {what} without confirmation: pass --yes")
+    answer = input(f"remove {what}? [y/N] ").strip().lower()
+    return answer in ("y", "yes")
+
+
+def cmd_rm(argv) -> int:
+    from deltafin_mlx.cli.demo import demo_dir, remove_demo
+    from deltafin_mlx.format.catalog import dir_bytes, remove_model_dir
+    from deltafin_mlx.format.manifest import read_manifest
+    from deltafin_mlx.units import human_bytes
+
+    args = rm_parser().parse_args(argv)
+    if args.demo == (args.model is not None):
+        raise UsageError("give one MODEL directory, or --demo")
+    if args.demo_dir and not args.demo:
+        raise UsageError("--demo-dir only applies with --demo")
+    if args.demo:
+        root = demo_dir(args)
+        if not root.exists():
+            print(f"no demo cache at {root}", file=sys.stderr)
+            return 0
+        if not confirm(f"the demo's cache {root} ({human_bytes(dir_bytes(root))})", args.yes):
+            print("nothing removed", file=sys.stderr)
+            return 1
+        print(f"removed {root} ({human_bytes(remove_demo(root))} freed)", file=sys.stderr)
+        return 0
+    read_manifest(args.model, check_files=False)  # refuse a non-model before asking
+    if not confirm(f"the model {args.model} ({human_bytes(dir_bytes(args.model))})", args.yes):
+        print("nothing removed", file=sys.stderr)
+        return 1
+    freed = remove_model_dir(args.model)
+    print(f"removed {args.model} ({human_bytes(freed)} freed)", file=sys.stderr)
+    return 0

@@ -1,0 +1,44 @@
+"""A reply as `deltafin-run` shows it, in a chat and in a one-shot run alike: its
+thinking apart from its answer (dimmed on a terminal, `[thinking]`/`[answer]`
+otherwise), markup tokens never (chat.Channels decides what is which), and the
+answer cut before the first stop string."""
+
+import sys
+
+from deltafin_mlx.stops import StopMatcher
+
+DIM, PLAIN = "\033[2m", "\033[0m"
+
+
+class ReplyPrinter:
+    """Feed it `(channel, text)` pieces as chat.Channels gives them; `finish()` ends
+    the reply's line. With `echo` off it only collects (--json)."""
+
+    def __init__(self, stop: StopMatcher, tty: bool, echo: bool = True, out=None):
+        self.stop, self.tty, self.echo = stop, tty, echo
+        self.out = out or sys.stdout
+        self.shown = None  # the channel printed last
+
+    def __call__(self, channel: str, piece: str):
+        if channel == "answer":
+            piece = self.stop.add(piece)
+        self._print(channel, piece)
+
+    def _print(self, channel, piece):
+        if not piece or not self.echo:
+            return
+        if channel != self.shown:
+            if channel == "think":
+                self.out.write(DIM if self.tty else "[thinking] ")
+            elif self.shown == "think":
+                self.out.write(PLAIN + "\n" if self.tty else "\n[answer] ")
+            self.shown = channel
+        self.out.write(piece)
+        self.out.flush()
+
+    def finish(self):
+        """The answer held back in case a stop string began there, then the newline."""
+        self._print("answer", self.stop.flush())
+        if self.echo:
+            self.out.write((PLAIN if self.tty and self.shown == "think" else "") + "\n")
+            self.out.flush()
