@@ -368,10 +368,13 @@ class Output:
 
 
 class Progress:
-    """Requests done/total, aggregate tokens/s and ETA, on one stderr line."""
+    """Requests done/total, aggregate tokens/s and ETA, on one stderr line
+    (`label` and `items` name the job and what it counts: a score job counts texts)."""
 
-    def __init__(self, total: int, skipped: int, show: bool):
+    def __init__(self, total: int, skipped: int, show: bool, label: str = "batch",
+                 items: str = "requests"):
         self.total, self.skipped, self.show = total, skipped, show
+        self.label, self.items = label, items
         self.done = self.errors = self.tokens = 0
         self.start = time.perf_counter()
         self.last = 0.0
@@ -399,7 +402,7 @@ class Progress:
         left = self.total - done
         eta = (now - self.start) / self.done * left if self.done else float("nan")
         eta = "?" if eta != eta else f"{int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
-        print(f"\r[batch] {done}/{self.total} requests ({self.errors} errors), "
+        print(f"\r[{self.label}] {done}/{self.total} {self.items} ({self.errors} errors), "
               f"{self.tokens_per_second:.2f} tok/s, ETA {eta}   ", end="", file=sys.stderr,
               flush=True)
 

@@ -39,3 +39,16 @@ def run_http_server(host, port, response_generator, handler_class):
 def send_completion_headers(handler, status: int):
     """The headers mlx-lm's handler sends before a completion body."""
     handler._set_completion_headers(status)
+
+
+def body_and_head(model):
+    """(body, head) of an mlx-lm language model: `body(inputs, cache)` is its
+    decoder stack up to the final norm, `head(h)` the logits, composed exactly as
+    the model's own `__call__` composes them (a tied embedding as the head where
+    there is no `lm_head`; K3 keeps both under `language_model`)."""
+    lm = getattr(model, "language_model", model)
+    body = lm.model
+    head = getattr(lm, "lm_head", None)
+    if head is None:
+        head = body.embed_tokens.as_linear
+    return body, head

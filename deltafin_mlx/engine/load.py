@@ -336,7 +336,7 @@ def load(
         hot = HotSet(cache, key)
         if reader_threads:  # without reader threads a read would hold up the load
             hot.preload()
-    attach(model, Runtime(model_dir, plan, store, trunk, group, hot))
+    attach(model, Runtime(model_dir, plan, store, trunk, group, hot, activation_dtype=act))
 
     tok = tokenizer if not isinstance(tokenizer, bool) else None
     if tokenizer is True:

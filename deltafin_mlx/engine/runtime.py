@@ -17,7 +17,8 @@ _ATTRIBUTE = "_deltafin"  # on mlx-lm's model (and the drop-in's wrapper)
 
 class Runtime:
     def __init__(self, model_dir: ModelDir, plan: MemoryPlan, store: ExpertStore,
-                 trunk: Optional[TrunkStreamer] = None, group=None, hot_set=None):
+                 trunk: Optional[TrunkStreamer] = None, group=None, hot_set=None,
+                 activation_dtype=None):
         self.model_dir = model_dir
         self.manifest = model_dir.manifest
         self.plan = plan
@@ -25,6 +26,7 @@ class Runtime:
         self.trunk = trunk
         self.group = group  # the tensor-parallel group, None in one process
         self.hot_set = hot_set  # engine/hot_set.HotSet, None without a warm start
+        self.activation_dtype = activation_dtype  # what the plan was made for
         self._closed = False
 
     @property
