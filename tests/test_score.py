@@ -73,3 +73,153 @@ def test_logprobs_equal_mlx_lm_in_memory(converted, references, arch, slots):
     assert all(v is None for v in pc["token_logprobs"][:n_prompt])
     assert all(v is not None for v in pc["token_logprobs"][n_prompt:])
     runtime(model).close()
+
+
+def write_lines(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def read_lines(path):
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def test_sixteen_short_texts_take_one_sweep_at_40MB(converted, tmp_path):
+    """16 texts of about 60 tokens on the K3 layout at a 40 MB budget, streaming
+    (the cache holds a few experts): one pass, which reads every expert it routes
+    to at most once, within 10% of the union of its routing."""
+    model, tok = load(converted("kimi_k3"), "40MB", cache_slots=6, warm_start=False)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": i, "text": t} for i, t in enumerate(texts(16, words=28, seed=1))]
+    write_lines(inp, rows)
+    lengths = [len(tok.encode(r["text"])) for r in rows]
+    assert 45 <= np.mean(lengths) <= 75
+    s = run_job(model, tok, inp, out, ScoreOptions(), show_progress=False)
+    assert s["sweeps"] == 1 and s["scored_texts"] == 16
+    assert 0 < s["expert_bytes_read"] <= 1.10 * s["union_bytes"]
+    assert sorted(r["id"] for r in read_lines(out)) == list(range(16))
+    runtime(model).close()
+
+
+def test_each_pass_reads_at_most_the_union_of_its_routing(converted, tmp_path):
+    """Pass by pass (small passes forced), the expert bytes read stay within 1.10x
+    of what reading each (layer, expert) the pass's real tokens route to once
+    would read; pads read nothing."""
+    from deltafin_mlx.score.inputs import prepare
+    from deltafin_mlx.score.job import iter_passes
+    from deltafin_mlx.batch import read_requests
+
+    model, tok = load(converted("qwen3_moe"), "200MB", cache_slots=8, warm_start=False)
+    reqs = read_requests(json.dumps({"id": i, "text": t}) for i, t in enumerate(texts(12, 20)))
+    items = [prepare(r, tok) for r in reqs]
+    passes = list(iter_passes(model, items, ScoreOptions(max_pass_tokens=64)))
+    assert len(passes) > 2
+    assert sum(stats.real_tokens for _, stats in passes) == sum(len(it.tokens) for it in items)
+    for _, stats in passes:
+        assert stats.real_tokens <= stats.tokens
+        assert 0 < stats.expert_bytes_read <= 1.10 * stats.union_bytes
+    runtime(model).close()
+
+
+def test_packing_takes_longest_first_and_fills_passes():
+    """Passes hold rows x their longest text within the capacity; every text is in
+    exactly one pass; a text beyond the capacity is a pass of its own."""
+    lengths = [5, 9, 3, 9, 40, 7, 2]
+    passes = pack(lengths, lambda longest: 20)
+    assert sorted(i for p in passes for i in p) == list(range(len(lengths)))
+    assert passes[0] == [4]
+    for p in passes:
+        assert len(p) == 1 or len(p) * max(lengths[i] for i in p) <= 20
+
+
+def score_cli(*args):
+    return subprocess.run([sys.executable, "-m", "deltafin_mlx.cli.main", "score", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_bad_lines_become_error_lines_and_duplicates_are_refused(converted, tmp_path):
+    """A line that is not JSON, has unknown keys or nothing to score becomes an error
+    line and the rest are scored; --json prints the summary; duplicate ids stop the
+    job before anything is written."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"id": 1, "text": "the experts stream"}\nnot json\n'
+                   '{"id": 2, "txt": "x"}\n{"id": 3, "messages": [{"role": "user", '
+                   '"content": "hi"}, {"role": "assistant", "content": "the experts"}]}\n')
+    r = score_cli(converted("kimi_k3"), inp, "-o", out, "--budget", "200MB", "--json",
+                  "--top-logprobs", "3")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["texts"] == 4 and summary["errors"] == 2 and summary["scored_texts"] == 2
+    assert summary["perplexity"] > 1 and summary["sweeps"] == 1
+    lines = {json.dumps(l["id"]): l for l in read_lines(out)}
+    assert "error" in lines["2"] and "error" in lines["null"]
+    assert lines["1"]["scored_tokens"] == len(lines["1"]["tokens"]) - 1
+    chat = lines["3"]
+    assert 0 < chat["scored_tokens"] < len(chat["tokens"]) - 1
+    assert len(chat["top_logprobs"][-1]) == 3
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": 1, "text": "a"}\n{"id": 1, "text": "b"}\n')
+    r = score_cli(converted("kimi_k3"), dup, "-o", tmp_path / "d.jsonl", "--budget", "200MB")
+    assert r.returncode == 1 and "appears on lines 1 and 2" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "d.jsonl").exists()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "safetensors"])
+def test_killed_job_resumes_without_duplicates_or_lost_lines(converted, tmp_path, fmt):
+    """A score job killed with SIGKILL mid-run, then rerun, answers every id exactly
+    once, with the values an uninterrupted run gives."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(inp, [{"id": i, "text": t} for i, t in enumerate(texts(40, 14, seed=3))])
+    cmd = [sys.executable, "-m", "deltafin_mlx.cli.main", "score", str(converted("mixtral")),
+           str(inp), "-o", str(out), "--budget", "200MB", "--pass-tokens", "40",
+           "--format", fmt, "--top-logprobs", "2", "--no-warm-start"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not out.exists() or len(read_lines(out)) < 5):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = len(read_lines(out))
+    assert 0 < first < 40, "the kill should land mid-job"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = read_lines(out)
+    assert sorted(l["id"] for l in lines) == list(range(40))
+    whole = tmp_path / "whole.jsonl"
+    r = subprocess.run(cmd[:7] + [str(whole)] + cmd[8:], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    want = {l["id"]: l["logprob"] for l in read_lines(whole)}
+    assert all(abs(l["logprob"] - want[l["id"]]) < 1e-3 for l in lines)
+
+
+def test_safetensors_output_reads_back_with_plain_numpy(converted, tmp_path):
+    """--format safetensors: the index maps each id to a shard and rows; the shard
+    loads with the safetensors package's numpy loader (no Deltafin), and its rows
+    hold the JSONL output's tokens, float16 log-probs (NaN where not scored) and
+    top-K ids and log-probs."""
+    from safetensors.numpy import load_file
+
+    model, tok = load(converted("qwen3_moe"), "200MB", warm_start=False)
+    inp = tmp_path / "in.jsonl"
+    write_lines(inp, [{"id": f"t{i}", "text": t} for i, t in enumerate(texts(6, seed=4))])
+    run_job(model, tok, inp, tmp_path / "a.jsonl", ScoreOptions(top_logprobs=3),
+            show_progress=False)
+    run_job(model, tok, inp, tmp_path / "idx.jsonl",
+            ScoreOptions(top_logprobs=3, format="safetensors", max_pass_tokens=40),
+            show_progress=False)
+    runtime(model).close()
+    want = {l["id"]: l for l in read_lines(tmp_path / "a.jsonl")}
+    index = read_lines(tmp_path / "idx.jsonl")
+    assert sorted(l["id"] for l in index) == sorted(want) and len({l["shard"] for l in index}) > 1
+    for line in index:
+        shard = load_file(str(tmp_path / line["shard"]))
+        rows = slice(line["offset"], line["offset"] + line["length"])
+        w = want[line["id"]]
+        assert shard["tokens"].dtype == np.int32 and shard["token_logprobs"].dtype == np.float16
+        assert shard["tokens"][rows].tolist() == w["tokens"]
+        lp = shard["token_logprobs"][rows]
+        assert np.isnan(lp[0]) and line["scored_tokens"] == w["scored_tokens"]
+        assert np.allclose(lp[1:], [v for v in w["token_logprobs"][1:]], atol=1e-2)
+        assert shard["top_ids"][rows][1:].tolist() == [[i for i, _ in t] for t in w["top_logprobs"][1:]]
+        assert shard["top_logprobs"].dtype == np.float16
+    assert not list(tmp_path.glob(".*.tmp"))

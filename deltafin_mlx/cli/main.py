@@ -17,6 +17,7 @@ from deltafin_mlx.cli.info import cmd_info
 from deltafin_mlx.cli.options import Parser, add_load_options, add_sampling_options, count, positive
 from deltafin_mlx.cli.plan import cmd_plan
 from deltafin_mlx.cli.run import cmd_run
+from deltafin_mlx.cli.score import cmd_score
 from deltafin_mlx.cli.serve import cmd_serve
 from deltafin_mlx.cli.verify import cmd_verify
 from deltafin_mlx.errors import DeltafinError, UsageError
@@ -26,6 +27,7 @@ USAGE = """deltafin-run MODEL PROMPT [options]
        deltafin-run plan MODEL|CONFIG.json|HUB_ID [options]
        deltafin-run bench MODEL [options]
        deltafin-run batch MODEL IN.jsonl -o OUT.jsonl [options]
+       deltafin-run score MODEL IN.jsonl -o OUT.jsonl [options]
        deltafin-run serve MODEL [options]
        deltafin-run info MODEL
        deltafin-run verify MODEL
@@ -38,6 +40,8 @@ COMMANDS = """commands:
                     (of a converted model, a source config.json or a hub id)
   bench             a short decode benchmark
   batch             answer every prompt of a JSONL file, decoded together (resumable)
+  score             teacher-forced log-probs (and top-K) of every text of a JSONL file,
+                    many texts per sweep over the experts (resumable)
   serve             an OpenAI-compatible HTTP server (mlx_lm.server's), every request
                     checked before it reaches the model
   info              what a converted model is: architecture, experts, quantization,
@@ -49,7 +53,7 @@ COMMANDS = """commands:
 written by deltafin-convert (convert a Hugging Face checkpoint with it first)."""
 
 # Each takes the arguments after its name.
-SUBCOMMANDS = {"plan": cmd_plan, "bench": cmd_bench, "batch": cmd_batch, "serve": cmd_serve,
+SUBCOMMANDS = {"plan": cmd_plan, "bench": cmd_bench, "batch": cmd_batch, "score": cmd_score, "serve": cmd_serve,
                "info": cmd_info, "verify": cmd_verify}
 # Loads no model, so never runs under mlx.launch: its output is not a rank's.
 NOT_DISTRIBUTED = {"plan"}

@@ -39,6 +39,7 @@ class ScoreOptions:
     top_logprobs: int = 0  # K most likely next tokens per scored position (0: none)
     thinking: bool = True  # K3's prompt format for "messages": thinking on
     format: str = "jsonl"  # or "safetensors" (shards + a JSONL index)
+    max_pass_tokens: Optional[int] = None  # at most this many tokens per pass (None: the plan's)
 
 
 @dataclass
@@ -110,7 +111,10 @@ def iter_passes(model, items: Sequence[ScoreItem], opts: ScoreOptions
     if opts.top_logprobs < 0:
         raise BatchError(f"--top-logprobs must be 0 or more (got {opts.top_logprobs})")
     sizing = Sizing(model)
-    for indices in pack([len(it.tokens) for it in items], sizing.capacity):
+    capacity = sizing.capacity
+    if opts.max_pass_tokens:
+        capacity = lambda longest: min(sizing.capacity(longest), opts.max_pass_tokens)
+    for indices in pack([len(it.tokens) for it in items], capacity):
         yield run_pass(model, [items[i] for i in indices], opts.top_logprobs, sizing.rows,
                        sizing.step)
 
