@@ -30,6 +30,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from deltafin_mlx.generate import StatsMeter, chat_prompt, planned_pass
 from deltafin_mlx.errors import BatchError
+from deltafin_mlx.score.logprobs import top_logprobs
 from deltafin_mlx.stops import StopMatcher
 
 LINE_KEYS = {"id", "prompt", "messages", "max_tokens", "temp", "top_p", "top_k", "min_p",
@@ -53,6 +54,7 @@ class BatchOptions:
     batch_size: int = 8  # sequences decoded together
     context: int = 4096  # longest prompt + max_tokens a request may have
     logprobs: bool = False  # each generated token's log-probability in the output
+    top_logprobs: int = 0  # the K likeliest tokens at each generated position (0: none)
     prefill_step_size: Optional[int] = None  # tokens per sequence per prefill call; None: the plan's pass
 
 
@@ -226,6 +228,7 @@ class Running:
         self.p = p
         self.tokens: List[int] = []
         self.logprobs: List[float] = []
+        self.top: List[list] = []  # per generated token, its position's top K
         self.detok = tokenizer.detokenizer
         self.stops = StopMatcher(p.stop)
         self.start = time.perf_counter()
@@ -252,6 +255,8 @@ class Running:
             out["seed"] = self.p.seed
         if self.logprobs:
             out["logprobs"] = self.logprobs
+        if self.top:
+            out["top_logprobs"] = self.top
         out["stats"] = {
             "prompt_tokens": len(self.p.prompt),
             "generation_tokens": len(self.tokens),
@@ -311,6 +316,8 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
                     run.add_token(r.token)
                     if opts.logprobs:
                         run.logprobs.append(r.logprobs[r.token].item())
+                    if opts.top_logprobs:
+                        run.top.append(top_logprobs(r.logprobs, opts.top_logprobs))
                     if run.stops.stopped:
                         if reason is None:
                             gen.remove([r.uid])

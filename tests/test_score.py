@@ -223,3 +223,50 @@ def test_safetensors_output_reads_back_with_plain_numpy(converted, tmp_path):
         assert shard["top_ids"][rows][1:].tolist() == [[i for i, _ in t] for t in w["top_logprobs"][1:]]
         assert shard["top_logprobs"].dtype == np.float16
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "qwen3_moe"])
+def test_batch_top_logprobs_equal_score_for_the_same_tokens(converted, arch):
+    """batch --top-logprobs K gives, at each generated position, the top K that
+    scoring the prompt plus the generated tokens gives there (within 1e-4, same
+    ids), and the chosen token's log-probability equals score's."""
+    from deltafin_mlx.batch import Request
+    from deltafin_mlx.score.inputs import ScoreItem
+    from deltafin_mlx.score.job import iter_passes
+
+    model, tok = load(converted(arch), "200MB", cache_slots=6, warm_start=False)
+    prompts = ["the experts stream from", "every token routes"]
+    got = deltafin_mlx.batch_generate(model, tok, prompts, max_tokens=6, raw=True,
+                                      top_logprobs=3, logprobs=True)
+    items = []
+    for i, (p, g) in enumerate(zip(prompts, got)):
+        prompt = tok.encode(p)
+        tokens = prompt + g["tokens"]
+        scored = np.arange(len(tokens)) >= len(prompt)
+        items.append(ScoreItem(Request(str(i), i, i), tokens, scored))
+    scores = {s.item.request.id: s for results, _ in
+              iter_passes(model, items, ScoreOptions(top_logprobs=3)) for s in results}
+    for i, g in enumerate(got):
+        s, start = scores[i], len(tok.encode(prompts[i]))
+        assert len(g["top_logprobs"]) == len(g["tokens"]) > 0
+        for j, top in enumerate(g["top_logprobs"]):
+            p = start + j
+            assert [t for t, _ in top] == s.top_ids[p].tolist()
+            assert np.allclose([v for _, v in top], s.top_logprobs[p], atol=1e-4)
+            assert abs(g["logprobs"][j] - s.token_logprobs[p]) < 1e-4
+    runtime(model).close()
+
+
+def test_run_json_top_logprobs(converted):
+    """`run --json --top-logprobs K`: one list of K [id, logprob] pairs per generated
+    token, best first, the first being the greedy token; without --json it is refused."""
+    cmd = [sys.executable, "-m", "deltafin_mlx.cli.main", str(converted("mixtral")),
+           "the experts", "-n", "4", "--raw", "--budget", "200MB", "--top-logprobs", "2"]
+    r = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["top_logprobs"]) == len(out["tokens"]) > 0
+    for tok, top in zip(out["tokens"], out["top_logprobs"]):
+        assert len(top) == 2 and top[0][0] == tok and top[0][1] >= top[1][1]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "--top-logprobs needs --json" in r.stderr

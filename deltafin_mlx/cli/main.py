@@ -69,6 +69,9 @@ def run_parser():
                    help="tokens to generate (default: 256; 64 with --demo)")
     add_sampling_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--top-logprobs", type=count, default=0, metavar="K",
+                   help="with --json: the K likeliest tokens at each generated position, as "
+                   "[id, logprob] pairs best first")
     p.add_argument("--chat", action="store_true", help="interactive chat")
     p.add_argument("--session", metavar="FILE", default=None,
                    help="chat: save the conversation and the model's cache to FILE after "
@@ -110,6 +113,8 @@ def refuse_ignored_options(args):
                 ("--raw", args.raw, "a chat needs the model's chat template")):
             if given:
                 raise UsageError(f"{flag} does not work with --chat ({why})")
+    if args.top_logprobs and not args.json:
+        raise UsageError("--top-logprobs needs --json (the distributions go in its object)")
     if args.raw and args.no_think:
         raise UsageError("--no-think changes the chat template, which --raw leaves out")
     if args.max_tokens is None:

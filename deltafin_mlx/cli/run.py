@@ -17,13 +17,16 @@ def cmd_run(args, model_dir=None) -> int:
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer, prompt = open_model(args, text, model_dir)
     trace = start_trace(model, args.trace_routing)
+    top = [] if getattr(args, "top_logprobs", 0) else None
     reply, tokens, stats, reason = generate_reply(model, tokenizer, prompt, args,
-                                                  echo=not args.json)
+                                                  echo=not args.json, top=top)
     if trace:
         trace.close()
     if args.json:
-        print(json.dumps({"text": reply, "tokens": tokens, "finish_reason": reason,
-                          "stats": stats.to_dict()}))
+        out = {"text": reply, "tokens": tokens, "finish_reason": reason}
+        if top is not None:
+            out["top_logprobs"] = top
+        print(json.dumps({**out, "stats": stats.to_dict()}))
     else:
         print()
         print(f"[deltafin] {stats.line()}", file=sys.stderr)
@@ -63,10 +66,12 @@ def make_prompt(tokenizer, text, args):
                        thinking=not args.no_think)
 
 
-def generate_reply(model, tokenizer, prompt, args, echo=True):
+def generate_reply(model, tokenizer, prompt, args, echo=True, top=None):
     """(text, tokens, stats, finish reason); with `echo` the text is printed as it
-    comes, up to the first stop string."""
+    comes, up to the first stop string; `top`, a list, gets each generated
+    position's top `args.top_logprobs` [id, logprob] pairs."""
     from deltafin_mlx.generate import PrefillProgress, StatsMeter, stream_generate
+    from deltafin_mlx.score.logprobs import top_logprobs
 
     stop = StopMatcher(args.stop)
     meter = StatsMeter(model)
@@ -77,6 +82,8 @@ def generate_reply(model, tokenizer, prompt, args, echo=True):
                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                  prompt_progress_callback=progress):
             tokens.append(r.token)
+            if top is not None:
+                top.append(top_logprobs(r.logprobs, args.top_logprobs))
             stats, reason = r.deltafin, r.finish_reason
             out = stop.add(r.text)
             if echo and out:
