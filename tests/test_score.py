@@ -270,3 +270,18 @@ def test_run_json_top_logprobs(converted):
         assert len(top) == 2 and top[0][0] == tok and top[0][1] >= top[1][1]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "--top-logprobs needs --json" in r.stderr
+
+
+def test_plan_shows_scoring_passes_and_their_projected_rate(converted, capsys):
+    """`plan` reports tokens per scoring pass (at least a prefill pass's: a scoring
+    pass keeps no KV cache) and the projected scoring rate, also in --json."""
+    from deltafin_mlx.cli.main import main
+
+    args = ["plan", str(converted("kimi_k3")), "--budget", "40MB", "--disk-gbps", "2",
+            "--compute-gwps", "50", "--prefill-gwps", "100"]
+    assert main(args + ["--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["scoring_pass_tokens"] >= r["prefill_pass"]
+    assert r["scoring_projection"]["tokens_per_second"] > 0
+    assert main(args) == 0
+    assert "scoring        passes of up to" in capsys.readouterr().out
