@@ -13,6 +13,8 @@ A call of many texts without a cache (a scoring pass) is attended a group of row
 at a time instead, each group at most a chunk's tokens.
 """
 
+from contextlib import contextmanager
+
 import mlx.core as mx
 
 
@@ -46,8 +48,9 @@ def chunk_attention(module, step: int, linear: bool = False):
 
     def __call__(self, x, mask=None, cache=None, *args, **kwargs):
         tokens = x.shape[1]
-        if cache is None and x.shape[0] > 1 and x.shape[0] * tokens > step:
-            return _by_rows(self, base, max(1, step // tokens), x, mask, *args, **kwargs)
+        group = self._row_tokens or step
+        if cache is None and x.shape[0] > 1 and x.shape[0] * tokens > group:
+            return _by_rows(self, base, max(1, group // tokens), x, mask, *args, **kwargs)
         if tokens <= step or cache is None:
             return base.__call__(self, x, mask, cache, *args, **kwargs)
         outs = []
@@ -64,6 +67,22 @@ def chunk_attention(module, step: int, linear: bool = False):
         return mx.concatenate(outs, axis=1)
 
     module.__class__ = type(f"Chunked{base.__name__}", (base,), {"__call__": __call__})
+    module._row_tokens = None  # a scoring pass's tokens per attention call (row_tokens)
+
+
+@contextmanager
+def row_tokens(model, tokens: int):
+    """While it lasts, calls of many texts without a cache attend groups of rows
+    of at most `tokens` tokens (a scoring pass sizes them: plan/scoring.py), not
+    of one chunk's."""
+    modules = [m for _, m in model.named_modules() if hasattr(m, "_row_tokens")]
+    for m in modules:
+        m._row_tokens = tokens
+    try:
+        yield
+    finally:
+        for m in modules:
+            m._row_tokens = None
 
 
 def _by_rows(module, base, rows: int, x, mask, *args, **kwargs):

@@ -23,7 +23,8 @@ from deltafin_mlx.batch import Progress, Request, error_line, read_requests
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.errors import BatchError
 from deltafin_mlx.model.config import max_context
-from deltafin_mlx.plan.scoring import logit_rows, scoring_allowance, scoring_pass_tokens
+from deltafin_mlx.plan.scoring import (attention_tokens, logit_rows, scoring_allowance,
+                                       scoring_pass_tokens)
 from deltafin_mlx.score.inputs import ScoreItem, prepare
 from deltafin_mlx.score.outputs import open_output, result_line
 from deltafin_mlx.score.packing import pack
@@ -77,13 +78,18 @@ class Sizing:
         self.step = plan.prefill_step
         self.rows = logit_rows(config, scoring_allowance(plan))
         self.limit = max_context(config)
-        self._capacity = lambda longest: scoring_pass_tokens(config, plan,
-                                                             state.activation_dtype, longest)
+        act = state.activation_dtype
+        self._capacity = lambda longest: scoring_pass_tokens(config, plan, act, longest)
+        self._attention = lambda longest: attention_tokens(config, plan, act, longest)
 
     def capacity(self, longest: int) -> int:
         if self.state is None:
             return max(UNPLANNED_PASS, longest)
         return self._capacity(longest)
+
+    def attention(self, longest: int) -> int:
+        """Tokens per attention call of a pass of texts within a chunk."""
+        return UNPLANNED_PASS if self.state is None else self._attention(longest)
 
 
 def prepare_all(requests: Sequence[Request], tokenizer, opts: ScoreOptions,
@@ -115,8 +121,10 @@ def iter_passes(model, items: Sequence[ScoreItem], opts: ScoreOptions
     if opts.max_pass_tokens:
         capacity = lambda longest: min(sizing.capacity(longest), opts.max_pass_tokens)
     for indices in pack([len(it.tokens) for it in items], capacity):
-        yield run_pass(model, [items[i] for i in indices], opts.top_logprobs, sizing.rows,
-                       sizing.step)
+        chosen = [items[i] for i in indices]
+        longest = max(len(it.tokens) for it in chosen)
+        yield run_pass(model, chosen, opts.top_logprobs, sizing.rows, sizing.step,
+                       sizing.attention(longest))
 
 
 def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:

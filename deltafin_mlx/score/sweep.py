@@ -20,6 +20,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from deltafin_mlx.compat import body_and_head
+from deltafin_mlx.engine.chunked_attention import row_tokens
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.score.inputs import ScoreItem
 from deltafin_mlx.score.logprobs import logprob_rows
@@ -73,8 +74,9 @@ class PassStats:
 
 
 def run_pass(model, items: Sequence[ScoreItem], top_k: int, logit_rows: int,
-             attention_step: int):
-    """(scores of `items`, PassStats) for one pass."""
+             attention_step: int, attention_tokens: int = None):
+    """(scores of `items`, PassStats) for one pass; `attention_tokens`: tokens per
+    attention call of rows (default: the plan's chunk, `attention_step`)."""
     rows, longest = len(items), max(len(it.tokens) for it in items)
     inputs = np.zeros((rows, longest), dtype=np.int32)
     real = np.zeros((rows, longest), dtype=bool)
@@ -86,14 +88,17 @@ def run_pass(model, items: Sequence[ScoreItem], top_k: int, logit_rows: int,
     union = RouteUnion(store) if store is not None else None
     read0 = store.bytes_read if store is not None else 0
     body, head = body_and_head(model)
-    # Texts within an attention chunk need no cache; longer ones go through each
-    # layer's attention in chunks, over a cache that lives only for this call.
-    cache = make_prompt_cache(model) if longest > attention_step else None
+    # Texts within one attention call need no cache; longer ones go through each
+    # layer's attention in the plan's chunks, over a cache that lives only for
+    # this call.
+    group = attention_tokens or attention_step
+    cache = make_prompt_cache(model) if longest > group else None
     try:
         if store is not None:
             store.token_mask = real
-        hidden = body(mx.array(inputs), cache)
-        mx.eval(hidden)
+        with row_tokens(model, group):
+            hidden = body(mx.array(inputs), cache)
+            mx.eval(hidden)
     finally:
         if store is not None:
             store.token_mask = None
