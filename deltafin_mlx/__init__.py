@@ -15,6 +15,7 @@ try:
     from deltafin_mlx.errors import DeltafinError
     from deltafin_mlx.format.model_dir import open_model_dir
     from deltafin_mlx.generate import Completion, RunStats, generate, stream_generate
+    from deltafin_mlx.score.job import score
 except KeyboardInterrupt:  # Ctrl-C while MLX and mlx-lm import (seconds): one line
     import sys
 
@@ -22,4 +23,4 @@ except KeyboardInterrupt:  # Ctrl-C while MLX and mlx-lm import (seconds): one l
     raise SystemExit(130) from None
 
 __all__ = ["load", "open_model_dir", "open_tokenizer", "runtime", "find_runtime", "generate", "stream_generate",
-           "batch_generate", "ChatSession", "Completion", "RunStats", "DeltafinError"]
+           "batch_generate", "score", "ChatSession", "Completion", "RunStats", "DeltafinError"]

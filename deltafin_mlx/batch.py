@@ -32,6 +32,7 @@ from deltafin_mlx.batch_requests import Request, read_requests
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.generate import StatsMeter, chat_prompt, planned_pass
+from deltafin_mlx.score.logprobs import top_logprobs
 from deltafin_mlx.stops import StopMatcher
 
 PREFILL_BATCH = 8  # prompts prefilled together (mlx-lm's default)
@@ -53,6 +54,7 @@ class BatchOptions:
     batch_size: int = 8  # sequences decoded together
     context: int = 4096  # longest prompt + max_tokens a request may have
     logprobs: bool = False  # each generated token's log-probability in the output
+    top_logprobs: int = 0  # the K likeliest tokens at each generated position (0: none)
     prefill_step_size: Optional[int] = None  # tokens per sequence per prefill call; None: the plan's pass
     # mlx-lm's logits processors for every request: the penalties of sampling.Sampling
     logits_processors: Optional[list] = None
@@ -162,6 +164,7 @@ class Running:
         self.p = p
         self.tokens: List[int] = []
         self.logprobs: List[float] = []
+        self.top: List[list] = []  # per generated token, its position's top K
         self.detok = tokenizer.detokenizer
         self.stops = StopMatcher(p.stop)
         self.start = time.perf_counter()
@@ -190,6 +193,8 @@ class Running:
             out["seed"] = self.p.seed
         if self.logprobs:
             out["logprobs"] = self.logprobs
+        if self.top:
+            out["top_logprobs"] = self.top
         out["stats"] = {
             "prompt_tokens": len(self.p.prompt),
             "generation_tokens": len(self.tokens),
@@ -255,6 +260,8 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
                         run.add_token(r.token)
                         if opts.logprobs:
                             run.logprobs.append(r.logprobs[r.token].item())
+                        if opts.top_logprobs:
+                            run.top.append(top_logprobs(r.logprobs, opts.top_logprobs))
                         if run.stops.stopped:
                             if reason is None:
                                 gen.remove([r.uid])
@@ -331,10 +338,13 @@ def batch_generate(model, tokenizer, requests: Sequence, **options) -> List[dict
 
 class Progress:
     """Requests done/total, the prefill's tokens while prompts are read, aggregate
-    tokens/s and ETA, on one stderr line."""
+    tokens/s and ETA, on one stderr line (`label` and `items` name the job and what
+    it counts: a score job counts texts)."""
 
-    def __init__(self, total: int, skipped: int, show: bool):
+    def __init__(self, total: int, skipped: int, show: bool, label: str = "batch",
+                 items: str = "requests"):
         self.total, self.skipped, self.show = total, skipped, show
+        self.label, self.items = label, items
         self.done = self.errors = self.tokens = 0
         self.prefill = {}  # uid -> (prompt tokens done, of total), while prefilling
         self.in_layer = ""  # where the prefill step now running is (the engine says)
@@ -380,7 +390,7 @@ class Progress:
             want = sum(p[1] for p in self.prefill.values())
             reading = (f", prefill {have}/{want} tokens of {len(self.prefill)} prompts"
                        f"{self.in_layer}")
-        print(f"\r\033[K[batch] {done}/{self.total} requests ({self.errors} errors){reading}, "
+        print(f"\r\033[K[{self.label}] {done}/{self.total} {self.items} ({self.errors} errors){reading}, "
               f"{self.tokens_per_second:.2f} tok/s, ETA {eta}", end="", file=sys.stderr,
               flush=True)
 

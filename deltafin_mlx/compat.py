@@ -35,3 +35,16 @@ def server_generation_loop(response_generator):
     """mlx-lm's generation loop (its thread's body), run in the calling thread."""
     response_generator._generate()
 
+
+
+def body_and_head(model):
+    """(body, head) of an mlx-lm language model: `body(inputs, cache)` is its
+    decoder stack up to the final norm, `head(h)` the logits, composed exactly as
+    the model's own `__call__` composes them (a tied embedding as the head where
+    there is no `lm_head`; K3 keeps both under `language_model`)."""
+    lm = getattr(model, "language_model", model)
+    body = lm.model
+    head = getattr(lm, "lm_head", None)
+    if head is None:
+        head = body.embed_tokens.as_linear
+    return body, head

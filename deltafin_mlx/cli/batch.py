@@ -4,7 +4,7 @@ decoded together; rerunning the same command resumes (deltafin_mlx/batch.py)."""
 import sys
 
 from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens, add_sampling_options,
-                                      load_model, positive, positive_or_auto, sampling_of)
+                                      count, load_model, positive, positive_or_auto, sampling_of)
 
 from deltafin_mlx.engine.runtime import runtime
 
@@ -26,6 +26,9 @@ def batch_parser():
     add_max_tokens(p, 256, "tokens to generate per request")
     add_sampling_options(p)
     p.add_argument("--logprobs", action="store_true", help="each token's log-probability")
+    p.add_argument("--top-logprobs", type=count, default=0, metavar="K",
+                   help="the K likeliest tokens at each generated position, as [id, logprob] "
+                   "pairs best first")
     p.add_argument("--no-progress", action="store_true", help="no progress line on a terminal")
     add_load_options(p)
     return p
@@ -71,5 +74,5 @@ def batch_options(args):
     return BatchOptions(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
                         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
                         raw=args.raw, thinking=not args.no_think, context=args.context,
-                        logprobs=args.logprobs,
+                        logprobs=args.logprobs, top_logprobs=args.top_logprobs,
                         logits_processors=sampling_of(args).logits_processors())

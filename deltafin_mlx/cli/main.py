@@ -17,9 +17,10 @@ from deltafin_mlx.cli.info import cmd_info
 from deltafin_mlx.cli.list_models import cmd_list
 from deltafin_mlx.cli.remove import cmd_rm
 from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens, add_sampling_options,
-                                      positive)
+                                      count, positive)
 from deltafin_mlx.cli.plan import cmd_plan
 from deltafin_mlx.cli.run import cmd_run
+from deltafin_mlx.cli.score import cmd_score
 from deltafin_mlx.cli.serve import cmd_serve
 from deltafin_mlx.cli.verify import cmd_verify
 from deltafin_mlx.errors import DeltafinError, UsageError
@@ -29,6 +30,7 @@ USAGE = """deltafin-run MODEL PROMPT [options]
        deltafin-run plan MODEL|CONFIG.json|HUB_ID [options]
        deltafin-run bench MODEL [options]
        deltafin-run batch MODEL IN.jsonl -o OUT.jsonl [options]
+       deltafin-run score MODEL IN.jsonl -o OUT.jsonl [options]
        deltafin-run serve MODEL [options]
        deltafin-run info MODEL
        deltafin-run verify MODEL
@@ -43,6 +45,8 @@ COMMANDS = """commands:
                     (of a converted model, a source config.json or a hub id)
   bench             a short decode benchmark
   batch             answer every prompt of a JSONL file, decoded together (resumable)
+  score             teacher-forced log-probs (and top-K) of every text of a JSONL file,
+                    many texts per sweep over the experts (resumable)
   serve             an OpenAI-compatible HTTP server (mlx_lm.server's), every request
                     checked before it reaches the model
   info              what a converted model is: architecture, experts, quantization,
@@ -57,8 +61,9 @@ COMMANDS = """commands:
 written by deltafin-convert (convert a Hugging Face checkpoint with it first)."""
 
 # Each takes the arguments after its name.
-SUBCOMMANDS = {"plan": cmd_plan, "bench": cmd_bench, "batch": cmd_batch, "serve": cmd_serve,
-               "info": cmd_info, "verify": cmd_verify, "list": cmd_list, "rm": cmd_rm}
+SUBCOMMANDS = {"plan": cmd_plan, "bench": cmd_bench, "batch": cmd_batch, "score": cmd_score,
+               "serve": cmd_serve, "info": cmd_info, "verify": cmd_verify, "list": cmd_list,
+               "rm": cmd_rm}
 # Load no model, so never run under mlx.launch: their output is not a rank's.
 NOT_DISTRIBUTED = {"plan", "list", "rm"}
 # Take --demo themselves (rm --demo removes the demo's cache).
@@ -74,6 +79,9 @@ def run_parser():
     add_max_tokens(p, None, "tokens to generate (default: 256; 64 with --demo)")
     add_sampling_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--top-logprobs", type=count, default=0, metavar="K",
+                   help="with --json: the K likeliest tokens at each generated position, as "
+                   "[id, logprob] pairs best first")
     p.add_argument("--chat", action="store_true", help="interactive chat")
     p.add_argument("--session", metavar="FILE", default=None,
                    help="chat: save the conversation and the model's cache to FILE after "
@@ -123,6 +131,8 @@ def refuse_ignored_options(args):
                             ("--thinking-effort", args.thinking_effort)):
             if args.raw and given:
                 raise UsageError(f"{flag} goes into the chat template, which --raw leaves out")
+    if args.top_logprobs and not args.json:
+        raise UsageError("--top-logprobs needs --json (the distributions go in its object)")
     if args.max_tokens is None:
         args.max_tokens = 64 if args.demo else 256
 

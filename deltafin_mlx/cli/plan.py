@@ -22,7 +22,8 @@ from deltafin_mlx.model.config import max_context
 from deltafin_mlx.plan.memory import check_context, plan_memory
 from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, measure_compute_gwps,
                                      measure_disk_gbps)
-from deltafin_mlx.plan.speed import project, project_prefill
+from deltafin_mlx.plan.scoring import scoring_plan
+from deltafin_mlx.plan.speed import project, project_prefill, project_scoring
 from deltafin_mlx.model.shard import expert_layout, sharded_inventory
 from deltafin_mlx.units import human_bytes
 
@@ -163,6 +164,7 @@ def plan_from_path(args) -> dict:
 
     chunk = max_slots(inv.sections, act)
     limit = pool_limit(len(inv.moe_layers), inv.experts_per_token, inv.num_experts, chunk)
+    scoring = scoring_plan(inv.config, plan, act)
     return {
         "model": source,
         "ranks": ranks,  # every figure below is per rank
@@ -213,6 +215,9 @@ def plan_from_path(args) -> dict:
         "prefill_bytes": plan.prefill_bytes,
         "prefill_projection": [project_prefill(inv, plan, n, disk, batched)
                                for n in PROJECTED_PROMPTS],
+        "scoring_pass_tokens": scoring.pass_tokens,
+        "scoring_logit_rows": scoring.logit_rows,
+        "scoring_projection": project_scoring(inv, plan, scoring.pass_tokens, disk, batched),
     }
 
 
@@ -329,5 +334,10 @@ def format_plan(r: dict) -> str:
             f"({q['passes']:,} pass{'es' if q['passes'] > 1 else ''}, "
             f"{human_bytes(q['read_bytes'])} read)" for q in r["prefill_projection"])
         + " (uniform routing, the cache's share held; longer prompts need --context)",
+        f"scoring        passes of up to {r['scoring_pass_tokens']:,} tokens (texts within an "
+        f"attention chunk; no KV kept), logits in blocks of {r['scoring_logit_rows']:,} "
+        f"positions: {r['scoring_projection']['tokens_per_second']:.3g} scored tok/s "
+        f"({_duration(r['scoring_projection']['pass_seconds'])} and "
+        f"{human_bytes(r['scoring_projection']['pass_read_bytes'])} read per pass)",
     ]
     return "\n".join(lines)

@@ -18,13 +18,16 @@ def cmd_run(args, model_dir=None) -> int:
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer, prompt = open_model(args, text, model_dir)
     trace = start_trace(model, args.trace_routing)
+    top = [] if getattr(args, "top_logprobs", 0) else None
     reply, thinking, tokens, stats, reason = generate_reply(model, tokenizer, prompt, args,
-                                                            echo=not args.json)
+                                                            echo=not args.json, top=top)
     if trace:
         trace.close()
     if args.json:
-        print(json.dumps({"text": reply, "thinking": thinking, "tokens": tokens,
-                          "finish_reason": reason, "stats": stats.to_dict()}))
+        out = {"text": reply, "thinking": thinking, "tokens": tokens, "finish_reason": reason}
+        if top is not None:
+            out["top_logprobs"] = top
+        print(json.dumps({**out, "stats": stats.to_dict()}))
     else:
         print()
         if runtime(model).is_primary:  # every rank computes the same counters
@@ -66,12 +69,14 @@ def make_prompt(tokenizer, text, args):
                        thinking=not args.no_think, thinking_effort=args.thinking_effort)
 
 
-def generate_reply(model, tokenizer, prompt, args, echo=True):
+def generate_reply(model, tokenizer, prompt, args, echo=True, top=None):
     """(answer, thinking, tokens, stats, finish reason); with `echo` the reply is
     printed as it comes, as a chat shows it (ReplyPrinter: thinking apart, markup
-    never), its answer up to the first stop string."""
+    never), its answer up to the first stop string; `top`, a list, gets each
+    generated position's top `args.top_logprobs` [id, logprob] pairs."""
     from deltafin_mlx.chat import Channels
     from deltafin_mlx.generate import PrefillProgress, StatsMeter, stream_generate
+    from deltafin_mlx.score.logprobs import top_logprobs
 
     stop = StopMatcher(args.stop)
     printer = ReplyPrinter(stop, sys.stdout.isatty(), echo=echo)
@@ -84,6 +89,8 @@ def generate_reply(model, tokenizer, prompt, args, echo=True):
                                  prompt_progress_callback=progress,
                                  **sampling_of(args).generation_kwargs()):
             tokens.append(r.token)
+            if top is not None:
+                top.append(top_logprobs(r.logprobs, args.top_logprobs))
             stats, reason = r.deltafin, r.finish_reason
             for channel, piece in channels.add(r.token, final=r.finish_reason is not None):
                 printer(channel, piece)

@@ -9,7 +9,11 @@ each decoder layer's attention module takes a long call in chunks of the plan's
 `prefill_step` tokens, in order, each with the cache as the previous chunk left
 it — exactly the calls a chunked prefill would make, with the same masks — and
 hands back their outputs joined. Everything else in a layer works token by token.
+A call of many texts without a cache (a scoring pass) is attended a group of rows
+at a time instead, each group at most a chunk's tokens.
 """
+
+from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -44,6 +48,9 @@ def chunk_attention(module, step: int, linear: bool = False):
 
     def __call__(self, x, mask=None, cache=None, *args, **kwargs):
         tokens = x.shape[1]
+        group = self._row_tokens or step
+        if cache is None and x.shape[0] > 1 and x.shape[0] * tokens > group:
+            return _by_rows(self, base, max(1, group // tokens), x, mask, *args, **kwargs)
         if tokens <= step or cache is None:
             return base.__call__(self, x, mask, cache, *args, **kwargs)
         outs = []
@@ -60,3 +67,33 @@ def chunk_attention(module, step: int, linear: bool = False):
         return mx.concatenate(outs, axis=1)
 
     module.__class__ = type(f"Chunked{base.__name__}", (base,), {"__call__": __call__})
+    module._row_tokens = None  # a scoring pass's tokens per attention call (row_tokens)
+
+
+@contextmanager
+def row_tokens(model, tokens: int):
+    """While it lasts, calls of many texts without a cache attend groups of rows
+    of at most `tokens` tokens (a scoring pass sizes them: plan/scoring.py), not
+    of one chunk's."""
+    modules = [m for _, m in model.named_modules() if hasattr(m, "_row_tokens")]
+    for m in modules:
+        m._row_tokens = tokens
+    try:
+        yield
+    finally:
+        for m in modules:
+            m._row_tokens = None
+
+
+def _by_rows(module, base, rows: int, x, mask, *args, **kwargs):
+    """A call of many texts with no cache (a scoring pass: each row a text of at
+    most a chunk's tokens, right-padded) attends `rows` rows at a time, so its
+    scores are at most a chunk's. Rows never attend to each other, so the result is
+    the same; the mask (the same for every row) passes as it is."""
+    outs = []
+    for start in range(0, x.shape[0], rows):
+        out = base.__call__(module, x[start : start + rows], mask, None, *args, **kwargs)
+        mx.eval(out)
+        outs.append(out)
+    mx.clear_cache()
+    return mx.concatenate(outs, axis=0)

@@ -341,7 +341,7 @@ def load(
         if reader_threads:  # without reader threads a read would hold up the load
             hot.preload()
     attach(model, Runtime(model_dir, plan, store, trunk, group, hot, inventory=inventory,
-                          reader_threads=reader_threads))
+                          reader_threads=reader_threads, activation_dtype=act))
 
     tok = tokenizer if not isinstance(tokenizer, bool) else None
     if tokenizer is True:

@@ -18,7 +18,7 @@ _ATTRIBUTE = "_deltafin"  # on mlx-lm's model (and the drop-in's wrapper)
 class Runtime:
     def __init__(self, model_dir: ModelDir, plan: MemoryPlan, store: ExpertStore,
                  trunk: Optional[TrunkStreamer] = None, group=None, hot_set=None,
-                 inventory=None, reader_threads: int = 1):
+                 inventory=None, reader_threads: int = 1, activation_dtype=None):
         self.model_dir = model_dir
         self.manifest = model_dir.manifest
         self.plan = plan
@@ -30,6 +30,7 @@ class Runtime:
         # (a conversation's context growing) starts from them.
         self.inventory = inventory
         self.reader_threads = reader_threads
+        self.activation_dtype = activation_dtype  # what the plan was made for
         self._closed = False
 
     @property

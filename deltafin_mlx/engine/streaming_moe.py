@@ -59,6 +59,11 @@ class ExpertStore:
         # (the plan's attention chunk: what one call of a chunked prefill held).
         self.pass_piece_tokens = 512
         self.on_pass_layer = None  # optional callback(MoE layers done, MoE layers) in a pass
+        # A scoring pass's rows are right-padded texts: this (rows, positions) bool
+        # array says which positions are real tokens. Pads route nowhere (no expert
+        # is read for them) and their expert outputs are zeros; causal attention
+        # keeps them out of every real token's result.
+        self.token_mask = None
 
     @property
     def bytes_read(self) -> int:
@@ -220,16 +225,21 @@ class StreamingSwitchGLU(nn.Module):
         self._moe_input = None
         mx.eval(indices, predicted) if predicted is not None else mx.eval(indices)
         idx = np.array(indices).astype(np.int64)
-        if idx.size and (idx.min() < 0 or idx.max() >= cache.num_experts):
+        real = store.token_mask
+        if real is not None and real.shape != idx.shape[:-1]:
+            real = None
+        routed = idx[real][None] if real is not None else idx  # the real tokens' routing
+        if routed.size and (routed.min() < 0 or routed.max() >= cache.num_experts):
             raise ValueError(f"layer {layer}: router chose an expert out of range")
-        needed = np.unique(idx)
-        tokens = idx.size // idx.shape[-1]
+        needed = np.unique(routed)
+        tokens = routed.size // routed.shape[-1]
         if store.on_route is not None:
-            store.on_route(layer, idx)
+            store.on_route(layer, routed)
 
         room = cache.pool.capacity_of(layer)
         if long_call or needed.size > room:
-            return self._grouped(cache, x, idx, needed, tokens, room, prefill=long_call)
+            return self._grouped(cache, x, idx, needed, tokens, room, prefill=long_call,
+                                 routed=routed, real=real)
         jobs = cache.request(layer, needed, tokens)
         if predicted is not None:
             in_use = {cache.key(layer, e) for e in needed}
@@ -294,7 +304,8 @@ class StreamingSwitchGLU(nn.Module):
             order.append(pairs)
         return self._assemble(outs, order, lead, k, flat.size)
 
-    def _grouped(self, cache: ExpertCache, x, idx, needed, tokens, room, prefill: bool):
+    def _grouped(self, cache: ExpertCache, x, idx, needed, tokens, room, prefill: bool,
+                 routed=None, real=None):
         """A prefill pass (more than one token per sequence), or a call needing more
         distinct experts than the layer has slots (a big batch): every expert the
         call routes to is read at most once, in groups that fit the layer's slots,
@@ -303,12 +314,13 @@ class StreamingSwitchGLU(nn.Module):
         pairs are computed in pieces of at most an attention chunk's pairs (the
         memory one call of a chunked prefill takes) and written into one output
         buffer. Each pair's arithmetic is the same as in one call, so the result is
-        too."""
+        too. Pads (`real` False) get no pairs: their outputs stay zeros."""
         layer, k = self._layer, idx.shape[-1]
         lead, flat = idx.shape[:-1], idx.reshape(-1)
         xs = x.reshape(-1, x.shape[-1])
+        real_pairs = None if real is None else np.repeat(real.reshape(-1), k)
         held = np.array([cache.pool.slot_of(layer, e) is not None for e in needed], dtype=bool)
-        order = _read_order(needed, held, idx)
+        order = _read_order(needed, held, idx if routed is None else routed)
         misses = int((~held).sum())
         size = room if not misses else max(1, min(room // 2, -(-order.size // 2)))
         groups = [order[s : s + size] for s in range(0, order.size, size)]
@@ -320,7 +332,8 @@ class StreamingSwitchGLU(nn.Module):
             if i + 1 < len(groups):  # the next group's reads, behind this group's arithmetic
                 keep = {cache.key(layer, e) for e in group}
                 jobs = cache.request(layer, groups[i + 1], 0, keep=keep)
-            pairs = np.nonzero(np.isin(flat, group))[0]
+            chosen = np.isin(flat, group)
+            pairs = np.nonzero(chosen if real_pairs is None else chosen & real_pairs)[0]
             emap = self._slot_map(cache, group)
             for s in range(0, pairs.size, piece):
                 part = pairs[s : s + piece]

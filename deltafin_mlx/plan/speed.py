@@ -62,18 +62,18 @@ def distinct_experts(tokens: int, experts: int, per_token: int) -> float:
 
 
 def project_prefill(inv: Inventory, plan: MemoryPlan, prompt_tokens: int, disk_gbps: float,
-                    compute_gwps: float) -> dict:
-    """Time to first token for a prompt, in the plan's passes: each pass reads the
-    experts its tokens route to once (less the cache's share of them) and the
-    streamed trunk layers once, overlapped with its computation (every weight
-    touched per token, at `compute_gwps`: the rate of matrix products over many
-    tokens, which a pass's are)."""
+                    compute_gwps: float, pass_tokens: int = None) -> dict:
+    """Time to first token for a prompt, in the plan's passes (or of `pass_tokens`
+    tokens): each pass reads the experts its tokens route to once (less the cache's
+    share of them) and the streamed trunk layers once, overlapped with its
+    computation (every weight touched per token, at `compute_gwps`: the rate of
+    matrix products over many tokens, which a pass's are)."""
     weights = sum(u.weights for u in inv.units.values())
     weights += len(inv.moe_layers) * inv.experts_per_token * inv.expert_weights
     passes, seconds, read = 0, 0.0, 0.0
     left = prompt_tokens
     while left > 0:
-        tokens = min(left, plan.prefill_pass)
+        tokens = min(left, pass_tokens or plan.prefill_pass)
         union = distinct_experts(tokens, inv.num_experts, inv.experts_per_token)
         pass_read = (len(inv.moe_layers) * union * (1 - plan.cache_fraction) * inv.record_size
                      + plan.streamed_read_bytes)
@@ -84,3 +84,14 @@ def project_prefill(inv: Inventory, plan: MemoryPlan, prompt_tokens: int, disk_g
         left -= tokens
     return {"prompt_tokens": prompt_tokens, "passes": passes, "read_bytes": read,
             "seconds_to_first_token": seconds}
+
+
+def project_scoring(inv: Inventory, plan: MemoryPlan, pass_tokens: int, disk_gbps: float,
+                    compute_gwps: float) -> dict:
+    """Scored tokens per second with passes of `pass_tokens` tokens: one pass is
+    a prefill pass of that size (plan/scoring.py sizes it), so its time is
+    project_prefill's."""
+    one = project_prefill(inv, plan, pass_tokens, disk_gbps, compute_gwps, pass_tokens)
+    seconds = one["seconds_to_first_token"]
+    return {"pass_tokens": pass_tokens, "pass_seconds": seconds, "pass_read_bytes": one["read_bytes"],
+            "tokens_per_second": pass_tokens / seconds if seconds > 0 else 0.0}

@@ -1,0 +1,108 @@
+"""`python -m bench.lib.worker score`: score N synthetic texts of L tokens in a
+fresh process and time it (bench.studies.scoring).
+
+    --mode deltafin   deltafin_mlx's scoring (score/job.py's passes) at --cache-slots,
+                      then Deltafin's greedy decode rate in the same process
+    --mode mlx-lm     mlx-lm's own scoring (mlx_lm.perplexity.eval_ppl) of the same
+                      texts with every expert in memory (engine/load.load_resident)
+
+With --throttle FILE VALUE the blkio throttle is written after loading, so every
+timed read runs under it. Prints one JSON line.
+"""
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+import numpy as np
+
+
+def texts(n: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, vocab, size=(n, length)).astype(np.int32)
+
+
+def decode_rate(model, prompt: np.ndarray, steps: int) -> float:
+    """Greedy tokens/s after a prompt, the prompt's own call not timed."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(prompt[None]), cache=cache)[:, -1]
+    mx.eval(logits)
+    t = time.perf_counter()
+    for _ in range(steps):
+        y = mx.argmax(logits, axis=-1)
+        logits = model(y[:, None], cache=cache)[:, -1]
+        mx.eval(logits)
+    return steps / (time.perf_counter() - t)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--mode", choices=("deltafin", "mlx-lm"), required=True)
+    ap.add_argument("--texts", type=int, default=64)
+    ap.add_argument("--length", type=int, default=200)
+    ap.add_argument("--cache-slots", type=int, default=None)
+    ap.add_argument("--budget", default="64GB")
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--throttle", nargs=2, metavar=("FILE", "VALUE"))
+    args = ap.parse_args(argv)
+
+    if args.mode == "mlx-lm":
+        from mlx_lm.perplexity import eval_ppl
+
+        from deltafin_mlx.engine.load import load_resident
+
+        model = load_resident(args.model)
+        vocab = model.args.text_config.vocab_size if hasattr(model.args, "text_config") else 1024
+        data = mx.array(texts(args.texts, args.length, min(vocab, 1024)))
+        t = time.perf_counter()
+        ppl, _ = eval_ppl(model, data, batch_size=8)
+        seconds = time.perf_counter() - t
+        scored = args.texts * (args.length - 1)
+        print(json.dumps({"mode": "mlx-lm", "scored_tokens": scored, "seconds": seconds,
+                          "tokens_per_s": scored / seconds, "perplexity": ppl}))
+        return 0
+
+    from deltafin_mlx.batch import Request
+    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.engine.runtime import runtime
+    from deltafin_mlx.score.inputs import ScoreItem
+    from deltafin_mlx.score.job import ScoreOptions, iter_passes
+
+    model, _ = load(args.model, args.budget, cache_slots=args.cache_slots, tokenizer=False,
+                    warm_start=False, context=1024)
+    state = runtime(model)
+    data = texts(args.texts, args.length, 1024)
+    items = []
+    for i, row in enumerate(data):
+        scored = np.ones(args.length, dtype=bool)
+        scored[0] = False
+        items.append(ScoreItem(Request(str(i), i, i), row.tolist(), scored))
+    if args.throttle:
+        with open(args.throttle[0], "w") as f:
+            f.write(args.throttle[1])
+    read0 = state.store.bytes_read
+    t = time.perf_counter()
+    sweeps, union, pass_tokens, logprob = 0, 0, [], 0.0
+    for results, stats in iter_passes(model, items, ScoreOptions()):
+        sweeps += 1
+        union += stats.union_bytes
+        pass_tokens.append(stats.tokens)
+        logprob += sum(s.logprob for s in results)
+    seconds = time.perf_counter() - t
+    read = state.store.bytes_read - read0
+    scored = sum(it.scored_tokens for it in items)
+    decode = decode_rate(model, data[0][:16], args.decode_tokens) if args.decode_tokens else None
+    print(json.dumps({
+        "mode": "deltafin", "slots": state.plan.slots,
+        "all_experts": state.plan.num_experts * state.plan.moe_layers,
+        "scored_tokens": scored, "seconds": seconds, "tokens_per_s": scored / seconds,
+        "perplexity": float(np.exp(-logprob / scored)), "sweeps": sweeps,
+        "pass_tokens": pass_tokens, "expert_bytes_read": read, "union_bytes": union,
+        "bytes_per_scored_token": read / scored, "union_bytes_per_scored_token": union / scored,
+        "decode_tokens_per_s": decode}))
+    state.close()
+    return 0

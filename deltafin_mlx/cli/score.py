@@ -1,0 +1,54 @@
+"""`deltafin-run score MODEL IN.jsonl -o OUT.jsonl`: teacher-forced log-probs of
+every text of a JSONL file, many texts per sweep over the experts; rerunning the
+same command resumes (deltafin_mlx/score/)."""
+
+import json
+import sys
+
+from deltafin_mlx.cli.options import Parser, add_load_options, count, load_model, positive
+from deltafin_mlx.engine.runtime import runtime
+
+
+def score_parser():
+    p = Parser(prog="deltafin-run score", description="Score every text of a JSONL file "
+               "(teacher-forced log-probabilities; rerun the same command to resume). Lines: "
+               '{"id": ..., "text": "..."}, {"id": ..., "prompt": "...", "completion": "..."} '
+               'or {"id": ..., "messages": [...]} (the assistant turns are scored).')
+    p.add_argument("model", help="a directory written by deltafin-convert")
+    p.add_argument("input", help="JSONL texts")
+    p.add_argument("-o", "--output", required=True,
+                   help="JSONL results, or with --format safetensors the JSONL index of the "
+                   "shards written beside it (appended)")
+    p.add_argument("--top-logprobs", type=count, default=0, metavar="K",
+                   help="the K most likely next tokens at each scored position")
+    p.add_argument("--format", choices=("jsonl", "safetensors"), default="jsonl",
+                   help="JSONL lines, or safetensors shards with a JSONL index (docs/FORMAT.md)")
+    p.add_argument("--context", type=positive, default=4096, metavar="N",
+                   help="tokens of KV cache/state the plan reserves (scoring passes use "
+                   "that memory, since they keep no cache)")
+    p.add_argument("--pass-tokens", type=positive, default=None, metavar="N",
+                   help="at most N tokens per pass (default: what the memory plan allows)")
+    p.add_argument("--no-think", action="store_true",
+                   help="\"messages\": thinking off (K3 prompt format)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on a terminal")
+    add_load_options(p)
+    return p
+
+
+def cmd_score(argv) -> int:
+    from deltafin_mlx.score.job import ScoreOptions, run_job, summary_line
+
+    args = score_parser().parse_args(argv)
+    opts = ScoreOptions(top_logprobs=args.top_logprobs, thinking=not args.no_think,
+                        format=args.format, max_pass_tokens=args.pass_tokens)
+    model, tokenizer = load_model(args)
+    try:
+        summary = run_job(model, tokenizer, args.input, args.output, opts,
+                          show_progress=False if args.no_progress else None)
+    finally:
+        runtime(model).close()
+    if args.json:
+        print(json.dumps(summary))
+    print(f"[deltafin] {summary_line(summary)}", file=sys.stderr)
+    return 0

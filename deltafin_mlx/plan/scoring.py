@@ -1,0 +1,93 @@
+"""How big a scoring pass may be: the one rule for teacher-forced scoring's memory.
+
+A scoring pass sends many texts through each layer before the next (engine/
+streaming_moe reads each expert the pass routes to once), like a prefill pass, but
+it keeps nothing once a layer is done: no KV cache (texts that fit in one attention
+call are scored without one) and no decode state. So the memory the plan reserves
+for a sequence's KV/state, and whatever of the budget the plan left unused, is free
+for the pass beside the prefill allowance. Each token of the pass holds
+`pass_bytes_per_token`; attention takes groups of rows of up to `attention_tokens`
+(bigger groups than a prefill chunk: fewer calls); the log-probs are computed a
+block of rows of logits at a time (`logit_rows`), so vocab x tokens logits never
+sit in memory whole.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from deltafin_mlx.model.config import text_config
+from deltafin_mlx.plan.memory import (MemoryPlan, WORKING_BYTES, pass_bytes_per_token,
+                                      prefill_bytes, sequence_state)
+
+MAX_SCORING_PASS = 65536  # tokens: past this a pass's bookkeeping outweighs a sweep saved
+LOGIT_SHARE = 8  # of the scoring allowance, for one block of logits and its log-softmax
+ATTENTION_SHARE = 3  # of the scoring allowance, for one attention call's activations
+
+
+@dataclass
+class ScoringPlan:
+    allowance: int  # bytes a scoring pass may use beyond the trunk and the expert cache
+    step: int  # tokens per attention call (the plan's attention chunk)
+    pass_tokens: int  # tokens per pass, padding included, for texts within one attention call
+    attention_tokens: int  # tokens per attention call of such a pass
+    logit_rows: int  # positions whose logits are computed at once
+
+
+def scoring_allowance(plan: MemoryPlan) -> int:
+    """The working buffers' prefill share, the prefill activations beyond them, the
+    KV/state reserved for decoding, which scoring never makes, and whatever of the
+    budget the plan left unused (a cache that holds every expert)."""
+    return (WORKING_BYTES + plan.prefill_bytes + plan.state_bytes
+            + max(0, plan.budget - plan.used_bytes))
+
+
+def logit_rows(config: dict, allowance: int) -> int:
+    """Positions per block of logits: a block is float32 logits, their log-softmax
+    and a sort's worth of scratch (4 copies of vocab floats per position)."""
+    vocab = text_config(config).get("vocab_size", 1)
+    return int(max(1, min(4096, allowance // LOGIT_SHARE // (16 * max(vocab, 1)))))
+
+
+def attention_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype,
+                     longest: int) -> int:
+    """Tokens per attention call in a scoring pass: rows are attended together
+    (fewer, bigger calls: on the CPU K3's KDA recurrence loops over positions
+    once per call, whatever the rows), as many as fit in ATTENTION_SHARE of the
+    allowance at the activations of a chunk of `longest` tokens' context; at
+    least the plan's attention chunk."""
+    room = scoring_allowance(plan) // ATTENTION_SHARE
+    context = max(plan.prefill_step, longest)
+    per_token = max(prefill_bytes(config, 1, context, activation_dtype), 1)
+    return int(min(max(plan.prefill_step, room // per_token), MAX_SCORING_PASS))
+
+
+def scoring_pass_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype,
+                        longest: int = 0) -> int:
+    """Tokens one scoring pass may hold (rows x the longest text, padding counted).
+    Texts within one attention call (`attention_tokens`) are attended in groups of
+    rows with no cache; a pass of longer texts keeps each layer's KV
+    cache for its tokens while it goes through the layers, attention in chunks of
+    the plan's along the texts, all rows at once, so its tokens cost that cache
+    too and its rows are as many as a group's tokens hold chunks."""
+    allowance = scoring_allowance(plan)
+    step = plan.prefill_step
+    group = attention_tokens(config, plan, activation_dtype, longest)
+    per_token = pass_bytes_per_token(config, activation_dtype)
+    rows_limit = MAX_SCORING_PASS
+    if longest > group:
+        recurrent, kv = sequence_state(config, longest, activation_dtype)
+        per_token += -(-(recurrent + kv) // longest)
+        rows_limit = max(1, group // step) * longest
+    room = (allowance - prefill_bytes(config, group, max(step, longest), activation_dtype)
+            - allowance // LOGIT_SHARE)
+    n = min(room // max(per_token, 1), MAX_SCORING_PASS, rows_limit)
+    return int(max(max(longest, step), n))
+
+
+def scoring_plan(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype) -> ScoringPlan:
+    allowance = scoring_allowance(plan)
+    return ScoringPlan(allowance=allowance, step=plan.prefill_step,
+                       pass_tokens=scoring_pass_tokens(config, plan, activation_dtype),
+                       attention_tokens=attention_tokens(config, plan, activation_dtype, 0),
+                       logit_rows=logit_rows(config, allowance))
