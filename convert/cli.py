@@ -44,6 +44,8 @@ def build_parser():
     p.add_argument("--ranks", type=int, default=1,
                    help="split each expert record into this many rank slices, so that each "
                         "of N ranks (N dividing it) reads only its slice (docs/FORMAT.md)")
+    p.add_argument("--revision", default=None,
+                   help="for a hub id: the branch, tag or commit to convert (default: main)")
     p.add_argument("--force", action="store_true",
                    help="overwrite OUT even if it holds another model or conversion")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no notes")
@@ -66,6 +68,7 @@ def main(argv=None):
         ranks=args.ranks,
         force=args.force,
         progress=not args.quiet,
+        revision=args.revision,
     )
     started = time.time()
     try:

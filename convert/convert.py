@@ -50,6 +50,7 @@ class ConvertOptions:
     ranks: int = 1  # rank slices per expert record (tensor parallel, see FORMAT.md)
     force: bool = False
     progress: bool = True
+    revision: Optional[str] = None  # of a hub id (the source fingerprint covers its content)
 
     def check(self):
         check_quantization(self.bits, self.group_size, self.expert_bits, self.expert_group_size)
@@ -57,7 +58,7 @@ class ConvertOptions:
             raise ConvertError(f"--ranks must be between 1 and 1024 (got {self.ranks})")
 
     def recorded(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("force", "progress")}
+        return {k: v for k, v in asdict(self).items() if k not in ("force", "progress", "revision")}
 
 
 def _write_atomic_json(path: Path, obj):
@@ -177,9 +178,9 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
     options = options or ConvertOptions()
     options.check()
     out = Path(out).expanduser()
-    source = open_source(src)
+    source = open_source(src, options.revision, options.progress)
     check_out_apart(source.path, out)
-    tokenizer_files(source.path)  # checked (regular files inside SRC) before any work
+    tokenizer_files(source.path, source.root)  # checked (regular files inside SRC) before any work
     config = dict(source.config)
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
@@ -508,7 +509,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
     for name in (SHIM_FILE, PLACEHOLDER_WEIGHTS):
         files[name] = (out / name).stat().st_size
 
-    tok_files = tokenizer_files(source.path)
+    tok_files = tokenizer_files(source.path, source.root)
     for name in tok_files:
         shutil.copyfile(source.path / name, out / (name + ".tmp"))
         os.replace(out / (name + ".tmp"), out / name)

@@ -36,14 +36,16 @@ PREFILL_BATCH = 64  # tokens per matrix product when the prefill rate is measure
 CONVERSION_OPTIONS = {"bits": 4, "group_size": 64, "expert_bits": 4, "expert_group_size": 64}
 
 
-def _config_path(target: Path, name: str) -> Path:
+def _config_path(target: Path, name: str, revision=None) -> Path:
     """The config.json to plan: a file, a source directory's, or a hub repo's."""
     if target.exists():
+        if revision is not None:
+            raise ModelError(f"--revision {revision}: {name} is a local path, not a hub id")
         return target / "config.json" if target.is_dir() else target
     if looks_like_hub_id(name):
         try:
             # The hub cache's snapshot files link into its blobs/ folder.
-            return fetch_config(name).resolve()
+            return fetch_config(name, revision).resolve()
         except HubError as e:
             raise ModelError(str(e)) from None
     raise ModelError(f"{target}: no such model directory or config.json")
@@ -80,6 +82,8 @@ def plan_parser():
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activation dtype to plan for (default: float32 on CPU; the model's "
                    "dtype on GPU — plan an Apple GPU with bfloat16)")
+    p.add_argument("--revision", default=None,
+                   help="for a hub id: the branch, tag or commit (default: main)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--ranks", type=positive, default=1,
@@ -101,6 +105,9 @@ def plan_from_path(args) -> dict:
     given = {k: getattr(args, k, None) for k in CONVERSION_OPTIONS}
     bank = None
     if target.is_dir() and (target / MANIFEST_NAME).exists():
+        if getattr(args, "revision", None) is not None:
+            raise ModelError(f"--revision {args.revision}: {target} is a converted model, "
+                             "not a hub id")
         model_dir = open_model_dir(target)
         manifest, config = model_dir.manifest, model_dir.config
         named = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
@@ -118,7 +125,7 @@ def plan_from_path(args) -> dict:
         bank = manifest.bank_path(manifest.moe_layers[0])
         source = str(target)
     else:
-        config_path = _config_path(target, args.model)
+        config_path = _config_path(target, args.model, getattr(args, "revision", None))
         config = read_source_config(config_path)
         check_context(args.context, config)
         opts = {k: CONVERSION_OPTIONS[k] if v is None else v for k, v in given.items()}
