@@ -44,6 +44,10 @@ def build_parser():
     p.add_argument("--ranks", type=int, default=1,
                    help="split each expert record into this many rank slices, so that each "
                         "of N ranks (N dividing it) reads only its slice (docs/FORMAT.md)")
+    p.add_argument("--link-experts", action="store_true",
+                   help="write the trunk only and read each routed expert where it lies in "
+                        "SRC's safetensors (experts carried over as they are, e.g. Kimi K3's "
+                        "MXFP4; SRC must then stay where it is, unchanged)")
     p.add_argument("--revision", default=None,
                    help="for a hub id: the branch, tag or commit to convert (default: main)")
     p.add_argument("--force", action="store_true",
@@ -66,6 +70,7 @@ def main(argv=None):
         expert_bits=args.expert_bits,
         expert_group_size=args.expert_group_size,
         ranks=args.ranks,
+        link_experts=args.link_experts,
         force=args.force,
         progress=not args.quiet,
         revision=args.revision,

@@ -32,7 +32,8 @@ from deltafin_mlx.model.build import build_model, source_dtype
 from deltafin_mlx.model.config import ARCHITECTURES, LAYER_RE, experts_per_token
 from deltafin_mlx.model.quantization import check_quantization, expert_quantization
 
-from .experts import expert_record, group_experts
+from .experts import expert_locations, expert_record, group_experts, linkable
+from .linked import LinkWriter, linked_manifest_entry
 from .source import ConvertError, Source, free_bytes, open_source, tokenizer_files
 from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
 
@@ -48,6 +49,7 @@ class ConvertOptions:
     expert_bits: int = 4  # for bf16/fp16 experts; K3's MXFP4 experts are kept
     expert_group_size: int = 64
     ranks: int = 1  # rank slices per expert record (tensor parallel, see FORMAT.md)
+    link_experts: bool = False  # record where experts lie in SRC instead of copying them
     force: bool = False
     progress: bool = True
     revision: Optional[str] = None  # of a hub id (the source fingerprint covers its content)
@@ -56,6 +58,9 @@ class ConvertOptions:
         check_quantization(self.bits, self.group_size, self.expert_bits, self.expert_group_size)
         if not 1 <= self.ranks <= 1024:
             raise ConvertError(f"--ranks must be between 1 and 1024 (got {self.ranks})")
+        if self.link_experts and self.ranks > 1:
+            raise ConvertError("--link-experts reads each expert whole from the source: it "
+                               "does not take --ranks")
 
     def recorded(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("force", "progress", "revision")}
@@ -189,6 +194,11 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
             + ", ".join(f"{v} ({k})" for k, v in ARCHITECTURES.items())
         )
     expert_quant = expert_quantization(config, options.expert_bits, options.expert_group_size)
+    if options.link_experts and not linkable(expert_quant):
+        raise ConvertError(
+            f"--link-experts: the experts of {src} are {expert_quant['mode']} after "
+            "quantizing them, not the source's bytes; only experts carried over byte for byte "
+            "(Kimi K3's MXFP4 ones) can be linked (convert without --link-experts)")
     trunk_quant = (
         {"group_size": options.group_size, "bits": options.bits, "mode": "affine"}
         if options.bits is not None
@@ -266,7 +276,9 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
         for u, names in units.items()
     }
     bank_bytes = {
-        layer: bank_header_size(layer, num_experts, sections, slices) + num_experts * record_size
+        layer: (LinkWriter.size(num_experts, sections) if options.link_experts else
+                bank_header_size(layer, num_experts, sections, slices)
+                + num_experts * record_size)
         for layer in moe_layers
     }
     needed = sum(
@@ -368,7 +380,20 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
         bar.update(trunk_src[unit])
 
         # Experts.
-        if unit in moe_layers:
+        if unit in moe_layers and state["options"].get("link_experts"):
+            rel = f"experts/layer-{unit:05d}.links"
+            writer = LinkWriter(source, unit, num_experts, sections)
+            for e in range(num_experts):
+                names = experts[unit][e]
+                rec = expert_record(source, names, unit, e, shapes, expert_quant, dtype)
+                writer.add(e, rec, expert_locations(source, names))
+                bar.update(sum(source.nbytes(n) for n in names.values()))
+            writer.write(out / rel)
+            result["files"][rel] = (out / rel).stat().st_size
+            result["checksums"][rel] = format_checksum(file_checksum(out / rel))
+            result["bank"] = {"links": rel, "switch_path": moe_layers[unit]}
+            result["linked_files"] = writer.files
+        elif unit in moe_layers:
             rel = f"experts/layer-{unit:05d}.bank"
             tmp = out / (rel + ".tmp")
             writer = BankWriter(tmp, unit, num_experts, sections, state["options"].get("ranks", 1))
@@ -538,6 +563,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
             "sections": [s.to_dict() for s in sections],
             "layers": {str(u): done[str(u)]["bank"] for u in moe_layers},
             **({"slices": options.ranks} if options.ranks > 1 else {}),
+            **({"linked": linked_manifest_entry(source, done)} if options.link_experts else {}),
         },
         tokenizer={"kind": kind, "files": tok_files},
         files=files,

@@ -122,7 +122,7 @@ def plan_from_path(args) -> dict:
         act = act or getattr(mx, manifest.dtype)
         inv = inventory_from_manifest(manifest, config, act)
         layout = expert_layout(manifest)
-        bank = manifest.bank_path(manifest.moe_layers[0])
+        bank = None if manifest.linked else manifest.bank_path(manifest.moe_layers[0])
         source = str(target)
     else:
         config_path = _config_path(target, args.model, getattr(args, "revision", None))

@@ -158,7 +158,7 @@ def check_file(manifest, rel: str, progress=None):
 
 
 def bank_files(manifest) -> set:
-    return {entry["bank"] for entry in manifest.experts["layers"].values()}
+    return {entry["bank"] for entry in manifest.experts["layers"].values() if "bank" in entry}
 
 
 def check_small_files(manifest, limit: int = SMALL_FILE_BYTES):
