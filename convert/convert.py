@@ -34,7 +34,10 @@ from deltafin_mlx.model.quantization import check_quantization, expert_quantizat
 
 from .experts import expert_locations, expert_record, group_experts, linkable
 from .linked import LinkWriter, linked_manifest_entry
-from .source import ConvertError, Source, free_bytes, open_source, tokenizer_files
+from .scratch import SCRATCH_NAME, check_scratch_limit, disk_in_use, open_hub_scratch, plan_scratch
+from .source import ConvertError, Source, free_bytes, open_source, read_source, tokenizer_files
+from deltafin_mlx.format.hub import looks_like_hub_id
+from deltafin_mlx.units import human_bytes
 from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
 
 from .trunk import convert_unit, release
@@ -53,17 +56,23 @@ class ConvertOptions:
     force: bool = False
     progress: bool = True
     revision: Optional[str] = None  # of a hub id (the source fingerprint covers its content)
+    scratch: bool = False  # a hub id converted shard by shard (convert/scratch.py)
+    scratch_limit: Optional[int] = None  # bytes of shards on disk at once; None: what is free
 
     def check(self):
         check_quantization(self.bits, self.group_size, self.expert_bits, self.expert_group_size)
         if not 1 <= self.ranks <= 1024:
             raise ConvertError(f"--ranks must be between 1 and 1024 (got {self.ranks})")
+        if self.scratch and self.link_experts:
+            raise ConvertError("--link-experts with a hub id keeps the whole snapshot in the hub "
+                               "cache and links into it: it does not take --scratch-limit")
         if self.link_experts and self.ranks > 1:
             raise ConvertError("--link-experts reads each expert whole from the source: it "
                                "does not take --ranks")
 
     def recorded(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("force", "progress", "revision")}
+        return {k: v for k, v in asdict(self).items() if k not in ("force", "progress", "revision", "scratch",
+                                                          "scratch_limit")}
 
 
 def _write_atomic_json(path: Path, obj):
@@ -174,7 +183,7 @@ def _only_our_leftovers(out: Path) -> bool:
         if p.name in ("trunk", "experts") and p.is_dir():
             if any(not q.name.endswith((".tmp", ".tmp.safetensors")) for q in p.iterdir()):
                 return False
-        elif not p.name.endswith(".tmp"):
+        elif not p.name.endswith(".tmp") and p.name != SCRATCH_NAME:
             return False
     return True
 
@@ -183,8 +192,18 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
     options = options or ConvertOptions()
     options.check()
     out = Path(out).expanduser()
-    source = open_source(src, options.revision, options.progress)
-    check_out_apart(source.path, out)
+    hub = None
+    if options.scratch:
+        if Path(src).expanduser().exists() or not looks_like_hub_id(src):
+            raise ConvertError(f"--scratch-limit: {src} is not a hub id (a local source is "
+                               "read where it is, with no scratch)")
+        if out.exists() and not out.is_dir():
+            raise ConvertError(f"{out}: exists and is not a directory")
+        hub = open_hub_scratch(src, options.revision, out, options.progress)
+        source = read_source(src, hub.dir, Path(os.path.realpath(hub.dir)), remote=hub)
+    else:
+        source = open_source(src, options.revision, options.progress)
+        check_out_apart(source.path, out)
     tokenizer_files(source.path, source.root)  # checked (regular files inside SRC) before any work
     config = dict(source.config)
     model_type = config.get("model_type")
@@ -267,6 +286,8 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
 
     state = prepare_output(out, source, options)
     if state.get("finished"):
+        if hub is not None:
+            hub.remove()
         return read_manifest(out)
 
     # Disk, checked before anything is written: banks are exact; the trunk needs
@@ -285,7 +306,17 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
         trunk_src[u] + bank_bytes.get(u, 0) for u in units if str(u) not in state["done"]
     )
     free = free_bytes(_existing_parent(out))
-    if needed > free:
+    scratch_plan = None
+    if hub is not None:
+        order = [u for u in list(range(num_layers)) + ["globals"] if str(u) not in state["done"]]
+        needs = {u: {source.tensors[n].shard for n in units[u]} for u in order}
+        scratch_plan = plan_scratch(order, needs, hub.shard_sizes)
+        held = sum(hub.shard_sizes[s] for s in hub.shards if hub.present(s))
+        check_scratch_limit(scratch_plan, options.scratch_limit, free + held, needed)
+        for s in hub.shards:  # what a killed run left that no unit left to do reads
+            if s not in scratch_plan.last_use:
+                hub.release(s)
+    elif needed > free:
         raise ConvertError(
             f"not enough free disk space in {out}: the conversion needs up to {needed} bytes "
             f"({needed / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free"
@@ -315,28 +346,43 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
     bar = ConvertProgress(
         {u: _unit_source_bytes(source, trunk_src, experts, u) for u in units},
         state["done"], options.progress)
+    if hub is not None:
+        bar.status = lambda: (f"download {human_bytes(hub.download_rate)}/s, disk in use "
+                              f"{human_bytes(disk_in_use(out))}")
     try:
         _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
                        num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
-                       dtype, state, bar)
+                       dtype, state, bar, hub, scratch_plan)
     except BaseException:
         bar.close(failed=True)
         raise
     bar.close()
-    return _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
-                   num_layers, moe_layers, num_experts, record_size, sections)
+    manifest = _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
+                       num_layers, moe_layers, num_experts, record_size, sections)
+    if hub is not None:
+        hub.remove()
+    return manifest
 
 
 def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
                    num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
-                   dtype, state, bar):
+                   dtype, state, bar, hub=None, scratch_plan=None):
     _write_atomic_json(out / PARTIAL_NAME, state)
 
     partial_path = out / PARTIAL_NAME
     order = list(range(num_layers)) + ["globals"]
     for unit in order:
         key = str(unit)
-        fingerprint = source.content_fingerprint(units[unit])
+        needed = {source.tensors[n].shard for n in units[unit]}
+        if hub is not None and key in state["done"] and not all(map(hub.present, needed)):
+            # Its shards were deleted once it was durably written: its files are
+            # checked, its source is the pinned commit's (sha256-checked) bytes.
+            fingerprint = state["done"][key].get("source_fingerprint")
+        else:
+            if hub is not None:
+                hub.ensure(needed)
+                bar.show_status()
+            fingerprint = source.content_fingerprint(units[unit])
         if key in state["done"]:
             stale = _stale_unit(out, state["done"][key], fingerprint)
             if stale is None:
@@ -419,6 +465,12 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
             release(module)
         state["done"][key] = result
         _write_atomic_json(partial_path, state)
+        if hub is not None:  # durably recorded: the shards no later unit reads can go
+            at = scratch_plan.order.index(unit)
+            for s in hub.shards:
+                if scratch_plan.last_use.get(s, -1) <= at and hub.present(s):
+                    source.forget(s)
+                    hub.release(s)
         bar.end_unit(unit)
 
 
@@ -440,6 +492,7 @@ class ConvertProgress:
         self.layers = sum(1 for u in unit_bytes if u != "globals")
         self.start = time.perf_counter()
         self.finished = 0
+        self.status = None  # more to show after the rates (the scratch's download, disk)
         self.bar = tqdm(
             total=sum(unit_bytes.values()),
             initial=sum(b for u, b in unit_bytes.items() if str(u) in done),
@@ -461,8 +514,12 @@ class ConvertProgress:
 
     def end_unit(self, unit):
         self.finished += unit != "globals"
+        self.show_status()
+
+    def show_status(self):
         rate = self.finished / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{rate:.2f} layers/s", refresh=True)
+        extra = f", {self.status()}" if self.status else ""
+        self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}", refresh=True)
 
     def close(self, failed: bool = False):
         if failed:

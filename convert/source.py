@@ -71,6 +71,10 @@ class Source:
                 raise ConvertError(f"{self.path / shard}: cannot read ({e})") from None
         return self._open[shard][name]
 
+    def forget(self, shard: str):
+        """Drop the lazy handles of a shard about to be deleted (bounded scratch)."""
+        self._open.pop(shard, None)
+
     def content_fingerprint(self, names) -> str:
         """sha256 over each tensor's name, dtype, shape and a CRC-32 of its bytes
         as they are in the shard now: what a resumed conversion compares, so a
@@ -154,6 +158,14 @@ def read_safetensors_header(path: Path) -> Dict[str, TensorInfo]:
             raw = f.read(hlen)
     except OSError as e:
         raise ConvertError(f"{path}: cannot read ({e.strerror})") from None
+    return parse_safetensors_header(path, raw, size)
+
+
+def parse_safetensors_header(path, raw: bytes, size: int) -> Dict[str, TensorInfo]:
+    """A shard's header JSON (`raw`, after its 8-byte length) checked against the
+    shard's `size`; `path` names it (a local file, or a hub file read by range)."""
+    path = Path(path)
+    hlen = len(raw)
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
@@ -249,8 +261,9 @@ def open_source(src: str, revision: Optional[str] = None, progress: bool = True)
     return read_source(src, path, root)
 
 
-def read_source(src: str, path: Path, root: Path) -> Source:
-    """The source whose files are named in `path` and resolve inside `root`."""
+def read_source(src: str, path: Path, root: Path, remote=None) -> Source:
+    """The source whose files are named in `path` and resolve inside `root`; with
+    `remote` (convert/scratch.py), shards still on the hub, known by their headers."""
     if (path / MANIFEST_NAME).exists():
         raise ConvertError(
             f"{src}: already a Deltafin model (converted); run it: deltafin-run {src} \"PROMPT\""
@@ -277,6 +290,9 @@ def read_source(src: str, path: Path, root: Path) -> Source:
                                "of tensor names to shard file names)")
         h.update(index_bytes)
         shards = sorted(set(weight_map.values()))
+    elif remote is not None:
+        shards = sorted(remote.shards)
+        weight_map = None
     else:
         shards = sorted(p.name for p in path.glob("*.safetensors"))
         if not shards:
@@ -287,13 +303,17 @@ def read_source(src: str, path: Path, root: Path) -> Source:
     defined_in: Dict[str, str] = {}
     total = 0
     for shard in shards:
-        if not os.path.lexists(path / shard):
-            raise ConvertError(f"{path / shard}: missing (named in the index)")
-        shard_path = regular_file_inside(path, shard, "shard", root)
-        header = read_safetensors_header(shard_path)
+        if remote is not None:
+            header, size = remote.header(shard)
+        else:
+            if not os.path.lexists(path / shard):
+                raise ConvertError(f"{path / shard}: missing (named in the index)")
+            shard_path = regular_file_inside(path, shard, "shard", root)
+            header = read_safetensors_header(shard_path)
+            size = shard_path.stat().st_size
         for name in header:
             header[name].shard = shard
-        h.update(f"{shard}:{shard_path.stat().st_size}".encode())
+        h.update(f"{shard}:{size}".encode())
         for name, info in header.items():
             if name in defined_in:
                 raise ConvertError(f"tensor {name} is defined in two shards, "

@@ -189,3 +189,57 @@ def sha256_file(path, chunk: int = 16 << 20) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
+
+
+def _get(repo: str, commit: str, name: str, headers: dict):
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    url = hf_hub_url(repo, name, revision=commit)
+    return get_session().stream("GET", url, headers={**build_hf_headers(), **headers},
+                                follow_redirects=True, timeout=60)
+
+
+def fetch_range(repo: str, commit: str, name: str, start: int, length: int) -> bytes:
+    """`length` bytes of a repository file from `start` (an HTTP range request):
+    a shard's safetensors header without downloading the shard."""
+    from huggingface_hub.utils import hf_raise_for_status
+
+    try:
+        with _get(repo, commit, name, {"Range": f"bytes={start}-{start + length - 1}"}) as r:
+            hf_raise_for_status(r)
+            data = r.read()
+    except HubError:
+        raise
+    except Exception as e:  # the hub raises many types; hub_failure says which
+        raise HubError(hub_failure(repo, e, f"the header of {name}")) from None
+    if r.status_code != 206 and len(data) > length:
+        data = data[start:start + length]  # a server that ignores ranges
+    return data
+
+
+def download_to(repo: str, commit: str, name: str, dest: Path, on_bytes=None) -> str:
+    """Stream a repository file into `dest` (flushed to disk), returning its
+    sha256; `on_bytes(n)` is told of every chunk written."""
+    from huggingface_hub.utils import hf_raise_for_status
+
+    h = hashlib.sha256()
+    try:
+        with _get(repo, commit, name, {}) as r, open(dest, "wb") as f:
+            hf_raise_for_status(r)
+            for chunk in r.iter_bytes(4 << 20):
+                f.write(chunk)
+                h.update(chunk)
+                if on_bytes:
+                    on_bytes(len(chunk))
+            f.flush()
+            os.fsync(f.fileno())
+    except HubError:
+        raise
+    except OSError as e:
+        if e.errno is not None and e.filename is not None:
+            raise
+        raise HubError(hub_failure(repo, e, name)) from None
+    except Exception as e:  # the hub raises many types; hub_failure says which
+        raise HubError(hub_failure(repo, e, name)) from None
+    return h.hexdigest()
