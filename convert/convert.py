@@ -312,7 +312,8 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
         needs = {u: {source.tensors[n].shard for n in units[u]} for u in order}
         scratch_plan = plan_scratch(order, needs, hub.shard_sizes)
         held = sum(hub.shard_sizes[s] for s in hub.shards if hub.present(s))
-        check_scratch_limit(scratch_plan, options.scratch_limit, free + held, needed)
+        check_scratch_limit(scratch_plan, options.scratch_limit, free + held, needed,
+                            hub.small_bytes)
         for s in hub.shards:  # what a killed run left that no unit left to do reads
             if s not in scratch_plan.last_use:
                 hub.release(s)

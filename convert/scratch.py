@@ -67,6 +67,7 @@ class HubScratch:
     shard_sizes: Dict[str, int]
     shard_sha256: Dict[str, Optional[str]]
     progress: bool = True
+    small_bytes: int = 0  # the config, index and tokenizer files, kept to the end
     downloaded: int = 0  # bytes fetched by this run
     download_seconds: float = 0.0
     on_download: Optional[object] = None  # called with bytes as they arrive
@@ -174,33 +175,35 @@ def open_hub_scratch(repo: str, revision: Optional[str], out: Path,
     if not shards:
         raise ConvertError(f"{repo}: the repository holds no safetensors weights")
     return HubScratch(repo, listed.commit, scratch, {n: f.size for n, f in shards.items()},
-                      {n: f.sha256 for n, f in shards.items()}, progress)
+                      {n: f.sha256 for n, f in shards.items()}, progress,
+                      sum(f.size for f in wanted if f.name not in shards))
 
 
 def check_scratch_limit(plan: ScratchPlan, limit: Optional[int], free: int,
-                        output_left: int) -> int:
+                        output_left: int, small: int = 0) -> int:
     """The limit to hold to (default: what is free beyond the output still to be
     written), refused up front, with the numbers, when it cannot hold the shards
-    that must be on disk at once."""
+    that must be on disk at once (beside the `small` files kept to the end)."""
     if limit is None:
         limit = free - output_left
-    if limit < plan.largest:
+    peak = plan.peak + small
+    if limit < plan.largest + small:
         raise ConvertError(
             f"--scratch-limit {human_bytes(max(limit, 0))}: smaller than the largest shard the "
             f"conversion needs, {plan.largest_name} ({human_bytes(plan.largest)}); "
-            f"give at least {human_bytes(plan.peak)}"
+            f"give at least {human_bytes(peak)}"
             + (f" (free disk beyond the output's {human_bytes(output_left)}: "
                f"{human_bytes(max(free - output_left, 0))})" if limit == free - output_left
                else ""))
-    if limit < plan.peak:
+    if limit < peak:
         raise ConvertError(
             f"--scratch-limit {human_bytes(limit)}: the layers need up to "
-            f"{human_bytes(plan.peak)} of shards on disk at once (a layer's tensors span "
-            f"shards); give at least {human_bytes(plan.peak)}")
-    if output_left + plan.peak > free:
+            f"{human_bytes(peak)} of shards on disk at once (a layer's tensors span "
+            f"shards); give at least {human_bytes(peak)}")
+    if output_left + peak > free:
         raise ConvertError(
             f"not enough free disk space: the output needs {human_bytes(output_left)} more "
-            f"and the shards {human_bytes(plan.peak)} at most, {human_bytes(free)} are free")
+            f"and the shards {human_bytes(peak)} at most, {human_bytes(free)} are free")
     return limit
 
 
