@@ -130,3 +130,25 @@ def test_a_hub_snapshot_file_resolving_outside_the_repository_cache_is_refused(
     p = run(["someone/k3", tmp_path / "out", "--quiet"], env, tool="deltafin-convert")
     one_error_line(p, "config.json", "outside the source directory")
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
+def test_plan_prints_the_disk_of_each_route_from_the_published_sizes(hub, tmp_path, sources,
+                                                                     converted):
+    """download + packed, linked, and from the hub with a scratch: the hub's listing
+    and a local directory give the same figures, close to what conversion writes."""
+    env = hub.env(tmp_path / "hf")
+    p = run(["plan", "someone/k3", "--json", *PLAN_RATES], env)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)["disk_routes"]
+    local = json.loads(run(["plan", sources("kimi_k3"), "--json", *PLAN_RATES], {}).stdout)
+    assert local["disk_routes"] == d
+    src = sources("kimi_k3")
+    assert d["download_bytes"] == sum(f.stat().st_size for f in src.iterdir())
+    assert d["largest_shard_bytes"] == max(f.stat().st_size for f in src.glob("*.safetensors"))
+    written = sum(read_manifest(converted("kimi_k3")).files.values())
+    assert abs(d["packed_output_bytes"] - written) < 0.05 * written
+    assert d["linked_output_bytes"] < d["packed_output_bytes"] / 2
+    assert d["download_and_packed_bytes"] == d["download_bytes"] + d["packed_output_bytes"]
+    assert d["hub_with_scratch_bytes"] < d["download_and_packed_bytes"]
+    text = run(["plan", "someone/k3", *PLAN_RATES], env).stdout
+    assert "disk routes" in text and "--link-experts" in text and "--scratch-limit" in text
