@@ -6,6 +6,7 @@
     python -m bench.lib.worker prefill-peak MODEL BUDGET TOKENS STEP
     python -m bench.lib.worker prefill-run MODEL TOKENS SLOTS DECODE [THROTTLE_FILE VALUE]
     python -m bench.lib.worker server-baseline
+    python -m bench.lib.worker expert-reads MODEL PASSES [THROTTLE_FILE VALUE]
 
 Each mode prints its result as one JSON line (the last line of stdout), except
 server-baseline, which prints a number of KiB. A fresh process per measurement
@@ -26,6 +27,7 @@ MODES = {
     "prefill-peak": "prefill_peak",
     "prefill-run": "prefill_run",
     "server-baseline": "server_baseline",
+    "expert-reads": "expert_reads",
 }
 
 
