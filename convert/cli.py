@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from deltafin_mlx.cli.common import HelpFormatter, add_version, quiet_broken_pipe
-from deltafin_mlx.units import human_bytes
+from deltafin_mlx.units import human_bytes, parse_size
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
 
 try:
@@ -45,6 +45,17 @@ def build_parser():
     p.add_argument("--ranks", type=int, default=1,
                    help="split each expert record into this many rank slices, so that each "
                         "of N ranks (N dividing it) reads only its slice (docs/FORMAT.md)")
+    p.add_argument("--link-experts", action="store_true",
+                   help="write the trunk only and read each routed expert where it lies in "
+                        "SRC's safetensors (experts carried over as they are, e.g. Kimi K3's "
+                        "MXFP4; SRC must then stay where it is, unchanged)")
+    p.add_argument("--scratch-limit", nargs="?", const="auto", default=None, metavar="SIZE",
+                   help="for a hub id: download only the shards the next layers need and "
+                        "delete each once converted, so at most SIZE (e.g. 40GB) of shards is "
+                        "on disk beside the output; auto (the value when none is given): what "
+                        "is free beyond the output")
+    p.add_argument("--revision", default=None,
+                   help="for a hub id: the branch, tag or commit to convert (default: main)")
     p.add_argument("--force", action="store_true",
                    help="replace the Deltafin model or unfinished conversion in OUT (a directory "
                         "that holds neither is never written into)")
@@ -69,14 +80,24 @@ def _main(argv):
     out = Path(args.out).expanduser()
     finished_before = (not args.force and (out / MANIFEST_NAME).exists()
                        and not (out / PARTIAL_NAME).exists())
+    try:
+        limit = (None if args.scratch_limit in (None, "auto") else parse_size(args.scratch_limit))
+    except ValueError as e:
+        print(f"deltafin-convert: error: --scratch-limit {args.scratch_limit}: {e}",
+              file=sys.stderr)
+        return 1
     options = ConvertOptions(
         bits=None if args.no_trunk_quant else args.bits,
         group_size=args.group_size,
         expert_bits=args.expert_bits,
         expert_group_size=args.expert_group_size,
         ranks=args.ranks,
+        link_experts=args.link_experts,
         force=args.force,
         progress=not args.quiet,
+        revision=args.revision,
+        scratch=args.scratch_limit is not None,
+        scratch_limit=limit,
     )
     started = time.time()
     try:

@@ -32,8 +32,12 @@ from deltafin_mlx.model.build import build_model, source_dtype
 from deltafin_mlx.model.config import ARCHITECTURES, LAYER_RE, experts_per_token
 from deltafin_mlx.model.quantization import check_quantization, expert_quantization
 
-from .experts import expert_record, group_experts
-from .source import ConvertError, Source, free_bytes, open_source, tokenizer_files
+from .experts import expert_locations, expert_record, group_experts, linkable
+from .linked import LinkWriter, linked_manifest_entry
+from .scratch import SCRATCH_NAME, check_scratch_limit, disk_in_use, open_hub_scratch, plan_scratch
+from .source import ConvertError, Source, free_bytes, open_source, read_source, tokenizer_files
+from deltafin_mlx.format.hub import looks_like_hub_id
+from deltafin_mlx.units import human_bytes
 from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
 
 from .trunk import convert_unit, release
@@ -48,16 +52,27 @@ class ConvertOptions:
     expert_bits: int = 4  # for bf16/fp16 experts; K3's MXFP4 experts are kept
     expert_group_size: int = 64
     ranks: int = 1  # rank slices per expert record (tensor parallel, see FORMAT.md)
+    link_experts: bool = False  # record where experts lie in SRC instead of copying them
     force: bool = False
     progress: bool = True
+    revision: Optional[str] = None  # of a hub id (the source fingerprint covers its content)
+    scratch: bool = False  # a hub id converted shard by shard (convert/scratch.py)
+    scratch_limit: Optional[int] = None  # bytes of shards on disk at once; None: what is free
 
     def check(self):
         check_quantization(self.bits, self.group_size, self.expert_bits, self.expert_group_size)
         if not 1 <= self.ranks <= 1024:
             raise ConvertError(f"--ranks must be between 1 and 1024 (got {self.ranks})")
+        if self.scratch and self.link_experts:
+            raise ConvertError("--link-experts with a hub id keeps the whole snapshot in the hub "
+                               "cache and links into it: it does not take --scratch-limit")
+        if self.link_experts and self.ranks > 1:
+            raise ConvertError("--link-experts reads each expert whole from the source: it "
+                               "does not take --ranks")
 
     def recorded(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("force", "progress")}
+        return {k: v for k, v in asdict(self).items() if k not in ("force", "progress", "revision", "scratch",
+                                                          "scratch_limit")}
 
 
 def _write_atomic_json(path: Path, obj):
@@ -183,7 +198,7 @@ def _only_our_leftovers(out: Path) -> bool:
         if p.name in ("trunk", "experts") and p.is_dir():
             if any(not q.name.endswith((".tmp", ".tmp.safetensors")) for q in p.iterdir()):
                 return False
-        elif not p.name.endswith(".tmp"):
+        elif not p.name.endswith(".tmp") and p.name != SCRATCH_NAME:
             return False
     return True
 
@@ -192,9 +207,19 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
     options = options or ConvertOptions()
     options.check()
     out = Path(out).expanduser()
-    source = open_source(src)
-    check_out_apart(source.path, out)
-    tokenizer_files(source.path)  # checked (regular files inside SRC) before any work
+    hub = None
+    if options.scratch:
+        if Path(src).expanduser().exists() or not looks_like_hub_id(src):
+            raise ConvertError(f"--scratch-limit: {src} is not a hub id (a local source is "
+                               "read where it is, with no scratch)")
+        if out.exists() and not out.is_dir():
+            raise ConvertError(f"{out}: exists and is not a directory")
+        hub = open_hub_scratch(src, options.revision, out, options.progress)
+        source = read_source(src, hub.dir, Path(os.path.realpath(hub.dir)), remote=hub)
+    else:
+        source = open_source(src, options.revision, options.progress)
+        check_out_apart(source.path, out)
+    tokenizer_files(source.path, source.root)  # checked (regular files inside SRC) before any work
     config = dict(source.config)
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
@@ -203,6 +228,11 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
             + ", ".join(f"{v} ({k})" for k, v in ARCHITECTURES.items())
         )
     expert_quant = expert_quantization(config, options.expert_bits, options.expert_group_size)
+    if options.link_experts and not linkable(expert_quant):
+        raise ConvertError(
+            f"--link-experts: the experts of {src} are {expert_quant['mode']} after "
+            "quantizing them, not the source's bytes; only experts carried over byte for byte "
+            "(Kimi K3's MXFP4 ones) can be linked (convert without --link-experts)")
     trunk_quant = (
         {"group_size": options.group_size, "bits": options.bits, "mode": "affine"}
         if options.bits is not None
@@ -271,6 +301,8 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
 
     state = prepare_output(out, source, options)
     if state.get("finished"):
+        if hub is not None:
+            hub.remove()
         return read_manifest(out)
 
     # Disk, checked before anything is written: banks are exact; the trunk needs
@@ -280,14 +312,27 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
         for u, names in units.items()
     }
     bank_bytes = {
-        layer: bank_header_size(layer, num_experts, sections, slices) + num_experts * record_size
+        layer: (LinkWriter.size(num_experts, sections) if options.link_experts else
+                bank_header_size(layer, num_experts, sections, slices)
+                + num_experts * record_size)
         for layer in moe_layers
     }
     needed = sum(
         trunk_src[u] + bank_bytes.get(u, 0) for u in units if str(u) not in state["done"]
     )
     free = free_bytes(_existing_parent(out))
-    if needed > free:
+    scratch_plan = None
+    if hub is not None:
+        order = [u for u in list(range(num_layers)) + ["globals"] if str(u) not in state["done"]]
+        needs = {u: {source.tensors[n].shard for n in units[u]} for u in order}
+        scratch_plan = plan_scratch(order, needs, hub.shard_sizes)
+        held = sum(hub.shard_sizes[s] for s in hub.shards if hub.present(s))
+        check_scratch_limit(scratch_plan, options.scratch_limit, free + held, needed,
+                            hub.small_bytes)
+        for s in hub.shards:  # what a killed run left that no unit left to do reads
+            if s not in scratch_plan.last_use:
+                hub.release(s)
+    elif needed > free:
         raise ConvertError(
             f"not enough free disk space in {out}: the conversion needs up to {needed} bytes "
             f"({needed / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free"
@@ -317,28 +362,43 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
     bar = ConvertProgress(
         {u: _unit_source_bytes(source, trunk_src, experts, u) for u in units},
         state["done"], options.progress)
+    if hub is not None:
+        bar.status = lambda: (f"download {human_bytes(hub.download_rate)}/s, disk in use "
+                              f"{human_bytes(disk_in_use(out))}")
     try:
         _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
                        num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
-                       dtype, state, bar)
+                       dtype, state, bar, hub, scratch_plan)
     except BaseException:
         bar.close(failed=True)
         raise
     bar.close()
-    return _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
-                   num_layers, moe_layers, num_experts, record_size, sections)
+    manifest = _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
+                       num_layers, moe_layers, num_experts, record_size, sections)
+    if hub is not None:
+        hub.remove()
+    return manifest
 
 
 def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
                    num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
-                   dtype, state, bar):
+                   dtype, state, bar, hub=None, scratch_plan=None):
     _write_atomic_json(out / PARTIAL_NAME, state)
 
     partial_path = out / PARTIAL_NAME
     order = list(range(num_layers)) + ["globals"]
     for unit in order:
         key = str(unit)
-        fingerprint = source.content_fingerprint(units[unit])
+        needed = {source.tensors[n].shard for n in units[unit]}
+        if hub is not None and key in state["done"] and not all(map(hub.present, needed)):
+            # Its shards were deleted once it was durably written: its files are
+            # checked, its source is the pinned commit's (sha256-checked) bytes.
+            fingerprint = state["done"][key].get("source_fingerprint")
+        else:
+            if hub is not None:
+                hub.ensure(needed)
+                bar.show_status()
+            fingerprint = source.content_fingerprint(units[unit])
         if key in state["done"]:
             stale = _stale_unit(out, state["done"][key], fingerprint)
             if stale is None:
@@ -382,7 +442,20 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
         bar.update(trunk_src[unit])
 
         # Experts.
-        if unit in moe_layers:
+        if unit in moe_layers and state["options"].get("link_experts"):
+            rel = f"experts/layer-{unit:05d}.links"
+            writer = LinkWriter(source, unit, num_experts, sections)
+            for e in range(num_experts):
+                names = experts[unit][e]
+                rec = expert_record(source, names, unit, e, shapes, expert_quant, dtype)
+                writer.add(e, rec, expert_locations(source, names))
+                bar.update(sum(source.nbytes(n) for n in names.values()))
+            writer.write(out / rel)
+            result["files"][rel] = (out / rel).stat().st_size
+            result["checksums"][rel] = format_checksum(file_checksum(out / rel))
+            result["bank"] = {"links": rel, "switch_path": moe_layers[unit]}
+            result["linked_files"] = writer.files
+        elif unit in moe_layers:
             rel = f"experts/layer-{unit:05d}.bank"
             tmp = out / (rel + ".tmp")
             writer = BankWriter(tmp, unit, num_experts, sections, state["options"].get("ranks", 1))
@@ -408,6 +481,12 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
             release(module)
         state["done"][key] = result
         _write_atomic_json(partial_path, state)
+        if hub is not None:  # durably recorded: the shards no later unit reads can go
+            at = scratch_plan.order.index(unit)
+            for s in hub.shards:
+                if scratch_plan.last_use.get(s, -1) <= at and hub.present(s):
+                    source.forget(s)
+                    hub.release(s)
         bar.end_unit(unit)
 
 
@@ -429,6 +508,7 @@ class ConvertProgress:
         self.layers = sum(1 for u in unit_bytes if u != "globals")
         self.start = time.perf_counter()
         self.finished = 0
+        self.status = None  # more to show after the rates (the scratch's download, disk)
         self.bar = tqdm(
             total=sum(unit_bytes.values()),
             initial=sum(b for u, b in unit_bytes.items() if str(u) in done),
@@ -450,8 +530,12 @@ class ConvertProgress:
 
     def end_unit(self, unit):
         self.finished += unit != "globals"
+        self.show_status()
+
+    def show_status(self):
         rate = self.finished / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{rate:.2f} layers/s", refresh=True)
+        extra = f", {self.status()}" if self.status else ""
+        self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}", refresh=True)
 
     def close(self, failed: bool = False):
         if failed:
@@ -523,7 +607,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
     for name in (SHIM_FILE, PLACEHOLDER_WEIGHTS):
         files[name] = (out / name).stat().st_size
 
-    tok_files = tokenizer_files(source.path)
+    tok_files = tokenizer_files(source.path, source.root)
     for name in tok_files:
         shutil.copyfile(source.path / name, out / (name + ".tmp"))
         os.replace(out / (name + ".tmp"), out / name)
@@ -552,6 +636,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
             "sections": [s.to_dict() for s in sections],
             "layers": {str(u): done[str(u)]["bank"] for u in moe_layers},
             **({"slices": options.ranks} if options.ranks > 1 else {}),
+            **({"linked": linked_manifest_entry(source, done)} if options.link_experts else {}),
         },
         tokenizer={"kind": kind, "files": tok_files},
         files=files,

@@ -105,3 +105,19 @@ def _check(source: Source, name: str, dtypes, shape):
             f"{source.path / t.shard}: tensor {name} is {t.dtype} {list(t.shape)}, "
             f"expected {'/'.join(dtypes)} {list(shape)}"
         )
+
+
+def linkable(quant: dict) -> bool:
+    """Experts whose record sections are source tensors byte for byte (Kimi K3's
+    MXFP4 ones): only these can be linked instead of copied."""
+    return bool(quant.get("carried_over"))
+
+
+def expert_locations(source: Source, names: Dict[str, str]) -> Dict[str, str]:
+    """Record section -> the source tensor holding its bytes as they are (for a
+    linkable expert whose record `expert_record` has already checked)."""
+    out = {}
+    for proj in PROJECTIONS:
+        out[f"{proj}.weight"] = names[f"{proj}.weight_packed"]
+        out[f"{proj}.scales"] = names[f"{proj}.weight_scale"]
+    return out

@@ -12,11 +12,11 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from deltafin_mlx.format.hub import hub_failure, looks_like_hub_id, quiet_hub
+from deltafin_mlx.format.hub import cache_root, download_snapshot, looks_like_hub_id
 from deltafin_mlx.format.manifest import MANIFEST_NAME
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.dtypes import ITEMSIZE, SAFETENSORS
@@ -48,12 +48,15 @@ class TensorInfo:
 
 @dataclass
 class Source:
-    path: Path
+    path: Path  # where the files are named (a hub cache snapshot folder, or SRC)
     id: str
     config: dict
     tensors: Dict[str, TensorInfo]
     total_bytes: int
     fingerprint: str
+    # The real folder every file must resolve inside: SRC, or for a hub snapshot
+    # the repository's cache folder (its files are symlinks into its blobs/).
+    root: Optional[Path] = None
     _open: Dict[str, dict] = field(default_factory=dict)
 
     def load(self, name: str) -> mx.array:
@@ -67,6 +70,10 @@ class Source:
             except Exception as e:
                 raise ConvertError(f"{self.path / shard}: cannot read ({e})") from None
         return self._open[shard][name]
+
+    def forget(self, shard: str):
+        """Drop the lazy handles of a shard about to be deleted (bounded scratch)."""
+        self._open.pop(shard, None)
 
     def content_fingerprint(self, names) -> str:
         """sha256 over each tensor's name, dtype, shape and a CRC-32 of its bytes
@@ -105,13 +112,13 @@ MAX_HEADER_BYTES = 1 << 28
 MAX_JSON_BYTES = 64 << 20  # config.json, the index
 
 
-def regular_file_inside(root: Path, rel: str, what: str) -> Path:
-    """`root/rel` if it resolves (after symlinks) inside `root` and is a regular
-    file; a FIFO would block the read, a device never end it."""
+def regular_file_inside(path: Path, rel: str, what: str, root: Optional[Path] = None) -> Path:
+    """`path/rel` if it resolves (after symlinks) inside `root` (default `path`)
+    and is a regular file; a FIFO would block the read, a device never end it."""
     from deltafin_mlx.format.integrity import resolve_inside
 
     try:
-        return resolve_inside(root, rel, ConvertError, "the source directory")[0]
+        return resolve_inside(path, rel, ConvertError, "the source directory", root)[0]
     except ConvertError as e:
         raise ConvertError(f"{e} ({what})") from None
 
@@ -151,6 +158,14 @@ def read_safetensors_header(path: Path) -> Dict[str, TensorInfo]:
             raw = f.read(hlen)
     except OSError as e:
         raise ConvertError(f"{path}: cannot read ({e.strerror})") from None
+    return parse_safetensors_header(path, raw, size)
+
+
+def parse_safetensors_header(path, raw: bytes, size: int) -> Dict[str, TensorInfo]:
+    """A shard's header JSON (`raw`, after its 8-byte length) checked against the
+    shard's `size`; `path` names it (a local file, or a hub file read by range)."""
+    path = Path(path)
+    hlen = len(raw)
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
@@ -199,27 +214,21 @@ def read_safetensors_header(path: Path) -> Dict[str, TensorInfo]:
     return out
 
 
-def resolve_source(src: str) -> Path:
-    """A local directory, or a hub repo id downloaded with huggingface-hub."""
+def resolve_source(src: str, revision: Optional[str] = None,
+                   progress: bool = True) -> Tuple[Path, Path]:
+    """A local directory, or a hub repo id downloaded with huggingface-hub: the
+    folder its files are named in, and the real root they must resolve inside."""
     p = Path(src).expanduser()
     if p.exists():
         if not p.is_dir():
             raise ConvertError(f"{src}: not a directory")
-        return p
+        if revision is not None:
+            raise ConvertError(f"--revision {revision}: {src} is a local directory, not a hub id")
+        return p, Path(os.path.realpath(p))
     if not looks_like_hub_id(src):
         raise ConvertError(f"{src}: no such directory")
-    try:
-        from huggingface_hub import snapshot_download
-
-        with quiet_hub():
-            return Path(
-                snapshot_download(
-                    src,
-                    allow_patterns=["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"],
-                )
-            )
-    except Exception as e:  # the hub raises many types; hub_failure says which
-        raise ConvertError(hub_failure(src, e, "it")) from None
+    snapshot = download_snapshot(src, revision, progress=progress)
+    return snapshot, cache_root(snapshot)
 
 
 # config.json values the conversion computes with: positive integers when present
@@ -247,8 +256,14 @@ def check_config(config: dict, config_path: Path):
             raise ConvertError(f"{config_path}: quantization_config must be an object")
 
 
-def open_source(src: str) -> Source:
-    path = resolve_source(src)
+def open_source(src: str, revision: Optional[str] = None, progress: bool = True) -> Source:
+    path, root = resolve_source(src, revision, progress)
+    return read_source(src, path, root)
+
+
+def read_source(src: str, path: Path, root: Path, remote=None) -> Source:
+    """The source whose files are named in `path` and resolve inside `root`; with
+    `remote` (convert/scratch.py), shards still on the hub, known by their headers."""
     if (path / MANIFEST_NAME).exists():
         raise ConvertError(
             f"{src}: already a Deltafin model (converted); run it: deltafin-run {src} \"PROMPT\""
@@ -257,7 +272,7 @@ def open_source(src: str) -> Source:
     config_path = path / "config.json"
     if not os.path.lexists(config_path):
         raise ConvertError(f"{path}: no config.json (not a Hugging Face model directory)")
-    regular_file_inside(path, "config.json", "config.json")
+    regular_file_inside(path, "config.json", "config.json", root)
     config_bytes, config = read_json(config_path, "config.json")
     if not isinstance(config, dict):
         raise ConvertError(f"{config_path}: not a JSON object")
@@ -266,7 +281,7 @@ def open_source(src: str) -> Source:
     index_path = path / "model.safetensors.index.json"
     h = hashlib.sha256(config_bytes)
     if os.path.lexists(index_path):
-        regular_file_inside(path, index_path.name, "the index")
+        regular_file_inside(path, index_path.name, "the index", root)
         index_bytes, index = read_json(index_path, "the index")
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
@@ -275,6 +290,9 @@ def open_source(src: str) -> Source:
                                "of tensor names to shard file names)")
         h.update(index_bytes)
         shards = sorted(set(weight_map.values()))
+    elif remote is not None:
+        shards = sorted(remote.shards)
+        weight_map = None
     else:
         shards = sorted(p.name for p in path.glob("*.safetensors"))
         if not shards:
@@ -285,13 +303,17 @@ def open_source(src: str) -> Source:
     defined_in: Dict[str, str] = {}
     total = 0
     for shard in shards:
-        if not os.path.lexists(path / shard):
-            raise ConvertError(f"{path / shard}: missing (named in the index)")
-        shard_path = regular_file_inside(path, shard, "shard")
-        header = read_safetensors_header(shard_path)
+        if remote is not None:
+            header, size = remote.header(shard)
+        else:
+            if not os.path.lexists(path / shard):
+                raise ConvertError(f"{path / shard}: missing (named in the index)")
+            shard_path = regular_file_inside(path, shard, "shard", root)
+            header = read_safetensors_header(shard_path)
+            size = shard_path.stat().st_size
         for name in header:
             header[name].shard = shard
-        h.update(f"{shard}:{shard_path.stat().st_size}".encode())
+        h.update(f"{shard}:{size}".encode())
         for name, info in header.items():
             if name in defined_in:
                 raise ConvertError(f"tensor {name} is defined in two shards, "
@@ -315,13 +337,14 @@ def open_source(src: str) -> Source:
         tensors=tensors,
         total_bytes=total,
         fingerprint=h.hexdigest(),
+        root=root,
     )
 
 
-def tokenizer_files(path: Path):
+def tokenizer_files(path: Path, root: Optional[Path] = None):
     names = [n for n in TOKENIZER_FILES if os.path.lexists(path / n)]
     for n in names:
-        regular_file_inside(path, n, "tokenizer file")
+        regular_file_inside(path, n, "tokenizer file", root)
     # The release's own tokenizer code (e.g. K3's tokenization_kimi.py, encoding_k3.py)
     # is carried along for users of other tools; Deltafin itself never runs it.
     code = sorted(
@@ -330,7 +353,7 @@ def tokenizer_files(path: Path):
         if p.name.startswith(("tokenization_", "encoding_"))
     )
     for n in code:
-        regular_file_inside(path, n, "tokenizer file")
+        regular_file_inside(path, n, "tokenizer file", root)
     return names + code
 
 

@@ -7,9 +7,56 @@ from collections import defaultdict
 from deltafin_mlx.cli.common import printable
 from deltafin_mlx.cli.options import Parser
 
+from pathlib import Path
+
 from deltafin_mlx.units import human_bytes
-from deltafin_mlx.format.model_dir import open_model_dir
-from deltafin_mlx.model.config import architecture_name, max_context, text_config
+from deltafin_mlx.errors import ModelError
+from deltafin_mlx.format.hub import HubError, fetch_config, list_repo, looks_like_hub_id
+from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
+from deltafin_mlx.model.config import (architecture_name, experts_per_token, max_context,
+                                       routed_experts, text_config)
+
+
+def hub_source_info(repo: str, revision=None) -> dict:
+    """What a hub checkpoint is, from its config.json and the hub's file listing
+    (nothing else is downloaded): what `info` says of a model not yet converted."""
+    try:
+        listed = list_repo(repo, revision, "its config.json")
+        config = read_source_config(fetch_config(repo, revision).resolve())
+    except HubError as e:
+        raise ModelError(str(e)) from None
+    tc = text_config(config)
+    weights = None if listed is None else sum(
+        f.size for f in listed.files.values() if f.name.endswith(".safetensors"))
+    return {
+        "model": repo,
+        "converted": False,
+        "architecture": config.get("model_type"),
+        "architecture_name": architecture_name(config.get("model_type") or ""),
+        "layers": tc.get("num_hidden_layers"),
+        "experts_per_layer": routed_experts(config),
+        "experts_per_token": experts_per_token(config),
+        "hidden_size": tc.get("hidden_size"),
+        "max_context": max_context(config),
+        "commit": listed.commit if listed else None,
+        "checkpoint_bytes": weights,  # None offline: the listing is the hub's
+    }
+
+
+def format_hub_info(r: dict) -> str:
+    size = (human_bytes(r["checkpoint_bytes"]) + " of safetensors on the hub"
+            if r["checkpoint_bytes"] is not None else "unknown (offline)")
+    name = r["model"].split("/")[1]
+    return "\n".join([
+        f"model          {r['model']} (on the Hugging Face hub, not converted)",
+        f"architecture   {r['architecture_name']} ({r['architecture']}), {r['layers']} layers, "
+        f"hidden size {r['hidden_size']}, context up to {r['max_context'] or 'unknown'} tokens",
+        f"experts        {r['experts_per_layer']} per MoE layer, {r['experts_per_token']} "
+        "per token",
+        f"checkpoint     {size}",
+        f"convert it     deltafin-convert {r['model']} ~/models/{name} "
+        f"(disk per route: deltafin-run plan {r['model']})",
+    ])
 
 def model_info(path) -> dict:
     model_dir = open_model_dir(path)
@@ -80,7 +127,10 @@ def format_info(r: dict) -> str:
 def info_parser():
     p = Parser(prog="deltafin-run info", description="Describe a converted model (reads "
                "only its manifest and config.json).")
-    p.add_argument("model", help="a directory written by deltafin-convert")
+    p.add_argument("model", help="a directory written by deltafin-convert, or a hub id "
+                   "(only its config.json and file listing are fetched)")
+    p.add_argument("--revision", default=None,
+                   help="for a hub id: the branch, tag or commit (default: main)")
     p.add_argument("--json", action="store_true", help="print it as JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
@@ -88,6 +138,12 @@ def info_parser():
 
 def cmd_info(argv) -> int:
     args = info_parser().parse_args(argv)
+    if not Path(args.model).expanduser().exists() and looks_like_hub_id(args.model):
+        r = hub_source_info(args.model, args.revision)
+        print(json.dumps(r, indent=1) if args.json else format_hub_info(r))
+        return 0
+    if args.revision is not None:
+        raise ModelError(f"--revision {args.revision}: {args.model} is not a hub id")
     r = model_info(args.model)
     print(json.dumps(r, indent=1) if args.json else format_info(r))
     return 0

@@ -14,7 +14,13 @@ from pathlib import Path
 import mlx.core as mx
 
 from deltafin_mlx.cli.options import Parser, positive, positive_or_auto
-from deltafin_mlx.format.hub import HubError, fetch_config, looks_like_hub_id
+from fnmatch import fnmatch
+
+from deltafin_mlx.format.hub import (SOURCE_PATTERNS, HubError, fetch_config, list_repo,
+                                     looks_like_hub_id)
+from deltafin_mlx.model.build import source_dtype
+from deltafin_mlx.model.quantization import expert_quantization
+from deltafin_mlx.plan.disk import disk_routes, itemsize_of
 from deltafin_mlx.plan.footprint import inventory_from_config, inventory_from_manifest
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
@@ -37,14 +43,16 @@ PREFILL_BATCH = 64  # tokens per matrix product when the prefill rate is measure
 CONVERSION_OPTIONS = {"bits": 4, "group_size": 64, "expert_bits": 4, "expert_group_size": 64}
 
 
-def _config_path(target: Path, name: str) -> Path:
+def _config_path(target: Path, name: str, revision=None) -> Path:
     """The config.json to plan: a file, a source directory's, or a hub repo's."""
     if target.exists():
+        if revision is not None:
+            raise ModelError(f"--revision {revision}: {name} is a local path, not a hub id")
         return target / "config.json" if target.is_dir() else target
     if looks_like_hub_id(name):
         try:
             # The hub cache's snapshot files link into its blobs/ folder.
-            return fetch_config(name).resolve()
+            return fetch_config(name, revision).resolve()
         except HubError as e:
             raise ModelError(str(e)) from None
     raise ModelError(f"{target}: no such model directory or config.json")
@@ -81,6 +89,8 @@ def plan_parser():
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activation dtype to plan for (default: float32 on CPU; the model's "
                    "dtype on GPU — plan an Apple GPU with bfloat16)")
+    p.add_argument("--revision", default=None,
+                   help="for a hub id: the branch, tag or commit (default: main)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--ranks", type=positive, default=1,
@@ -101,7 +111,11 @@ def plan_from_path(args) -> dict:
         mx.float32 if mx.default_device() == mx.cpu else None)
     given = {k: getattr(args, k, None) for k in CONVERSION_OPTIONS}
     bank = None
+    routes = None  # a converted model has taken its route
     if target.is_dir() and (target / MANIFEST_NAME).exists():
+        if getattr(args, "revision", None) is not None:
+            raise ModelError(f"--revision {args.revision}: {target} is a converted model, "
+                             "not a hub id")
         model_dir = open_model_dir(target)
         manifest, config = model_dir.manifest, model_dir.config
         named = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
@@ -116,10 +130,10 @@ def plan_from_path(args) -> dict:
         act = act or getattr(mx, manifest.dtype)
         inv = inventory_from_manifest(manifest, config, act)
         layout = expert_layout(manifest)
-        bank = manifest.bank_path(manifest.moe_layers[0])
+        bank = None if manifest.linked else manifest.bank_path(manifest.moe_layers[0])
         source = str(target)
     else:
-        config_path = _config_path(target, args.model)
+        config_path = _config_path(target, args.model, getattr(args, "revision", None))
         config = read_source_config(config_path)
         check_context(args.context, config)
         opts = {k: CONVERSION_OPTIONS[k] if v is None else v for k, v in given.items()}
@@ -130,6 +144,8 @@ def plan_from_path(args) -> dict:
                                     expert_group_size=opts["expert_group_size"])
         layout = None  # as deltafin-convert --ranks N would write it
         source = args.model if not target.exists() else str(config_path)
+        routes = _disk_routes(inv, config, opts, target, args.model,
+                              getattr(args, "revision", None))
     ranks = getattr(args, "ranks", 1)
     whole = inv
     if ranks > 1:
@@ -218,7 +234,33 @@ def plan_from_path(args) -> dict:
         "scoring_pass_tokens": scoring.pass_tokens,
         "scoring_logit_rows": scoring.logit_rows,
         "scoring_projection": project_scoring(inv, plan, scoring.pass_tokens, disk, batched),
+        "disk_routes": routes.to_dict() if routes is not None else None,
     }
+
+
+def _disk_routes(inv, config, opts, target: Path, name: str, revision):
+    """The disk per route for a source: file sizes from the hub's listing or the
+    local directory where there are any, else estimated from config.json."""
+    quant = expert_quantization(config, opts["expert_bits"], opts["expert_group_size"])
+    shards, small = None, 0
+    if target.exists():
+        folder = target if target.is_dir() else target.parent
+        files = [p for p in folder.iterdir() if p.is_file()]
+        found = {p.name: p.stat().st_size for p in files if p.name.endswith(".safetensors")}
+        if found:
+            shards = found
+            small = sum(p.stat().st_size for p in files if p.name not in found)
+    else:
+        try:
+            listed = list_repo(name, revision)
+        except HubError as e:
+            raise ModelError(str(e)) from None
+        if listed is not None:
+            shards = {n: f.size for n, f in listed.files.items() if n.endswith(".safetensors")}
+            small = sum(f.size for n, f in listed.files.items()
+                        if n not in shards and any(fnmatch(n, p) for p in SOURCE_PATTERNS))
+    return disk_routes(inv, quant, shards or None, small,
+                       itemsize_of(str(source_dtype(config) or "bfloat16").split(".")[-1]))
 
 
 def _disk_rate(given, bank, source, remeasure):
@@ -339,5 +381,26 @@ def format_plan(r: dict) -> str:
         f"positions: {r['scoring_projection']['tokens_per_second']:.3g} scored tok/s "
         f"({_duration(r['scoring_projection']['pass_seconds'])} and "
         f"{human_bytes(r['scoring_projection']['pass_read_bytes'])} read per pass)",
+        *_format_routes(r.get("disk_routes")),
     ]
     return "\n".join(lines)
+
+
+def _format_routes(d):
+    if not d:
+        return []
+    h = human_bytes
+    linked = (f"  linked       --link-experts: {h(d['linked_output_bytes'])} output beside the "
+              f"download = {h(d['download_and_linked_bytes'])} (the snapshot must stay)"
+              if d["linked_output_bytes"] is not None else
+              "  linked       not possible: the experts are requantized, not carried over")
+    return [
+        f"disk routes    download {h(d['download_bytes'])} ({d['download_from']}), "
+        f"largest shard {h(d['largest_shard_bytes'])}",
+        f"  packed       download, then convert: {h(d['packed_output_bytes'])} output = "
+        f"{h(d['download_and_packed_bytes'])} at the peak",
+        linked,
+        f"  scratch      from the hub with --scratch-limit: {h(d['packed_output_bytes'])} "
+        f"output + {h(d['scratch_peak_bytes'])} scratch peak = "
+        f"{h(d['hub_with_scratch_bytes'])}",
+    ]

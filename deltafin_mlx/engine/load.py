@@ -19,6 +19,7 @@ from deltafin_mlx.model.config import eos_token_ids, text_config
 from deltafin_mlx.model.modules import find_path, get_module, layer_paths, set_module
 from deltafin_mlx.plan.footprint import inventory_from_manifest
 from deltafin_mlx.plan.memory import MAX_SEQUENCES, plan_memory
+from deltafin_mlx.engine.linked_reader import LinkedSources
 from deltafin_mlx.engine.reader import Reader, open_bank
 from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
                     sharded_inventory)
@@ -250,9 +251,15 @@ def load(
                        stream_trunk=stream_trunk, sequences=sequences,
                        max_sequences=max_sequences)
 
-    # Banks are checked before anything big is allocated.
+    # Banks (or linked sources) are checked before anything big is allocated.
     layouts = {}
-    for layer in manifest.moe_layers:
+    linked = None
+    if manifest.linked is not None:
+        if ranks > 1:
+            raise ModelError(f"{path}: linked experts are read whole from the source: run "
+                             "them in one process (convert without --link-experts for ranks)")
+        linked = LinkedSources(manifest, read_mode)
+    for layer in manifest.moe_layers if linked is None else ():
         entry = manifest.experts["layers"][str(layer)]
         try:
             layouts[layer] = read_layout(
@@ -273,16 +280,22 @@ def load(
         if verify and layouts[layer].checksums is None:
             raise ModelError(f"{path}: --verify needs a rank count equal to the model's "
                              f"{manifest.slices} slices, 1, or a multiple of it")
-    read_size = layouts[manifest.moe_layers[0]].record_size
+    if linked is not None:
+        banks = {layer: linked.bank(manifest, layer) for layer in manifest.moe_layers}
+        read_size = manifest.experts["record_size"]
+    else:
+        read_size = layouts[manifest.moe_layers[0]].record_size
 
     model = build_model(config, path)
     switches = switch_shapes(model, manifest)
     stats = CacheStats()
+    if linked is None:
+        banks = {layer: open_bank(manifest.bank_path(layer), layouts[layer], read_mode)
+                 for layer in manifest.moe_layers}
     reader = Reader(read_size, threads=reader_threads,
-                    checks="every" if verify else record_checks)
+                    checks="every" if verify else record_checks,
+                    staging_bytes=max(b.staging_bytes for b in banks.values()))
     quant = manifest.quantization["experts"]
-    banks = {layer: open_bank(manifest.bank_path(layer), layouts[layer], read_mode)
-             for layer in manifest.moe_layers}
     cache = ExpertCache(banks, plan.slots, manifest.experts["num_experts"],
                         manifest.experts["experts_per_token"], act, reader, stats)
     if pipeline == "auto":
@@ -435,6 +448,32 @@ def load_tokenizer(path: Path, manifest, config: dict):
                          f"{str(e)[:200]})") from None
 
 
+def _gather_linked(manifest) -> list:
+    """Every linked expert read from its source and stacked per section."""
+    import numpy as np
+
+    from deltafin_mlx.format.aligned import aligned_empty
+    from deltafin_mlx.format.dtypes import NUMPY
+
+    sources = LinkedSources(manifest, "buffered")
+    weights = []
+    try:
+        for layer in manifest.moe_layers:
+            bank = sources.bank(manifest, layer)
+            staging = aligned_empty(bank.staging_bytes)
+            stacked = {s.name: np.empty((bank.layout.num_experts, *s.shape), NUMPY[s.dtype])
+                       for s in bank.layout.sections}
+            for e in range(bank.layout.num_experts):
+                bank.read_into(e, {k: v[e] for k, v in stacked.items()}, staging, True)
+            for s in bank.layout.sections:
+                a = mx.array(stacked[s.name])
+                weights.append((f"{manifest.switch_path(layer)}.{s.name}",
+                                a.view(mx.bfloat16) if s.dtype == "bfloat16" else a))
+    finally:
+        sources.close()
+    return weights
+
+
 def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Module:
     """The whole model in memory: mlx-lm's model class with every bank gathered
     back into its stacked `switch_mlp` tensors. For checks and comparisons."""
@@ -448,7 +487,9 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
     quantize_like_config(model, config)
     check_against_manifest(model, config, manifest, switches)
     weights = []
-    for layer in manifest.moe_layers:
+    if manifest.linked is not None:
+        weights = _gather_linked(manifest)
+    for layer in manifest.moe_layers if manifest.linked is None else ():
         layout = read_layout(manifest.bank_path(layer)).for_rank(0, 1)
         data = np.memmap(manifest.bank_path(layer), dtype=np.uint8, mode="r")
         records = data[layout.header_size:].reshape(layout.num_experts, layout.record_size)

@@ -57,6 +57,15 @@ class BankFile:
         if self.checked is None:
             self.checked = np.zeros(self.layout.num_experts, dtype=bool)
 
+    @property
+    def staging_bytes(self) -> int:
+        """The staging buffer one read of this bank may need."""
+        return self.layout.record_size
+
+    def read_into(self, expert: int, targets: Dict[str, np.ndarray], staging: np.ndarray,
+                  verify: bool):
+        read_record(self, expert, targets, staging, verify)
+
     def close(self):
         if self.mapping is not None:
             self.mapping.close()
@@ -103,10 +112,12 @@ class ReadJob:
 class Reader:
     """Runs read jobs on `threads` background threads (0: in the caller's thread)."""
 
-    def __init__(self, record_size: int, threads: int = 1, checks: str = "first"):
+    def __init__(self, record_size: int, threads: int = 1, checks: str = "first",
+                 staging_bytes: Optional[int] = None):
         if checks not in RECORD_CHECKS:
             raise ValueError(f"checks must be one of {RECORD_CHECKS}")
         self.record_size = record_size
+        self.staging_bytes = staging_bytes or record_size
         self.checks = checks
         self.threads = threads
         self.bytes_read = 0
@@ -166,7 +177,7 @@ class Reader:
     def _staging(self) -> np.ndarray:
         buf = getattr(self._local, "staging", None)
         if buf is None:
-            buf = self._local.staging = aligned_empty(self.record_size)
+            buf = self._local.staging = aligned_empty(self.staging_bytes)
         return buf
 
     def _run(self, job: ReadJob):
@@ -178,7 +189,7 @@ class Reader:
             start = time.perf_counter()
             check = self.checks != "off" and job.bank.layout.checksums is not None and (
                 self.checks == "every" or not job.bank.checked[job.expert])
-            read_record(job.bank, job.expert, job.targets, self._staging(), check)
+            job.bank.read_into(job.expert, job.targets, self._staging(), check)
             if check:
                 job.bank.checked[job.expert] = True
             took = time.perf_counter() - start
@@ -217,7 +228,10 @@ def _disk_dtype(section):
     return np.dtype(NUMPY[section.dtype])
 
 
-def _pread_full(bank: BankFile, buffers: List[memoryview], offset: int, nbytes: int):
+def _pread_full(bank: BankFile, buffers: List[memoryview], offset: int, nbytes: int,
+                at_least: Optional[int] = None):
+    """Fill `buffers` (nbytes) from `offset`; `at_least` accepts a read that the
+    file's end cut short past that many bytes (an aligned read's slack)."""
     for attempt in range(READ_RETRIES + 1):
         try:
             n = os.preadv(bank.fd, buffers, offset)
@@ -233,7 +247,7 @@ def _pread_full(bank: BankFile, buffers: List[memoryview], offset: int, nbytes: 
                     f"({e.strerror or e})"
                 ) from None
             continue
-        if n == nbytes:
+        if n == nbytes or (at_least is not None and n >= at_least):
             return
         if attempt == READ_RETRIES:
             raise ReadError(
@@ -301,11 +315,15 @@ def _check(bank: BankFile, expert: int, crc: int):
 
 def _copy_sections(layout: BankLayout, record: np.ndarray, targets: Dict[str, np.ndarray]):
     for name, src in layout.split_record(record).items():
-        dst = targets[name]
-        if dst.dtype == src.dtype:
-            dst[...] = src
-        elif src.dtype == np.uint16 and dst.dtype == np.float32:
-            # bfloat16 -> float32 is exact: the bf16 bits are the top half of the f32.
-            dst.view(np.uint32)[...] = src.astype(np.uint32) << 16
-        else:
-            dst[...] = src.astype(dst.dtype)
+        copy_section(targets[name], src)
+
+
+def copy_section(dst: np.ndarray, src: np.ndarray):
+    """A section's bytes as read (its disk dtype) into its slot view."""
+    if dst.dtype == src.dtype:
+        dst[...] = src
+    elif src.dtype == np.uint16 and dst.dtype == np.float32:
+        # bfloat16 -> float32 is exact: the bf16 bits are the top half of the f32.
+        dst.view(np.uint32)[...] = src.astype(np.uint32) << 16
+    else:
+        dst[...] = src.astype(dst.dtype)

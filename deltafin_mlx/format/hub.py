@@ -1,11 +1,29 @@
 """The Hugging Face hub, for the few things Deltafin fetches from it: a source
-checkpoint (deltafin-convert) or only its config.json (`deltafin-run plan`), with
-each kind of failure — offline above all — said in one line."""
+checkpoint (deltafin-convert, whole or shard by shard) or only its config.json
+(`deltafin-run plan`, `info`), with each kind of failure — offline above all, a
+missing or gated repository, a wrong revision — said in one line.
+
+The repository is listed first (one API request, which huggingface-hub does not
+retry): a file download that cannot reach the hub is retried for ~24 s before it
+gives up, so asking the listing first makes an unreachable hub one line in a second.
+Unreachable, a repository already in the local hub cache is used from there.
+
+A snapshot's files in the hub cache are symlinks into the repository's `blobs/`
+folder, so the root under which a snapshot's files may resolve is the repository's
+cache folder (`models--OWNER--NAME`, its real path), not the snapshot folder.
+"""
 
 import contextlib
+import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Dict, Optional
+
 from deltafin_mlx.errors import HubError
+
+# What a conversion fetches of a repository (weights, configs, tokenizer files).
+SOURCE_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
 def looks_like_hub_id(src: str) -> bool:
@@ -13,26 +31,42 @@ def looks_like_hub_id(src: str) -> bool:
     return src.count("/") == 1 and not src.startswith((".", "/", "~")) and all(src.split("/"))
 
 
-def hub_failure(repo: str, e: BaseException, what: str) -> str:
+def offline_mode() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def hub_failure(repo: str, e: BaseException, what: str, revision: Optional[str] = None) -> str:
     """One line: why fetching `what` of `repo` failed."""
     from huggingface_hub import errors
 
-    if isinstance(e, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled,
-                      ConnectionError)):
-        if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0"):
-            why = "offline: HF_HUB_OFFLINE is set, and it is not in the local hub cache"
-        else:
-            why = "offline: the Hugging Face hub cannot be reached, and it is not in the local hub cache"
+    if isinstance(e, errors.RevisionNotFoundError):
+        why = f"it has no revision {revision or 'main'!r} (check --revision)"
     elif isinstance(e, errors.GatedRepoError):
         why = "the repository is gated: accept its terms on huggingface.co and log in (hf auth login)"
     elif isinstance(e, errors.RepositoryNotFoundError):
         why = "no such repository on the Hugging Face hub (or it is private: log in with hf auth login)"
-    elif isinstance(e, errors.EntryNotFoundError):
+    elif isinstance(e, errors.EntryNotFoundError) and not isinstance(
+            e, errors.LocalEntryNotFoundError):
         why = f"the repository has no {what}"
+    elif isinstance(e, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled,
+                        ConnectionError, OSError)) or _is_network_error(e):
+        if offline_mode():
+            why = "offline: HF_HUB_OFFLINE is set, and it is not in the local hub cache"
+        else:
+            why = ("offline: the Hugging Face hub cannot be reached, and it is not in the local "
+                   "hub cache (HF_HUB_OFFLINE=1 uses only the cache)")
     else:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         why = f"{type(e).__name__}: {msg}"
     return f"{repo}: not a local path, and fetching {what} from the Hugging Face hub failed ({why})"
+
+
+def _is_network_error(e: BaseException) -> bool:
+    try:
+        from httpx2 import TransportError
+    except ImportError:  # another huggingface-hub HTTP stack: its errors are OSErrors
+        return isinstance(e, TimeoutError)
+    return isinstance(e, (TransportError, TimeoutError))
 
 
 @contextlib.contextmanager
@@ -49,14 +83,163 @@ def quiet_hub():
         logger.setLevel(level)
 
 
-def fetch_config(repo: str) -> Path:
-    """config.json of a hub repository, and nothing else of it (plan before downloading)."""
-    from huggingface_hub import hf_hub_download
+@dataclass(frozen=True)
+class HubFile:
+    name: str
+    size: int
+    sha256: Optional[str]  # the LFS oid (None for a small file kept in git)
+
+
+@dataclass
+class HubRepo:
+    """One revision of a repository as the hub lists it."""
+
+    repo: str
+    commit: str
+    files: Dict[str, HubFile]
+
+
+def list_repo(repo: str, revision: Optional[str] = None, what: str = "it") -> Optional[HubRepo]:
+    """The repository's files at `revision` with their sizes and sha256, or None when
+    the hub cannot be reached (offline: the caller falls back to the local cache).
+    A missing or gated repository or a wrong revision is a HubError."""
+    if offline_mode():
+        return None
+    from huggingface_hub import HfApi
 
     try:
         with quiet_hub():
-            return Path(hf_hub_download(repo, "config.json"))
+            info = HfApi().model_info(repo, revision=revision, files_metadata=True)
     except Exception as e:  # the hub raises many types; hub_failure says which
-        raise HubError(hub_failure(repo, e, "its config.json")) from None
+        line = hub_failure(repo, e, what, revision)
+        if "offline:" in line:
+            return None
+        raise HubError(line) from None
+    files = {}
+    for s in info.siblings or []:
+        lfs = getattr(s, "lfs", None)
+        files[s.rfilename] = HubFile(s.rfilename, int(s.size or 0),
+                                     getattr(lfs, "sha256", None) if lfs else None)
+    return HubRepo(repo, info.sha, files)
 
 
+def fetch_file(repo: str, name: str, revision: Optional[str] = None,
+               what: Optional[str] = None, listed: Optional[HubRepo] = None) -> Path:
+    """One file of the repository (from the local hub cache when it is there and
+    the revision is pinned, or when the hub cannot be reached)."""
+    from huggingface_hub import hf_hub_download
+
+    what = what or f"its {name}"
+    if listed is None and not offline_mode():
+        listed = list_repo(repo, revision, what)
+    try:
+        with quiet_hub():
+            if listed is None:  # unreachable: only the cache can answer
+                return Path(hf_hub_download(repo, name, revision=revision, local_files_only=True))
+            if name not in listed.files:
+                raise HubError(f"{repo}: the repository has no {name}")
+            return Path(hf_hub_download(repo, name, revision=listed.commit))
+    except HubError:
+        raise
+    except Exception as e:  # the hub raises many types; hub_failure says which
+        raise HubError(hub_failure(repo, e, what, revision)) from None
+
+
+def fetch_config(repo: str, revision: Optional[str] = None) -> Path:
+    """config.json of a hub repository, and nothing else of it (plan before downloading)."""
+    return fetch_file(repo, "config.json", revision, "its config.json")
+
+
+def download_snapshot(repo: str, revision: Optional[str] = None,
+                      listed: Optional[HubRepo] = None, patterns=None,
+                      progress: bool = True) -> Path:
+    """The snapshot folder of the whole repository (what a conversion reads),
+    downloaded into the hub cache, or found there when the hub cannot be reached."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import disable_progress_bars
+
+    if listed is None and not offline_mode():
+        listed = list_repo(repo, revision)
+    if not progress:
+        disable_progress_bars()
+    try:
+        with quiet_hub():
+            return Path(snapshot_download(
+                repo, revision=listed.commit if listed else revision,
+                local_files_only=listed is None, allow_patterns=patterns or SOURCE_PATTERNS))
+    except Exception as e:  # the hub raises many types; hub_failure says which
+        raise HubError(hub_failure(repo, e, "it", revision)) from None
+
+
+def cache_root(snapshot: Path) -> Path:
+    """The real path of a hub-cache repository folder holding `snapshot`
+    (`.../models--OWNER--NAME/snapshots/COMMIT`): its files resolve into its
+    `blobs/`. A folder outside the hub cache is its own root."""
+    snapshot = Path(snapshot)
+    if snapshot.parent.name == "snapshots" and snapshot.parent.parent.name.startswith("models--"):
+        return Path(os.path.realpath(snapshot.parent.parent))
+    return Path(os.path.realpath(snapshot))
+
+
+def sha256_file(path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _get(repo: str, commit: str, name: str, headers: dict):
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    url = hf_hub_url(repo, name, revision=commit)
+    return get_session().stream("GET", url, headers={**build_hf_headers(), **headers},
+                                follow_redirects=True, timeout=60)
+
+
+def fetch_range(repo: str, commit: str, name: str, start: int, length: int) -> bytes:
+    """`length` bytes of a repository file from `start` (an HTTP range request):
+    a shard's safetensors header without downloading the shard."""
+    from huggingface_hub.utils import hf_raise_for_status
+
+    try:
+        with _get(repo, commit, name, {"Range": f"bytes={start}-{start + length - 1}"}) as r:
+            hf_raise_for_status(r)
+            data = r.read()
+    except HubError:
+        raise
+    except Exception as e:  # the hub raises many types; hub_failure says which
+        raise HubError(hub_failure(repo, e, f"the header of {name}")) from None
+    if r.status_code != 206 and len(data) > length:
+        data = data[start:start + length]  # a server that ignores ranges
+    return data
+
+
+def download_to(repo: str, commit: str, name: str, dest: Path, on_bytes=None) -> str:
+    """Stream a repository file into `dest` (flushed to disk), returning its
+    sha256; `on_bytes(n)` is told of every chunk written."""
+    from huggingface_hub.utils import hf_raise_for_status
+
+    h = hashlib.sha256()
+    try:
+        with _get(repo, commit, name, {}) as r, open(dest, "wb") as f:
+            hf_raise_for_status(r)
+            for chunk in r.iter_bytes(4 << 20):
+                f.write(chunk)
+                h.update(chunk)
+                if on_bytes:
+                    on_bytes(len(chunk))
+            f.flush()
+            os.fsync(f.fileno())
+    except HubError:
+        raise
+    except OSError as e:
+        if e.errno is not None and e.filename is not None:
+            raise
+        raise HubError(hub_failure(repo, e, name)) from None
+    except Exception as e:  # the hub raises many types; hub_failure says which
+        raise HubError(hub_failure(repo, e, name)) from None
+    return h.hexdigest()

@@ -40,15 +40,16 @@ TOKENIZER_FILE_NAMES = (
 )
 
 
-def resolve_inside(root, rel, error=ModelError,
-                   inside="the model directory") -> "tuple[Path, os.stat_result]":
+def resolve_inside(root, rel, error=ModelError, inside="the model directory",
+                   within=None) -> "tuple[Path, os.stat_result]":
     """The real path of `root/rel` and its stat, if it is a regular file inside
-    the real `root`; otherwise `error` saying what it is instead (the converter
-    passes its own error for a source directory)."""
+    the real `root` (or the real `within`, a folder holding `root`: a hub cache
+    snapshot's files resolve into the repository's blobs/); otherwise `error`
+    saying what it is instead (the converter passes its own error for a source)."""
     root = Path(root)
     shown = root / rel
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(os.path.join(real_root, rel))
+    real_root = os.path.realpath(within if within is not None else root)
+    real = os.path.realpath(os.path.join(os.path.realpath(root), rel))
     if os.path.commonpath([real_root, real]) != real_root:
         raise error(f"{shown}: resolves to {real}, outside {inside}")
     try:
@@ -161,7 +162,7 @@ def check_file(manifest, rel: str, progress=None):
 
 
 def bank_files(manifest) -> set:
-    return {entry["bank"] for entry in manifest.experts["layers"].values()}
+    return {entry["bank"] for entry in manifest.experts["layers"].values() if "bank" in entry}
 
 
 def check_small_files(manifest, limit: int = SMALL_FILE_BYTES):

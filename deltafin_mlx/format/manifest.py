@@ -28,6 +28,10 @@ from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.dtypes import FLOATS
 from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, check_small_files, parse_checksum,
                                           read_inside, resolve_inside)
+from deltafin_mlx.format.links import LINKED_VERSION
+
+# Every manifest version this Deltafin reads: 1, 2 (rank slices), 3 (linked experts).
+MANIFEST_VERSIONS = FORMAT_VERSIONS + (LINKED_VERSION,)
 
 MANIFEST_NAME = "deltafin.json"
 PARTIAL_NAME = "deltafin.partial.json"
@@ -59,6 +63,15 @@ class Manifest:
     def bank_path(self, layer: int) -> Path:
         return self.path / self.experts["layers"][str(layer)]["bank"]
 
+    @property
+    def linked(self):
+        """`experts.linked` (format version 3: experts read where they lie in the
+        source checkpoint, docs/FORMAT.md), or None for banks."""
+        return self.experts.get("linked")
+
+    def links_path(self, layer: int) -> Path:
+        return self.path / self.experts["layers"][str(layer)]["links"]
+
     def switch_path(self, layer: int) -> str:
         return self.experts["layers"][str(layer)]["switch_path"]
 
@@ -70,7 +83,8 @@ class Manifest:
     def to_dict(self) -> dict:
         return {
             "format": "deltafin",
-            "format_version": SLICED_VERSION if self.slices > 1 else FORMAT_VERSION,
+            "format_version": (LINKED_VERSION if self.linked else
+                               SLICED_VERSION if self.slices > 1 else FORMAT_VERSION),
             "model_type": self.model_type,
             "source": self.source,
             "dtype": self.dtype,
@@ -130,10 +144,10 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
     if not isinstance(d, dict) or d.get("format") != "deltafin":
         raise ModelError(f"{mpath}: not a Deltafin manifest")
     version = d.get("format_version")
-    if version not in FORMAT_VERSIONS:
+    if version not in MANIFEST_VERSIONS:
         raise ModelError(
             f"{mpath}: format version {version!r} is not supported "
-            f"(this Deltafin reads versions {FORMAT_VERSIONS})"
+            f"(this Deltafin reads versions {MANIFEST_VERSIONS})"
         )
     try:
         _check_fields(d)
@@ -273,6 +287,11 @@ def _check_fields(d: dict):
     _need(record_size == record_size_of(sections) * slices,
           "experts.record_size does not match the sections")
     _check_expert_sections({s.name: s for s in sections}, eq)
+    linked = ex.get("linked")
+    _need((linked is not None) == (d.get("format_version") == LINKED_VERSION),
+          f"experts.linked is present exactly in format version {LINKED_VERSION}")
+    if linked is not None:
+        _check_linked(linked)
 
     layers = ex.get("layers")
     _need(isinstance(layers, dict) and layers, "experts.layers must be a non-empty object")
@@ -281,13 +300,16 @@ def _check_fields(d: dict):
         _need(re.fullmatch(r"0|[1-9][0-9]*", key) is not None and int(key) < num_layers,
               f"experts.layers key {key!r:.40}")
         _need(isinstance(entry, dict), f"experts.layers[{key}] is not an object")
-        bank = _rel_path(entry.get("bank"), f"bank of layer {key}", files)
-        header_size = entry.get("header_size")
-        _need(_is_int(header_size) and header_size > 0 and header_size % ALIGN == 0,
-              f"header_size {header_size!r:.40} of layer {key}")
-        _need(files[bank] == header_size + n * record_size,
-              f"{bank} is listed as {files[bank]} bytes, its layout needs "
-              f"{header_size + n * record_size}")
+        if linked is not None:
+            _rel_path(entry.get("links"), f"link table of layer {key}", files)
+        else:
+            bank = _rel_path(entry.get("bank"), f"bank of layer {key}", files)
+            header_size = entry.get("header_size")
+            _need(_is_int(header_size) and header_size > 0 and header_size % ALIGN == 0,
+                  f"header_size {header_size!r:.40} of layer {key}")
+            _need(files[bank] == header_size + n * record_size,
+                  f"{bank} is listed as {files[bank]} bytes, its layout needs "
+                  f"{header_size + n * record_size}")
         sp = entry.get("switch_path")
         _need(isinstance(sp, str)
               and re.fullmatch(rf"(?:(?:{_NAME})\.)*layers\.{key}\.(?:(?:{_NAME})\.)*switch_mlp", sp)
@@ -303,6 +325,21 @@ def _check_fields(d: dict):
           and isinstance(tok.get("files", []), list), "tokenizer must be an object with a kind")
     for rel in tok.get("files", []):
         _rel_path(rel, "tokenizer file", files)
+
+
+def _check_linked(linked):
+    """`experts.linked`: an absolute source root and, per linked file (a path
+    relative to it that stays inside it), its size, mtime and header hash."""
+    _need(isinstance(linked, dict) and isinstance(linked.get("root"), str)
+          and os.path.isabs(linked["root"]) and isinstance(linked.get("files"), dict)
+          and linked["files"], "experts.linked must name an absolute root and its files")
+    for rel, rec in linked["files"].items():
+        if (not isinstance(rel, str) or not rel or "\x00" in rel or os.path.isabs(rel)
+                or ".." in Path(rel).parts):
+            raise _Leaves(f"linked file {rel!r:.200} leaves the source root")
+        _need(isinstance(rec, dict) and _is_int(rec.get("size")) and rec["size"] >= 0
+              and _is_int(rec.get("mtime_ns")) and isinstance(rec.get("header_sha256"), str),
+              f"linked file {rel!r:.200}: size, mtime_ns and header_sha256 expected")
 
 
 def _check_expert_sections(by_name: Dict[str, Section], quant: dict):

@@ -19,6 +19,8 @@ from typing import Callable, List, Optional
 from deltafin_mlx.format.bank import BankError, read_layout
 from deltafin_mlx.format.integrity import CHUNK, file_checksum, parse_checksum, resolve_inside
 from deltafin_mlx.format.manifest import read_manifest
+from deltafin_mlx.errors import ModelError
+from deltafin_mlx.format.links import check_linked_sources, read_links
 
 
 @dataclass
@@ -55,7 +57,8 @@ def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) ->
         else:
             sound.append(rel)
 
-    banks = {entry["bank"]: int(layer) for layer, entry in m.experts["layers"].items()}
+    banks = {entry["bank"]: int(layer) for layer, entry in m.experts["layers"].items()
+             if "bank" in entry}
     layouts = {}
     for rel in sound:
         if rel in banks:
@@ -71,6 +74,9 @@ def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) ->
     sound = [rel for rel in sound if rel not in banks or rel in layouts]
 
     total = sum(m.files[rel] for rel in sound)
+    if m.linked is not None:  # the experts' bytes, read where they lie in the source
+        total += (len(m.moe_layers) * m.experts["num_experts"]
+                  * sum(sec["nbytes"] for sec in m.experts["sections"]))
     done = [0]
 
     def advance(n):
@@ -95,7 +101,50 @@ def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) ->
         if crc != want and len(report.problems) == before:
             report.problems.append(f"{rel}: modified since conversion (damaged or edited: "
                                    f"CRC-32 {crc:08x}, the manifest says {want:08x})")
+    if m.linked is not None:
+        _check_linked(m, report, advance)
     return report
+
+
+def _check_linked(m, report: VerifyReport, advance):
+    """Linked experts: every source file still as recorded, and every expert's
+    bytes where its table says, against the CRC-32 taken during the conversion."""
+    try:
+        real = check_linked_sources(m.linked)
+    except ModelError as e:
+        report.problems.append(str(e))
+        return
+    fds = {rel: os.open(p, os.O_RDONLY) for rel, p in real.items()}
+    try:
+        for layer in m.moe_layers:
+            try:
+                layout = read_links(m.links_path(layer), m.experts, layer, m.linked["files"])
+            except ModelError as e:
+                report.problems.append(str(e))
+                continue
+            by_name = layout.section_by_name
+            for e in range(layout.num_experts):
+                got = {}
+                for run in layout.runs(e):
+                    fd = fds[layout.files[run.file]]
+                    data = memoryview(os.pread(fd, run.end - run.start, run.start))
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(fd, run.start, len(data), os.POSIX_FADV_DONTNEED)
+                    for name, off in run.parts:
+                        got[name] = data[off:off + by_name[name].nbytes]
+                    advance(len(data))
+                crc = 0
+                for sec in layout.sections:
+                    crc = zlib.crc32(got[sec.name], crc)
+                report.records_checked += 1
+                if crc & 0xFFFFFFFF != int(layout.checksums[e]):
+                    report.problems.append(
+                        f"{m.links_path(layer).name}: layer {layer} expert {e}: its bytes in "
+                        f"the linked source ({', '.join(sorted({layout.files[r.file] for r in layout.runs(e)}))}) "
+                        "changed since the conversion (CRC-32 mismatch)")
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _check_bank(real: Path, rel: str, layer: int, layout, report: VerifyReport, advance) -> int:

@@ -49,6 +49,9 @@ class Inventory:
     expert_weights: int  # matrix elements of one expert
     activation_dtype: mx.Dtype
     notes: List[str] = field(default_factory=list)
+    # A source's trunk per unit as the checkpoint stores it (its dtype, unquantized):
+    # what a download holds besides the experts (only from a config.json).
+    source_unit_bytes: Dict[str, int] = field(default_factory=dict)
 
     @property
     def slot_bytes(self) -> int:
@@ -159,6 +162,12 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
         model.update(tree_map_with_path(
             lambda k, v: v.astype(dtype) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
             model.parameters()))
+    source_units: Dict[str, int] = {}
+    for name, a in tree_flatten(model.parameters()):
+        if not skip(name):
+            m = LAYER_RE.search(name)
+            key = m.group(1) if m else "globals"
+            source_units[key] = source_units.get(key, 0) + a.nbytes
     trunk_quant = {"group_size": group_size, "bits": bits, "mode": "affine"} if bits else None
     quantized = quantize_like_mlx_lm(model, model, "", skip, trunk_quant)
 
@@ -192,4 +201,5 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
         sections=sections,
         expert_weights=_expert_weights(sections, quant),
         activation_dtype=act,
+        source_unit_bytes=source_units,
     )

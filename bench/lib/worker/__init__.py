@@ -7,6 +7,7 @@
     python -m bench.lib.worker prefill-run MODEL TOKENS SLOTS DECODE [THROTTLE_FILE VALUE]
     python -m bench.lib.worker server-baseline
     python -m bench.lib.worker score --model DIR --mode deltafin|mlx-lm [--cache-slots N]
+    python -m bench.lib.worker expert-reads MODEL PASSES [THROTTLE_FILE VALUE]
 
 Each mode prints its result as one JSON line (the last line of stdout), except
 server-baseline, which prints a number of KiB. A fresh process per measurement
@@ -28,6 +29,7 @@ MODES = {
     "prefill-run": "prefill_run",
     "server-baseline": "server_baseline",
     "score": "score",
+    "expert-reads": "expert_reads",
 }
 
 
