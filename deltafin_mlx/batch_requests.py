@@ -13,7 +13,7 @@ and is answered by an error line; only duplicate ids stop the job before it star
 
 import json
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Union
+from typing import Callable, Iterable, List, Optional, Union
 
 from deltafin_mlx.errors import BatchError
 
@@ -35,15 +35,18 @@ class Request:
     custom_id: bool = False  # the line was in OpenAI's Batch format
 
 
-def read_requests(lines: Iterable[Union[str, bytes, None]]) -> List[Request]:
+def read_requests(lines: Iterable[Union[str, bytes, None]],
+                  spec_of: Optional[Callable[[dict], dict]] = None) -> List[Request]:
     """One Request per non-empty line (None stands for a line too long to read).
     A line without a usable id is kept as an error keyed by its line number;
-    duplicate ids refuse the job."""
+    duplicate ids refuse the job. `spec_of` turns a line's object into the job's
+    canonical spec or raises ValueError (default: a batch request's, `batch_spec`;
+    a score job has its own keys)."""
     out, seen = [], {}
     for n, text in enumerate(lines, 1):
         if text is not None and not text.strip():
             continue
-        req = _read_line(n, text)
+        req = _read_line(n, text, spec_of or batch_spec)
         if req.id is not None:
             if req.key in seen:
                 raise BatchError(f"id {req.key} appears on lines {seen[req.key]} and {n}: ids "
@@ -53,7 +56,7 @@ def read_requests(lines: Iterable[Union[str, bytes, None]]) -> List[Request]:
     return out
 
 
-def _read_line(n: int, text) -> Request:
+def _read_line(n: int, text, spec_of) -> Request:
     def bad(why):
         return Request(f"line:{n}", None, n, error=f"line {n}: {why}")
 
@@ -63,7 +66,7 @@ def _read_line(n: int, text) -> Request:
         spec = json.loads(text)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         return bad(f"not JSON ({type(e).__name__}: {str(e)[:200]})")
-    openai = isinstance(spec, dict) and "custom_id" in spec
+    openai = isinstance(spec, dict) and "custom_id" in spec and spec_of is batch_spec
     name = "custom_id" if openai else "id"
     if not isinstance(spec, dict) or not _is_id(spec.get(name)):
         return bad(f'not an object with an "{name}" (a string or an integer)')
@@ -71,14 +74,20 @@ def _read_line(n: int, text) -> Request:
     req = Request(json.dumps(rid), rid, n, custom_id=openai)
     try:
         _check_text(spec)
-        req.spec = _from_openai(spec) if openai else _own(spec)
-        if ("prompt" in req.spec) == ("messages" in req.spec):
-            raise ValueError('needs exactly one of "prompt" (a string) or "messages" (a list)')
-        if "messages" in req.spec:
-            check_messages(req.spec["messages"])
+        req.spec = spec_of(spec)
     except ValueError as e:
         req.error = f"line {n}: {e}"
     return req
+
+
+def batch_spec(spec: dict) -> dict:
+    """A batch line's canonical spec: its own keys, or OpenAI's Batch format."""
+    out = _from_openai(spec) if "custom_id" in spec else _own(spec)
+    if ("prompt" in out) == ("messages" in out):
+        raise ValueError('needs exactly one of "prompt" (a string) or "messages" (a list)')
+    if "messages" in out:
+        check_messages(out["messages"])
+    return out
 
 
 def _is_id(v) -> bool:

@@ -106,10 +106,11 @@ def test_each_pass_reads_at_most_the_union_of_its_routing(converted, tmp_path):
     would read; pads read nothing."""
     from deltafin_mlx.score.inputs import prepare
     from deltafin_mlx.score.job import iter_passes
-    from deltafin_mlx.batch import read_requests
+    from deltafin_mlx.batch_requests import read_requests
 
     model, tok = load(converted("qwen3_moe"), "200MB", cache_slots=8, warm_start=False)
-    reqs = read_requests(json.dumps({"id": i, "text": t}) for i, t in enumerate(texts(12, 20)))
+    reqs = read_requests((json.dumps({"id": i, "text": t}) for i, t in enumerate(texts(12, 20))),
+                         spec_of=dict)
     items = [prepare(r, tok) for r in reqs]
     passes = list(iter_passes(model, items, ScoreOptions(max_pass_tokens=64)))
     assert len(passes) > 2

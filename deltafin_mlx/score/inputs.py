@@ -5,7 +5,7 @@
     {"id": ..., "messages": [...]}                  the chat template applied; the
                                                     assistant turns' tokens scored
 
-Lines are read as batch jobs read them (batch.read_requests: JSON objects with a
+Lines are read as batch jobs read them (batch_requests.read_requests: JSON objects with a
 string or integer id, duplicate ids refused before anything runs); a line that
 cannot be scored becomes an error line, never a stopped job. The first token of a
 sequence has no prediction, so it is never scored.
@@ -16,7 +16,7 @@ from typing import List
 
 import numpy as np
 
-from deltafin_mlx.batch import Request
+from deltafin_mlx.batch_requests import Request
 
 TEXT_KEYS = ({"id", "text"}, {"id", "prompt", "completion"}, {"id", "messages"})
 

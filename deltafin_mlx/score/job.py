@@ -19,7 +19,9 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from deltafin_mlx.batch import Progress, Request, error_line, read_requests
+from deltafin_mlx.batch import Progress, error_line
+from deltafin_mlx.batch_io import open_input, read_lines
+from deltafin_mlx.batch_requests import Request, read_requests
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.errors import BatchError
 from deltafin_mlx.model.config import max_context
@@ -143,7 +145,7 @@ def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
         spec = {"text": x} if isinstance(x, str) else dict(x)
         spec.setdefault("id", i)
         lines.append(json.dumps(spec))
-    requests = read_requests(lines)
+    requests = read_requests(lines, spec_of=dict)
     order = {r.key: i for i, r in enumerate(requests)}
     sizing = Sizing(model)
     items, errors = prepare_all(requests, tokenizer, opts, sizing.limit)
@@ -157,11 +159,10 @@ def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
 
 
 def read_job(in_path) -> List[Request]:
-    try:
-        with open(in_path, encoding="utf-8") as f:
-            return read_requests(f)
-    except UnicodeDecodeError as e:
-        raise BatchError(f"{in_path}: not UTF-8 text ({e})") from None
+    """IN's lines as batch reads its own (a regular file, lines bounded), each line's
+    object kept as it is: `prepare` says which cannot be scored."""
+    with open_input(in_path) as f:
+        return read_requests((line for _, line, _ in read_lines(f)), spec_of=dict)
 
 
 def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,

@@ -1,7 +1,7 @@
 """Where scores go: JSONL result lines, or safetensors shards with a JSONL index.
 
 JSONL (`--format jsonl`): one line per text, appended and fsynced as each pass
-finishes (batch.Output): id, tokens, token_logprobs (null where not scored, the
+finishes (batch_io.Results, which also locks OUT): id, tokens, token_logprobs (null where not scored, the
 first token included), top_logprobs with K > 0 ([id, logprob] pairs best first,
 null where not scored), logprob (the sum), scored_tokens, greedy.
 
@@ -14,8 +14,8 @@ and its directory fsynced, and only then are its texts' lines appended to the in
 "greedy"}. A kill leaves at worst a shard no index line names, which the next run
 deletes before scoring those texts again.
 
-Either way a rerun skips the ids OUT already answers (batch.answered_keys: a last
-line without its newline, all a kill mid-write can leave, is truncated away), and
+Either way a rerun skips the ids OUT already answers (batch_io.Results.scan: a
+last line without its newline, all a kill mid-write can leave, is truncated away), and
 error lines ({"id", "line", "error"}) answer their ids too.
 """
 
@@ -27,7 +27,7 @@ from typing import List
 
 import numpy as np
 
-from deltafin_mlx.batch import Output, answered_keys
+from deltafin_mlx.batch_io import Results, read_lines
 from deltafin_mlx.errors import BatchError
 from deltafin_mlx.score.logprobs import top_pairs
 from deltafin_mlx.score.sweep import Scored
@@ -53,8 +53,8 @@ def result_line(s: Scored) -> dict:
 
 class JsonlOutput:
     def __init__(self, path):
-        self.done = answered_keys(path)
-        self.out = Output(path)
+        self.out = Results(path)
+        self.done = self.out.scan()
 
     def write_pass(self, results: List[Scored]):
         for s in results:
@@ -104,13 +104,13 @@ class ShardOutput:
     def __init__(self, index_path, top_k: int):
         self.index = Path(index_path)
         self.top_k = top_k
-        self.done = answered_keys(self.index)
+        self.out = Results(self.index)
+        self.done = self.out.scan()  # every line a result (else refused), a cut last one gone
         named = set()
-        with open(self.index, "a+", encoding="utf-8") as f:
-            f.seek(0)
-            for line in f:
-                if line.strip():
-                    shard = json.loads(line).get("shard")
+        with open(self.index, "rb") as f:
+            for _, raw, _ in read_lines(f):
+                if raw and raw.strip():
+                    shard = json.loads(raw).get("shard")
                     if shard is not None:
                         named.add(shard)
         self.pattern = re.compile(re.escape(self.index.stem) + r"\.(\d{5})\.safetensors")
@@ -124,7 +124,6 @@ class ShardOutput:
             else:
                 numbers.append(int(m.group(1)))
         self.next = max(numbers) + 1
-        self.out = Output(self.index)
 
     def write_pass(self, results: List[Scored]):
         if not results:

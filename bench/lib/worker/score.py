@@ -66,7 +66,7 @@ def main(argv=None) -> int:
                           "tokens_per_s": scored / seconds, "perplexity": ppl}))
         return 0
 
-    from deltafin_mlx.batch import Request
+    from deltafin_mlx.batch_requests import Request
     from deltafin_mlx.engine.load import load
     from deltafin_mlx.engine.runtime import runtime
     from deltafin_mlx.score.inputs import ScoreItem
