@@ -130,7 +130,10 @@ class Results:
                           "(use another output file)")
 
     def write(self, result: dict):
-        data = (json.dumps(result, ensure_ascii=False) + "\n").encode("utf-8")
+        try:
+            data = (json.dumps(result, ensure_ascii=False) + "\n").encode("utf-8")
+        except UnicodeEncodeError:  # a string UTF-8 cannot hold: JSON's escapes can
+            data = (json.dumps(result) + "\n").encode("ascii")
         view = memoryview(data)
         while view:
             view = view[os.write(self.fd, view):]

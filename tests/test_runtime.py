@@ -138,8 +138,10 @@ def test_stats_count_hits_misses_speculation_bytes_and_stalls(converted, monkeyp
     store = runtime(model).store
     assert s.hits > 0 and s.misses > 0
     assert s.speculative_issued > 0 and 0 <= s.speculative_used <= s.speculative_issued
-    assert store.bytes_read == (s.misses + s.speculative_issued) * read_manifest(
-        converted("kimi_k3")).experts["record_size"]
+    # a guess cancelled before a thread took it is never read (how many are depends on
+    # the reader's timing: slower reads, as on a loaded machine, cancel more)
+    assert store.bytes_read == (s.misses + s.speculative_issued - s.speculative_cancelled) * (
+        read_manifest(converted("kimi_k3")).experts["record_size"])
     assert s.stall_seconds > 0
     runtime(model).close()
 
