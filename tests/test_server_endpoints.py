@@ -214,3 +214,23 @@ def test_forty_simultaneous_clients_are_all_answered_without_a_reset(serve):
         t.join(timeout=180)
     assert len(results) == 40 and set(results) <= {200, 503}, results
     assert results.count(200) >= 30
+
+
+def test_streamed_logprobs_equal_the_unstreamed_ones(serve):
+    import urllib.request
+
+    port = serve[0]
+    body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = post(port, "/v1/chat/completions", body)[1]["choices"][0]["logprobs"]["content"]
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                 json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    streamed = []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed += (choice.get("logprobs") or {}).get("content", [])
+    assert [e["id"] for e in streamed] == [e["id"] for e in whole]
+    assert all(abs(a["logprob"] - b["logprob"]) < 1e-6 for a, b in zip(streamed, whole))

@@ -213,8 +213,9 @@ def make_handler(base, settings):
             except RequestError as e:
                 settings.counters.outcome("refused")
                 return self._refuse(400, str(e))
-            self._checked = checked
             self._legacy_logprobs = not COMPLETIONS[path] and checked["logprobs"]
+            self._want_logprobs = checked["logprobs"]
+            self._streamed = []  # responses not yet in a streamed chunk (for logprobs)
             for_mlx_lm = {k: v for k, v in checked.items() if v is not None}
             if "top_logprobs" not in for_mlx_lm:
                 for_mlx_lm["top_logprobs"] = -1
@@ -306,6 +307,12 @@ def make_handler(base, settings):
             response["model"] = settings.model_id  # whatever name the client used
             choice = response["choices"][0]
             choice.pop("logprobs", None)
+            if self.stream and self._want_logprobs and self._streamed:
+                # mlx-lm streams no logprobs: the chunk's own tokens, as collected.
+                tokens = [r.token for r in self._streamed]
+                token_logprobs = [r.logprob for r in self._streamed]
+                top_tokens = [r.top_tokens for r in self._streamed]
+                self._streamed = []
             if tokens and token_logprobs:
                 choice["logprobs"] = logprobs_block(
                     settings.tokenizer, tokens, token_logprobs, top_tokens or [],
@@ -404,6 +411,8 @@ class _Watched:
                     raise ClientGone()
                 if meter is not None:
                     self._counters.token(meter)
+                if getattr(handler, "_want_logprobs", False) and handler.stream:
+                    handler._streamed.append(r)
                 yield r
 
         return ctx, watched()
