@@ -160,7 +160,7 @@ def load_for_mlx_lm(path: Path, group=None):
         raise SystemExit(1) from None
     from deltafin_mlx.server.mlx_lm_guard import install
 
-    install()  # inside mlx_lm.server: Deltafin's request checks
+    install(model)  # inside mlx_lm.server: Deltafin's request checks
     return model
 
 

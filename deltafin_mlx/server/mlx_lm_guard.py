@@ -5,15 +5,15 @@ wraps mlx-lm's APIHandler so that every later request is checked first by
 server/schema.py (token ids in the vocabulary: mlx-lm would index past the
 logits, a segfault; stop strings, top_k, empty prompts, content other than text,
 so no URL is fetched) and its prompt tokens against the planned context (the
-reply cut to what is left), and so that mlx-lm decodes no more sequences at once
-than the plan holds, prefills in the plan's passes and keeps no more prompt
-cache than the plan's KV/state bytes.
+reply cut to what is left), and so that mlx-lm's batch generator decodes no more
+sequences at once than the plan holds and prefills in the plan's passes.
 
 What it cannot do there (mlx-lm's own code runs first or around it): bound a
 body before mlx-lm reads and parses it whole, admit requests with a queue and
 503, keep the generation thread alive after an exception, size the listen
-backlog, or check anything before the model has loaded (a request then is
-refused as "still loading"). `deltafin-run serve` does all of these.
+backlog, bound the prompt cache (mlx-lm's --prompt-cache-bytes; changing it on
+one rank of mlx.launch would desynchronise the ranks), or check anything before
+the model has loaded (a request then is refused as "still loading"). `deltafin-run serve` does all of these.
 """
 
 import json
@@ -27,7 +27,7 @@ from deltafin_mlx.server import schema
 
 log = logging.getLogger("deltafin_mlx.server")
 _lock = threading.Lock()
-_limits = {}  # id(model) -> (RequestLimits, plan)
+_limits = {}  # id(model) -> RequestLimits
 
 
 def _limits_of(model, tokenizer):
@@ -42,18 +42,23 @@ def _limits_of(model, tokenizer):
                 return None
             inner = getattr(model, "_inner", model)
             vocab = model_vocab(inner)
-            _limits[id(model)] = (schema.RequestLimits(
+            _limits[id(model)] = schema.RequestLimits(
                 vocab=vocab, context=state.plan.context,
-                max_text_bytes=state.plan.context * longest_token_bytes(tokenizer, vocab)),
-                state.plan)
+                max_text_bytes=state.plan.context * longest_token_bytes(tokenizer, vocab))
         return _limits[id(model)]
 
 
-def install():
-    """Wrap mlx_lm.server's APIHandler (once), if mlx_lm.server is running."""
+def install(model):
+    """Wrap mlx_lm.server's APIHandler and batch generator (once), if mlx_lm.server
+    is running; `model` is the drop-in's loaded model."""
     server = sys.modules.get("mlx_lm.server")
     if server is None or getattr(server.APIHandler, "_deltafin_guard", False):
         return
+    from deltafin_mlx.engine.runtime import find_runtime
+
+    state = find_runtime(model)
+    if state is not None:
+        server.BatchGenerator = _batch_generator_within(state.plan, server.BatchGenerator)
     handler = server.APIHandler
     mlx_lm_validate = handler.validate_model_parameters
     mlx_lm_handle = handler.handle_completion
@@ -62,22 +67,19 @@ def install():
         provider = self.response_generator.model_provider
         if provider.model is None:
             raise ValueError("the model is still loading; retry in a moment")
-        found = _limits_of(provider.model, provider.tokenizer)
-        if found is not None:
-            limits, plan = found
+        limits = _limits_of(provider.model, provider.tokenizer)
+        if limits is not None:
             try:
                 schema.check_completion(self.body, self.path != "/v1/completions", limits)
             except RequestError as e:
                 raise ValueError(str(e)) from None
-            _fit_to_plan(self.response_generator.cli_args, plan)
         mlx_lm_validate(self)
 
     def handle_completion(self, request, stop_words):
         provider = self.response_generator.model_provider
         tokenizer = provider.tokenizer
-        found = _limits_of(provider.model, tokenizer)
-        if found is not None:
-            limits = found[0]
+        limits = _limits_of(provider.model, tokenizer)
+        if limits is not None:
             try:
                 n = len(compat.server_prompt_tokens(self.response_generator, tokenizer,
                                                     request, self))
@@ -105,18 +107,19 @@ def install():
                 "`deltafin-run serve` for untrusted clients")
 
 
-def _fit_to_plan(cli_args, plan):
-    """mlx-lm's batching and prompt cache within what the plan holds (read by
-    mlx-lm when its generation thread makes its batch generator)."""
-    if getattr(cli_args, "_deltafin_fitted", False):
-        return
+def _batch_generator_within(plan, make):
+    """mlx-lm's BatchGenerator, decoding and prefilling no more sequences at once
+    than `plan` holds, in the plan's passes. Installed when the model loads, in
+    every rank's generation thread alike (under mlx.launch the ranks must batch
+    identically)."""
     from deltafin_mlx.batch import PREFILL_BATCH
 
-    cli_args.decode_concurrency = min(cli_args.decode_concurrency, plan.sequences)
-    cli_args.prompt_concurrency = min(cli_args.prompt_concurrency, plan.sequences,
-                                      PREFILL_BATCH)
-    cli_args.prefill_step_size = min(cli_args.prefill_step_size,
-                                     max(1, plan.prefill_pass // cli_args.prompt_concurrency))
-    if cli_args.prompt_cache_bytes is None:
-        cli_args.prompt_cache_bytes = plan.state_bytes
-    cli_args._deltafin_fitted = True
+    def batch_generator(model, *args, completion_batch_size=32, prefill_batch_size=8,
+                        prefill_step_size=2048, **kwargs):
+        decode = min(completion_batch_size, plan.sequences)
+        prefill = min(prefill_batch_size, decode, PREFILL_BATCH)
+        step = min(prefill_step_size, max(1, plan.prefill_pass // prefill))
+        return make(model, *args, completion_batch_size=decode, prefill_batch_size=prefill,
+                    prefill_step_size=step, **kwargs)
+
+    return batch_generator
