@@ -22,7 +22,7 @@ From the model's side the drop-in refuses what it can see: token ids outside the
 vocabulary (at the embedding) and a call longer than the planned context. Inside
 mlx_lm.server it also installs Deltafin's request checks (server/mlx_lm_guard.py:
 logit_bias ids, every value's type and range, content other than text, prompts
-beyond the context) and fits mlx-lm's batching and prompt cache to the plan; what
+beyond the context) and fits mlx-lm's batching to the plan; what
 it cannot do there is listed in that module and in `deltafin-run serve --help`.
 mlx-lm executes the `model_file` config.json names before any Deltafin code
 runs, so a config.json edited to name a file elsewhere is out of Deltafin's

@@ -231,11 +231,6 @@ def make_handler(base, settings):
             finally:
                 settings.counters.finish(self._meter, self._outcome)
 
-        def validate_model_parameters(self):
-            # Everything was checked by server/schema.py; mlx-lm's own checks
-            # (and its logit_bias conversion) still run.
-            super().validate_model_parameters()
-
         # --- a completion ------------------------------------------------------
 
         def handle_completion(self, request, stop_words):

@@ -11,6 +11,7 @@ Content parts other than text are refused before any I/O: the model takes no
 images, and no URL a client names is ever fetched.
 """
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -154,8 +155,6 @@ def _tool_calls(v, field):
         name = text(fn.get("name"), f + ".function.name", MAX_NAME_CHARS, allow_empty=False)
         args = fn.get("arguments", {})
         if isinstance(args, str):
-            import json
-
             try:
                 args = json.loads(args)
             except ValueError:
