@@ -42,6 +42,7 @@ HOSTILE = [
     (CHAT, chat(stop=""), "stop[0]"),
     (CHAT, chat(stop=["x"] * 17), "stop"),
     (CHAT, chat(top_k=100000, temperature=0.7), "top_k"),
+    (CHAT, chat(top_k=1024, temperature=1e-30), "top_k"),  # all of the fixture's 1024 ids
     (TEXT, text(""), "prompt"),
     (TEXT, text(5), "prompt"),
     (TEXT, {"max_tokens": 4}, "prompt"),

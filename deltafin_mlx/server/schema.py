@@ -288,7 +288,7 @@ def check_completion(body: dict, chat: bool, limits: RequestLimits) -> dict:
         v = number(body, key, low, high)
         if v is not None:
             out[key] = v
-    v = integer(body, "top_k", 0, limits.vocab)
+    v = integer(body, "top_k", 0, limits.vocab - 1)  # mlx-lm's sampler takes fewer than all
     if v is not None:
         out["top_k"] = v
     for key in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
