@@ -191,3 +191,16 @@ def test_max_tokens_beyond_the_context_is_cut_to_what_is_left(serve):
     status, reply = post(serve[0], CHAT, chat(max_tokens=2 ** 31))
     usage = reply["usage"]
     assert status == 200 and usage["prompt_tokens"] + usage["completion_tokens"] <= CONTEXT
+
+
+def test_a_body_shorter_than_its_content_length_is_refused(serve):
+    """The client sends half its body and stops sending (half-close): 400 at once,
+    not a wait."""
+    port = serve[0]
+    data = json.dumps(chat()).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                  + str(len(data)).encode() + b"\r\n\r\n" + data[: len(data) // 2])
+        s.shutdown(socket.SHUT_WR)
+        reply = s.recv(65536)
+    assert reply.startswith(b"HTTP/1.0 400") and b"ended after" in reply, reply

@@ -17,6 +17,7 @@ import json
 import logging
 import select
 import socket
+import time
 
 from deltafin_mlx import compat
 from deltafin_mlx.errors import RequestError
@@ -31,6 +32,7 @@ COMPLETIONS = {"/v1/completions": False, "/v1/chat/completions": True,
 DRAIN_CHUNK = 1 << 16
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 256 << 20
+BODY_SECONDS = 30.0  # the longest a body may take to arrive
 
 
 def peer_reset(sock) -> bool:
@@ -188,11 +190,33 @@ def make_handler(base, settings):
             except OSError:
                 pass
 
+        def _read_body(self, length: int) -> bytes:
+            """The body, within BODY_SECONDS in all: a client that trickles its body
+            does not hold its place for longer."""
+            parts, got, deadline = [], 0, time.monotonic() + BODY_SECONDS
+            try:
+                while got < length:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.connection.settimeout(min(left, settings.socket_timeout))
+                    chunk = self.rfile.read1(min(length - got, DRAIN_CHUNK))
+                    if not chunk:
+                        break
+                    parts.append(chunk)
+                    got += len(chunk)
+            except OSError:
+                pass
+            finally:
+                self.connection.settimeout(settings.socket_timeout)
+            return b"".join(parts)
+
         def _admitted(self, path, length):
-            raw = self.rfile.read(length)
+            raw = self._read_body(length)
             if len(raw) < length:
                 self.close_connection = True
-                return self._refuse(400, f"the body ended after {len(raw)} of {length} bytes")
+                return self._refuse(400, f"the body ended after {len(raw)} of {length} bytes "
+                                         f"(or took more than {BODY_SECONDS:g} s)")
             try:
                 body = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
