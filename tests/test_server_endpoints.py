@@ -25,8 +25,9 @@ CONTEXT = 512
 def serve(converted, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
+    # No hub cache at all: /v1/models must not need one (mlx-lm's scans it).
     proc = start_server(converted("kimi_k3"), port, "40MB", log, server="deltafin",
-                        context=CONTEXT)
+                        context=CONTEXT, env={"HF_HOME": str(log.parent / "no-hub")})
     yield port, proc, log
     stop_server(proc)
 
