@@ -99,7 +99,8 @@ def test_each_request_logs_one_line_with_its_tokens_times_and_reads(serve):
     assert lines and re.search(r"\d+ prompt \+ 2 reply tokens in [\d.]+ s \(first token "
                                r"[\d.]+ s, [\d.]+ tok/s\); experts \d+ hits, \d+ misses, "
                                r"[\d.]+ [KMG]?B read", lines[-1]), lines[-1]
-    assert "budget " in log.read_text() and " bytes," not in log.read_text().split("\n")[0]
+    (start,) = [l for l in log.read_text().splitlines() if "deltafin-run serve:" in l]
+    assert re.search(r"budget 40\.0 MB, context 512 tokens, \d+ requests? at once", start), start
 
 
 def teacher_forced_logprobs(model, prompt, generated):
