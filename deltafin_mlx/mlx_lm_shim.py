@@ -22,7 +22,7 @@ From the model's side the drop-in refuses what it can see: token ids outside the
 vocabulary (at the embedding) and a call longer than the planned context. Inside
 mlx_lm.server it also installs Deltafin's request checks (server/mlx_lm_guard.py:
 logit_bias ids, every value's type and range, content other than text, prompts
-beyond the context) and fits mlx-lm's batching and prompt cache to the plan; what
+beyond the context) and fits mlx-lm's batching to the plan; what
 it cannot do there is listed in that module and in `deltafin-run serve --help`.
 mlx-lm executes the `model_file` config.json names before any Deltafin code
 runs, so a config.json edited to name a file elsewhere is out of Deltafin's
@@ -158,9 +158,9 @@ def load_for_mlx_lm(path: Path, group=None):
     except ModelError as e:
         print(f"deltafin: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    from deltafin_mlx.server.mlx_lm_guard import install
+    from deltafin_mlx.server.mlx_lm_guard import fit_batching
 
-    install()  # inside mlx_lm.server: Deltafin's request checks
+    fit_batching(model)  # inside mlx_lm.server: batching within the plan
     return model
 
 
@@ -184,3 +184,14 @@ def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
 
 
 mlx_lm_utils.load_tokenizer = load_tokenizer
+
+
+def _install_server_checks():
+    # mlx-lm imports this module as its model starts loading: inside mlx_lm.server
+    # Deltafin's request checks are in place before the model is.
+    from deltafin_mlx.server.mlx_lm_guard import install_checks
+
+    install_checks()
+
+
+_install_server_checks()

@@ -371,3 +371,41 @@ def test_mlx_lm_server_under_mlx_launch_answers_a_request(models, tmp_path):
     expected = mlx_lm.generate(model, tok, "hello there", max_tokens=6)
     assert answer["choices"][0]["text"] == expected
     runtime(model).close()
+
+
+def test_deltafin_serve_under_mlx_launch_answers_and_only_rank_0_logs_it(models, tmp_path):
+    """`deltafin-run serve` on 2 ranks: rank 0 listens and answers, the ranks decode
+    together, and the request's log line is written once (rank 0's)."""
+    if not LAUNCH.exists():
+        pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
+    _, sliced, _ = models("qwen3_moe")
+    port = _free_port()
+    cmd = [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+           "--starting-port", str(_free_port()), "--python", sys.executable, "--",
+           str(BIN / "deltafin-run"), "serve", str(sliced), "--context", "512",
+           "--host", "127.0.0.1", "--port", str(port)]
+    log_path = tmp_path / "server.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    body = json.dumps({"prompt": "hello there", "max_tokens": 6, "temperature": 0}).encode()
+    answer, deadline = None, time.monotonic() + 180
+    try:
+        while answer is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+                answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
+            except OSError:
+                time.sleep(1)
+        time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    text = log_path.read_text()
+    assert answer is not None, text[-2000:]
+    assert answer["usage"]["completion_tokens"] == 6
+    assert text.count("[deltafin] /v1/completions ok") == 1, text[-2000:]

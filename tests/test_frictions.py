@@ -469,7 +469,8 @@ def readme_blocks(lang):
 NOT_RUN = {
     "python3 -m venv": "the set-up itself (this test runs inside it)",
     "mlx_lm.server": "a server runs until stopped (tests/test_cli.py serves requests)",
-    "deltafin-run serve": "a server runs until stopped (tests/test_hostile.py serves requests)",
+    "deltafin-run serve": "a server runs until stopped (tests/test_server_*.py serve requests)",
+    "curl -s localhost:8080": "requests to that server (tests/test_server_endpoints.py sends them)",
 }
 
 

@@ -25,8 +25,9 @@ CONTEXT = 512
 def serve(converted, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
+    # No hub cache at all: /v1/models must not need one (mlx-lm's scans it).
     proc = start_server(converted("kimi_k3"), port, "40MB", log, server="deltafin",
-                        context=CONTEXT)
+                        context=CONTEXT, env={"HF_HOME": str(log.parent / "no-hub")})
     yield port, proc, log
     stop_server(proc)
 
@@ -98,7 +99,8 @@ def test_each_request_logs_one_line_with_its_tokens_times_and_reads(serve):
     assert lines and re.search(r"\d+ prompt \+ 2 reply tokens in [\d.]+ s \(first token "
                                r"[\d.]+ s, [\d.]+ tok/s\); experts \d+ hits, \d+ misses, "
                                r"[\d.]+ [KMG]?B read", lines[-1]), lines[-1]
-    assert "budget " in log.read_text() and " bytes," not in log.read_text().split("\n")[0]
+    (start,) = [l for l in log.read_text().splitlines() if "deltafin-run serve:" in l]
+    assert re.search(r"budget 40\.0 MB, context 512 tokens, \d+ requests? at once", start), start
 
 
 def teacher_forced_logprobs(model, prompt, generated):
@@ -214,3 +216,23 @@ def test_forty_simultaneous_clients_are_all_answered_without_a_reset(serve):
         t.join(timeout=180)
     assert len(results) == 40 and set(results) <= {200, 503}, results
     assert results.count(200) >= 30
+
+
+def test_streamed_logprobs_equal_the_unstreamed_ones(serve):
+    import urllib.request
+
+    port = serve[0]
+    body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = post(port, "/v1/chat/completions", body)[1]["choices"][0]["logprobs"]["content"]
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                 json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    streamed = []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed += (choice.get("logprobs") or {}).get("content", [])
+    assert [e["id"] for e in streamed] == [e["id"] for e in whole]
+    assert all(abs(a["logprob"] - b["logprob"]) < 1e-6 for a, b in zip(streamed, whole))

@@ -19,8 +19,11 @@ def mlx_lm_server(converted, tmp_path_factory):
     log = tmp_path_factory.mktemp("mlx_lm_server") / "server.log"
     proc = start_server(converted("kimi_k3"), port, "40MB", log,
                         env={"DELTAFIN_CONTEXT": str(CONTEXT)})
-    post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                        "max_tokens": 1})  # the model has loaded
+    # A request sent while the model loads waits for it (checked, then answered).
+    status, _ = post(port, "/v1/chat/completions",
+                     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+                     timeout=300)
+    assert status == 200
     yield port, proc, log
     stop_server(proc)
 

@@ -42,6 +42,7 @@ HOSTILE = [
     (CHAT, chat(stop=""), "stop[0]"),
     (CHAT, chat(stop=["x"] * 17), "stop"),
     (CHAT, chat(top_k=100000, temperature=0.7), "top_k"),
+    (CHAT, chat(top_k=1024, temperature=1e-30), "top_k"),  # all of the fixture's 1024 ids
     (TEXT, text(""), "prompt"),
     (TEXT, text(5), "prompt"),
     (TEXT, {"max_tokens": 4}, "prompt"),
@@ -147,3 +148,59 @@ def test_an_image_url_is_refused_without_being_fetched(serve):
     with pytest.raises(socket.timeout):
         listener.accept()
     listener.close()
+
+
+# Edge values of every sampling field, each one valid alone; combined at random they
+# once found top_k = the vocabulary size, which mlx-lm's sampler refused inside the
+# generation thread.
+EDGES = {"temperature": [0, 1e-30, 100, 0.5], "top_p": [0, 1e-9, 1], "top_k": [0, 1, 1023],
+         "min_p": [0, 1, 1e-9], "repetition_penalty": [0, 1e-9, 100],
+         "repetition_context_size": [0, 1, CONTEXT], "presence_penalty": [-100, 100],
+         "presence_context_size": [0, CONTEXT], "frequency_penalty": [-100, 100],
+         "frequency_context_size": [0, CONTEXT], "xtc_probability": [0, 1],
+         "xtc_threshold": [0, 1], "logit_bias": [{"0": 100}, {"1023": -100},
+                                                 {str(i): -100 for i in range(1000)}],
+         "seed": [0, 2 ** 63 - 1], "top_logprobs": [0, 10], "logprobs": [True, False],
+         "stop": [["\u0000"], ["a" * 1024], ["x"] * 16, "\n"], "max_tokens": [1, 8],
+         "chat_template_kwargs": [{"thinking": False}, {"x": None}],
+         "stream_options": [{"include_usage": True}], "max_completion_tokens": [1, 5]}
+
+
+def test_random_combinations_of_edge_values_never_fail_generation(serve):
+    """60 requests, each with 5 fields at edge values (fixed seed): every one is
+    answered 200 or refused 400, and the generation loop never had to restart."""
+    import random
+
+    port, rng, seen = serve[0], random.Random(7), {}
+    for _ in range(60):
+        body = {k: rng.choice(EDGES[k]) for k in rng.sample(sorted(EDGES), 5)}
+        if rng.random() < 0.3:
+            path, body["prompt"] = TEXT, rng.choice(["x", " ", "\u0000", "hello"])
+        else:
+            path, body["messages"] = CHAT, [{"role": "user", "content": "hi"}]
+        body.setdefault("max_tokens", 3)
+        status, reply = post(port, path, body)
+        seen[status] = seen.get(status, 0) + 1
+        assert status in (200, 400), (status, reply, body)
+    assert seen.get(200, 0) >= 40, seen
+    metrics = get(port, "/metrics")[1].decode()
+    assert "deltafin_generation_restarts_total 0" in metrics
+
+
+def test_max_tokens_beyond_the_context_is_cut_to_what_is_left(serve):
+    status, reply = post(serve[0], CHAT, chat(max_tokens=2 ** 31))
+    usage = reply["usage"]
+    assert status == 200 and usage["prompt_tokens"] + usage["completion_tokens"] <= CONTEXT
+
+
+def test_a_body_shorter_than_its_content_length_is_refused(serve):
+    """The client sends half its body and stops sending (half-close): 400 at once,
+    not a wait."""
+    port = serve[0]
+    data = json.dumps(chat()).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                  + str(len(data)).encode() + b"\r\n\r\n" + data[: len(data) // 2])
+        s.shutdown(socket.SHUT_WR)
+        reply = s.recv(65536)
+    assert reply.startswith(b"HTTP/1.0 400") and b"ended after" in reply, reply

@@ -131,12 +131,12 @@ def percentile(xs, q):
 
 
 def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_requests=10_000,
-        seed=0, server="mlx_lm", hostile_fraction=0.0, context=4096):
+        seed=0, server="mlx_lm", hostile_fraction=0.0, context=4096, extra=()):
     import tempfile
 
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="deltafin-stress-")) / "server.log"
-    proc = start_server(model, port, budget, log_path, server, context)
+    proc = start_server(model, port, budget, log_path, server, context, extra=extra)
     vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1 << 17)
     try:
         expected = {p: chat(port, p, max_tokens, stream=False) for p in PROMPTS}

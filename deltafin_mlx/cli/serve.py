@@ -23,9 +23,14 @@ What it guarantees, whatever clients send:
 After every request one log line gives its tokens, times and the expert reads
 made while it ran. Ctrl-C stops the server.
 
-The plain `mlx_lm.server --trust-remote-code --model MODEL` also serves a Deltafin
-model (through the drop-in deltafin_model.py) but has none of the above but the
-checks the drop-in makes from the model's side; use it for trusted clients only.
+Plain `mlx_lm.server --trust-remote-code --model MODEL` also serves a Deltafin model,
+through the drop-in deltafin_model.py (DELTAFIN_BUDGET, DELTAFIN_CONTEXT and
+DELTAFIN_SEQUENCES stand in for the options). Once the model has loaded it checks
+requests as this server does (values, vocabulary, content, context) and batches
+within the plan, but it cannot bound a body before mlx-lm parses it, queue or refuse
+with 503, survive an exception in mlx-lm's generation thread, size the listen backlog
+or bound mlx-lm's prompt cache, and mlx-lm executes the model_file that config.json
+names before any Deltafin code runs: use it for trusted clients only.
 """
 
 import argparse

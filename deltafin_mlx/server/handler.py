@@ -17,6 +17,7 @@ import json
 import logging
 import select
 import socket
+import time
 
 from deltafin_mlx import compat
 from deltafin_mlx.errors import RequestError
@@ -31,6 +32,7 @@ COMPLETIONS = {"/v1/completions": False, "/v1/chat/completions": True,
 DRAIN_CHUNK = 1 << 16
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 256 << 20
+BODY_SECONDS = 30.0  # the longest a body may take to arrive
 
 
 def peer_reset(sock) -> bool:
@@ -188,11 +190,33 @@ def make_handler(base, settings):
             except OSError:
                 pass
 
+        def _read_body(self, length: int) -> bytes:
+            """The body, within BODY_SECONDS in all: a client that trickles its body
+            does not hold its place for longer."""
+            parts, got, deadline = [], 0, time.monotonic() + BODY_SECONDS
+            try:
+                while got < length:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.connection.settimeout(min(left, settings.socket_timeout))
+                    chunk = self.rfile.read1(min(length - got, DRAIN_CHUNK))
+                    if not chunk:
+                        break
+                    parts.append(chunk)
+                    got += len(chunk)
+            except OSError:
+                pass
+            finally:
+                self.connection.settimeout(settings.socket_timeout)
+            return b"".join(parts)
+
         def _admitted(self, path, length):
-            raw = self.rfile.read(length)
+            raw = self._read_body(length)
             if len(raw) < length:
                 self.close_connection = True
-                return self._refuse(400, f"the body ended after {len(raw)} of {length} bytes")
+                return self._refuse(400, f"the body ended after {len(raw)} of {length} bytes "
+                                         f"(or took more than {BODY_SECONDS:g} s)")
             try:
                 body = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
@@ -213,8 +237,9 @@ def make_handler(base, settings):
             except RequestError as e:
                 settings.counters.outcome("refused")
                 return self._refuse(400, str(e))
-            self._checked = checked
             self._legacy_logprobs = not COMPLETIONS[path] and checked["logprobs"]
+            self._want_logprobs = checked["logprobs"]
+            self._streamed = []  # responses not yet in a streamed chunk (for logprobs)
             for_mlx_lm = {k: v for k, v in checked.items() if v is not None}
             if "top_logprobs" not in for_mlx_lm:
                 for_mlx_lm["top_logprobs"] = -1
@@ -229,11 +254,6 @@ def make_handler(base, settings):
                 super().do_POST()
             finally:
                 settings.counters.finish(self._meter, self._outcome)
-
-        def validate_model_parameters(self):
-            # Everything was checked by server/schema.py; mlx-lm's own checks
-            # (and its logit_bias conversion) still run.
-            super().validate_model_parameters()
 
         # --- a completion ------------------------------------------------------
 
@@ -306,6 +326,12 @@ def make_handler(base, settings):
             response["model"] = settings.model_id  # whatever name the client used
             choice = response["choices"][0]
             choice.pop("logprobs", None)
+            if self.stream and self._want_logprobs and self._streamed:
+                # mlx-lm streams no logprobs: the chunk's own tokens, as collected.
+                tokens = [r.token for r in self._streamed]
+                token_logprobs = [r.logprob for r in self._streamed]
+                top_tokens = [r.top_tokens for r in self._streamed]
+                self._streamed = []
             if tokens and token_logprobs:
                 choice["logprobs"] = logprobs_block(
                     settings.tokenizer, tokens, token_logprobs, top_tokens or [],
@@ -404,6 +430,8 @@ class _Watched:
                     raise ClientGone()
                 if meter is not None:
                     self._counters.token(meter)
+                if getattr(handler, "_want_logprobs", False) and handler.stream:
+                    handler._streamed.append(r)
                 yield r
 
         return ctx, watched()

@@ -1,25 +1,31 @@
 """Deltafin's request checks inside plain `mlx_lm.server --trust-remote-code`
 serving a Deltafin model through the drop-in (mlx_lm_shim.py), as far as they
-can reach there. When the drop-in's model loads inside mlx_lm.server, `install`
-wraps mlx-lm's APIHandler so that every later request is checked first by
+can reach there. When mlx-lm imports the drop-in inside mlx_lm.server (as its
+model starts loading), `install_checks` wraps mlx-lm's APIHandler so that every
+request is checked first by
 server/schema.py (token ids in the vocabulary: mlx-lm would index past the
 logits, a segfault; stop strings, top_k, empty prompts, content other than text,
 so no URL is fetched) and its prompt tokens against the planned context (the
-reply cut to what is left), and so that mlx-lm decodes no more sequences at once
-than the plan holds, prefills in the plan's passes and keeps no more prompt
-cache than the plan's KV/state bytes.
+reply cut to what is left); once the model has loaded, `fit_batching` makes
+mlx-lm's batch generator decode no more sequences at once than the plan holds and
+prefill in the plan's passes.
 
 What it cannot do there (mlx-lm's own code runs first or around it): bound a
 body before mlx-lm reads and parses it whole, admit requests with a queue and
 503, keep the generation thread alive after an exception, size the listen
-backlog, or check anything before the model has loaded (a request then is
-refused as "still loading"). `deltafin-run serve` does all of these.
+backlog, bound the prompt cache (mlx-lm's --prompt-cache-bytes; changing it on
+one rank of mlx.launch would desynchronise the ranks), or check anything before
+the first moment of loading: mlx-lm starts listening as its generation thread
+starts loading, and a request in the instant before the drop-in is imported is
+mlx-lm's alone (one arriving later waits for the model, as mlx-lm would).
+`deltafin-run serve` does all of these.
 """
 
 import json
 import logging
 import sys
 import threading
+import time
 
 from deltafin_mlx import compat
 from deltafin_mlx.errors import RequestError
@@ -27,7 +33,8 @@ from deltafin_mlx.server import schema
 
 log = logging.getLogger("deltafin_mlx.server")
 _lock = threading.Lock()
-_limits = {}  # id(model) -> (RequestLimits, plan)
+LOAD_WAIT_SECONDS = 600  # a request that arrives while the model loads waits this long
+_limits = {}  # id(model) -> RequestLimits
 
 
 def _limits_of(model, tokenizer):
@@ -42,15 +49,15 @@ def _limits_of(model, tokenizer):
                 return None
             inner = getattr(model, "_inner", model)
             vocab = model_vocab(inner)
-            _limits[id(model)] = (schema.RequestLimits(
+            _limits[id(model)] = schema.RequestLimits(
                 vocab=vocab, context=state.plan.context,
-                max_text_bytes=state.plan.context * longest_token_bytes(tokenizer, vocab)),
-                state.plan)
+                max_text_bytes=state.plan.context * longest_token_bytes(tokenizer, vocab))
         return _limits[id(model)]
 
 
-def install():
-    """Wrap mlx_lm.server's APIHandler (once), if mlx_lm.server is running."""
+def install_checks():
+    """Wrap mlx_lm.server's APIHandler (once), if mlx_lm.server is running: called
+    when the drop-in is imported, which mlx-lm does as its model starts loading."""
     server = sys.modules.get("mlx_lm.server")
     if server is None or getattr(server.APIHandler, "_deltafin_guard", False):
         return
@@ -60,24 +67,24 @@ def install():
 
     def validate_model_parameters(self):
         provider = self.response_generator.model_provider
-        if provider.model is None:
-            raise ValueError("the model is still loading; retry in a moment")
-        found = _limits_of(provider.model, provider.tokenizer)
-        if found is not None:
-            limits, plan = found
+        deadline = time.monotonic() + LOAD_WAIT_SECONDS
+        while provider.model is None or provider.tokenizer is None:  # mlx-lm queues it too
+            if time.monotonic() > deadline:
+                raise ValueError("the model is still loading; retry later")
+            time.sleep(0.1)
+        limits = _limits_of(provider.model, provider.tokenizer)
+        if limits is not None:
             try:
                 schema.check_completion(self.body, self.path != "/v1/completions", limits)
             except RequestError as e:
                 raise ValueError(str(e)) from None
-            _fit_to_plan(self.response_generator.cli_args, plan)
         mlx_lm_validate(self)
 
     def handle_completion(self, request, stop_words):
         provider = self.response_generator.model_provider
         tokenizer = provider.tokenizer
-        found = _limits_of(provider.model, tokenizer)
-        if found is not None:
-            limits = found[0]
+        limits = _limits_of(provider.model, tokenizer)
+        if limits is not None:
             try:
                 n = len(compat.server_prompt_tokens(self.response_generator, tokenizer,
                                                     request, self))
@@ -105,18 +112,33 @@ def install():
                 "`deltafin-run serve` for untrusted clients")
 
 
-def _fit_to_plan(cli_args, plan):
-    """mlx-lm's batching and prompt cache within what the plan holds (read by
-    mlx-lm when its generation thread makes its batch generator)."""
-    if getattr(cli_args, "_deltafin_fitted", False):
+def fit_batching(model):
+    """mlx-lm's batch generator within `model`'s plan (once), if mlx_lm.server is
+    running: called when the drop-in's model has loaded, before mlx-lm's
+    generation thread makes its first batch generator."""
+    from deltafin_mlx.engine.runtime import find_runtime
+
+    server = sys.modules.get("mlx_lm.server")
+    state = find_runtime(model)
+    if server is None or state is None or getattr(server.BatchGenerator, "_deltafin", False):
         return
+    server.BatchGenerator = _batch_generator_within(state.plan, server.BatchGenerator)
+
+
+def _batch_generator_within(plan, make):
+    """mlx-lm's BatchGenerator, decoding and prefilling no more sequences at once
+    than `plan` holds, in the plan's passes. Installed when the model loads, in
+    every rank's generation thread alike (under mlx.launch the ranks must batch
+    identically)."""
     from deltafin_mlx.batch import PREFILL_BATCH
 
-    cli_args.decode_concurrency = min(cli_args.decode_concurrency, plan.sequences)
-    cli_args.prompt_concurrency = min(cli_args.prompt_concurrency, plan.sequences,
-                                      PREFILL_BATCH)
-    cli_args.prefill_step_size = min(cli_args.prefill_step_size,
-                                     max(1, plan.prefill_pass // cli_args.prompt_concurrency))
-    if cli_args.prompt_cache_bytes is None:
-        cli_args.prompt_cache_bytes = plan.state_bytes
-    cli_args._deltafin_fitted = True
+    def batch_generator(model, *args, completion_batch_size=32, prefill_batch_size=8,
+                        prefill_step_size=2048, **kwargs):
+        decode = min(completion_batch_size, plan.sequences)
+        prefill = min(prefill_batch_size, decode, PREFILL_BATCH)
+        step = min(prefill_step_size, max(1, plan.prefill_pass // prefill))
+        return make(model, *args, completion_batch_size=decode, prefill_batch_size=prefill,
+                    prefill_step_size=step, **kwargs)
+
+    batch_generator._deltafin = True
+    return batch_generator

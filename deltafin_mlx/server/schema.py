@@ -11,6 +11,7 @@ Content parts other than text are refused before any I/O: the model takes no
 images, and no URL a client names is ever fetched.
 """
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -154,8 +155,6 @@ def _tool_calls(v, field):
         name = text(fn.get("name"), f + ".function.name", MAX_NAME_CHARS, allow_empty=False)
         args = fn.get("arguments", {})
         if isinstance(args, str):
-            import json
-
             try:
                 args = json.loads(args)
             except ValueError:
@@ -289,7 +288,7 @@ def check_completion(body: dict, chat: bool, limits: RequestLimits) -> dict:
         v = number(body, key, low, high)
         if v is not None:
             out[key] = v
-    v = integer(body, "top_k", 0, limits.vocab)
+    v = integer(body, "top_k", 0, limits.vocab - 1)  # mlx-lm's sampler takes fewer than all
     if v is not None:
         out["top_k"] = v
     for key in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
