@@ -383,6 +383,12 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
             if hub is not None:
                 hub.ensure(needed)
                 bar.show_status()
+            verified = state.setdefault("verified_blobs", {})
+            for shard in sorted(needed):
+                if shard in source.blob_sha256 and verified.get(shard) != source.blob_sha256[shard]:
+                    source.check_blob(shard)  # hub downloads are not checked by the hub client
+                    verified[shard] = source.blob_sha256[shard]
+                    _write_atomic_json(partial_path, state)
             fingerprint = source.content_fingerprint(units[unit])
         if key in state["done"]:
             stale = _stale_unit(out, state["done"][key], fingerprint)
