@@ -71,6 +71,9 @@ def test_linked_experts_give_the_packed_conversions_tokens_and_out_holds_no_expe
     assert greedy(out) == greedy(converted("kimi_k3"))
     assert verify_model(out).ok and verify_model(out).records_checked == (
         linked.experts["num_experts"] * len(linked.moe_layers))
+    info = subprocess.run([str(BIN / "deltafin-run"), "info", str(out), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert json.loads(info.stdout)["linked_source_root"] == os.path.realpath(src)
 
 
 def test_linking_experts_that_must_be_requantized_is_refused_in_one_line(sources, tmp_path):

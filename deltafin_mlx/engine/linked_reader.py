@@ -12,6 +12,7 @@ file with its recorded size, mtime and header hash).
 """
 
 import os
+import stat
 import zlib
 from dataclasses import dataclass
 from typing import Dict, List
@@ -81,10 +82,17 @@ class LinkedSources:
         self.files: Dict[str, BankFile] = {}
         try:
             for rel, real in self.real.items():
-                self.files[rel] = open_bank(real, None, mode)
+                self.files[rel] = f = open_bank(real, None, mode)
+                st = os.fstat(f.fd)  # the file opened is the one checked, not a swap
+                if (not stat.S_ISREG(st.st_mode)
+                        or st.st_size != manifest.linked["files"][rel]["size"]):
+                    raise ModelError(f"{real}: linked source file changed while it was opened")
         except OSError as e:
             self.close()
             raise ModelError(f"{e.filename}: cannot open linked source ({e.strerror})") from None
+        except ModelError:
+            self.close()
+            raise
 
     def bank(self, manifest, layer: int) -> LinkedBank:
         layout = read_links(manifest.links_path(layer), manifest.experts, layer,
