@@ -172,7 +172,7 @@ class Reader:
             if job.cancelled:
                 raise ReadCancelled()
             start = time.perf_counter()
-            job.bank.read_into(job.expert, job.targets, self._staging(), self.verify)
+            read_into(job.bank, job.expert, job.targets, self._staging(), self.verify)
             took = time.perf_counter() - start
             with self._lock:
                 self.bytes_read += self.record_size
@@ -182,6 +182,17 @@ class Reader:
             job.error = e
         finally:
             job.done.set()
+
+
+def read_into(bank, expert: int, targets: Dict[str, np.ndarray], staging: np.ndarray,
+              verify: bool):
+    """One expert into its slot views: a bank's record (`read_record`), or what a
+    bank of another kind reads itself (linked experts, engine/linked_reader.py)."""
+    own = getattr(bank, "read_into", None)
+    if own is not None and not isinstance(bank, BankFile):
+        own(expert, targets, staging, verify)
+    else:
+        read_record(bank, expert, targets, staging, verify)
 
 
 def _direct_scatter_ok(layout: BankLayout, targets: Dict[str, np.ndarray]) -> bool:
