@@ -199,6 +199,7 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
                                "read where it is, with no scratch)")
         if out.exists() and not out.is_dir():
             raise ConvertError(f"{out}: exists and is not a directory")
+        existed = out.exists(), (out / SCRATCH_NAME).exists()
         hub = open_hub_scratch(src, options.revision, out, options.progress)
         source = read_source(src, hub.dir, Path(os.path.realpath(hub.dir)), remote=hub)
     else:
@@ -284,7 +285,14 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
                 f"layer {layer}: source has {len(found)} routed experts, config says {num_experts}"
             )
 
-    state = prepare_output(out, source, options)
+    try:
+        state = prepare_output(out, source, options)
+    except ConvertError:
+        if hub is not None and not existed[1]:  # refused: leave OUT as it was
+            hub.remove()
+            if not existed[0]:
+                out.rmdir()
+        raise
     if state.get("finished"):
         if hub is not None:
             hub.remove()
