@@ -37,9 +37,9 @@ class LinkedBank:
 
     @property
     def staging_bytes(self) -> int:
-        widest = max((r.end - r.start for e in range(self.layout.num_experts)
-                      for r in self.layout.runs(e)), default=0)
-        return align_up(widest) + 2 * ALIGN
+        # Each run is widened to whole blocks: at most a block more at each end.
+        return max((sum(r.end - r.start + 2 * ALIGN for r in self.layout.runs(e))
+                    for e in range(self.layout.num_experts)), default=ALIGN)
 
     def read_into(self, expert: int, targets: Dict[str, np.ndarray], staging: np.ndarray,
                   verify: bool):
