@@ -36,6 +36,7 @@ from .experts import expert_locations, expert_record, group_experts, linkable
 from .linked import LinkWriter, linked_manifest_entry
 from .scratch import SCRATCH_NAME, check_scratch_limit, disk_in_use, open_hub_scratch, plan_scratch
 from .source import ConvertError, Source, free_bytes, open_source, read_source, tokenizer_files
+from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.format.hub import looks_like_hub_id
 from deltafin_mlx.units import human_bytes
 from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
@@ -71,8 +72,9 @@ class ConvertOptions:
                                "does not take --ranks")
 
     def recorded(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("force", "progress", "revision", "scratch",
-                                                          "scratch_limit")}
+        # What changes the output (resume and rerun compare it), not how it is fetched.
+        how = ("force", "progress", "revision", "scratch", "scratch_limit")
+        return {k: v for k, v in asdict(self).items() if k not in how}
 
 
 def _write_atomic_json(path: Path, obj):
@@ -190,8 +192,22 @@ def _only_our_leftovers(out: Path) -> bool:
 
 def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest:
     options = options or ConvertOptions()
-    options.check()
     out = Path(out).expanduser()
+    existed = out.exists(), (out / SCRATCH_NAME).exists()
+    try:
+        return _convert(src, out, options)
+    except DeltafinError:
+        # Refused before the conversion started: a scratch this run made goes, and
+        # an OUT it made and left empty, so OUT is as it was.
+        if options.scratch and not existed[1] and not (out / PARTIAL_NAME).exists():
+            shutil.rmtree(out / SCRATCH_NAME, ignore_errors=True)
+            if not existed[0] and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+        raise
+
+
+def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
+    options.check()
     hub = None
     if options.scratch:
         if Path(src).expanduser().exists() or not looks_like_hub_id(src):
@@ -199,7 +215,6 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
                                "read where it is, with no scratch)")
         if out.exists() and not out.is_dir():
             raise ConvertError(f"{out}: exists and is not a directory")
-        existed = out.exists(), (out / SCRATCH_NAME).exists()
         hub = open_hub_scratch(src, options.revision, out, options.progress)
         source = read_source(src, hub.dir, Path(os.path.realpath(hub.dir)), remote=hub)
     else:
@@ -285,14 +300,7 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
                 f"layer {layer}: source has {len(found)} routed experts, config says {num_experts}"
             )
 
-    try:
-        state = prepare_output(out, source, options)
-    except ConvertError:
-        if hub is not None and not existed[1]:  # refused: leave OUT as it was
-            hub.remove()
-            if not existed[0]:
-                out.rmdir()
-        raise
+    state = prepare_output(out, source, options)
     if state.get("finished"):
         if hub is not None:
             hub.remove()
