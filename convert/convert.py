@@ -364,8 +364,10 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
         {u: _unit_source_bytes(source, trunk_src, experts, u) for u in units},
         state["done"], options.progress)
     if hub is not None:
-        bar.status = lambda: (f"download {human_bytes(hub.download_rate)}/s, disk in use "
+        bar.status = lambda: (f"download {human_bytes(hub.download_rate)}/s "
+                              f"({human_bytes(hub.downloaded)} so far), disk in use "
                               f"{human_bytes(disk_in_use(out))}")
+        hub.on_download = lambda n: bar.show_status(every=0.5)  # a shard takes minutes
     try:
         _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
                        num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
@@ -516,6 +518,7 @@ class ConvertProgress:
         self.start = time.perf_counter()
         self.finished = 0
         self.status = None  # more to show after the rates (the scratch's download, disk)
+        self._shown = 0.0
         self.bar = tqdm(
             total=sum(unit_bytes.values()),
             initial=sum(b for u, b in unit_bytes.items() if str(u) in done),
@@ -539,8 +542,12 @@ class ConvertProgress:
         self.finished += unit != "globals"
         self.show_status()
 
-    def show_status(self):
-        rate = self.finished / max(time.perf_counter() - self.start, 1e-9)
+    def show_status(self, every: float = 0.0):
+        now = time.perf_counter()
+        if every and now - self._shown < every:
+            return
+        self._shown = now
+        rate = self.finished / max(now - self.start, 1e-9)
         extra = f", {self.status()}" if self.status else ""
         self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}", refresh=True)
 
