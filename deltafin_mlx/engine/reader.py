@@ -49,10 +49,6 @@ class BankFile:
         """The staging buffer one read of this bank may need."""
         return self.layout.record_size
 
-    def read_into(self, expert: int, targets: Dict[str, np.ndarray], staging: np.ndarray,
-                  verify: bool):
-        read_record(self, expert, targets, staging, verify)
-
     def close(self):
         if self.mapping is not None:
             self.mapping.close()
@@ -189,7 +185,7 @@ def read_into(bank, expert: int, targets: Dict[str, np.ndarray], staging: np.nda
     """One expert into its slot views: a bank's record (`read_record`), or what a
     bank of another kind reads itself (linked experts, engine/linked_reader.py)."""
     own = getattr(bank, "read_into", None)
-    if own is not None and not isinstance(bank, BankFile):
+    if own is not None:
         own(expert, targets, staging, verify)
     else:
         read_record(bank, expert, targets, staging, verify)
