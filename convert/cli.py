@@ -52,8 +52,8 @@ def build_parser():
     p.add_argument("--scratch-limit", nargs="?", const="auto", default=None, metavar="SIZE",
                    help="for a hub id: download only the shards the next layers need and "
                         "delete each once converted, so at most SIZE (e.g. 40GB) of shards is "
-                        "on disk beside the output; auto (the value when none is given): what "
-                        "is free beyond the output")
+                        "on disk beside the output; without SIZE (or auto): what is free beyond "
+                        "the output (default: off, the whole snapshot is downloaded first)")
     p.add_argument("--revision", default=None,
                    help="for a hub id: the branch, tag or commit to convert (default: main)")
     p.add_argument("--force", action="store_true",

@@ -36,6 +36,7 @@ from .experts import expert_locations, expert_record, group_experts, linkable
 from .linked import LinkWriter, linked_manifest_entry
 from .scratch import SCRATCH_NAME, check_scratch_limit, disk_in_use, open_hub_scratch, plan_scratch
 from .source import ConvertError, Source, free_bytes, open_source, read_source, tokenizer_files
+from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.format.hub import looks_like_hub_id
 from deltafin_mlx.units import human_bytes
 from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
@@ -71,8 +72,9 @@ class ConvertOptions:
                                "does not take --ranks")
 
     def recorded(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("force", "progress", "revision", "scratch",
-                                                          "scratch_limit")}
+        # What changes the output (resume and rerun compare it), not how it is fetched.
+        how = ("force", "progress", "revision", "scratch", "scratch_limit")
+        return {k: v for k, v in asdict(self).items() if k not in how}
 
 
 def _write_atomic_json(path: Path, obj):
@@ -205,8 +207,22 @@ def _only_our_leftovers(out: Path) -> bool:
 
 def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest:
     options = options or ConvertOptions()
-    options.check()
     out = Path(out).expanduser()
+    existed = out.exists(), (out / SCRATCH_NAME).exists()
+    try:
+        return _convert(src, out, options)
+    except DeltafinError:
+        # Refused before the conversion started: a scratch this run made goes, and
+        # an OUT it made and left empty, so OUT is as it was.
+        if options.scratch and not existed[1] and not (out / PARTIAL_NAME).exists():
+            shutil.rmtree(out / SCRATCH_NAME, ignore_errors=True)
+            if not existed[0] and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+        raise
+
+
+def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
+    options.check()
     hub = None
     if options.scratch:
         if Path(src).expanduser().exists() or not looks_like_hub_id(src):
@@ -363,8 +379,10 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
         {u: _unit_source_bytes(source, trunk_src, experts, u) for u in units},
         state["done"], options.progress)
     if hub is not None:
-        bar.status = lambda: (f"download {human_bytes(hub.download_rate)}/s, disk in use "
+        bar.status = lambda: (f"download {human_bytes(hub.download_rate)}/s "
+                              f"({human_bytes(hub.downloaded)} so far), disk in use "
                               f"{human_bytes(disk_in_use(out))}")
+        hub.on_download = lambda n: bar.show_status(every=0.5)  # a shard takes minutes
     try:
         _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
                        num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
@@ -398,6 +416,12 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
             if hub is not None:
                 hub.ensure(needed)
                 bar.show_status()
+            verified = state.setdefault("verified_blobs", {})
+            for shard in sorted(needed):
+                if shard in source.blob_sha256 and verified.get(shard) != source.blob_sha256[shard]:
+                    source.check_blob(shard)  # hub downloads are not checked by the hub client
+                    verified[shard] = source.blob_sha256[shard]
+                    _write_atomic_json(partial_path, state)
             fingerprint = source.content_fingerprint(units[unit])
         if key in state["done"]:
             stale = _stale_unit(out, state["done"][key], fingerprint)
@@ -509,6 +533,7 @@ class ConvertProgress:
         self.start = time.perf_counter()
         self.finished = 0
         self.status = None  # more to show after the rates (the scratch's download, disk)
+        self._shown = 0.0
         self.bar = tqdm(
             total=sum(unit_bytes.values()),
             initial=sum(b for u, b in unit_bytes.items() if str(u) in done),
@@ -532,8 +557,12 @@ class ConvertProgress:
         self.finished += unit != "globals"
         self.show_status()
 
-    def show_status(self):
-        rate = self.finished / max(time.perf_counter() - self.start, 1e-9)
+    def show_status(self, every: float = 0.0):
+        now = time.perf_counter()
+        if every and now - self._shown < every:
+            return
+        self._shown = now
+        rate = self.finished / max(now - self.start, 1e-9)
         extra = f", {self.status()}" if self.status else ""
         self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}", refresh=True)
 

@@ -72,6 +72,7 @@ class HubScratch:
     download_seconds: float = 0.0
     on_download: Optional[object] = None  # called with bytes as they arrive
     _headers: Dict[str, tuple] = field(default_factory=dict)
+    _since: Optional[float] = None  # when the download in flight started
 
     @property
     def shards(self) -> List[str]:
@@ -113,9 +114,12 @@ class HubScratch:
             if self.present(shard):
                 continue
             part = self.dir / (shard + ".part")
-            start = time.perf_counter()
-            got = download_to(self.repo, self.commit, shard, part, self._count)
-            self.download_seconds += time.perf_counter() - start
+            self._since = time.perf_counter()
+            try:
+                got = download_to(self.repo, self.commit, shard, part, self._count)
+            finally:
+                self.download_seconds += time.perf_counter() - self._since
+                self._since = None
             want = self.shard_sha256.get(shard)
             if want is not None and got != want:
                 part.unlink(missing_ok=True)
@@ -138,7 +142,9 @@ class HubScratch:
 
     @property
     def download_rate(self) -> float:
-        return self.downloaded / self.download_seconds if self.download_seconds else 0.0
+        """Bytes/s over the time spent downloading (the shard in flight included)."""
+        busy = self.download_seconds + (time.perf_counter() - self._since if self._since else 0)
+        return self.downloaded / busy if busy else 0.0
 
     def remove(self):
         shutil.rmtree(self.dir, ignore_errors=True)

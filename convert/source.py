@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from deltafin_mlx.format.hub import cache_root, download_snapshot, looks_like_hub_id
+from deltafin_mlx.format.hub import cache_root, download_snapshot, looks_like_hub_id, sha256_file
 from deltafin_mlx.format.manifest import MANIFEST_NAME
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.dtypes import ITEMSIZE, SAFETENSORS
@@ -57,6 +57,9 @@ class Source:
     # The real folder every file must resolve inside: SRC, or for a hub snapshot
     # the repository's cache folder (its files are symlinks into its blobs/).
     root: Optional[Path] = None
+    # shard -> the sha256 its hub cache blob is named by (the LFS oid): what a
+    # shard downloaded by huggingface-hub (which does not check it) must hash to.
+    blob_sha256: Dict[str, str] = field(default_factory=dict)
     _open: Dict[str, dict] = field(default_factory=dict)
 
     def load(self, name: str) -> mx.array:
@@ -70,6 +73,17 @@ class Source:
             except Exception as e:
                 raise ConvertError(f"{self.path / shard}: cannot read ({e})") from None
         return self._open[shard][name]
+
+    def check_blob(self, shard: str):
+        """A hub cache shard hashes to the sha256 its blob is named by (else
+        ConvertError: a corrupt download, to be deleted and fetched again)."""
+        want = self.blob_sha256.get(shard)
+        if want is None:
+            return
+        real = regular_file_inside(self.path, shard, "shard", self.root)
+        if sha256_file(real) != want:
+            raise ConvertError(f"{self.path / shard}: its bytes do not match the hub's sha256 "
+                               f"{want[:12]}... (a corrupt download: delete {real} and rerun)")
 
     def forget(self, shard: str):
         """Drop the lazy handles of a shard about to be deleted (bounded scratch)."""
@@ -338,7 +352,20 @@ def read_source(src: str, path: Path, root: Path, remote=None) -> Source:
         total_bytes=total,
         fingerprint=h.hexdigest(),
         root=root,
+        blob_sha256=_blob_names(path, root, shards) if remote is None else {},
     )
+
+
+def _blob_names(path: Path, root: Path, shards) -> Dict[str, str]:
+    """For a hub cache snapshot: each shard's blob name where it is a sha256."""
+    out = {}
+    for shard in shards:
+        real = Path(os.path.realpath(path / shard))
+        if (real.parent.name == "blobs" and len(real.name) == 64
+                and all(c in "0123456789abcdef" for c in real.name)
+                and real.parent.parent == Path(os.path.realpath(root))):
+            out[shard] = real.name
+    return out
 
 
 def tokenizer_files(path: Path, root: Optional[Path] = None):

@@ -152,3 +152,15 @@ def test_plan_prints_the_disk_of_each_route_from_the_published_sizes(hub, tmp_pa
     assert d["hub_with_scratch_bytes"] < d["download_and_packed_bytes"]
     text = run(["plan", "someone/k3", *PLAN_RATES], env).stdout
     assert "disk routes" in text and "--link-experts" in text and "--scratch-limit" in text
+
+
+def test_a_downloaded_shard_not_matching_its_oid_is_refused(sources, tmp_path):
+    """huggingface-hub keeps what it downloaded without checking it: the converter
+    hashes each hub-cache shard against the sha256 its blob is named by."""
+    bad = sorted(p.name for p in sources("kimi_k3").glob("*.safetensors"))[1]
+    with FakeHub() as h:
+        h.add("someone/k3", sources("kimi_k3"), corrupt={bad})
+        p = run(["someone/k3", tmp_path / "out", "--quiet"], h.env(tmp_path / "hf"),
+                tool="deltafin-convert")
+    one_error_line(p, bad, "do not match the hub's sha256")
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()

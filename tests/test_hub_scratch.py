@@ -143,3 +143,4 @@ def test_a_scratch_limit_below_the_largest_shard_is_refused_up_front(sources, tm
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "smaller than the largest shard" in err and largest[0] in err
     assert served < largest[1]  # refused before any shard was downloaded
+    assert not (tmp_path / "out").exists()  # nothing left behind

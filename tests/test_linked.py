@@ -71,6 +71,9 @@ def test_linked_experts_give_the_packed_conversions_tokens_and_out_holds_no_expe
     assert greedy(out) == greedy(converted("kimi_k3"))
     assert verify_model(out).ok and verify_model(out).records_checked == (
         linked.experts["num_experts"] * len(linked.moe_layers))
+    info = subprocess.run([str(BIN / "deltafin-run"), "info", str(out), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert json.loads(info.stdout)["linked_source_root"] == os.path.realpath(src)
 
 
 def test_linking_experts_that_must_be_requantized_is_refused_in_one_line(sources, tmp_path):
@@ -160,3 +163,43 @@ def test_a_manifest_naming_a_linked_file_outside_the_root_is_refused(fresh_linke
     files["../" + rel] = files.pop(rel)
     mpath.write_text(json.dumps(d))
     _refused(out, "leaves the source root")
+
+
+def scatter_experts(shard: Path):
+    """Rewrite a safetensors shard with its tensors in reverse name order, so an
+    expert's sections are no longer next to each other in the order read."""
+    import struct
+
+    raw = shard.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + hlen])
+    base = 8 + hlen
+    names = sorted((n for n in header if n != "__metadata__"), reverse=True)
+    blobs, out, offset = [], {}, 0
+    for i, n in enumerate(names):
+        a, b = header[n]["data_offsets"]
+        blobs.append(raw[base + a:base + b])
+        out[n] = {**header[n], "data_offsets": [offset, offset + b - a]}
+        offset += b - a
+        if i % 2 == 0:  # a gap: the next tensor does not start where this one ends
+            blobs.append(b"\0" * 100)
+            offset += 100
+    head = json.dumps(out).encode()
+    shard.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+
+def test_experts_whose_sections_are_apart_are_read_one_section_at_a_time(tmp_path,
+                                                                          converted):
+    src = make_source(tmp_path / "src", "kimi_k3")
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = src / index["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"]
+    scatter_experts(shard)
+    out = tmp_path / "out"
+    convert(str(src), out, ConvertOptions(progress=False, link_experts=True))
+    from deltafin_mlx.format.links import read_links
+
+    m = read_manifest(out)
+    layout = read_links(m.links_path(1), m.experts, 1, m.linked["files"])
+    assert all(len(layout.runs(e)) > 1 for e in range(layout.num_experts))
+    assert greedy(out) == greedy(converted("kimi_k3"))
+    assert verify_model(out).ok

@@ -91,6 +91,9 @@ def model_info(path) -> dict:
         "converted": m.source.get("converted"),
         "converted_by": m.source.get("deltafin_version"),  # absent in older manifests
         "conversion_options": m.source.get("options"),
+        # linked experts (format version 3): read where they lie in the source
+        "linked_source_root": m.linked["root"] if m.linked else None,
+        "linked_source_files": len(m.linked["files"]) if m.linked else 0,
     }
 
 
@@ -120,6 +123,9 @@ def format_info(r: dict) -> str:
         f"{human_bytes(b['tokenizer'])} ({r['tokenizer']}), other {human_bytes(b['other'])}",
         f"source         {r['source'] or 'unknown'}",
         f"converted      {converted}",
+        *([f"linked         the experts are read where they lie in {r['linked_source_files']} "
+           f"files under {r['linked_source_root']} (they must stay there, unchanged; "
+           "verify checks them)"] if r.get("linked_source_root") else []),
     ]
     return "\n".join(map(printable, lines))  # the manifest's strings come from strangers
 

@@ -12,6 +12,7 @@ file with its recorded size, mtime and header hash).
 """
 
 import os
+import stat
 import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -41,9 +42,9 @@ class LinkedBank:
 
     @property
     def staging_bytes(self) -> int:
-        widest = max((r.end - r.start for e in range(self.layout.num_experts)
-                      for r in self.layout.runs(e)), default=0)
-        return align_up(widest) + 2 * ALIGN
+        # Each run is widened to whole blocks: at most a block more at each end.
+        return max((sum(r.end - r.start + 2 * ALIGN for r in self.layout.runs(e))
+                    for e in range(self.layout.num_experts)), default=ALIGN)
 
     def read_into(self, expert: int, targets: Dict[str, np.ndarray], staging: np.ndarray,
                   verify: bool):
@@ -86,10 +87,17 @@ class LinkedSources:
         self.files: Dict[str, BankFile] = {}
         try:
             for rel, real in self.real.items():
-                self.files[rel] = open_bank(real, None, mode)
+                self.files[rel] = f = open_bank(real, None, mode)
+                st = os.fstat(f.fd)  # the file opened is the one checked, not a swap
+                if (not stat.S_ISREG(st.st_mode)
+                        or st.st_size != manifest.linked["files"][rel]["size"]):
+                    raise ModelError(f"{real}: linked source file changed while it was opened")
         except OSError as e:
             self.close()
             raise ModelError(f"{e.filename}: cannot open linked source ({e.strerror})") from None
+        except ModelError:
+            self.close()
+            raise
 
     def bank(self, manifest, layer: int) -> LinkedBank:
         layout = read_links(manifest.links_path(layer), manifest.experts, layer,

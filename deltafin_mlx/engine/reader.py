@@ -62,10 +62,6 @@ class BankFile:
         """The staging buffer one read of this bank may need."""
         return self.layout.record_size
 
-    def read_into(self, expert: int, targets: Dict[str, np.ndarray], staging: np.ndarray,
-                  verify: bool):
-        read_record(self, expert, targets, staging, verify)
-
     def close(self):
         if self.mapping is not None:
             self.mapping.close()
@@ -189,7 +185,7 @@ class Reader:
             start = time.perf_counter()
             check = self.checks != "off" and job.bank.layout.checksums is not None and (
                 self.checks == "every" or not job.bank.checked[job.expert])
-            job.bank.read_into(job.expert, job.targets, self._staging(), check)
+            read_into(job.bank, job.expert, job.targets, self._staging(), check)
             if check:
                 job.bank.checked[job.expert] = True
             took = time.perf_counter() - start
@@ -201,6 +197,17 @@ class Reader:
             job.error = e
         finally:
             job.done.set()
+
+
+def read_into(bank, expert: int, targets: Dict[str, np.ndarray], staging: np.ndarray,
+              verify: bool):
+    """One expert into its slot views: a bank's record (`read_record`), or what a
+    bank of another kind reads itself (linked experts, engine/linked_reader.py)."""
+    own = getattr(bank, "read_into", None)
+    if own is not None:
+        own(expert, targets, staging, verify)
+    else:
+        read_record(bank, expert, targets, staging, verify)
 
 
 def _direct_scatter_ok(layout: BankLayout, targets: Dict[str, np.ndarray]) -> bool:

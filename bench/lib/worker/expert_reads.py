@@ -19,6 +19,7 @@ def main(argv):
 
     from deltafin_mlx import runtime
     from deltafin_mlx.engine.load import load
+    from deltafin_mlx.engine.reader import read_into
     from deltafin_mlx.format.aligned import aligned_empty
     from deltafin_mlx.format.dtypes import NUMPY
 
@@ -35,14 +36,14 @@ def main(argv):
     order = [(layer, e) for layer, b in banks.items() for e in range(b.layout.num_experts)]
     random.Random(0).shuffle(order)
     for layer, e in order[:4]:  # warm the code path, not the disk (O_DIRECT)
-        banks[layer].read_into(e, targets, staging, False)
+        read_into(banks[layer], e, targets, staging, False)
     if len(argv) > 2:
         with open(argv[2], "w") as f:
             f.write(argv[3])
     start = time.perf_counter()
     for _ in range(passes):
         for layer, e in order:
-            banks[layer].read_into(e, targets, staging, False)
+            read_into(banks[layer], e, targets, staging, False)
     wall = time.perf_counter() - start
     direct = all(getattr(f, "direct", False) for b in banks.values()
                  for f in (getattr(b, "files", None) or [b]))
