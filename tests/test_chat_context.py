@@ -4,7 +4,6 @@ tokens as a model planned that large from the start; beyond that a turn is refus
 with the way out (/drop the oldest turns), and /context shows where it stands.
 Through the API and at a terminal."""
 
-import pytest
 
 from deltafin_mlx import runtime
 from deltafin_mlx.chat import ChatSession
