@@ -278,3 +278,14 @@ def test_plan_shows_seconds_per_token_below_one_token_a_second(converted, capsys
                  "--compute-gwps", "0.0001", "--prefill-gwps", "1"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"projection .*: [\d.]+-[\d.]+ s/token", out), out
+
+
+def test_serve_with_demo_gets_the_demo_model_and_budget(demo):
+    from deltafin_mlx.cli.demo import demo_argv
+
+    root, model = demo
+    argv = demo_argv("serve", ["--demo", "--demo-dir", str(root), "--port", "8081"])
+    assert argv[:3] == [str(model), "--port", "8081"] and argv[3] == "--budget"
+    assert demo_argv("info", ["--demo", f"--demo-dir={root}"]) == [str(model)]
+    assert demo_argv("serve", ["--demo", "--demo-dir", str(root), "--budget", "1GB"])[1:] == [
+        "--budget", "1GB"]
