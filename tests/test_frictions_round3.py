@@ -289,3 +289,20 @@ def test_serve_with_demo_gets_the_demo_model_and_budget(demo):
     assert demo_argv("info", ["--demo", f"--demo-dir={root}"]) == [str(model)]
     assert demo_argv("serve", ["--demo", "--demo-dir", str(root), "--budget", "1GB"])[1:] == [
         "--budget", "1GB"]
+
+
+@pytest.mark.parametrize("extra", [["--system", "x"], ["--thinking-effort", "low"], ["--no-think"]])
+@pytest.mark.parametrize("mode", [["Hi"], ["--chat"]])
+def test_template_options_are_refused_for_a_model_without_a_chat_template(
+        converted, copy_of, capsys, extra, mode):
+    from test_hostile import reseal
+
+    model = copy_of(converted("qwen3_moe"))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    reseal(model, "tokenizer_config.json")
+    assert main([str(model), *mode, "-n", "2", "--budget", "200MB", *extra]) == 1
+    one_error_line(capsys.readouterr().err, extra[0], "chat template", "has none")
+    if mode == ["Hi"]:
+        assert main([str(model), "Hi", "-n", "2", "--budget", "200MB"]) == 0  # it runs without
