@@ -172,7 +172,8 @@ class ChatSession:
         prompt = self.prompt_for(text) if prompt is None else list(prompt)
         reused = self.sync(prompt)
         new = prompt[reused:]
-        self.model, self.growth = grow(self.model, self.reload, len(prompt) + max(max_tokens, 1))
+        self.model, self.growth = grow(self.model, self.reload, len(prompt) + max(max_tokens, 1),
+                                       least=len(prompt) + 1)
         fit_context(self.model, len(new), max_tokens, cached=reused)  # before any change
         turn = Turn(reused=reused)
         done = [0]
