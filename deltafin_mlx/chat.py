@@ -22,7 +22,7 @@ from typing import Callable, List, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import ArraysCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from deltafin_mlx.generate import (PrefillProgress, RunStats, StatsMeter, chat_prompt, fit_context,
                                    stream_generate)
@@ -173,7 +173,8 @@ class ChatSession:
         prompt = self.prompt_for(text) if prompt is None else list(prompt)
         reused = self.sync(prompt)
         new = prompt[reused:]
-        self.model, self.growth = grow(self.model, self.reload, len(prompt) + max(max_tokens, 1))
+        self.model, self.growth = grow(self.model, self.reload, len(prompt) + max(max_tokens, 1),
+                                       least=len(prompt) + 1)
         fit_context(self.model, len(new), max_tokens, cached=reused)  # before any change
         turn = Turn(reused=reused)
         done = [0]
@@ -300,15 +301,16 @@ class ChatSession:
 class Snapshot:
     """A conversation as it stood before a turn: its messages, tokens and each
     cache layer's state, so a dropped turn leaves no trace. An attention layer is
-    trimmed back to its length (mlx-lm's KV caches write in place past it); any
-    other layer (recurrent state, which cannot be trimmed) gets its state back:
-    its arrays are replaced, never written, by a step, so keeping them costs
-    nothing."""
+    trimmed back to its length (mlx-lm's KV caches write in place past it); a
+    recurrent layer (mlx-lm's ArraysCache, which cannot be trimmed) gets its state
+    back: a step replaces its arrays, never writes them, so keeping them costs
+    nothing. Any other kind (a rotating window, written in place) cannot be kept:
+    the cache is rebuilt and the next turn prefills the conversation again."""
 
     messages: List[dict]
     tokens: List[int]
     cache: list
-    layers: list  # per cache layer: ("trim", offset) or ("state", state)
+    layers: list  # per cache layer: ("trim", offset), ("state", state) or ("rebuild", None)
 
     @classmethod
     def take(cls, session) -> "Snapshot":
@@ -316,12 +318,19 @@ class Snapshot:
         for c in session.cache:
             if hasattr(c, "offset") and c.is_trimmable():
                 layers.append(("trim", c.offset))
-            else:
+            elif isinstance(c, ArraysCache):
                 layers.append(("state", tree_map(lambda x: x, c.state)))
+            else:  # a cache a step may write in place (a rotating window): not kept
+                layers.append(("rebuild", None))
         return cls([dict(m) for m in session.messages], list(session.tokens),
                    session.cache, layers)
 
     def restore(self, session):
+        if any(kind == "rebuild" for kind, _ in self.layers):
+            # The messages stand; the next turn prefills them again into a new cache.
+            session.cache, session.tokens = make_prompt_cache(session.model), []
+            session.messages = self.messages
+            return
         for c, (kind, value) in zip(self.cache, self.layers):
             if kind == "trim":
                 if c.offset > value:

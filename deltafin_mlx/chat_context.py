@@ -43,16 +43,17 @@ class ContextStatus:
                 f"cache {self.slots} slots ({self.slots / self.experts:.0%} of experts)")
 
 
-def grow(model, reload, needed: int):
+def grow(model, reload, needed: int, least: int = 0):
     """(model, Growth or None): the model re-planned and reloaded (`reload(context)`
     returns it) when `needed` tokens exceed its planned context and the budget
-    holds more; the same model otherwise."""
+    holds more, at least `least` tokens (the prompt: a context that cannot hold it
+    is not worth a reload); the same model otherwise."""
     state = find_runtime(model)
     if reload is None or state is None or state.inventory is None or needed <= state.plan.context:
         return model, None
     plan = state.plan
     new = grown_context(state.inventory, plan.budget, plan.context, needed, state.reader_threads)
-    if new <= plan.context:
+    if new <= plan.context or new < least:
         return model, None
     grown = reload(new)
     after = find_runtime(grown).plan

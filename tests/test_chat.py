@@ -238,3 +238,24 @@ def test_cli_chat_commands_multiline_and_a_resumed_session(converted, tmp_path):
                   str(tmp_path / "talk"), "--system", "Other."], "Again\n")
     assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith(
         "deltafin-run: error:") and "Traceback" not in p.stderr
+
+
+def test_a_cache_written_in_place_is_rebuilt_not_kept_by_a_dropped_turn(k3):
+    """A rotating window cannot be restored from a snapshot: the turn's drop leaves
+    the messages as they were and a fresh cache for the next turn to prefill."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from deltafin_mlx.chat import Snapshot
+
+    model, _ = k3
+    window = RotatingKVCache(max_size=4)
+    window.update_and_fetch(mx.zeros((1, 1, 6, 2)), mx.zeros((1, 1, 6, 2)))  # past its size
+    session = SimpleNamespace(model=model, cache=[window], tokens=[1] * 6,
+                              messages=[{"role": "user", "content": "Hi"}])
+    before = Snapshot.take(session)
+    session.messages.append({"role": "user", "content": "more"})
+    before.restore(session)
+    assert session.messages == [{"role": "user", "content": "Hi"}] and session.tokens == []
+    assert session.cache is not before.cache and _consistent(session.cache, 0)

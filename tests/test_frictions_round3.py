@@ -22,6 +22,14 @@ def run_json(capsys, *args):
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.fixture(autouse=True)
+def no_disk_measurement(monkeypatch):
+    """bench's projection needs a disk rate: a fixed one here, not a scratch file's."""
+    import deltafin_mlx.cli.plan as plan_cli
+
+    monkeypatch.setattr(plan_cli, "measure_disk_gbps", lambda *a, **k: 2.0)
+
+
 def exit_status(args):
     try:
         return main(args)
@@ -241,3 +249,60 @@ def test_the_new_commands_options_have_help_and_defaults():
 
     for parser in (list_parser(), rm_parser()):
         check(parser)
+
+
+# --- plan's projection against bench's measurement ------------------------------------
+
+
+def test_bench_reports_the_projection_against_its_measurement_and_calibrates_plan(
+        converted, capsys):
+    model = converted("kimi_k3")
+    bench = run_json(capsys, "bench", model, "-n", "16", "--repeats", "1", "--budget", "30MB")
+    measured = bench["tokens_per_second_median"]
+    assert bench["projected_over_measured"] == pytest.approx(
+        bench["projected_tokens_per_second"] / measured)
+    plan = run_json(capsys, "plan", model, "--budget", "30MB", "--context", str(bench["context"]))
+    assert "calibrated by deltafin-run bench" in plan["layer_rate_from"]
+    assert plan["layer_seconds"] == pytest.approx(bench["calibrated_layer_seconds"])
+    # Calibrated, plan's projection is the measured speed (less its waits for reads).
+    assert 0.6 < plan["projection"]["real_routing_tokens_per_second"] / measured < 2.5
+    capsys.readouterr()
+    assert main(["bench", str(model), "-n", "4", "--repeats", "1", "--budget", "30MB"]) == 0
+    assert re.search(r"plan's projection: [\d.]+ tok/s .* measured [\d.]+: projected/measured "
+                     r"[\d.]+", capsys.readouterr().out)
+
+
+def test_plan_shows_seconds_per_token_below_one_token_a_second(converted, capsys):
+    capsys.readouterr()
+    assert main(["plan", str(converted("kimi_k3")), "--budget", "30MB", "--disk-gbps", "1",
+                 "--compute-gwps", "0.0001", "--prefill-gwps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"projection .*: [\d.]+-[\d.]+ s/token", out), out
+
+
+def test_serve_with_demo_gets_the_demo_model_and_budget(demo):
+    from deltafin_mlx.cli.demo import demo_argv
+
+    root, model = demo
+    argv = demo_argv("serve", ["--demo", "--demo-dir", str(root), "--port", "8081"])
+    assert argv[:3] == [str(model), "--port", "8081"] and argv[3] == "--budget"
+    assert demo_argv("info", ["--demo", f"--demo-dir={root}"]) == [str(model)]
+    assert demo_argv("serve", ["--demo", "--demo-dir", str(root), "--budget", "1GB"])[1:] == [
+        "--budget", "1GB"]
+
+
+@pytest.mark.parametrize("extra", [["--system", "x"], ["--thinking-effort", "low"], ["--no-think"]])
+@pytest.mark.parametrize("mode", [["Hi"], ["--chat"]])
+def test_template_options_are_refused_for_a_model_without_a_chat_template(
+        converted, copy_of, capsys, extra, mode):
+    from test_hostile import reseal
+
+    model = copy_of(converted("qwen3_moe"))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    reseal(model, "tokenizer_config.json")
+    assert main([str(model), *mode, "-n", "2", "--budget", "200MB", *extra]) == 1
+    one_error_line(capsys.readouterr().err, extra[0], "chat template", "has none")
+    if mode == ["Hi"]:
+        assert main([str(model), "Hi", "-n", "2", "--budget", "200MB"]) == 0  # it runs without

@@ -50,6 +50,7 @@ def cmd_bench(argv) -> int:
         "prefill_tokens_per_second_median": statistics.median(pps),
         "prefill_tokens_per_second_range": [min(pps), max(pps)],
         "prefill_pass": step,
+        **projected_against_measured(model, runs, statistics.median(tps)),
         "runs": [r.to_dict() for r in runs],
     }
     if args.json:
@@ -62,8 +63,41 @@ def cmd_bench(argv) -> int:
               f"{result['tokens_per_second_median']:.2f} tok/s "
               f"(range {min(tps):.2f}-{max(tps):.2f}); cache {result['cache_fraction']:.0%} "
               f"of experts; last run: {runs[-1].line()}")
+        print(f"plan's projection: {result['projected_tokens_per_second']:.3g} tok/s with "
+              f"{1e3 * result['projected_layer_seconds']:.3g} ms per layer, measured "
+              f"{result['tokens_per_second_median']:.3g}: projected/measured "
+              f"{result['projected_over_measured']:.2f}; per-layer cost calibrated to "
+              f"{1e3 * result['calibrated_layer_seconds']:.3g} ms (cached: plan uses it)")
     runtime(model).close()
     return 0
+
+
+def projected_against_measured(model, runs, measured: float) -> dict:
+    """plan's projection for this model and budget (plan/speed.py, the cached machine
+    rates) next to what the runs measured, and the per-layer cost the runs imply,
+    cached for the next `plan` (the term small models are dominated by)."""
+    from types import SimpleNamespace
+
+    from deltafin_mlx.cli.plan import _disk_rate, decode_rates
+    from deltafin_mlx.plan.rates import layer_key, store_rate
+    from deltafin_mlx.plan.speed import layer_seconds_from_run, project
+
+    state = runtime(model)
+    inv, plan = state.inventory, state.plan
+    bank = state.manifest.bank_path(state.manifest.moe_layers[0])
+    disk, _ = _disk_rate(None, bank, str(state.manifest.path), False)
+    compute, _, layer, _ = decode_rates(SimpleNamespace(), inv, inv.activation_dtype)
+    projected = project(inv, plan, disk, compute, layer)["real_routing_tokens_per_second"]
+    last = runs[-1]
+    stall = last.stall_seconds / max(last.tokens, 1)
+    calibrated = layer
+    if measured > 0:
+        calibrated = layer_seconds_from_run(inv, compute, 1 / measured, stall)
+        store_rate(layer_key(inv.activation_dtype), calibrated,
+                   how=f"calibrated by deltafin-run bench on {state.manifest.path}")
+    return {"projected_tokens_per_second": projected, "projected_layer_seconds": layer,
+            "projected_over_measured": projected / measured if measured > 0 else None,
+            "calibrated_layer_seconds": calibrated}
 
 
 def bench_run(model, args, i: int):

@@ -17,10 +17,14 @@ from deltafin_mlx.engine.runtime import runtime
 
 
 def cmd_chat(args, model_dir=None) -> int:
+    from deltafin_mlx.cli.run import refuse_without_template
+    from deltafin_mlx.engine.load import open_tokenizer
     from deltafin_mlx.format.model_dir import open_model_dir
 
     model_dir = model_dir or open_model_dir(args.model)
-    model, tokenizer = load_model(args, model_dir)
+    tokenizer = open_tokenizer(model_dir)
+    refuse_without_template(tokenizer, args)
+    model, _ = load_model(args, model_dir, tokenizer=tokenizer)
     current = [model]  # the model as last (re)loaded: the one to close
 
     def reload(context):

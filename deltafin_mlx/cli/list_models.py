@@ -3,14 +3,14 @@ its size on disk, architecture and floor budget (like `ollama list`)."""
 
 import json
 
-from deltafin_mlx.cli.options import Parser
+from deltafin_mlx.cli.options import Parser, positive
 
 
 def list_parser():
     p = Parser(prog="deltafin-run list", description="List the converted models under a "
                "directory: size on disk, architecture, the smallest budget each runs in.")
     p.add_argument("dir", nargs="?", default=".", help="where to look (4 levels down)")
-    p.add_argument("--context", type=int, default=4096, help="the context the floor is for")
+    p.add_argument("--context", type=positive, default=4096, help="the context the floor is for")
     p.add_argument("--json", action="store_true", help="one JSON object per model, a line each")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p

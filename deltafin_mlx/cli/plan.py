@@ -26,8 +26,9 @@ from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
 from deltafin_mlx.model.config import max_context
 from deltafin_mlx.plan.memory import check_context, plan_memory
-from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, measure_compute_gwps,
-                                     measure_disk_gbps)
+from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, layer_key,
+                                     measure_compute_gwps, measure_disk_gbps,
+                                     measure_layer_seconds)
 from deltafin_mlx.plan.scoring import scoring_plan
 from deltafin_mlx.plan.speed import project, project_prefill, project_scoring
 from deltafin_mlx.model.shard import expert_layout, sharded_inventory
@@ -84,8 +85,12 @@ def plan_parser():
     p.add_argument("--prefill-gwps", type=float, default=None,
                    help="quantized matrix product rate at a prefill's batch, G weights/s "
                    "(default: measured once, then cached)")
+    p.add_argument("--layer-ms", type=float, default=None,
+                   help="what one decoder layer costs a decode step besides its weights, in ms "
+                   "(default: measured once, then cached; deltafin-run bench calibrates it)")
     p.add_argument("--remeasure", action="store_true",
-                   help="measure the disk and compute rates again instead of using cached ones")
+                   help="measure the disk, compute and per-layer rates again instead of using "
+                   "cached ones")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activation dtype to plan for (default: float32 on CPU; the model's "
                    "dtype on GPU — plan an Apple GPU with bfloat16)")
@@ -154,16 +159,8 @@ def plan_from_path(args) -> dict:
                        sequences=getattr(args, "sequences", 1))
     remeasure = getattr(args, "remeasure", False)
     disk, disk_from = _disk_rate(args.disk_gbps, bank, source, remeasure)
-    mode = "mxfp4" if inv.sections[0].dtype == "uint32" and any(
-        s.dtype == "uint8" for s in inv.sections) else "affine"
-    group = 32 if mode == "mxfp4" else 64
-    if args.compute_gwps:
-        compute, compute_from = args.compute_gwps, "given"
-    else:
-        compute, entry = cached_rate(
-            compute_key(mode, 4, group, act),
-            lambda: measure_compute_gwps(mode, group_size=group, act=act), remeasure)
-        compute_from = _rate_origin(entry)
+    compute, compute_from, layer, layer_from = decode_rates(args, inv, act, remeasure)
+    mode, group = matvec_kind(inv)
     if args.prefill_gwps:
         batched, batched_from = args.prefill_gwps, "given"
     elif args.compute_gwps:  # a machine described by hand: its matvec rate, unless told more
@@ -225,7 +222,9 @@ def plan_from_path(args) -> dict:
         "compute_rate_from": compute_from,
         "prefill_gweights_per_second": batched,
         "prefill_rate_from": batched_from,
-        "projection": project(inv, plan, disk, compute),
+        "layer_seconds": layer,
+        "layer_rate_from": layer_from,
+        "projection": project(inv, plan, disk, compute, layer),
         "prefill_step": plan.prefill_step,
         "prefill_pass": plan.prefill_pass,
         "prefill_bytes": plan.prefill_bytes,
@@ -261,6 +260,37 @@ def _disk_routes(inv, config, opts, target: Path, name: str, revision):
                         if n not in shards and any(fnmatch(n, p) for p in SOURCE_PATTERNS))
     return disk_routes(inv, quant, shards or None, small,
                        itemsize_of(str(source_dtype(config) or "bfloat16").split(".")[-1]))
+
+
+def matvec_kind(inv):
+    """(quantization mode, group size) of the experts' matvecs, as measured."""
+    mode = "mxfp4" if inv.sections[0].dtype == "uint32" and any(
+        s.dtype == "uint8" for s in inv.sections) else "affine"
+    return mode, 32 if mode == "mxfp4" else 64
+
+
+def decode_rates(args, inv, act, remeasure=False):
+    """(matvec G weights/s, where from, per-layer seconds, where from): given with
+    --compute-gwps / --layer-ms, else cached (measured once; bench calibrates the
+    per-layer cost)."""
+    mode, group = matvec_kind(inv)
+    if getattr(args, "compute_gwps", None):
+        compute, compute_from = args.compute_gwps, "given"
+    else:
+        compute, entry = cached_rate(
+            compute_key(mode, 4, group, act),
+            lambda: measure_compute_gwps(mode, group_size=group, act=act), remeasure)
+        compute_from = _rate_origin(entry)
+    layer_ms = getattr(args, "layer_ms", None)
+    if layer_ms is not None:
+        layer, layer_from = layer_ms / 1e3, "given"
+    elif getattr(args, "compute_gwps", None):
+        layer, layer_from = 0.0, "not counted for a machine described by hand (give --layer-ms)"
+    else:
+        layer, entry = cached_rate(layer_key(act), lambda: measure_layer_seconds(act), remeasure)
+        layer_from = _rate_origin(entry) + (f", {entry['how']}" if entry.get("how") else
+                                            ", a microbenchmark: run bench to calibrate it")
+    return compute, compute_from, layer, layer_from
 
 
 def _disk_rate(given, bank, source, remeasure):
@@ -321,6 +351,19 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.3g} h"
 
 
+def speed(tokens_per_second: float) -> str:
+    """tok/s, or seconds per token where that reads better (below 1 tok/s)."""
+    if tokens_per_second < 1:
+        return f"{1 / tokens_per_second:.3g} s/token"
+    return f"{tokens_per_second:.3g} tok/s"
+
+
+def speed_range(low: float, high: float) -> str:
+    if high < 1:
+        return f"{1 / low:.3g}-{1 / high:.3g} s/token"
+    return f"{speed(low)}-{high:.3g} tok/s" if low < 1 else f"{low:.3g}-{high:.3g} tok/s"
+
+
 def format_plan(r: dict) -> str:
     p = r["projection"]
     maximum = f" (the model's maximum: {r['max_context']:,})" if r.get("max_context") else ""
@@ -357,14 +400,16 @@ def format_plan(r: dict) -> str:
         f"disk           {r['disk_gbps']:.2f} GB/s ({r['disk_rate_from']})",
         f"compute        {r['compute_gweights_per_second']:.2f} G weights/s quantized matvec "
         f"({r['compute_rate_from']})",
+        f"per layer      {1e3 * r['layer_seconds']:.3g} ms a decode step besides the weights "
+        f"({r['layer_rate_from']})",
         f"projection     {_count(p['weights_per_token'])} weights and "
         f"{human_bytes(p['read_bytes_per_token'])} read per token: "
-        f"{p['tokens_per_second_serial']:.3g}-{p['tokens_per_second_overlapped']:.3g} tok/s "
+        f"{speed_range(p['tokens_per_second_serial'], p['tokens_per_second_overlapped'])} "
         "(no overlap .. full overlap; hit rate taken as the cache share)",
         f"  real routing hit rate {p['real_routing_hit_rate']:.0%} (the pool policy on OLMoE's "
         f"routing at as many slots per routed expert): "
         f"{human_bytes(p['real_routing_read_bytes_per_token'])} read per token, "
-        f"{p['real_routing_tokens_per_second']:.3g} tok/s where reads overlap compute",
+        f"{speed(p['real_routing_tokens_per_second'])} where reads overlap compute",
         f"  prefill      {r['prefill_gweights_per_second']:.3g} G weights/s in matrix products "
         f"of {PREFILL_BATCH} tokens ({r['prefill_rate_from']})",
         f"prefill        passes of up to {r['prefill_pass']:,} tokens through each layer "

@@ -50,11 +50,23 @@ def open_model(args, text, model_dir=None):
 
     model_dir = open_model_dir(model_dir or args.model)
     tokenizer = open_tokenizer(model_dir)
+    refuse_without_template(tokenizer, args)
     prompt = make_prompt(tokenizer, text, args)
     context = args.context or round_context(len(prompt) + args.max_tokens,
                                             max_context(model_dir.config))
     model, _ = load_model(args, model_dir, context=context)
     return model, tokenizer, prompt
+
+
+def refuse_without_template(tokenizer, args):
+    """Options that go into a chat template do nothing for a model without one."""
+    if getattr(tokenizer, "has_chat_template", False):
+        return
+    for flag, given in (("--system", args.system), ("--thinking-effort", args.thinking_effort),
+                        ("--no-think", args.no_think)):
+        if given:
+            raise UsageError(f"{flag} goes into a chat template and this model has none "
+                             "(its prompts are passed as they are)")
 
 
 def make_prompt(tokenizer, text, args):

@@ -61,8 +61,16 @@ def cached_rate(key: str, measure: Callable[[], float], remeasure: bool = False
     if not remeasure and isinstance(entry, dict) and isinstance(entry.get("value"), (int, float)) \
             and entry["value"] > 0:
         return float(entry["value"]), {**entry, "cached": True, "file": str(rates_file())}
-    value = measure()
+    return store_rate(key, measure())
+
+
+def store_rate(key: str, value: float, how: str = None) -> Tuple[float, dict]:
+    """Cache `value` under `key` (`how`: what measured it, when not the rate's own
+    microbenchmark, e.g. a bench run); returns it with its entry as cached_rate does."""
+    entries = _read()
     entry = {"value": value, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if how:
+        entry["how"] = how
     entries[key] = entry
     try:  # a cache that cannot be written only means measuring again next time
         rates_file().parent.mkdir(parents=True, exist_ok=True)
@@ -72,6 +80,37 @@ def cached_rate(key: str, measure: Callable[[], float], remeasure: bool = False
     except OSError:
         pass
     return value, {**entry, "cached": False, "file": str(rates_file())}
+
+
+def layer_key(dtype) -> str:
+    """The per-layer cost of a decode step: the machine, MLX's device and version."""
+    return (f"layer:{platform.node()}:{platform.machine()}:{mx.default_device()}:"
+            f"mlx-{mx.__version__}:{str(dtype).split('.')[-1]}")
+
+
+def measure_layer_seconds(act: mx.Dtype = mx.float32, ops: int = 30, dim: int = 256) -> float:
+    """What one decoder layer costs a decode step besides its weights: `ops` small
+    operations (norms, rope, the router's softmax and top-k, ...) and the two
+    synchronisations a streamed MoE layer makes (its routing read back, its output).
+    A lower bound: `deltafin-run bench` replaces it with what a real run measures."""
+    x = mx.random.normal((1, dim)).astype(act)
+    w = mx.random.normal((dim, dim)).astype(act) / dim
+    mx.eval(x, w)
+
+    def layer(y):
+        for _ in range(ops // 3):
+            y = mx.fast.rms_norm(y, None, 1e-5) @ w
+            y = y * mx.sigmoid(y)
+        mx.eval(y)
+        mx.argpartition(y, 8, axis=-1).tolist()
+        return y
+
+    layer(x)
+    n, start = 0, time.perf_counter()
+    while n < 20 or (n < 2000 and time.perf_counter() - start < 0.3):
+        x = layer(x)
+        n += 1
+    return (time.perf_counter() - start) / n
 
 
 def measure_disk_gbps(path=None, nbytes: int = 256 << 20, block: int = 16 << 20,

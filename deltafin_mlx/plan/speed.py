@@ -1,6 +1,9 @@
 """The projected speed of a plan: a cost model, stated once.
 
     compute per token = weights touched per token / quantized matvec rate
+                        + layers x the per-layer cost of a step (its small operations
+                          and synchronisations: what dominates a small model, measured
+                          by a microbenchmark or, better, by `deltafin-run bench`)
     reads per token   = streamed trunk bytes + expected expert misses x record size
     time per token    = max(compute, reads / disk bandwidth)  (reads overlap compute)
                         .. compute + reads / disk bandwidth     (no overlap)
@@ -31,10 +34,28 @@ def real_routing_hit_rate(slots: int, moe_layers: int, experts_per_token: int,
     return max(cache_fraction, float(np.interp(per, xs, ys)))
 
 
-def project(inv: Inventory, plan: MemoryPlan, disk_gbps: float, compute_gwps: float) -> dict:
-    weights = sum(u.weights for u in inv.units.values())
-    weights += len(inv.moe_layers) * inv.experts_per_token * inv.expert_weights
-    compute = weights / (compute_gwps * 1e9)
+def decoder_layers(inv: Inventory) -> int:
+    return sum(1 for name in inv.units if name != "globals")
+
+
+def weights_per_token(inv: Inventory) -> int:
+    return (sum(u.weights for u in inv.units.values())
+            + len(inv.moe_layers) * inv.experts_per_token * inv.expert_weights)
+
+
+def layer_seconds_from_run(inv: Inventory, compute_gwps: float, seconds_per_token: float,
+                           stall_seconds_per_token: float) -> float:
+    """The per-layer cost a real decode implies: its time per token less the time it
+    waited for reads and the weights' arithmetic, over the layers (never negative)."""
+    rest = seconds_per_token - stall_seconds_per_token - weights_per_token(inv) / (compute_gwps * 1e9)
+    return max(0.0, rest / max(decoder_layers(inv), 1))
+
+
+def project(inv: Inventory, plan: MemoryPlan, disk_gbps: float, compute_gwps: float,
+            layer_seconds: float = 0.0) -> dict:
+    weights = weights_per_token(inv)
+    overhead = decoder_layers(inv) * layer_seconds
+    compute = weights / (compute_gwps * 1e9) + overhead
     routed = len(inv.moe_layers) * inv.experts_per_token
     read = plan.streamed_read_bytes + routed * (1 - plan.cache_fraction) * inv.record_size
     io = read / (disk_gbps * 1e9)
@@ -45,6 +66,7 @@ def project(inv: Inventory, plan: MemoryPlan, disk_gbps: float, compute_gwps: fl
     return {
         "weights_per_token": weights,
         "compute_seconds": compute,
+        "layer_overhead_seconds": overhead,
         "read_bytes_per_token": read,
         "read_seconds": io,
         "tokens_per_second_overlapped": 1 / max(compute, io),
