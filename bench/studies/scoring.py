@@ -39,7 +39,7 @@ def score_run(model: Path, mode: str, args, slots=None, throttle=None) -> dict:
     if throttle is not None:
         worker += throttle.worker_args
     common.drop_caches()
-    return common.run_worker(worker, timeout=900, mode="score")
+    return common.run_worker(worker, timeout=900, cap=throttle, mode="score")
 
 
 def median(runs: list, key: str):
@@ -92,6 +92,8 @@ def main(argv=None):
                     help="expert cache slots as a share of all experts")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--ab-repeats", type=int, default=5,
+                    help="pairs of mlx-lm / Deltafin (100%%) alternated in one process")
     ap.add_argument("--iobound", action="store_true",
                     help="under a blkio read throttle (root, cgroup v1), at --ratios")
     ap.add_argument("--ratios", type=float, nargs="+", default=[8, 32],
@@ -110,6 +112,14 @@ def main(argv=None):
     runs = {}
     extra = {}
     if not args.iobound:
+        # The headline ratio: both in one process, alternated (separate processes
+        # on this shared machine differ by more than the effect measured).
+        ab = common.run_worker(["--model", model, "--mode", "ab", "--texts", args.texts,
+                                "--length", args.length, "--repeats", args.ab_repeats],
+                               timeout=900, mode="score")
+        extra = {"ab": ab}
+        common.log(f"ab: Deltafin (every expert held) / mlx-lm in memory, median "
+                   f"{ab.get('median_ratio')}")
         configs = [("mlx-lm in memory", None)] + configs
         for rep in range(args.repeats):
             for name, slots in configs:
@@ -149,6 +159,13 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     md = table(rows, base)
+    if extra.get("ab", {}).get("median_ratio"):
+        ab = extra["ab"]
+        md = (f"Alternated in one process, {len(ab['pairs'])} pairs: Deltafin (every expert "
+              f"held) / mlx-lm in memory = {ab['median_ratio']:.2f}x (median; pairs "
+              + ", ".join(f"{p['ratio']:.2f}" for p in ab["pairs"])
+              + f"), {ab['deltafin_tokens_per_s']:.1f} against "
+              f"{ab['mlx_lm_tokens_per_s']:.1f} scored tok/s.\n\n" + md)
     out.with_suffix(".md").write_text(md + "\n")
     print(md)
     return 0
