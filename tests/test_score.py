@@ -286,3 +286,24 @@ def test_plan_shows_scoring_passes_and_their_projected_rate(converted, capsys):
     assert r["scoring_projection"]["tokens_per_second"] > 0
     assert main(args) == 0
     assert "scoring        passes of up to" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "qwen3_moe"])
+def test_texts_longer_than_an_attention_group_are_exact_too(converted, references, arch):
+    """At 40 MB an attention call holds fewer tokens than these texts: they are
+    attended in the plan's chunks over a cache kept for the pass, and still match
+    mlx-lm within 1e-4; a K beyond the vocabulary gives the whole vocabulary."""
+    from deltafin_mlx.score.job import Sizing
+
+    model, tok = load(converted(arch), "40MB", cache_slots=6, warm_start=False)
+    inputs = texts(2, words=150, seed=5)
+    longest = max(len(tok.encode(t)) for t in inputs)
+    assert longest > Sizing(model).attention(longest)
+    results = deltafin_mlx.score(model, tok, inputs, top_logprobs=100000)
+    ref = references(arch)
+    for r in results:
+        lp = reference_logprobs(ref, r["tokens"])
+        for p in range(1, len(r["tokens"])):
+            assert abs(r["token_logprobs"][p] - lp[p - 1][r["tokens"][p]]) < 1e-4
+        assert len(r["top_logprobs"][1]) == lp.shape[-1]
+    runtime(model).close()

@@ -214,11 +214,11 @@ class MemoryCap(Cgroup):
 # --- running one configuration ----------------------------------------------
 
 
-def run_worker(args: list, timeout: float, cap: "MemoryCap" = None) -> dict:
-    """Run the profiled decode (`python -m bench.lib.worker decode`) in a fresh
-    process; returns its JSON result, or a status record when it was killed,
-    timed out or failed."""
-    cmd = worker.command("decode", *args)
+def run_worker(args: list, timeout: float, cap: "MemoryCap" = None, mode: str = "decode") -> dict:
+    """Run a worker mode (by default the profiled decode, `python -m bench.lib.worker
+    decode`) in a fresh process; returns its JSON result, or a status record when
+    it was killed, timed out or failed."""
+    cmd = worker.command(mode, *args)
     env = worker.environment()
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-import mlx.core as mx
 
 from deltafin_mlx.batch import Progress, error_line
 from deltafin_mlx.batch_io import open_input, read_lines

@@ -13,7 +13,7 @@ of the scored positions then go through the head a block of rows at a time
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -117,15 +117,17 @@ def run_pass(model, items: Sequence[ScoreItem], top_k: int, logit_rows: int,
     chosen = np.zeros(where.size, np.float32)
     greedy = np.zeros(where.size, bool)
     k = max(0, int(top_k))
-    top_ids = np.zeros((where.size, k), np.int64)
-    top_vals = np.zeros((where.size, k), np.float32)
+    top_ids = top_vals = None
     for s in range(0, where.size, logit_rows):
         part = slice(s, s + logit_rows)
         h = flat[mx.array(where[part].astype(np.uint32))]
         out = logprob_rows(head(h), targets[part], k)
         chosen[part], greedy[part] = out.chosen, out.greedy
-        if k:
-            top_ids[part], top_vals[part] = out.top_ids, out.top_logprobs
+        if top_ids is None:  # K is at most the vocabulary
+            k = out.top_ids.shape[1]
+            top_ids = np.zeros((where.size, k), np.int64)
+            top_vals = np.zeros((where.size, k), np.float32)
+        top_ids[part], top_vals[part] = out.top_ids, out.top_logprobs
     del hidden, flat
     mx.clear_cache()
     results, at = [], 0

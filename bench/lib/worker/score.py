@@ -5,6 +5,9 @@ fresh process and time it (bench.studies.scoring).
                       then Deltafin's greedy decode rate in the same process
     --mode mlx-lm     mlx-lm's own scoring (mlx_lm.perplexity.eval_ppl) of the same
                       texts with every expert in memory (engine/load.load_resident)
+    --mode ab         both in one process, alternating --repeats times (Deltafin at a
+                      budget holding every expert): the ratio of each pair, on a
+                      machine too noisy for separate processes to compare
 
 With --throttle FILE VALUE the blkio throttle is written after loading, so every
 timed read runs under it. Prints one JSON line.
@@ -38,10 +41,50 @@ def decode_rate(model, prompt: np.ndarray, steps: int) -> float:
     return steps / (time.perf_counter() - t)
 
 
+def score_items(data: np.ndarray):
+    from deltafin_mlx.batch_requests import Request
+    from deltafin_mlx.score.inputs import ScoreItem
+
+    scored = np.arange(data.shape[1]) > 0  # every position but the first
+    return [ScoreItem(Request(str(i), i, i), row.tolist(), scored.copy())
+            for i, row in enumerate(data)]
+
+
+def ab(args) -> int:
+    """mlx-lm's eval_ppl and Deltafin's scoring of the same texts, alternated."""
+    from mlx_lm.perplexity import eval_ppl
+
+    from deltafin_mlx.engine.load import load, load_resident
+    from deltafin_mlx.score.job import ScoreOptions, iter_passes
+
+    reference = load_resident(args.model)
+    model, _ = load(args.model, args.budget, tokenizer=False, warm_start=False, context=1024)
+    data = texts(args.texts, args.length, 1024)
+    items = score_items(data)
+    pairs = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        eval_ppl(reference, mx.array(data), batch_size=8)
+        ref_s = time.perf_counter() - t
+        t = time.perf_counter()
+        passes = sum(1 for _ in iter_passes(model, items, ScoreOptions()))
+        ours_s = time.perf_counter() - t
+        pairs.append({"mlx_lm_s": ref_s, "deltafin_s": ours_s, "sweeps": passes,
+                      "ratio": ref_s / ours_s})
+    scored = args.texts * (args.length - 1)
+    ratios = sorted(p["ratio"] for p in pairs)
+    print(json.dumps({"mode": "ab", "scored_tokens": scored, "pairs": pairs,
+                      "median_ratio": float(np.median(ratios)),
+                      "mlx_lm_tokens_per_s": scored / float(np.median([p["mlx_lm_s"] for p in pairs])),
+                      "deltafin_tokens_per_s": scored / float(np.median([p["deltafin_s"] for p in pairs]))}))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--mode", choices=("deltafin", "mlx-lm"), required=True)
+    ap.add_argument("--mode", choices=("deltafin", "mlx-lm", "ab"), required=True)
+    ap.add_argument("--repeats", type=int, default=5, help="--mode ab: pairs timed")
     ap.add_argument("--texts", type=int, default=64)
     ap.add_argument("--length", type=int, default=200)
     ap.add_argument("--cache-slots", type=int, default=None)
@@ -50,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--throttle", nargs=2, metavar=("FILE", "VALUE"))
     args = ap.parse_args(argv)
 
+    if args.mode == "ab":
+        return ab(args)
     if args.mode == "mlx-lm":
         from mlx_lm.perplexity import eval_ppl
 
@@ -66,21 +111,15 @@ def main(argv=None) -> int:
                           "tokens_per_s": scored / seconds, "perplexity": ppl}))
         return 0
 
-    from deltafin_mlx.batch_requests import Request
     from deltafin_mlx.engine.load import load
     from deltafin_mlx.engine.runtime import runtime
-    from deltafin_mlx.score.inputs import ScoreItem
     from deltafin_mlx.score.job import ScoreOptions, iter_passes
 
     model, _ = load(args.model, args.budget, cache_slots=args.cache_slots, tokenizer=False,
                     warm_start=False, context=1024)
     state = runtime(model)
     data = texts(args.texts, args.length, 1024)
-    items = []
-    for i, row in enumerate(data):
-        scored = np.ones(args.length, dtype=bool)
-        scored[0] = False
-        items.append(ScoreItem(Request(str(i), i, i), row.tolist(), scored))
+    items = score_items(data)
     if args.throttle:
         with open(args.throttle[0], "w") as f:
             f.write(args.throttle[1])
