@@ -100,13 +100,15 @@ def get(port, path, timeout=30):
 
 
 def expected_reply(model, prompt, n) -> str:
-    """What `deltafin-run MODEL PROMPT -n N` answers (greedy): a server's reply to
-    the same chat prompt must equal it."""
+    """What `deltafin-run MODEL PROMPT -n N` answers (greedy), its thinking then its
+    answer: a server's reply to the same chat prompt (reasoning then content) must
+    equal it."""
     out = subprocess.run([str(Path(sys.executable).parent / "deltafin-run"), str(model), prompt,
                           "-n", str(n), "--json"], capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
-    return json.loads(out.stdout)["text"]
+    reply = json.loads(out.stdout)
+    return (reply.get("thinking") or "") + reply["text"]
 
 
 def peak_rss(pid) -> int:

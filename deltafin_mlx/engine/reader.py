@@ -54,7 +54,7 @@ class BankFile:
     checked: Optional[np.ndarray] = None  # bool per expert: its CRC has been checked
 
     def __post_init__(self):
-        if self.checked is None:
+        if self.checked is None and self.layout is not None:  # a linked source has none
             self.checked = np.zeros(self.layout.num_experts, dtype=bool)
 
     @property
