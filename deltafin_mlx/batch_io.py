@@ -17,6 +17,7 @@ import sys
 from typing import Iterator, Optional, Set, Tuple
 
 from deltafin_mlx.errors import BatchError
+from deltafin_mlx.format.integrity import file_kind
 
 # One line of input or output at most: a result holds its text, tokens and, with
 # --logprobs, a number per token, so a long reply stays well below this.
@@ -34,18 +35,9 @@ def _open_regular(path, flags: int, what: str) -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise BatchError(f"{path}: the {what} must be a regular file (this is {_kind(mode)})")
+        raise BatchError(f"{path}: the {what} must be a regular file (this is {file_kind(mode)})")
     os.set_blocking(fd, True)
     return fd
-
-
-def _kind(mode) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a plain file"
 
 
 def read_lines(f, limit: Optional[int] = None) -> Iterator[Tuple[int, Optional[bytes], bool]]:

@@ -334,16 +334,15 @@ def test_deltafin_run_under_mlx_launch_prints_one_answer_with_the_same_tokens(mo
     assert answers[0]["tokens"] == json.loads(alone.stdout)["tokens"]
 
 
-def test_mlx_lm_server_under_mlx_launch_answers_a_request(models, tmp_path):
-    if not LAUNCH.exists():
-        pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
-    _, sliced, _ = models("qwen3_moe")
+def _launched_server_answer(server_argv, tmp_path):
+    """Start `server_argv` on 2 local ranks, ask rank 0 for 6 greedy tokens of
+    "hello there", stop the ranks; (the answer or None, the ranks' log)."""
     port = _free_port()
     cmd = [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
            "--starting-port", str(_free_port()), "--python", sys.executable, "--",
-           str(BIN / "mlx_lm.server"), "--model", str(sliced), "--trust-remote-code",
-           "--host", "127.0.0.1", "--port", str(port)]
-    log = open(tmp_path / "server.log", "w")
+           *server_argv, "--host", "127.0.0.1", "--port", str(port)]
+    log_path = tmp_path / "server.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     body = json.dumps({"prompt": "hello there", "max_tokens": 6, "temperature": 0}).encode()
     answer, deadline = None, time.monotonic() + 180
@@ -355,6 +354,7 @@ def test_mlx_lm_server_under_mlx_launch_answers_a_request(models, tmp_path):
                 answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
             except OSError:
                 time.sleep(1)
+        time.sleep(0.5)  # a log line written after the answer
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -362,7 +362,16 @@ def test_mlx_lm_server_under_mlx_launch_answers_a_request(models, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
-    assert answer is not None, (tmp_path / "server.log").read_text()[-2000:]
+    return answer, log_path.read_text()
+
+
+def test_mlx_lm_server_under_mlx_launch_answers_a_request(models, tmp_path):
+    if not LAUNCH.exists():
+        pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
+    _, sliced, _ = models("qwen3_moe")
+    answer, log = _launched_server_answer(
+        [str(BIN / "mlx_lm.server"), "--model", str(sliced), "--trust-remote-code"], tmp_path)
+    assert answer is not None, log[-2000:]
     assert answer["usage"]["completion_tokens"] == 6
     # The same greedy text as one process running the same directory.
     import mlx_lm
@@ -379,33 +388,8 @@ def test_deltafin_serve_under_mlx_launch_answers_and_only_rank_0_logs_it(models,
     if not LAUNCH.exists():
         pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
     _, sliced, _ = models("qwen3_moe")
-    port = _free_port()
-    cmd = [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
-           "--starting-port", str(_free_port()), "--python", sys.executable, "--",
-           str(BIN / "deltafin-run"), "serve", str(sliced), "--context", "512",
-           "--host", "127.0.0.1", "--port", str(port)]
-    log_path = tmp_path / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    body = json.dumps({"prompt": "hello there", "max_tokens": 6, "temperature": 0}).encode()
-    answer, deadline = None, time.monotonic() + 180
-    try:
-        while answer is None and time.monotonic() < deadline and proc.poll() is None:
-            try:
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-                answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
-            except OSError:
-                time.sleep(1)
-        time.sleep(0.5)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-    text = log_path.read_text()
+    answer, text = _launched_server_answer(
+        [str(BIN / "deltafin-run"), "serve", str(sliced), "--context", "512"], tmp_path)
     assert answer is not None, text[-2000:]
     assert answer["usage"]["completion_tokens"] == 6
     assert text.count("[deltafin] /v1/completions ok") == 1, text[-2000:]

@@ -57,11 +57,12 @@ def resolve_inside(root, rel, error=ModelError, inside="the model directory",
     except (OSError, ValueError):
         raise error(f"{shown}: missing") from None
     if not stat.S_ISREG(st.st_mode):
-        raise error(f"{shown}: not a regular file ({_kind(st.st_mode)})")
+        raise error(f"{shown}: not a regular file ({file_kind(st.st_mode)})")
     return Path(real), st
 
 
-def _kind(mode) -> str:
+def file_kind(mode) -> str:
+    """What a file that is not a regular one is, in words."""
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISSOCK, "a socket")):
