@@ -135,6 +135,35 @@ def test_logprobs_equal_a_teacher_forced_log_softmax_of_mlx_lms_model(serve, con
         assert np.allclose(top, np.sort(want[i])[::-1][:3], atol=1e-4)
 
 
+def test_logprobs_equal_what_score_gives_for_the_same_tokens(serve, converted):
+    """The values `deltafin-run serve` reports are those `score` gives the prompt
+    plus the generated tokens: the same top 3 ids at each generated position and
+    log-probabilities within 1e-4."""
+    from deltafin_mlx import load, runtime
+    from deltafin_mlx.batch_requests import Request
+    from deltafin_mlx.score.inputs import ScoreItem
+    from deltafin_mlx.score.job import ScoreOptions, iter_passes
+
+    prompt = "the experts stream from"
+    status, reply = post(serve[0], "/v1/completions", {"prompt": prompt, "max_tokens": 5,
+                                                       "temperature": 0, "logprobs": 3})
+    assert status == 200, reply
+    lp = reply["choices"][0]["logprobs"]
+    model, tok = load(converted("kimi_k3"), "200MB", cache_slots=12, warm_start=False)
+    prompt_ids = list(tok.encode(prompt))
+    tokens = prompt_ids + lp["token_ids"]
+    item = ScoreItem(Request("0", 0, 0), tokens, np.arange(len(tokens)) >= len(prompt_ids))
+    ((scored,),) = [results for results, _ in
+                    iter_passes(model, [item], ScoreOptions(top_logprobs=3))]
+    for j, token in enumerate(lp["token_ids"]):
+        at = len(prompt_ids) + j
+        assert abs(lp["token_logprobs"][j] - scored.token_logprobs[at]) < 1e-4
+        top = lp["top_logprobs"][j]
+        assert [tok.decode([i]) for i in scored.top_ids[at]] == list(top)
+        assert np.allclose(list(top.values()), scored.top_logprobs[at], atol=1e-4)
+    runtime(model).close()
+
+
 def test_chat_top_logprobs_report_the_generated_token_best_first(serve):
     port = serve[0]
     status, reply = post(port, "/v1/chat/completions",
