@@ -306,3 +306,17 @@ def test_texts_longer_than_an_attention_group_are_exact_too(converted, reference
             assert abs(r["token_logprobs"][p] - lp[p - 1][r["tokens"][p]]) < 1e-4
         assert len(r["top_logprobs"][1]) == lp.shape[-1]
     runtime(model).close()
+
+
+def test_fifo_or_directory_input_and_output_are_one_line_errors(converted, tmp_path):
+    """IN or OUT a FIFO (which would block) or a directory: one error line, exit 1,
+    no traceback, nothing written."""
+    good = tmp_path / "in.jsonl"
+    good.write_text('{"id": 1, "text": "the experts"}\n')
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for args in ([fifo, "-o", tmp_path / "o.jsonl"], [good, "-o", fifo], [good, "-o", tmp_path]):
+        r = score_cli(converted("qwen3_moe"), *args, "--budget", "200MB")
+        assert r.returncode == 1 and "must be a regular file" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o.jsonl").exists()

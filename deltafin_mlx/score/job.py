@@ -12,6 +12,8 @@ tokens/s.
 
 import json
 import math
+import os
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -156,7 +158,21 @@ def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
     return results
 
 
+def check_regular(path, what: str, missing_ok: bool = False):
+    """IN and OUT are regular files (OUT may not exist yet): a FIFO, device or
+    directory would block or never end, so it is one line instead."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise BatchError(f"{path}: no such {what} file") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BatchError(f"{path}: the {what} must be a regular file")
+
+
 def read_job(in_path) -> List[Request]:
+    check_regular(in_path, "input")
     try:
         with open(in_path, encoding="utf-8") as f:
             return read_requests(f)
@@ -169,6 +185,7 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
     """The score job: read IN, skip what OUT already answers, score and append the
     rest a pass at a time."""
     requests = read_job(in_path)
+    check_regular(out_path, "output", missing_ok=True)
     out = open_output(out_path, opts.format, opts.top_logprobs)
     todo = [r for r in requests if r.key not in out.done]
     show = sys.stderr.isatty() if show_progress is None else show_progress
