@@ -320,3 +320,15 @@ def test_fifo_or_directory_input_and_output_are_one_line_errors(converted, tmp_p
         assert r.returncode == 1 and "must be a regular file" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_progress_line_counts_texts_and_rate(converted, tmp_path, capsys):
+    """On a terminal the job shows texts done of all, errors, tokens/s and an ETA."""
+    model, tok = load(converted("qwen3_moe"), "200MB", warm_start=False)
+    inp = tmp_path / "in.jsonl"
+    write_lines(inp, [{"id": i, "text": t} for i, t in enumerate(texts(3))] + [{"id": 9}])
+    run_job(model, tok, inp, tmp_path / "o.jsonl", ScoreOptions(max_pass_tokens=20),
+            show_progress=True)
+    err = capsys.readouterr().err
+    assert "[score] 4/4 texts (1 errors)" in err and "tok/s, ETA" in err
+    runtime(model).close()
