@@ -332,3 +332,18 @@ def test_progress_line_counts_texts_and_rate(converted, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "[score] 4/4 texts (1 errors)" in err and "tok/s, ETA" in err
     runtime(model).close()
+
+
+def test_score_runs_on_a_model_deltafin_did_not_load(converted, references):
+    """deltafin_mlx.score also scores mlx-lm's own model in memory (no plan: fixed
+    pass sizes), with the values Deltafin's streaming model gives."""
+    model, tok = load(converted("mixtral"), "200MB", cache_slots=4, warm_start=False)
+    inputs = texts(3, seed=7)
+    ours = deltafin_mlx.score(model, tok, inputs, top_logprobs=2)
+    theirs = deltafin_mlx.score(references("mixtral"), tok, inputs, top_logprobs=2)
+    for a, b in zip(ours, theirs):
+        assert a["tokens"] == b["tokens"] and a["greedy"] == b["greedy"]
+        assert abs(a["logprob"] - b["logprob"]) < 1e-3
+        assert [t and [i for i, _ in t] for t in a["top_logprobs"]] == \
+            [t and [i for i, _ in t] for t in b["top_logprobs"]]
+    runtime(model).close()
