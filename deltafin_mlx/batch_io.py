@@ -40,6 +40,22 @@ def _open_regular(path, flags: int, what: str) -> int:
     return fd
 
 
+def check_regular(path, what: str, missing_ok: bool = False):
+    """Refuse early (before a model loads) a `path` that is not a regular file: a
+    FIFO, device or directory would block or never end. `missing_ok`: an output
+    not made yet."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise BatchError(f"{path}: no such {what} file") from None
+    except OSError as e:
+        raise BatchError(f"{path}: cannot open the {what} ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):
+        raise BatchError(f"{path}: the {what} must be a regular file (this is {file_kind(mode)})")
+
+
 def read_lines(f, limit: Optional[int] = None) -> Iterator[Tuple[int, Optional[bytes], bool]]:
     """(line number, bytes without the newline, whether a newline ended it) for each
     line of binary file `f`; None in place of a line longer than `limit`, skipped

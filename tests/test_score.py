@@ -168,8 +168,9 @@ def test_cli_bad_lines_become_error_lines_and_duplicates_are_refused(converted, 
 def test_killed_job_resumes_without_duplicates_or_lost_lines(converted, tmp_path, fmt):
     """A score job killed with SIGKILL mid-run, then rerun, answers every id exactly
     once, with the values an uninterrupted run gives."""
+    N = 60  # passes of 2-3 texts: the kill lands with most of the job left
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    write_lines(inp, [{"id": i, "text": t} for i, t in enumerate(texts(40, 14, seed=3))])
+    write_lines(inp, [{"id": i, "text": t} for i, t in enumerate(texts(N, 14, seed=3))])
     cmd = [sys.executable, "-m", "deltafin_mlx.cli.main", "score", str(converted("mixtral")),
            str(inp), "-o", str(out), "--budget", "200MB", "--pass-tokens", "40",
            "--format", fmt, "--top-logprobs", "2", "--no-warm-start"]
@@ -180,11 +181,11 @@ def test_killed_job_resumes_without_duplicates_or_lost_lines(converted, tmp_path
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     first = len(read_lines(out))
-    assert 0 < first < 40, "the kill should land mid-job"
+    assert 0 < first < N, "the kill should land mid-job"
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = read_lines(out)
-    assert sorted(l["id"] for l in lines) == list(range(40))
+    assert sorted(l["id"] for l in lines) == list(range(N))
     whole = tmp_path / "whole.jsonl"
     r = subprocess.run(cmd[:7] + [str(whole)] + cmd[8:], capture_output=True, text=True,
                        timeout=120)
@@ -306,4 +307,45 @@ def test_texts_longer_than_an_attention_group_are_exact_too(converted, reference
         for p in range(1, len(r["tokens"])):
             assert abs(r["token_logprobs"][p] - lp[p - 1][r["tokens"][p]]) < 1e-4
         assert len(r["top_logprobs"][1]) == lp.shape[-1]
+    runtime(model).close()
+
+
+def test_fifo_or_directory_input_and_output_are_one_line_errors(converted, tmp_path):
+    """IN or OUT a FIFO (which would block) or a directory: one error line, exit 1,
+    no traceback, nothing written."""
+    good = tmp_path / "in.jsonl"
+    good.write_text('{"id": 1, "text": "the experts"}\n')
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for args in ([fifo, "-o", tmp_path / "o.jsonl"], [good, "-o", fifo], [good, "-o", tmp_path]):
+        r = score_cli(converted("qwen3_moe"), *args, "--budget", "200MB")
+        assert r.returncode == 1 and "must be a regular file" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_progress_line_counts_texts_and_rate(converted, tmp_path, capsys):
+    """On a terminal the job shows texts done of all, errors, tokens/s and an ETA."""
+    model, tok = load(converted("qwen3_moe"), "200MB", warm_start=False)
+    inp = tmp_path / "in.jsonl"
+    write_lines(inp, [{"id": i, "text": t} for i, t in enumerate(texts(3))] + [{"id": 9}])
+    run_job(model, tok, inp, tmp_path / "o.jsonl", ScoreOptions(max_pass_tokens=20),
+            show_progress=True)
+    err = capsys.readouterr().err
+    assert "[score] 4/4 texts (1 errors)" in err and "tok/s, ETA" in err
+    runtime(model).close()
+
+
+def test_score_runs_on_a_model_deltafin_did_not_load(converted, references):
+    """deltafin_mlx.score also scores mlx-lm's own model in memory (no plan: fixed
+    pass sizes), with the values Deltafin's streaming model gives."""
+    model, tok = load(converted("mixtral"), "200MB", cache_slots=4, warm_start=False)
+    inputs = texts(3, seed=7)
+    ours = deltafin_mlx.score(model, tok, inputs, top_logprobs=2)
+    theirs = deltafin_mlx.score(references("mixtral"), tok, inputs, top_logprobs=2)
+    for a, b in zip(ours, theirs):
+        assert a["tokens"] == b["tokens"] and a["greedy"] == b["greedy"]
+        assert abs(a["logprob"] - b["logprob"]) < 1e-3
+        assert [t and [i for i, _ in t] for t in a["top_logprobs"]] == \
+            [t and [i for i, _ in t] for t in b["top_logprobs"]]
     runtime(model).close()

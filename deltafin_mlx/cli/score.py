@@ -37,9 +37,12 @@ def score_parser():
 
 
 def cmd_score(argv) -> int:
+    from deltafin_mlx.batch_io import check_regular
     from deltafin_mlx.score.job import ScoreOptions, run_job, summary_line
 
     args = score_parser().parse_args(argv)
+    check_regular(args.input, "input")  # before the model loads, not after
+    check_regular(args.output, "output", missing_ok=True)
     opts = ScoreOptions(top_logprobs=args.top_logprobs, thinking=not args.no_think,
                         format=args.format, max_pass_tokens=args.pass_tokens)
     model, tokenizer = load_model(args)
