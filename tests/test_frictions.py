@@ -486,6 +486,10 @@ def test_readme_examples_run_verbatim(tmp_path, sources):
     (work / "prompt.txt").write_text("Why is the sky blue?")
     (work / "prompts.jsonl").write_text('{"id": "q1", "prompt": "Why is the sky blue?"}\n'
                                         '{"id": 2, "prompt": "Hi", "max_tokens": 4}\n')
+    for name in ("texts.jsonl", "corpus.jsonl"):  # score's inputs
+        (work / name).write_text('{"id": "t1", "text": "Every token of this text is scored."}\n'
+                                 '{"id": "mc-3", "prompt": "The capital of France is", '
+                                 '"completion": " Paris"}\n')
     env = {"HOME": str(home), "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1",
            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "XDG_CACHE_HOME": "",
            "VIRTUAL_ENV": str(BIN.parent)}

@@ -6,7 +6,9 @@ anything else is the default path, `MODEL PROMPT`, `MODEL --chat` or `--demo`. E
 failure is one line on stderr (one_line) unless --debug is given.
 """
 
+import signal
 import sys
+import threading
 
 from deltafin_mlx.cli.batch import cmd_batch
 from deltafin_mlx.cli.bench import cmd_bench
@@ -153,6 +155,17 @@ def run_default(argv) -> int:
 
 @quiet_broken_pipe
 def main(argv=None):
+    own_process = argv is None  # the console script: this process is the command
+    try:
+        return _main(argv)
+    finally:
+        if own_process and threading.current_thread() is threading.main_thread():
+            # The command is done: a Ctrl-C now would only break the interpreter's
+            # exit (reader threads joining) with a signal instead of the status.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     name = argv[0] if argv else None
