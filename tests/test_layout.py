@@ -143,3 +143,17 @@ def test_only_tests_bench_and_the_demo_use_the_fixture_generators():
            for n, ts in graph().items()
            if not n.startswith(("deltafin_mlx.testing", "deltafin_mlx.cli.demo"))}
     assert {n: t for n, t in bad.items() if t} == {}
+
+
+def test_every_package_folder_is_installed():
+    """`pip install .` (not editable) ships exactly the packages pyproject lists: a
+    stage folder missing there imports in the source tree and fails once installed."""
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*?)\]", text,
+                                                     re.S | re.M).group(1)))
+    found = {".".join(("deltafin_mlx",) + p.parent.relative_to(ROOT / "deltafin_mlx").parts)
+             for p in (ROOT / "deltafin_mlx").rglob("__init__.py")}
+    found |= {"deltafin_convert"} if (ROOT / "convert" / "__init__.py").exists() else set()
+    assert found <= listed, f"not in pyproject's packages: {sorted(found - listed)}"
