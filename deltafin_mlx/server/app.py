@@ -135,9 +135,25 @@ def mlx_lm_args(cfg: ServeConfig, plan, sequences: int) -> argparse.Namespace:
         allowed_origins=list(cfg.allowed_origins), log_level=cfg.log_level)
 
 
+def limit_malloc_arenas(arenas: int = 2):
+    """glibc gives each thread that allocates its own malloc arena (up to 8 per core),
+    each keeping what it freed: with a thread per client that is memory outside the
+    plan (docs/PERFORMANCE.md, "Serving memory"). Elsewhere (macOS, musl) nothing."""
+    import ctypes
+    import ctypes.util
+
+    M_ARENA_MAX = -8
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        libc.mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(arenas))
+    except (OSError, AttributeError):
+        pass
+
+
 def serve(cfg: ServeConfig) -> int:
     logging.basicConfig(level=getattr(logging, cfg.log_level),
                         format="%(asctime)s - %(levelname)s - %(message)s")
+    limit_malloc_arenas()  # before any handler thread exists
     from deltafin_mlx.model.shard import detect_group
 
     group = detect_group("auto")
