@@ -36,26 +36,47 @@ class StopMatcher:
             return ""
         # A stop that starts before the held tail would have ended inside text
         # already searched: only the tail and the new segment can hold one.
-        window = self._held + segment
+        return self._emit(self._held + segment, final=False)
+
+    def flush(self) -> str:
+        """The held-back tail, at the end of the stream: cut at a stop it holds."""
+        if self.stopped:
+            return ""
+        return self._emit(self._held, final=True)
+
+    def _emit(self, window: str, final: bool) -> str:
         cut = self._earliest(window)
         if cut is not None:
-            self.stopped = True
-            out, self._held = window[:cut], ""
+            # A longer stop starting before this one may still be completing
+            # ("aba" begun at 0 when "b" is found at 1): wait for it unless the
+            # stream has ended.
+            start = None if final else self._open_start(window, cut)
+            if start is None:
+                self.stopped = True
+                out, self._held = window[:cut], ""
+            else:
+                out, self._held = window[:start], window[start:]
+        elif final:
+            out, self._held = window, ""
         else:
             hold = self._open_prefix(window)
             out, self._held = window[: len(window) - hold], window[len(window) - hold:]
         self._passed.append(out)
         return out
 
-    def flush(self) -> str:
-        """The held-back tail, at the end of the stream (no stop completed it)."""
-        out, self._held = self._held, ""
-        self._passed.append(out)
-        return out
-
     def _earliest(self, window: str):
         hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
         return min(hits) if hits else None
+
+    def _open_start(self, window: str, before: int):
+        """The first position before `before` from which the rest of `window` is a
+        proper beginning of some stop string, or None."""
+        longest = max(len(x) for x in self.stops)
+        for j in range(max(0, len(window) - longest + 1), before):
+            rest = window[j:]
+            if any(len(rest) < len(x) and x.startswith(rest) for x in self.stops):
+                return j
+        return None
 
     def _open_prefix(self, window: str) -> int:
         """The length of the longest end of `window` that begins some stop string."""

@@ -74,6 +74,20 @@ def test_after_a_stop_later_segments_are_ignored():
     assert m.text == "First"
 
 
+def test_a_longer_stop_starting_earlier_wins_over_a_shorter_one_found_first():
+    # "b" is complete at 1 before "aba", begun at 0, is: the text ends at 0.
+    m = StopMatcher(["b", "aba"])
+    assert m.add("ab") == ""
+    assert m.add("a") == ""
+    assert m.stopped and m.text == ""
+    # When the longer one never completes, the shorter one ends the text.
+    m = StopMatcher(["b", "abc"])
+    assert m.add("ab") + m.add("x") == "a"
+    assert m.stopped and m.text == "a"
+    m = StopMatcher(["b", "abc"])
+    assert m.add("ab") + m.flush() == "a" and m.stopped
+
+
 def cut_at_earliest_stop(text, stops):
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return (text[: min(hits)], True) if hits else (text, False)
