@@ -39,6 +39,17 @@ def summary(values) -> dict:
 # --- bench models -----------------------------------------------------------
 
 
+def finish_report(report: dict, json_path=None, workdir=None) -> int:
+    """Print a study's report, write it to `json_path` if given, remove its scratch
+    `workdir`; 0, the study's exit status."""
+    print(json.dumps(report, indent=1))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    if workdir is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
 def model_overrides(hidden: int, layers: int, experts: int, vocab: int = 1024) -> dict:
     """A K3-layout model with K3's real expert shape and a small trunk.
     `layers` decoder layers: layer 0 dense, the rest MoE."""

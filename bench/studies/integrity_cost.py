@@ -15,7 +15,6 @@ cost of `--verify` on expert reads, and of the token-id check at the model's ent
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ import time
 import zlib
 from pathlib import Path
 
+from bench.lib import common
 from deltafin_mlx import runtime
 
 
@@ -145,13 +145,7 @@ def main():
         "disk": direct_read_rate(a.dir, a.read_mb),
         "token_id_check": token_check_cost(model),
     }
-    print(json.dumps(report, indent=1))
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=1))
-    import shutil
-
-    shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return common.finish_report(report, a.json, work)
 
 
 if __name__ == "__main__":

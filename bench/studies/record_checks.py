@@ -20,7 +20,6 @@ repeat (ratios within one run: the machine is shared and noisy).
 """
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from bench.lib import common
 from deltafin_mlx import runtime
 
 MODES = ("off", "first", "every")
@@ -101,13 +101,7 @@ def main():
             if case == "streaming":
                 res[mode]["tokens_per_s"] = summary([a.tokens / r["decode_s"] for r in rs])
         report["cases"][case] = res
-    print(json.dumps(report, indent=1))
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=1))
-    import shutil
-
-    shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return common.finish_report(report, a.json, work)
 
 
 if __name__ == "__main__":
