@@ -24,8 +24,8 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import ArraysCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from deltafin_mlx.generate import (PrefillProgress, RunStats, StatsMeter, chat_prompt, fit_context,
-                                   stream_generate)
+from deltafin_mlx.generate import (PrefillProgress, RunStats, StatsMeter, chat_prompt,
+                                   common_prefix, fit_context, stream_generate)
 from deltafin_mlx.chat_context import grow
 from deltafin_mlx.errors import SessionError
 from deltafin_mlx.session_file import CHECKSUM_KEY, read_session, write_session
@@ -140,7 +140,7 @@ class ChatSession:
     def sync(self, prompt: List[int]) -> int:
         """Make the cache hold a prefix of `prompt` (at least one token short of it);
         returns how many of its tokens the cache already holds."""
-        n = _common_prefix(self.tokens, prompt)
+        n = common_prefix(self.tokens, prompt)
         n = min(n, len(prompt) - 1)
         if not _consistent(self.cache, len(self.tokens)):
             n = 0  # the cache and the record disagree: never trust it
@@ -401,15 +401,6 @@ class Channels:
 def _consistent(cache, tokens: int) -> bool:
     """Every attention layer's cache holds exactly `tokens` tokens."""
     return all(c.offset == tokens for c in cache if hasattr(c, "offset"))
-
-
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _find_last(seq, sub, start=0):

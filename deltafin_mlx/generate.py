@@ -217,6 +217,17 @@ def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True,
     return tokenizer.encode(messages[-1]["content"]) if messages else []
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token lists share (two renderings of a
+    conversation, a cache's tokens against a new prompt)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
                     *, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                     seed: Optional[int] = None, **kwargs):

@@ -17,6 +17,7 @@ from typing import List
 import numpy as np
 
 from deltafin_mlx.batch_requests import Request
+from deltafin_mlx.generate import chat_prompt, common_prefix
 
 TEXT_KEYS = ({"id", "text"}, {"id", "prompt", "completion"}, {"id", "messages"})
 
@@ -40,15 +41,8 @@ def _string(spec, name):
 
 
 def _render(tokenizer, messages, add_generation_prompt: bool, thinking: bool) -> List[int]:
-    return list(tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-        thinking=thinking, enable_thinking=thinking))
-
-
-def _common_prefix(a: List[int], b: List[int]) -> int:
-    n = min(len(a), len(b))
-    diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
-    return int(diff[0]) if diff.size else n
+    return chat_prompt(tokenizer, messages, thinking=thinking,
+                       add_generation_prompt=add_generation_prompt)
 
 
 def _messages(tokenizer, msgs, thinking: bool):
@@ -72,7 +66,7 @@ def _messages(tokenizer, msgs, thinking: bool):
         if tokens[: len(upto)] != upto:
             raise ValueError("the chat template does not render the conversation up to an "
                              "assistant turn as a prefix of the whole; score it as \"text\"")
-        start = _common_prefix(tokens, _render(tokenizer, msgs[:i], True, thinking))
+        start = common_prefix(tokens, _render(tokenizer, msgs[:i], True, thinking))
         scored[start : len(upto)] = True
     return tokens, scored
 
