@@ -197,6 +197,25 @@ def test_peak_memory_stays_within_budget_when_experts_are_4x_the_budget(tmp_path
     assert used <= budget + margin, (used, budget)
 
 
+def test_mlx_keeps_freed_buffers_only_within_the_working_buffers(converted):
+    """Unbounded, MLX's cache of freed buffers grows with every new shape (a
+    server's batches of 1 to 14 prompts of any length: about 7.8 MB here, over the
+    plan); a load bounds it to the plan's share of the working buffers."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(converted("kimi_k3"), memory_budget="40MB", tokenizer=False)
+    plan = runtime(model).plan
+    try:
+        assert 0 < plan.buffer_cache_bytes < plan.working_bytes
+        for batch in range(1, 15):
+            for length in (3, 17, 40):
+                cache = make_prompt_cache(model)
+                mx.eval(model(mx.ones((batch, length), dtype=mx.int32), cache=cache))
+        assert mx.get_cache_memory() <= plan.buffer_cache_bytes
+    finally:
+        runtime(model).close()
+
+
 # --- damaged banks --------------------------------------------------------------
 
 

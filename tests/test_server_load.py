@@ -25,7 +25,8 @@ def test_deltafin_serve_survives_two_dozen_hostile_clients(converted, capsys):
     stopped mlx-lm's generation thread or fetched a URL): each hostile request gets
     its HTTP error, every ordinary one its exact reply, no connection is reset,
     /health is 200 and the server answers correctly afterwards, and peak memory
-    (VmHWM) stays within the budget plus 64 MiB."""
+    (VmHWM, less a process that only imported the server) stays within the budget
+    plus 8 MiB (measured: 38-39 MiB at this 38.1 MiB budget, docs/PERFORMANCE.md)."""
     report = server_stress.run(converted("kimi_k3"), clients=24, seconds=12, budget="40MB",
                                max_tokens=6, server="deltafin", hostile_fraction=0.5,
                                context=1024, max_requests=400)
@@ -37,4 +38,4 @@ def test_deltafin_serve_survives_two_dozen_hostile_clients(converted, capsys):
     assert report["outcomes"].get("ok", 0) >= 24
     assert report["outcomes"].get("refused-ok", 0) >= 24
     assert not any(k.startswith("error") for k in report["outcomes"]), report["errors"]
-    assert server_stress.healthy(report), report
+    assert server_stress.healthy(report, margin=8 << 20), report

@@ -3,6 +3,7 @@
 import base64
 import json
 import random
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -335,6 +336,93 @@ def test_each_caller_gets_its_own_detokenizer(k3):
     first.add_token(split_char[1])
     first.add_token(split_char[2])
     assert (first.text, second.text) == ("齉", "a")
+
+
+# One encode thread
+
+
+class ThreadRecorder:
+    """A tiktoken Encoding that records which threads encode with it."""
+
+    def __init__(self, encoding):
+        self.inner, self.threads = encoding, set()
+
+    def encode_ordinary(self, text):
+        self.threads.add(threading.get_ident())
+        return self.inner.encode_ordinary(text)
+
+    def encode(self, text, **kwargs):
+        self.threads.add(threading.get_ident())
+        return self.inner.encode(text, **kwargs)
+
+
+def test_every_encode_runs_on_one_thread_whatever_thread_asks(k3, monkeypatch):
+    """tiktoken keeps a regex copy per calling thread (by a hash of its id) and each
+    copy's cache grows once used: a server with a thread per connection fills all
+    of them. Every encode of the process runs on the same thread instead."""
+    expected = k3.encode(MIXED_TEXT)
+    recorder = ThreadRecorder(k3.encoding)
+    monkeypatch.setattr(k3._tokenizer, "encoding", recorder)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(k3.encode(MIXED_TEXT)))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    k3.apply_chat_template(CONVERSATION)
+    assert results == [expected] * 8
+    assert len(recorder.threads) == 1 and threading.get_ident() not in recorder.threads
+
+
+def test_an_encode_error_reaches_the_caller(k3, monkeypatch):
+    class Broken:
+        def encode(self, text, **kwargs):
+            raise RuntimeError("tiktoken failed")
+
+    monkeypatch.setattr(k3._tokenizer, "encoding", Broken())
+    with pytest.raises(RuntimeError, match="tiktoken failed"):
+        k3.encode("hello")
+    monkeypatch.undo()
+    assert k3.decode(k3.encode("hello")) == "hello"  # the thread still encodes
+
+
+def test_encoding_on_one_thread_runs_nested_calls_in_place():
+    from deltafin_mlx.tokenizer.encode_thread import run_on_encode_thread
+
+    def outer():
+        return run_on_encode_thread(threading.get_ident), threading.get_ident()
+
+    inner, outer_thread = run_on_encode_thread(outer)
+    assert inner == outer_thread != threading.get_ident()
+
+
+def test_encoding_from_hundreds_of_threads_keeps_memory_flat(tmp_path):
+    """Measured in a fresh process: 300 threads of a connection each encoding a
+    prompt once grew tiktoken's regex caches by 20 MiB before (docs/PERFORMANCE.md,
+    "Serving memory"); on one encode thread they grow by what one copy needs."""
+    import subprocess
+    import sys
+
+    write_kimi_tokenizer_files(tmp_path / "k3", flavor="k3")
+    script = f"""
+import random, threading
+from deltafin_mlx.tokenizer.kimi import load_kimi_tokenizer
+tok = load_kimi_tokenizer({str(tmp_path / "k3")!r})
+words = {MIXED_TEXT.split()!r}
+text = " ".join(random.Random(0).choice(words) for _ in range(400))
+def rss():
+    return [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")][0]
+tok.encode(text)
+before = rss()
+for _ in range(300):
+    t = threading.Thread(target=lambda: tok.encode(text)); t.start(); t.join()
+print(rss() - before)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) < 4 << 10  # KiB
 
 
 # K3 prompts

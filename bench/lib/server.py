@@ -29,15 +29,21 @@ def stop_server(proc):
 
 
 def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, extra=(),
-                 env=None):
+                 env=None, samples=None):
     """The server logs every request: to a file (a pipe nobody drains would fill
-    up and block the server). `env`: more environment (DELTAFIN_CONTEXT, ...)."""
+    up and block the server). `env`: more environment (DELTAFIN_CONTEXT, ...).
+    `samples`: a file for `deltafin-run serve`'s memory samples
+    (bench/lib/worker/sampled_serve.py)."""
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "DELTAFIN_BUDGET": budget, **(env or {})}
     log = open(log_path, "w")
     if server == "deltafin":
-        cmd = [str(bin_dir / "deltafin-run"), "serve", str(model), "--budget", budget,
-               "--context", str(context), "--host", "127.0.0.1", "--port", str(port)]
+        serve = ["serve", str(model), "--budget", budget, "--context", str(context),
+                 "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [str(bin_dir / "deltafin-run"), *serve]
+        if samples is not None:
+            cmd = worker.command("sampled-serve", samples, *serve)
+            env["PYTHONPATH"] = worker.environment()["PYTHONPATH"]
     else:
         cmd = [str(bin_dir / "mlx_lm.server"), "--model", str(model), "--trust-remote-code",
                "--host", "127.0.0.1", "--port", str(port)]

@@ -131,12 +131,15 @@ def percentile(xs, q):
 
 
 def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_requests=10_000,
-        seed=0, server="mlx_lm", hostile_fraction=0.0, context=4096, extra=()):
+        seed=0, server="mlx_lm", hostile_fraction=0.0, context=4096, extra=(), samples=None):
+    """`samples`: a file for the server's memory samples (`deltafin` only); the
+    report's `peak_sample` is the one at the highest VmRSS."""
     import tempfile
 
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="deltafin-stress-")) / "server.log"
-    proc = start_server(model, port, budget, log_path, server, context, extra=extra)
+    proc = start_server(model, port, budget, log_path, server, context, extra=extra,
+                        samples=samples)
     vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1 << 17)
     try:
         expected = {p: chat(port, p, max_tokens, stream=False) for p in PROMPTS}
@@ -207,12 +210,21 @@ def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_reque
         "latency_mean_s": statistics.mean(lat) if lat else float("nan"),
         "errors": errors[:10],
         "server_log_tail": log_tail,
+        "peak_sample": peak_sample(samples) if samples else None,
     }
+
+
+def peak_sample(path):
+    """The memory sample (bench/lib/worker/sampled_serve.py) of highest VmRSS."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return max(rows, key=lambda r: r["VmRSS"]) if rows else None
 
 
 def healthy(r, margin=64 << 20) -> bool:
     """Alive, every request answered correctly or refused cleanly, and memory within
-    the budget plus a margin (MLX's allocator keeps freed buffers for reuse)."""
+    the budget plus a margin: what the baseline process does not show (library code
+    paged in as it runs) and, for plain mlx_lm.server, what glibc and MLX keep of
+    what they freed (`deltafin-run serve` bounds both)."""
     from deltafin_mlx.units import parse_size
 
     answered = all(k in ("ok", "refused-ok", "long-ok", "disconnect") or k.startswith("refused ")

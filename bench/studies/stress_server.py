@@ -16,7 +16,10 @@ Only loopback addresses are used; every loop is bounded in count and time.
 logit_bias ids, prompts over the planned context, malformed or deeply nested or
 oversized bodies, bad Content-Length, clients that disconnect before or during
 their reply), each of which must get its expected HTTP error (a disconnect gets
-none), while every ordinary request still gets its exact reply.
+none), while every ordinary request still gets its exact reply. With `--samples FILE`
+(`--server deltafin`) the server samples its memory every 50 ms into FILE, and the
+report's `peak_sample` splits the peak: RssAnon/RssFile, MLX's active and cached
+bytes, glibc's heap, used and free (docs/PERFORMANCE.md, "Serving memory").
 """
 
 import argparse
@@ -38,9 +41,13 @@ def main():
     p.add_argument("--server", choices=("mlx_lm", "deltafin"), default="mlx_lm")
     p.add_argument("--hostile", type=float, default=0.0, help="fraction of hostile requests")
     p.add_argument("--context", type=int, default=4096, help="deltafin-run serve --context")
+    p.add_argument("--samples", default=None,
+                   help="with --server deltafin: write the server's memory samples here")
     a = p.parse_args()
+    if a.samples and a.server != "deltafin":
+        p.error("--samples needs --server deltafin")
     r = run(a.model, a.clients, a.seconds, a.budget, a.max_tokens, server=a.server,
-            hostile_fraction=a.hostile, context=a.context)
+            hostile_fraction=a.hostile, context=a.context, samples=a.samples)
     print(json.dumps(r, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))

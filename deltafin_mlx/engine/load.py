@@ -250,6 +250,7 @@ def load(
                        reader_threads=reader_threads, max_slots=cache_slots,
                        stream_trunk=stream_trunk, sequences=sequences,
                        max_sequences=max_sequences)
+    mx.set_cache_limit(plan.buffer_cache_bytes)
 
     # Banks (or linked sources) are checked before anything big is allocated.
     layouts = {}

@@ -28,6 +28,11 @@ from deltafin_mlx.plan.footprint import Inventory
 from deltafin_mlx.errors import BudgetError
 
 WORKING_BYTES = 16 << 20  # activations, router outputs and read bookkeeping of small models
+# MLX keeps freed buffers for reuse; unbounded, what it keeps grows with every new
+# shape (a server's batches of different sizes) and lies outside the plan. A
+# quarter of the working buffers holds a decode step's (docs/PERFORMANCE.md,
+# "Serving memory").
+BUFFER_CACHE_SHARE = 4
 HEADROOM = 0.85  # of available memory, for the default budget
 RING = 2  # buffers per streamed layer shape: one in use, one being read
 PREFILL_STEPS = (512, 256, 128, 64, 32, 16)  # prompt tokens per forward pass, largest first
@@ -232,6 +237,12 @@ class MemoryPlan:
     @property
     def cache_bytes(self) -> int:
         return self.slots * self.slot_bytes
+
+    @property
+    def buffer_cache_bytes(self) -> int:
+        """Freed buffers MLX may keep for reuse (mx.set_cache_limit): counted in the
+        working buffers."""
+        return self.working_bytes // BUFFER_CACHE_SHARE
 
     @property
     def cache_fraction(self) -> float:

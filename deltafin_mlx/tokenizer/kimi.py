@@ -19,6 +19,7 @@ from pathlib import Path
 import tiktoken
 from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 from deltafin_mlx.errors import TokenizerError
+from deltafin_mlx.tokenizer.encode_thread import run_on_encode_thread
 from deltafin_mlx.tokenizer.jinja import render_jinja_chat
 from deltafin_mlx.tokenizer.xtml import (
     XTML_CLOSE,
@@ -304,15 +305,24 @@ class KimiTokenizer:
         return [self.vocab.get(t, self.unk_token_id) for t in tokens]
 
     def _encode(self, text, allow_special):
+        return self._encode_pieces([(text, allow_special)])
+
+    def _encode_pieces(self, pieces):
+        """Token ids of (text, allow_special) pieces, in order, encoded on the
+        process's one encode thread (tokenizer/encode_thread.py)."""
+        return run_on_encode_thread(self._encode_here, pieces)
+
+    def _encode_here(self, pieces):
         ids = []
-        # The release encodes at most 400k characters per tiktoken call.
-        for i in range(0, len(text), 400_000):
-            for piece in _split_long_runs(text[i : i + 400_000]):
-                if allow_special:
-                    ids += self.encoding.encode(piece, allowed_special="all")
-                else:
-                    # Special token text is ordinary text here.
-                    ids += self.encoding.encode_ordinary(piece)
+        for text, allow_special in pieces:
+            # The release encodes at most 400k characters per tiktoken call.
+            for i in range(0, len(text), 400_000):
+                for piece in _split_long_runs(text[i : i + 400_000]):
+                    if allow_special:
+                        ids += self.encoding.encode(piece, allowed_special="all")
+                    else:
+                        # Special token text is ordinary text here.
+                        ids += self.encoding.encode_ordinary(piece)
         return ids
 
     def encode(
@@ -368,7 +378,7 @@ class KimiTokenizer:
             if not tokenize:
                 return "".join(text for text, _ in pieces)
             # Piece by piece: only markup may become special tokens.
-            ids = [i for text, markup in pieces for i in self._encode(text, markup)]
+            ids = self._encode_pieces(pieces)
         elif self.chat_template is not None:
             text = render_jinja_chat(
                 self.chat_template,

@@ -6,11 +6,13 @@
     python -m bench.lib.worker prefill-peak MODEL BUDGET TOKENS STEP
     python -m bench.lib.worker prefill-run MODEL TOKENS SLOTS DECODE [THROTTLE_FILE VALUE]
     python -m bench.lib.worker server-baseline
+    python -m bench.lib.worker sampled-serve FILE serve MODEL [serve options...]
     python -m bench.lib.worker score --model DIR --mode deltafin|mlx-lm [--cache-slots N]
     python -m bench.lib.worker expert-reads MODEL PASSES [THROTTLE_FILE VALUE]
 
 Each mode prints its result as one JSON line (the last line of stdout), except
-server-baseline, which prints a number of KiB. A fresh process per measurement
+server-baseline, which prints a number of KiB, and sampled-serve, a server that
+writes memory samples to FILE. A fresh process per measurement
 keeps one run's memory, caches and patches out of the next.
 """
 
@@ -28,6 +30,7 @@ MODES = {
     "prefill-peak": "prefill_peak",
     "prefill-run": "prefill_run",
     "server-baseline": "server_baseline",
+    "sampled-serve": "sampled_serve",
     "score": "score",
     "expert-reads": "expert_reads",
 }
