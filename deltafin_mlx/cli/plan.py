@@ -202,6 +202,7 @@ def plan_from_path(args) -> dict:
         "sequence_recurrent_bytes": plan.sequence_recurrent_bytes,
         "sequence_kv_bytes": plan.sequence_kv_bytes,
         "working_bytes": plan.working_bytes,
+        "buffer_cache_bytes": plan.buffer_cache_bytes,
         "expert_record_bytes": inv.record_size,
         "expert_slot_bytes": plan.slot_bytes,
         "experts_per_layer": inv.num_experts,
