@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, List, Optional, Union
 
 from deltafin_mlx.errors import BatchError
+from deltafin_mlx.tokenizer.messages import chat_messages
 
 SAMPLING_KEYS = {"max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "stop"}
 LINE_KEYS = {"id", "prompt", "messages"} | SAMPLING_KEYS
 ALIASES = {"temperature": "temp", "max_completion_tokens": "max_tokens"}  # OpenAI's names
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 OPENAI_LINE_KEYS = {"custom_id", "method", "url", "body"}
-MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 
 
 @dataclass
@@ -86,7 +86,7 @@ def batch_spec(spec: dict) -> dict:
     if ("prompt" in out) == ("messages" in out):
         raise ValueError('needs exactly one of "prompt" (a string) or "messages" (a list)')
     if "messages" in out:
-        check_messages(out["messages"])
+        out["messages"] = chat_messages(out["messages"])
     return out
 
 
@@ -165,50 +165,3 @@ def _from_openai(spec: dict) -> dict:
     return {"id": spec["custom_id"], **canonical}
 
 
-def check_messages(msgs):
-    """A chat as a template renders it: a non-empty list of messages with a string
-    role and string content (null with tool calls), and tool calls in OpenAI's shape
-    (`{"id"?, "type"?: "function", "function": {"name", "arguments"}}`)."""
-    if not isinstance(msgs, list) or not msgs:
-        raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ValueError(f"{where} must be an object")
-        unknown = sorted(set(m) - MESSAGE_KEYS)
-        if unknown:
-            raise ValueError(f"{where}: unknown key {unknown[0]!r} "
-                             f"(known: {', '.join(sorted(MESSAGE_KEYS))})")
-        if not isinstance(m.get("role"), str):
-            raise ValueError(f'{where}: "role" must be a string')
-        content = m.get("content")
-        if not (isinstance(content, str) or (content is None and "tool_calls" in m)):
-            raise ValueError(f'{where}: "content" must be a string')
-        for key in ("name", "tool_call_id", "reasoning_content"):
-            if key in m and not isinstance(m[key], str):
-                raise ValueError(f'{where}: "{key}" must be a string')
-        if "tool_calls" in m:
-            _check_tool_calls(m["tool_calls"], where)
-
-
-def _check_tool_calls(calls, where: str):
-    if not isinstance(calls, list):
-        raise ValueError(f'{where}: "tool_calls" must be a list')
-    for j, call in enumerate(calls):
-        at = f"{where}.tool_calls[{j}]"
-        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-            raise ValueError(f'{at} must be an object with a "function" object')
-        if set(call) - {"id", "type", "function"}:
-            raise ValueError(f"{at}: unknown key {sorted(set(call) - {'id', 'type', 'function'})[0]!r}")
-        if "id" in call and not isinstance(call["id"], str):
-            raise ValueError(f'{at}: "id" must be a string')
-        if call.get("type", "function") != "function":
-            raise ValueError(f'{at}: "type" must be "function"')
-        fn = call["function"]
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ValueError(f'{at}: the function needs a "name" (a non-empty string)')
-        if not isinstance(fn.get("arguments", "{}"), (str, dict)):
-            raise ValueError(f'{at}: "arguments" must be a JSON string or an object')
-        if set(fn) - {"name", "arguments"}:
-            raise ValueError(f"{at}.function: unknown key "
-                             f"{sorted(set(fn) - {'name', 'arguments'})[0]!r}")

@@ -120,10 +120,10 @@ def bad_lines():
         {"role": "user", "content": "go on"}]}
     return [
         ('{"id": "t5", "messages": [{"role": "user", "content": "hi", "tool_calls": 5}]}',
-         '"tool_calls" must be a list'),
-        (json.dumps({"id": "tl", **tool([5])}), "must be an object"),
+         "messages[0].tool_calls: must be a list"),
+        (json.dumps({"id": "tl", **tool([5])}), "messages[1].tool_calls[0]: must be an object"),
         (json.dumps({"id": "tn", **tool([{"type": "function", "function": {"arguments": "{}"}}])}),
-         'needs a "name"'),
+         "function.name: must be a string"),
         ('{"id": "\\ud800", "prompt": "Hello"}', '"id"'),
         ('{"id": "sp", "prompt": "\\udfff"}', "unpaired surrogate"),
         ('[' * 100_000 + ']' * 100_000, "not JSON"),

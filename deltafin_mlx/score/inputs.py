@@ -18,6 +18,7 @@ import numpy as np
 
 from deltafin_mlx.batch_requests import Request
 from deltafin_mlx.generate import chat_prompt, common_prefix
+from deltafin_mlx.tokenizer.messages import chat_messages
 
 TEXT_KEYS = ({"id", "text"}, {"id", "prompt", "completion"}, {"id", "messages"})
 
@@ -49,11 +50,7 @@ def _messages(tokenizer, msgs, thinking: bool):
     """Tokens of the conversation and the mask of its assistant turns: a turn's
     tokens run from where the conversation before it, with the generation prompt,
     stops matching, to the end of the conversation rendered up to it."""
-    if (not isinstance(msgs, list) or not msgs or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in msgs)):
-        raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects '
-                         "with string values")
+    msgs = chat_messages(msgs)
     turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if not turns:
         raise ValueError('"messages" has no assistant turn to score')

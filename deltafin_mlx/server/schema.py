@@ -11,22 +11,19 @@ Content parts other than text are refused before any I/O: the model takes no
 images, and no URL a client names is ever fetched.
 """
 
-import json
 import math
 from dataclasses import dataclass
 
 from deltafin_mlx.errors import RequestError
+from deltafin_mlx.tokenizer.messages import MAX_NAME_CHARS, chat_messages, fail, text
 
 MAX_DEPTH = 32  # JSON nesting: messages > parts > tool calls > arguments > ...
-MAX_MESSAGES = 4096
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 10
 MAX_SEED = 2**63 - 1
 MAX_TOOLS = 256
-MAX_NAME_CHARS = 256
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -35,10 +32,6 @@ class RequestLimits:
     vocab: int  # rows of the embedding table: valid token ids are 0..vocab-1
     context: int  # planned tokens of prompt plus reply
     max_text_bytes: int  # a prompt with more UTF-8 bytes cannot fit the context
-
-
-def _fail(field: str, what: str):
-    raise RequestError(f"{field}: {what}")
 
 
 def _is_int(v) -> bool:
@@ -55,9 +48,9 @@ def integer(body, field, low, high, default=None):
     if v is None:
         return default
     if not _is_int(v):
-        _fail(field, f"must be an integer, not {type(v).__name__}")
+        fail(field, f"must be an integer, not {type(v).__name__}")
     if not low <= v <= high:
-        _fail(field, f"must be in {low}..{high}, not {v}")
+        fail(field, f"must be in {low}..{high}, not {v}")
     return v
 
 
@@ -66,9 +59,9 @@ def number(body, field, low, high, default=None):
     if v is None:
         return default
     if not _is_number(v):
-        _fail(field, "must be a finite number")
+        fail(field, "must be a finite number")
     if not low <= v <= high:
-        _fail(field, f"must be in [{low}, {high}], not {v}")
+        fail(field, f"must be in [{low}, {high}], not {v}")
     return float(v)
 
 
@@ -77,21 +70,7 @@ def boolean(body, field, default=False):
     if v is None:
         return default
     if not isinstance(v, bool):
-        _fail(field, f"must be true or false, not {type(v).__name__}")
-    return v
-
-
-def text(v, field, max_chars=None, allow_empty=True) -> str:
-    if not isinstance(v, str):
-        _fail(field, f"must be a string, not {type(v).__name__}")
-    if not allow_empty and not v:
-        _fail(field, "must not be empty")
-    if max_chars is not None and len(v) > max_chars:
-        _fail(field, f"is {len(v)} characters, more than {max_chars}")
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        _fail(field, "holds a lone surrogate (not valid Unicode)")
+        fail(field, f"must be true or false, not {type(v).__name__}")
     return v
 
 
@@ -121,93 +100,20 @@ def text_bytes(value) -> int:
     return total
 
 
-def _content(v, field):
-    if v is None or isinstance(v, str):
-        return text(v, field) if v is not None else ""
-    if not isinstance(v, list):
-        _fail(field, "must be a string, a list of text parts or null")
-    parts = []
-    for i, part in enumerate(v):
-        f = f"{field}[{i}]"
-        if not isinstance(part, dict):
-            _fail(f, "must be an object")
-        kind = part.get("type")
-        if kind != "text":
-            # Checked before anything else is done with the request: no URL is
-            # fetched and no image decoded.
-            _fail(f, f"content type {str(kind)[:40]!r} is not supported (this model takes "
-                     "text only)")
-        parts.append(text(part.get("text"), f + ".text"))
-    return "".join(parts)
-
-
-def _tool_calls(v, field):
-    if not isinstance(v, list):
-        _fail(field, "must be a list")
-    out = []
-    for i, call in enumerate(v):
-        f = f"{field}[{i}]"
-        if not isinstance(call, dict):
-            _fail(f, "must be an object")
-        fn = call.get("function")
-        if not isinstance(fn, dict):
-            _fail(f + ".function", "must be an object")
-        name = text(fn.get("name"), f + ".function.name", MAX_NAME_CHARS, allow_empty=False)
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                _fail(f + ".function.arguments", "is not valid JSON")
-        if not isinstance(args, dict):
-            _fail(f + ".function.arguments", "must be a JSON object")
-        entry = {"type": "function", "function": {"name": name, "arguments": args}}
-        if call.get("id") is not None:
-            entry["id"] = text(call["id"], f + ".id", MAX_NAME_CHARS)
-        out.append(entry)
-    return out
-
-
-def messages(v):
-    if not isinstance(v, list) or not v:
-        _fail("messages", "must be a non-empty list")
-    if len(v) > MAX_MESSAGES:
-        _fail("messages", f"has {len(v)} entries, more than {MAX_MESSAGES}")
-    out = []
-    for i, m in enumerate(v):
-        f = f"messages[{i}]"
-        if not isinstance(m, dict):
-            _fail(f, "must be an object")
-        role = m.get("role")
-        if role not in ROLES:
-            _fail(f + ".role", f"must be one of {', '.join(ROLES)}")
-        entry = {"role": role, "content": _content(m.get("content"), f + ".content")}
-        if m.get("tool_calls") is not None:
-            entry["tool_calls"] = _tool_calls(m["tool_calls"], f + ".tool_calls")
-        for key in ("name", "tool_call_id"):
-            if m.get(key) is not None:
-                entry[key] = text(m[key], f"{f}.{key}", MAX_NAME_CHARS)
-        for key in ("reasoning", "reasoning_content"):
-            if m.get(key) is not None:
-                entry[key] = text(m[key], f"{f}.{key}")
-        out.append(entry)
-    return out
-
-
 def tools(v):
     if v is None:
         return None
     if not isinstance(v, list):
-        _fail("tools", "must be a list")
+        fail("tools", "must be a list")
     if len(v) > MAX_TOOLS:
-        _fail("tools", f"has {len(v)} entries, more than {MAX_TOOLS}")
+        fail("tools", f"has {len(v)} entries, more than {MAX_TOOLS}")
     for i, t in enumerate(v):
         f = f"tools[{i}]"
         if not isinstance(t, dict) or not isinstance(t.get("function"), dict):
-            _fail(f, "must be an object with a 'function' object")
+            fail(f, "must be an object with a 'function' object")
         text(t["function"].get("name"), f + ".function.name", MAX_NAME_CHARS, allow_empty=False)
         if not isinstance(t["function"].get("parameters", {}), dict):
-            _fail(f + ".function.parameters", "must be an object")
+            fail(f + ".function.parameters", "must be an object")
     return v or None
 
 
@@ -217,9 +123,9 @@ def stops(v):
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list):
-        _fail("stop", "must be a string or a list of strings")
+        fail("stop", "must be a string or a list of strings")
     if len(v) > MAX_STOPS:
-        _fail("stop", f"has {len(v)} entries, more than {MAX_STOPS}")
+        fail("stop", f"has {len(v)} entries, more than {MAX_STOPS}")
     return [text(s, f"stop[{i}]", MAX_STOP_CHARS, allow_empty=False) for i, s in enumerate(v)]
 
 
@@ -227,17 +133,17 @@ def logit_bias(v, vocab):
     if v is None:
         return None
     if not isinstance(v, dict):
-        _fail("logit_bias", "must be an object of token id to bias")
+        fail("logit_bias", "must be an object of token id to bias")
     if len(v) > MAX_LOGIT_BIAS:
-        _fail("logit_bias", f"has {len(v)} entries, more than {MAX_LOGIT_BIAS}")
+        fail("logit_bias", f"has {len(v)} entries, more than {MAX_LOGIT_BIAS}")
     out = {}
     for k, b in v.items():
         if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12):
-            _fail("logit_bias", f"key {k[:20]!r} is not a token id")
+            fail("logit_bias", f"key {k[:20]!r} is not a token id")
         if not int(k) < vocab:
-            _fail("logit_bias", f"token id {k} is outside the vocabulary (0..{vocab - 1})")
+            fail("logit_bias", f"token id {k} is outside the vocabulary (0..{vocab - 1})")
         if not _is_number(b) or not -100 <= b <= 100:
-            _fail(f"logit_bias[{k}]", "must be a finite number in [-100, 100]")
+            fail(f"logit_bias[{k}]", "must be a finite number in [-100, 100]")
         out[int(k)] = float(b)
     return out or None
 
@@ -251,7 +157,7 @@ def check_completion(body: dict, chat: bool, limits: RequestLimits) -> dict:
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
-            _fail("stream_options", "must be an object")
+            fail("stream_options", "must be an object")
         out["stream_options"] = {"include_usage": boolean(so, "include_usage")}
     for key in ("model",):
         if body.get(key) is not None:
@@ -260,11 +166,11 @@ def check_completion(body: dict, chat: bool, limits: RequestLimits) -> dict:
     # must not make the server load anything else.
     for key in ("adapters", "draft_model"):
         if body.get(key) not in (None, "default_model"):
-            _fail(key, "is not supported by deltafin-run serve")
+            fail(key, "is not supported by deltafin-run serve")
     if integer(body, "n", 1, 1, 1) != 1:
-        _fail("n", "must be 1")
+        fail("n", "must be 1")
     if chat:
-        out["messages"] = messages(body.get("messages"))
+        out["messages"] = chat_messages(body.get("messages"))
         out["tools"] = tools(body.get("tools"))
         prompt_text = [out["messages"], out["tools"]]
     else:
@@ -304,7 +210,7 @@ def check_completion(body: dict, chat: bool, limits: RequestLimits) -> dict:
     top = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if not chat and _is_int(lp):  # OpenAI's legacy API: logprobs is the count of top tokens
         if not 0 <= lp <= MAX_TOP_LOGPROBS:
-            _fail("logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, not {lp}")
+            fail("logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, not {lp}")
         out["logprobs"], top = True, lp
     else:
         out["logprobs"] = boolean(body, "logprobs")
@@ -316,7 +222,7 @@ def check_completion(body: dict, chat: bool, limits: RequestLimits) -> dict:
         if not isinstance(kwargs, dict) or len(kwargs) > 32 or not all(
                 isinstance(k, str) and (v is None or isinstance(v, (bool, str)) or _is_number(v))
                 for k, v in kwargs.items()):
-            _fail("chat_template_kwargs", "must be an object of at most 32 plain values")
+            fail("chat_template_kwargs", "must be an object of at most 32 plain values")
         out["chat_template_kwargs"] = kwargs
     return out
 
@@ -327,7 +233,7 @@ def check_tokenize(body: dict, limits: RequestLimits):
         raise RequestError("the body must be a JSON object")
     content = text(body.get("content"), "content")
     if len(content.encode("utf-8")) > limits.max_text_bytes:
-        _fail("content", f"is more text than the planned context of {limits.context} "
+        fail("content", f"is more text than the planned context of {limits.context} "
                          "tokens can hold")
     return content, boolean(body, "add_special")
 
@@ -338,10 +244,10 @@ def check_detokenize(body: dict, limits: RequestLimits) -> list:
         raise RequestError("the body must be a JSON object")
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
-        _fail("tokens", "must be a list of token ids")
+        fail("tokens", "must be a list of token ids")
     if len(tokens) > limits.context:
-        _fail("tokens", f"has {len(tokens)} ids, more than the context of {limits.context}")
+        fail("tokens", f"has {len(tokens)} ids, more than the context of {limits.context}")
     for i, t in enumerate(tokens):
         if not _is_int(t) or not 0 <= t < limits.vocab:
-            _fail(f"tokens[{i}]", f"must be a token id in 0..{limits.vocab - 1}")
+            fail(f"tokens[{i}]", f"must be a token id in 0..{limits.vocab - 1}")
     return tokens
