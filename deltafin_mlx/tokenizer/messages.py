@@ -52,6 +52,15 @@ def _known_keys(obj: dict, known, field: str, echoes=()):
         fail(field, f"unknown key {str(key)[:40]!r} (known: {', '.join(known)})")
 
 
+def _objects(items: list, field: str):
+    """(field name, item) of each item of a list of JSON objects."""
+    for i, item in enumerate(items):
+        f = f"{field}[{i}]"
+        if not isinstance(item, dict):
+            fail(f, "must be an object")
+        yield f, item
+
+
 def _content(v, field) -> str:
     if v is None:
         return ""
@@ -60,10 +69,7 @@ def _content(v, field) -> str:
     if not isinstance(v, list):
         fail(field, "must be a string, a list of text parts or null")
     parts = []
-    for i, part in enumerate(v):
-        f = f"{field}[{i}]"
-        if not isinstance(part, dict):
-            fail(f, "must be an object")
+    for f, part in _objects(v, field):
         kind = part.get("type")
         if kind != "text":
             # Refused before anything else is done with the conversation: no URL is
@@ -79,10 +85,7 @@ def _tool_calls(v, field) -> list:
     if not isinstance(v, list):
         fail(field, "must be a list")
     out = []
-    for i, call in enumerate(v):
-        f = f"{field}[{i}]"
-        if not isinstance(call, dict):
-            fail(f, "must be an object")
+    for f, call in _objects(v, field):
         _known_keys(call, TOOL_CALL_KEYS, f)
         if call.get("type", "function") != "function":
             fail(f + ".type", 'must be "function"')
@@ -114,10 +117,7 @@ def chat_messages(v) -> list:
     if len(v) > MAX_MESSAGES:
         fail("messages", f"has {len(v)} entries, more than {MAX_MESSAGES}")
     out = []
-    for i, m in enumerate(v):
-        f = f"messages[{i}]"
-        if not isinstance(m, dict):
-            fail(f, "must be an object")
+    for f, m in _objects(v, "messages"):
         _known_keys(m, MESSAGE_KEYS, f, EMPTY_ECHOES)
         role = m.get("role")
         if role not in ROLES:
