@@ -41,8 +41,7 @@ def test_a_pool_that_cannot_be_partitioned_stops_at_one_chunk():
         pool_chunks(60, 10, 8, 64, 50)
 
 
-def test_the_planner_plans_past_one_chunk(monkeypatch):
-    from deltafin_mlx.plan.memory import plan_memory  # noqa: F401  (uses pool_limit)
+def test_the_planner_plans_past_one_chunk():
     assert pool_limit(92, 16, 896, 1560) > 1560
 
 

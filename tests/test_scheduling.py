@@ -7,7 +7,6 @@ import time
 from types import SimpleNamespace
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st

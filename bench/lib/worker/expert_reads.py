@@ -15,8 +15,6 @@ import time
 
 
 def main(argv):
-    import numpy as np
-
     from deltafin_mlx import runtime
     from deltafin_mlx.engine.load import load
     from deltafin_mlx.engine.reader import read_into
