@@ -397,6 +397,21 @@ def test_encoding_on_one_thread_runs_nested_calls_in_place():
     assert inner == outer_thread != threading.get_ident()
 
 
+def test_a_forked_child_encodes_on_a_thread_of_its_own(k3):
+    """After a fork the parent's encode thread does not exist in the child: the
+    child must start its own, not wait forever on the parent's."""
+    import os
+    import signal
+
+    expected = k3.encode("before the fork")
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(30)  # a child that waits forever dies, and the test fails
+        os._exit(0 if k3.encode("before the fork") == expected else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
 def test_encoding_from_hundreds_of_threads_keeps_memory_flat(tmp_path):
     """Measured in a fresh process: 300 threads of a connection each encoding a
     prompt once grew tiktoken's regex caches by 20 MiB before (docs/PERFORMANCE.md,
