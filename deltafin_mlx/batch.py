@@ -32,8 +32,10 @@ from deltafin_mlx.batch_requests import Request, read_requests
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.generate import StatsMeter, chat_prompt, planned_pass
+from deltafin_mlx.model.modules import model_vocab
 from deltafin_mlx.score.logprobs import top_logprobs
 from deltafin_mlx.stops import StopMatcher
+from deltafin_mlx.tokenizer.text_bound import max_text_bytes, text_bytes
 
 PREFILL_BATCH = 8  # prompts prefilled together (mlx-lm's default)
 
@@ -105,9 +107,17 @@ class Prepared:
         return dataclasses.replace(self, sampler=sampler)
 
 
-def prepare(req: Request, tokenizer, opts: BatchOptions) -> Prepared:
-    """Tokens and sampling of one request; ValueError says why it cannot run."""
+def prepare(req: Request, tokenizer, opts: BatchOptions, max_text: Optional[int] = None
+            ) -> Prepared:
+    """Tokens and sampling of one request; ValueError says why it cannot run.
+    `max_text`: UTF-8 bytes of prompt text that cannot fit the context
+    (tokenizer/text_bound.py), checked before anything is tokenized."""
     spec = req.spec  # canonical (batch_requests.py)
+    if max_text is not None:
+        size = text_bytes(spec.get("prompt", spec.get("messages")))
+        if size > max_text:
+            raise ValueError(f"too long: {size:,} bytes of prompt text cannot fit the context "
+                             f"of {opts.context} tokens (--context)")
     if "prompt" in spec:
         if not isinstance(spec["prompt"], str):
             raise ValueError('"prompt" must be a string')
@@ -217,12 +227,13 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
                progress=None) -> Iterator[dict]:
     """Results (dicts) as requests finish, errors included, in finishing order."""
     todo = deque()
+    max_text = max_text_bytes(tokenizer, model_vocab(model), opts.context)
     for req in requests:
         if req.error:
             yield error_line(req, req.error)
             continue
         try:
-            todo.append(prepare(req, tokenizer, opts))
+            todo.append(prepare(req, tokenizer, opts, max_text))
         except DeltafinError as e:  # the template's own limits, a token id, ...
             yield error_line(req, f"line {req.line}: {e}")
         except Exception as e:  # whatever the tokenizer or template make of it

@@ -154,6 +154,33 @@ def test_every_failing_line_is_an_error_line_and_reruns_lose_nothing(job, capsys
     assert "resuming: 10 of 10 done" in capsys.readouterr().err
 
 
+def test_a_prompt_too_big_for_the_context_is_refused_before_it_is_tokenized(
+        job, monkeypatch):
+    """No token is longer than the vocabulary's longest, so more text than the
+    context times that cannot fit: such a line is an error line without the
+    tokenizer (and its memory) ever seeing its 4 MB, and the job goes on."""
+    from deltafin_mlx.tokenizer.text_bound import text_bytes
+
+    huge = "word " * 800_000
+    write_lines(job.src, {"id": "huge", "prompt": huge},
+                {"id": "huge-chat", "messages": [{"role": "user", "content": huge}]},
+                {"id": "ok", "prompt": "Hello"})
+    seen = []  # bytes of text that reached the chat template and tokenizer
+    real = batch.chat_prompt
+
+    def spy(tokenizer, msgs, **kw):
+        seen.append(text_bytes(msgs))
+        return real(tokenizer, msgs, **kw)
+
+    monkeypatch.setattr(batch, "chat_prompt", spy)
+    assert main(["batch", job.model, str(job.src), "-o", str(job.out), "-n", "3",
+                 "--no-progress", "--context", "256"]) == 0
+    got = {r["id"]: r for r in results(job.out)}
+    for rid in ("huge", "huge-chat"):
+        assert "bytes of prompt text cannot fit the context of 256 tokens" in got[rid]["error"]
+    assert "tokens" in got["ok"] and max(seen or [0]) < 1000
+
+
 def test_a_request_that_fails_inside_the_decode_loop_is_an_error_line_only(
         job, tmp_path, monkeypatch):
     specs = [{"id": i, "prompt": f"Question {i}", "temp": 0.7, "seed": 10 + i} for i in range(5)]

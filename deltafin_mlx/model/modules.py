@@ -43,3 +43,10 @@ def find_path(model: nn.Module, suffix: str):
         if path == suffix or path.endswith("." + suffix):
             return path
     return None
+
+
+def model_vocab(model) -> int:
+    """Rows of the model's embedding table, which token ids index (a tokenizer may
+    know more ids than the model has rows)."""
+    embed = get_module(model, find_path(model, "embed_tokens"))
+    return getattr(type(embed), "vocab_size", None) or embed.weight.shape[0]

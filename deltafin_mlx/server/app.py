@@ -9,7 +9,7 @@ tokens; that many requests generate together (mlx-lm's batch decoding, which
 reads each expert once per step for all of them), a bounded queue waits, and a
 body is read only once its request has a place (server/admission.py). A
 prompt's text is bounded before it is tokenized: no token of the vocabulary is
-longer than `longest_token_bytes`, so more text than context x that many bytes
+longer than `longest_token_bytes` (tokenizer/text_bound.py), so more text than context x that many bytes
 cannot fit.
 """
 
@@ -100,20 +100,6 @@ def bind(host: str, port: int, backlog: int) -> DeltafinHTTPServer:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def longest_token_bytes(tokenizer, vocab: int) -> int:
-    """The most UTF-8 bytes one token's text can have (a token that is part of
-    a character decodes to U+FFFD, 3 bytes: an overestimate, which only loosens
-    the bound)."""
-    longest = 4
-    decode = tokenizer.decode
-    for i in range(vocab):
-        try:
-            longest = max(longest, len(decode([i]).encode("utf-8", "surrogatepass")))
-        except Exception:  # noqa: BLE001 - ids the tokenizer does not map
-            continue
-    return longest
-
-
 def mlx_lm_args(cfg: ServeConfig, plan, sequences: int) -> argparse.Namespace:
     """The options mlx-lm's server classes read, for this plan."""
     from deltafin_mlx.batch import PREFILL_BATCH
@@ -181,7 +167,8 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
     from deltafin_mlx.engine.runtime import runtime
     from deltafin_mlx.server.generation import resilient_generator_class
     from deltafin_mlx.server.handler import make_handler
-    from deltafin_mlx.server.vocab import model_vocab
+    from deltafin_mlx.model.modules import model_vocab
+    from deltafin_mlx.tokenizer.text_bound import max_text_bytes
 
     model, tokenizer = load(cfg.model, memory_budget=cfg.budget, context=cfg.context,
                             sequences=cfg.sequences, reader_threads=cfg.reader_threads,
@@ -192,7 +179,7 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
     plan = state.plan
     vocab = model_vocab(model)
     limits = RequestLimits(vocab=vocab, context=cfg.context,
-                           max_text_bytes=cfg.context * longest_token_bytes(tokenizer, vocab))
+                           max_text_bytes=max_text_bytes(tokenizer, vocab, cfg.context))
     max_body = cfg.max_body_bytes or limits.max_text_bytes * JSON_ESCAPE + BODY_SLACK
     counters = ServerCounters(model, rank)
     admission = Admission(AdmissionConfig(active=plan.sequences, queued=cfg.queue,

@@ -39,8 +39,8 @@ _limits = {}  # id(model) -> RequestLimits
 
 def _limits_of(model, tokenizer):
     from deltafin_mlx.engine.runtime import find_runtime
-    from deltafin_mlx.server.app import longest_token_bytes
-    from deltafin_mlx.server.vocab import model_vocab
+    from deltafin_mlx.model.modules import model_vocab
+    from deltafin_mlx.tokenizer.text_bound import max_text_bytes
 
     with _lock:
         if id(model) not in _limits:
@@ -51,7 +51,7 @@ def _limits_of(model, tokenizer):
             vocab = model_vocab(inner)
             _limits[id(model)] = schema.RequestLimits(
                 vocab=vocab, context=state.plan.context,
-                max_text_bytes=state.plan.context * longest_token_bytes(tokenizer, vocab))
+                max_text_bytes=max_text_bytes(tokenizer, vocab, state.plan.context))
         return _limits[id(model)]
 
 

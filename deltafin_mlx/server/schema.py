@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from deltafin_mlx.errors import RequestError
 from deltafin_mlx.tokenizer.messages import MAX_NAME_CHARS, chat_messages, fail, text
+from deltafin_mlx.tokenizer.text_bound import text_bytes
 
 MAX_DEPTH = 32  # JSON nesting: messages > parts > tool calls > arguments > ...
 MAX_STOPS = 16
@@ -84,20 +85,6 @@ def check_depth(value, limit=MAX_DEPTH):
                 raise RequestError(f"the body is nested more than {limit} levels deep")
             items = v.values() if isinstance(v, dict) else v
             stack.extend((x, depth + 1) for x in items)
-
-
-def text_bytes(value) -> int:
-    """UTF-8 bytes of every string value in a JSON value."""
-    total, stack = 0, [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            total += len(v.encode("utf-8", "surrogatepass"))
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return total
 
 
 def tools(v):
