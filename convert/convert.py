@@ -205,6 +205,34 @@ def _only_our_leftovers(out: Path) -> bool:
     return True
 
 
+def tokenizer_kind(tok_files) -> str:
+    return "kimi_tiktoken" if "tiktoken.model" in tok_files else "huggingface"
+
+
+def check_source_tokenizer(path: Path, tok_files, config: dict):
+    """Read the source's tokenizer as `deltafin-run` will (validated, every byte
+    encodable, no id beyond the embedding table): a tokenizer the model could not
+    run with is refused before hours of converting, not after. A source without
+    tokenizer files converts (the model is usable without one, `tokenizer=False`)."""
+    if not tok_files:
+        return
+    import tempfile
+
+    from deltafin_mlx.engine.load import read_tokenizer
+    from deltafin_mlx.errors import ModelError
+
+    # Read from a copy: a hub cache's files are links into its blobs, which the
+    # model directory's reader rightly refuses (tokenizer_files checked them).
+    with tempfile.TemporaryDirectory(prefix="deltafin-tokenizer-") as copy:
+        for name in tok_files:
+            shutil.copyfile(path / name, Path(copy) / name)
+        try:
+            read_tokenizer(Path(copy), tokenizer_kind(tok_files), config)
+        except ModelError as e:
+            raise ConvertError(f"the source's tokenizer: {str(e).replace(copy, str(path))}"
+                               ) from None
+
+
 def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest:
     options = options or ConvertOptions()
     out = Path(out).expanduser()
@@ -235,8 +263,9 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
     else:
         source = open_source(src, options.revision, options.progress)
         check_out_apart(source.path, out)
-    tokenizer_files(source.path, source.root)  # checked (regular files inside SRC) before any work
+    tok_files = tokenizer_files(source.path, source.root)  # regular files inside SRC
     config = dict(source.config)
+    check_source_tokenizer(source.path, tok_files, config)  # before any work
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ConvertError(
@@ -645,7 +674,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
     for name in files:
         if name not in checksums:
             checksums[name] = format_checksum(file_checksum(out / name))
-    kind = "kimi_tiktoken" if "tiktoken.model" in tok_files else "huggingface"
+    kind = tokenizer_kind(tok_files)
 
     manifest = Manifest(
         path=out,

@@ -216,6 +216,22 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path, sources, co
     assert_one_error_line(code, err, "unsupported architecture 'llama'", "Kimi K3", "Mixtral", "Qwen3-MoE")
 
 
+def test_a_tokenizer_the_model_cannot_run_with_is_refused_before_any_work(
+        tmp_path, sources, copy_of, capsys):
+    """`deltafin-run` refuses a tokenizer with ids beyond the embedding table (or a
+    byte it cannot encode); the converter reads the source's the same way, so it
+    refuses at once instead of writing a model that cannot run."""
+    src = copy_of(sources("qwen3_moe"))
+    rows = json.loads((src / "config.json").read_text())["vocab_size"]
+    d = json.loads((src / "tokenizer.json").read_text())
+    d["model"]["vocab"]["zqzq"] = rows + 5
+    (src / "tokenizer.json").write_text(json.dumps(d))
+    code, err = run_cli([src, tmp_path / "o"], capsys)
+    assert_one_error_line(code, err, "the source's tokenizer", f"beyond the {rows} rows")
+    assert not (tmp_path / "o" / MANIFEST_NAME).exists()
+    assert not (tmp_path / "o" / "experts").exists()
+
+
 def test_shard_named_in_index_but_missing(tmp_path, sources, copy_of, capsys):
     src = copy_of(sources("mixtral"))
     shard = sorted(src.glob("*.safetensors"))[1]

@@ -416,19 +416,27 @@ def _progress(desc):
 
 def load_tokenizer(path: Path, manifest, config: dict):
     """The model's tokenizer. Every tokenizer file a loader may open by fixed name
-    is checked first (inside the directory, a regular file, bounded); the files
-    themselves are validated (tokenizer/kimi.py); whatever a tokenizer library raises,
-    Rust panics included, becomes one ModelError line."""
+    is checked first (inside the directory, a regular file, bounded), then the
+    tokenizer is read as `read_tokenizer` reads it."""
     from deltafin_mlx.format.integrity import TOKENIZER_FILE_NAMES, TOKENIZER_MAX_BYTES, check_if_present
-    from deltafin_mlx.errors import TokenizerError
 
     for name in TOKENIZER_FILE_NAMES:
         check_if_present(manifest, name, TOKENIZER_MAX_BYTES)
+    return read_tokenizer(path, manifest.tokenizer.get("kind"), config)
+
+
+def read_tokenizer(path: Path, kind: str, config: dict):
+    """The tokenizer in `path` (kind "kimi_tiktoken" or "huggingface"), validated
+    (tokenizer/kimi.py) and checked against the model (tokenizer/coverage.py: every
+    byte encodable, no id beyond the embedding table). The converter reads a
+    source's with it too, so a model that could not run is never written. Whatever
+    a tokenizer library raises, Rust panics included, becomes one ModelError line."""
+    from deltafin_mlx.errors import TokenizerError
     from deltafin_mlx.tokenizer.coverage import check_tokenizer
 
     eos = eos_token_ids(config)
     try:
-        if manifest.tokenizer.get("kind") == "kimi_tiktoken":
+        if kind == "kimi_tiktoken":
             from deltafin_mlx.tokenizer.kimi import load_kimi_tokenizer
 
             tokenizer = load_kimi_tokenizer(path, eos_token_ids=eos)
