@@ -93,6 +93,17 @@ def test_a_manifest_without_checksums_is_refused(converted, copy_of, checksums):
         read_manifest(path)
 
 
+@pytest.mark.parametrize("version", [True, 1.0, "1"])
+def test_a_format_version_that_only_equals_an_integer_is_refused(converted, copy_of, version):
+    """JSON true is not format version 1 (Python's True == 1), nor is 1.0 or "1"."""
+    path = copy_of(converted("qwen3_moe"))
+    d = json.loads((path / MANIFEST_NAME).read_text())
+    d["format_version"] = version
+    (path / MANIFEST_NAME).write_text(json.dumps(d))
+    with pytest.raises(ModelError, match="format version .* is not supported"):
+        read_manifest(path)
+
+
 def test_an_unlisted_generation_config_is_refused(converted, copy_of, capsys):
     """An added generation_config.json would change the eos tokens unseen."""
     path = copy_of(converted("qwen3_moe"))
