@@ -138,6 +138,22 @@ def test_info_shows_escape_sequences_from_the_manifest_escaped(converted, copy_o
     assert "evil\\x1b]0;owned\\x07\\x1b[2J\\u202e" in out
 
 
+@pytest.mark.parametrize("command", [["info"], ["verify"], [], ["plan"]])
+def test_an_escape_sequence_in_a_model_path_is_shown_escaped_in_the_error_line(
+        converted, tmp_path, capsys, command):
+    """A directory named by a stranger must not drive the terminal through an error line."""
+    import shutil
+
+    path = tmp_path / "evil\x1b[31m\x07model"
+    shutil.copytree(converted("qwen3_moe"), path)
+    (path / "tokenizer_config.json").unlink()  # listed, so every command refuses it
+    assert main([*command, str(path), *(["hi"] if not command else [])]) == 1
+    err = capsys.readouterr().err
+    line = one_error_line(err)
+    assert "\x1b" not in err and "\x07" not in err
+    assert "evil\\x1b[31m\\x07model" in line and "tokenizer_config.json" in line
+
+
 # --- tokenizers -------------------------------------------------------------------------
 
 
