@@ -382,6 +382,20 @@ def test_a_config_naming_another_model_file_is_refused_by_every_command(
         assert code == 1 and '"model_file"' in line and "config.json" in line, (command, line)
 
 
+def test_rerunning_the_converter_over_a_config_naming_another_model_file_is_refused(
+        converted, sources, copy_of, capsys):
+    """Not "already holds this conversion": the converter opens a finished output as
+    every command does."""
+    path = copy_of(converted("qwen3_moe"))
+    config = json.loads((path / "config.json").read_text())
+    config["model_file"] = "../evil.py"
+    (path / "config.json").write_text(json.dumps(config))
+    reseal(path, "config.json")
+    assert convert_cli.main([str(sources("qwen3_moe")), str(path), "--quiet"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("deltafin-convert: error: ") and '"model_file"' in line, line
+
+
 def test_a_model_file_the_manifest_does_not_list_is_refused(converted, copy_of, capsys):
     path = copy_of(converted("qwen3_moe"))
     d = json.loads((path / MANIFEST_NAME).read_text())
