@@ -104,6 +104,27 @@ def test_a_format_version_that_only_equals_an_integer_is_refused(converted, copy
         read_manifest(path)
 
 
+@pytest.mark.parametrize("layer", [True, 1.0])
+def test_a_link_table_whose_layer_only_equals_an_integer_is_refused(tmp_path, layer):
+    """A link table saying layer true is not layer 1's table."""
+    import numpy as np
+
+    from deltafin_mlx.format.bank import Section
+    from deltafin_mlx.format.links import ENTRY, read_links, write_links
+
+    section = Section("gate_proj.weight", "uint8", (4,), 0, 4)
+    experts = {"num_experts": 2, "record_size": 64, "sections": [section.to_dict()]}
+    path = tmp_path / "layer-00001.links"
+    write_links(path, 1, [section.name], ["model.safetensors"], np.zeros((2, 1), ENTRY),
+                np.zeros(2, "<u4"))
+    files = {"model.safetensors": {"size": 64}}
+    assert read_links(path, experts, 1, files).num_experts == 2  # as written: reads
+    write_links(path, layer, [section.name], ["model.safetensors"], np.zeros((2, 1), ENTRY),
+                np.zeros(2, "<u4"))
+    with pytest.raises(ModelError, match="corrupt link table .*layer .* is not an integer"):
+        read_links(path, experts, 1, files)
+
+
 def test_an_unlisted_generation_config_is_refused(converted, copy_of, capsys):
     """An added generation_config.json would change the eos tokens unseen."""
     path = copy_of(converted("qwen3_moe"))
