@@ -40,7 +40,6 @@ import mlx_lm.utils as mlx_lm_utils
 from mlx_lm.models.base import BaseModelArgs
 
 from deltafin_mlx.format.manifest import MANIFEST_NAME
-from deltafin_mlx.format.model_dir import SHIM_FILE
 
 PLACEHOLDER_WEIGHTS = "model-deltafin-placeholder.safetensors"
 SHIM_SOURCE = '''"""Written by deltafin-convert: lets mlx-lm run this directory through Deltafin."""
