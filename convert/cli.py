@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from deltafin_mlx.cli.common import HelpFormatter, add_version, quiet_broken_pipe
+from deltafin_mlx.cli.common import HelpFormatter, add_version, printable, quiet_broken_pipe
 from deltafin_mlx.units import human_bytes, parse_size
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
 
@@ -119,14 +119,15 @@ def _main(argv):
         msg = str(e) if isinstance(e, DeltafinError) else f"{e.filename or ''}: {e.strerror or e}"
         if isinstance(e, OSError) and e.errno == 28:
             msg = f"disk full while writing {e.filename or args.out}; free space and rerun to resume"
-        print(f"deltafin-convert: error: {msg}", file=sys.stderr)
+        print(f"deltafin-convert: error: {printable(msg)}", file=sys.stderr)
         return 1
     except Exception as e:  # a source we did not foresee: still one line
         if args.debug:
             raise
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        print(f"deltafin-convert: error: {args.src}: cannot convert ({type(e).__name__}: "
-              f"{first}) (rerun with --debug for details)", file=sys.stderr)
+        print(printable(f"deltafin-convert: error: {args.src}: cannot convert "
+                        f"({type(e).__name__}: {first}) (rerun with --debug for details)"),
+              file=sys.stderr)
         return 1
     if finished_before:  # convert() refuses a finished OUT of another conversion
         print(f"{args.out}: already holds this conversion of {args.src} (same source and "

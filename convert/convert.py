@@ -24,8 +24,9 @@ from tqdm import tqdm
 from deltafin_mlx import __version__ as deltafin_version
 from deltafin_mlx.format.bank import BankWriter, bank_header_size, record_size_of, slice_sections
 from deltafin_mlx.format.integrity import MANIFEST_MAX_BYTES, file_checksum, format_checksum
-from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest, read_manifest
-from deltafin_mlx.mlx_lm_shim import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE
+from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
+from deltafin_mlx.format.model_dir import SHIM_FILE, open_model_dir
+from deltafin_mlx.mlx_lm_shim import PLACEHOLDER_WEIGHTS, SHIM_SOURCE
 
 from deltafin_mlx.format.record import PROJECTIONS, expert_sections
 from deltafin_mlx.model.build import build_model, source_dtype
@@ -348,7 +349,8 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
     if state.get("finished"):
         if hub is not None:
             hub.remove()
-        return read_manifest(out)
+        # Opened as every command opens it: an edited config.json is not "this conversion".
+        return open_model_dir(out).manifest
 
     # Disk, checked before anything is written: banks are exact; the trunk needs
     # at most its source size.

@@ -8,7 +8,7 @@ cache's tokens; where they diverge the cache is trimmed there (attention caches)
 or rebuilt (recurrent state cannot be trimmed), never used stale.
 
 A session saves to one safetensors file (mlx-lm's `save_prompt_cache`, through
-session_file.py, which checksums the cached tensors) with the conversation, its
+session_file.py, which checksums all of it) with the conversation, its
 tokens, the model's fingerprint and the format version in the metadata, so a
 restart continues without prefilling the history again.
 """
@@ -28,11 +28,12 @@ from deltafin_mlx.generate import (PrefillProgress, RunStats, StatsMeter, chat_p
                                    common_prefix, fit_context, stream_generate)
 from deltafin_mlx.chat_context import grow
 from deltafin_mlx.errors import SessionError
-from deltafin_mlx.session_file import CHECKSUM_KEY, read_session, write_session
+from deltafin_mlx.session_file import read_session, write_session
 from deltafin_mlx.engine.runtime import runtime, find_runtime
 
 SESSION_FORMAT = "deltafin-chat"
-SESSION_VERSION = 2  # 2: a checksum of the cached tensors (session_file.py)
+# 2: a checksum of the cached tensors; 3: of the whole content (session_file.py)
+SESSION_VERSION = 3
 # A probe conversation: rendering it shows what the template puts between turns.
 _PROBE_USER, _PROBE_REPLY = "Hi.", "Hello."
 
@@ -263,15 +264,7 @@ class ChatSession:
         another model or another version of this format. With `reload` (as for
         ChatSession) a session longer than the planned context grows it."""
         path = session_path(path)
-        cache, meta = read_session(path)
-        if meta.get("format") != SESSION_FORMAT:
-            raise SessionError(f"{path}: not a Deltafin chat session")
-        if meta.get("version") != str(SESSION_VERSION):
-            raise SessionError(f"{path}: session format version {meta.get('version')}, this "
-                               f"Deltafin reads version {SESSION_VERSION}")
-        if CHECKSUM_KEY not in meta:
-            raise SessionError(f"{path}: its cached tensors carry no checksum; start a new "
-                               "session file")
+        cache, meta = read_session(path, SESSION_FORMAT, SESSION_VERSION)
         if meta.get("model") != model_fingerprint(model):
             raise SessionError(f"{path}: saved with another model (or activation dtype); "
                                "start a new session file")

@@ -26,8 +26,9 @@ beyond the context) and fits mlx-lm's batching to the plan; what
 it cannot do there is listed in that module and in `deltafin-run serve --help`.
 mlx-lm executes the `model_file` config.json names before any Deltafin code
 runs, so a config.json edited to name a file elsewhere is out of Deltafin's
-reach on that path (`deltafin-run verify` and every deltafin-run command refuse
-it: config.json's checksum is in the manifest).
+reach on that path; `deltafin-run verify` and every deltafin-run command refuse
+it (format/model_dir.py: config.json's hash is in the manifest, and its
+`model_file` must be this drop-in, listed in the manifest).
 """
 
 import os
@@ -40,7 +41,6 @@ from mlx_lm.models.base import BaseModelArgs
 
 from deltafin_mlx.format.manifest import MANIFEST_NAME
 
-SHIM_FILE = "deltafin_model.py"
 PLACEHOLDER_WEIGHTS = "model-deltafin-placeholder.safetensors"
 SHIM_SOURCE = '''"""Written by deltafin-convert: lets mlx-lm run this directory through Deltafin."""
 from pathlib import Path

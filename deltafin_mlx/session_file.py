@@ -1,13 +1,17 @@
 """A chat session's file: mlx-lm's prompt-cache safetensors, opened only as a
-regular file and checked whole, its cached tensors included.
+regular file and checked whole: its metadata, its cache's layer types, scalars and
+tensors.
 
-mlx-lm's `save_prompt_cache` stores the cache's tensors and string metadata; a
-flipped byte in a tensor would restore silently and change every later turn, so
-the metadata also carries a CRC-32 of every tensor's bytes, computed when saved
-and compared when restored. The path is opened non-blocking and must be a regular
-file before mlx reads it, so a FIFO named as the session is refused, not waited on.
+mlx-lm's `save_prompt_cache` stores the cache's tensors and scalars, its layer
+types and string metadata (the conversation, its tokens, options); an edited
+message, token id or flipped tensor byte would restore silently and change every
+later turn (and be written back on the next save), so the metadata also carries a
+CRC-32 of all of it, computed when saved and compared when restored. The path is
+opened non-blocking and must be a regular file before mlx reads it, so a FIFO named
+as the session is refused, not waited on.
 """
 
+import json
 import os
 import stat
 import zlib
@@ -21,16 +25,25 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from deltafin_mlx.errors import SessionError
 
-CHECKSUM_KEY = "tensors_crc32"
+CHECKSUM_KEY = "content_crc32"
 
 
-def tensors_checksum(cache) -> str:
-    """CRC-32 over the bytes of every tensor of `cache`'s state, in order."""
-    crc = 0
+def content_checksum(cache, metadata: dict) -> str:
+    """CRC-32 over everything a session file holds: its metadata (but this checksum),
+    the cache's layer types, and each layer's state (every scalar's value and every
+    tensor's name, dtype, shape and bytes), in order."""
+    text = json.dumps({k: v for k, v in metadata.items() if k != CHECKSUM_KEY},
+                      sort_keys=True, ensure_ascii=False)
+    crc = zlib.crc32(text.encode())
+    crc = zlib.crc32(json.dumps([type(c).__name__ for c in cache]).encode(), crc)
     for c in cache:
-        for _, a in tree_flatten(c.state):
+        for name, a in tree_flatten(c.state):
             if not isinstance(a, mx.array):
+                if isinstance(a, float):  # stored as a float32 array
+                    a = float(np.float32(a))
+                crc = zlib.crc32(f"{name}={json.dumps(a)};".encode(), crc)
                 continue
+            crc = zlib.crc32(f"{name}:{a.dtype}{tuple(a.shape)};".encode(), crc)
             if a.dtype == mx.bfloat16:  # numpy has no bfloat16: its bits, as uint16
                 a = a.view(mx.uint16)
             crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1), crc)
@@ -38,31 +51,37 @@ def tensors_checksum(cache) -> str:
 
 
 def write_session(path: Path, cache, metadata: dict):
-    """Save `cache` with `metadata` (and the tensors' checksum) atomically: a
+    """Save `cache` with `metadata` (and the content's checksum) atomically: a
     temporary file beside `path`, renamed over it when complete."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
     mx.eval([c.state for c in cache])
     try:
-        save_prompt_cache(str(tmp), cache, {**metadata, CHECKSUM_KEY: tensors_checksum(cache)})
+        save_prompt_cache(str(tmp), cache,
+                          {**metadata, CHECKSUM_KEY: content_checksum(cache, metadata)})
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
 
 
-def read_session(path: Path) -> Tuple[list, dict]:
-    """(cache, metadata) of the session file at `path`, a regular file whose
-    tensors have the checksum recorded with them; SessionError otherwise."""
+def read_session(path: Path, format: str, version: int) -> Tuple[list, dict]:
+    """(cache, metadata) of the session file at `path`: a regular file, of `format`
+    at `version` (metadata "format", "version"), whose content has the checksum
+    recorded with it; SessionError otherwise."""
     _check_regular(path)
     try:
         cache, meta = load_prompt_cache(str(path), return_metadata=True)
     except Exception as e:
         raise SessionError(f"{path}: not a Deltafin chat session ({e})") from None
-    want = meta.get(CHECKSUM_KEY)
-    if want is not None and tensors_checksum(cache) != want:
-        raise SessionError(f"{path}: damaged (its cached tensors do not match their checksum); "
-                           "start a new session file")
+    if not isinstance(meta, dict) or meta.get("format") != format:
+        raise SessionError(f"{path}: not a Deltafin chat session")
+    if meta.get("version") != str(version):
+        raise SessionError(f"{path}: session format version {str(meta.get('version'))[:40]}, this "
+                           f"Deltafin reads version {version}; start a new session file")
+    if content_checksum(cache, meta) != meta.get(CHECKSUM_KEY):
+        raise SessionError(f"{path}: damaged or edited (its content does not match its "
+                           "checksum); start a new session file")
     return cache, meta
 
 

@@ -74,6 +74,49 @@ def test_saved_session_continues_with_no_prefill_of_history_and_the_same_tokens(
     assert b.tokens == a.tokens
 
 
+def edited_copy(path, to, key, edit):
+    """The session file at `path` with its metadata `key` changed by `edit`, written
+    back as a consistent safetensors file (what someone editing it on purpose does)."""
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    meta = dict(meta)
+    meta[key] = edit(meta[key])
+    mx.save_safetensors(str(to), arrays, meta)
+    return to
+
+
+@pytest.mark.parametrize("key,edit", [
+    ("0.messages", lambda v: v.replace("fox", "cat", 1)),
+    ("0.tokens", lambda v: json.dumps([json.loads(v)[0] + 1] + json.loads(v)[1:])),
+])
+def test_a_session_edited_in_its_messages_or_tokens_is_refused(k3, tmp_path, key, edit):
+    """Every part of the file is under its checksum, not only the cached tensors: an
+    edited message or token id (inside the cached part) is one line at restore."""
+    model, tok = k3
+    session = ChatSession(model, tok)
+    session.ask(QUESTION, 4)
+    session.save(tmp_path / "chat.safetensors")
+    same = edited_copy(tmp_path / "chat.safetensors", tmp_path / "same.safetensors", key,
+                       lambda v: v)
+    assert ChatSession.restore(same, model, tok).messages == session.messages  # rewrite alone: fine
+    edited = edited_copy(tmp_path / "chat.safetensors", tmp_path / "edited.safetensors", key, edit)
+    with pytest.raises(SessionError) as e:
+        ChatSession.restore(edited, model, tok)
+    assert str(e.value) == (f"{edited}: damaged or edited (its content does not match its "
+                            "checksum); start a new session file")
+
+
+def test_a_session_of_the_previous_format_version_is_refused_with_what_to_do(k3, tmp_path):
+    model, tok = k3
+    session = ChatSession(model, tok)
+    session.ask(QUESTION, 4)
+    session.save(tmp_path / "chat.safetensors")
+    old = edited_copy(tmp_path / "chat.safetensors", tmp_path / "v2.safetensors", "0.version",
+                      lambda v: "2")
+    with pytest.raises(SessionError, match="session format version 2, this Deltafin reads "
+                       "version 3; start a new session file"):
+        ChatSession.restore(old, model, tok)
+
+
 def test_a_session_of_another_model_or_format_version_is_refused(k3, converted, tmp_path):
     model, tok = k3
     session = ChatSession(model, tok)

@@ -339,6 +339,75 @@ def test_config_edited_and_resealed_is_refused(converted, copy_of, key, value, w
         load_resident(path)
 
 
+def run_main(capsys, *args):
+    """deltafin-run in this process: (exit status, its one stderr line)."""
+    code = cli.main(list(map(str, args)))
+    return code, one_error_line(capsys.readouterr().err)
+
+
+def test_verify_refuses_a_config_edited_without_its_recorded_hash_as_run_does(
+        converted, copy_of, capsys):
+    """config.json edited, its size and CRC resealed but not source.config_sha256:
+    verify gives the one line run and info give, not OK."""
+    path = copy_of(converted("qwen3_moe"))
+    config = json.loads((path / "config.json").read_text())
+    config["edited"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    d = json.loads((path / MANIFEST_NAME).read_text())
+    stale = d["source"]["config_sha256"]
+    reseal(path, "config.json")
+    d = json.loads((path / MANIFEST_NAME).read_text())
+    d["source"]["config_sha256"] = stale
+    (path / MANIFEST_NAME).write_text(json.dumps(d))
+    lines = {command[0]: run_main(capsys, *command) for command in
+             (["verify", path], ["info", path], [path, "hi", "-n", "1"])}
+    assert set(lines.values()) == {(1, f"deltafin-run: error: {path / 'config.json'}: modified "
+                                       "since conversion (its checksum differs)")}, lines
+
+
+@pytest.mark.parametrize("named", ["../evil.py", "evil.py", "/tmp/evil.py", "./deltafin_model.py",
+                                   7, None])
+def test_a_config_naming_another_model_file_is_refused_by_every_command(
+        converted, copy_of, capsys, named):
+    """mlx-lm executes config.json's model_file: resealed consistently (checksums and
+    config hash), anything but the converter's own deltafin_model.py is refused."""
+    path = copy_of(converted("qwen3_moe"))
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_file"] == "deltafin_model.py"
+    config["model_file"] = named
+    (path / "config.json").write_text(json.dumps(config))
+    reseal(path, "config.json")
+    for command in (["verify", path], ["info", path], [path, "hi", "-n", "1"]):
+        code, line = run_main(capsys, *command)
+        assert code == 1 and '"model_file"' in line and "config.json" in line, (command, line)
+
+
+def test_rerunning_the_converter_over_a_config_naming_another_model_file_is_refused(
+        converted, sources, copy_of, capsys):
+    """Not "already holds this conversion": the converter opens a finished output as
+    every command does."""
+    path = copy_of(converted("qwen3_moe"))
+    config = json.loads((path / "config.json").read_text())
+    config["model_file"] = "../evil.py"
+    (path / "config.json").write_text(json.dumps(config))
+    reseal(path, "config.json")
+    assert convert_cli.main([str(sources("qwen3_moe")), str(path), "--quiet"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("deltafin-convert: error: ") and '"model_file"' in line, line
+
+
+def test_a_model_file_the_manifest_does_not_list_is_refused(converted, copy_of, capsys):
+    path = copy_of(converted("qwen3_moe"))
+    d = json.loads((path / MANIFEST_NAME).read_text())
+    for key in ("files", "checksums"):
+        del d[key]["deltafin_model.py"]
+    (path / MANIFEST_NAME).write_text(json.dumps(d))
+    for command in (["verify", path], ["info", path]):
+        code, line = run_main(capsys, *command)
+        assert code == 1 and '"model_file" names deltafin_model.py, which the manifest does ' \
+            "not list" in line, (command, line)
+
+
 # --- token ids are checked where they enter the model -------------------------
 
 

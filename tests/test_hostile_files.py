@@ -93,6 +93,38 @@ def test_a_manifest_without_checksums_is_refused(converted, copy_of, checksums):
         read_manifest(path)
 
 
+@pytest.mark.parametrize("version", [True, 1.0, "1"])
+def test_a_format_version_that_only_equals_an_integer_is_refused(converted, copy_of, version):
+    """JSON true is not format version 1 (Python's True == 1), nor is 1.0 or "1"."""
+    path = copy_of(converted("qwen3_moe"))
+    d = json.loads((path / MANIFEST_NAME).read_text())
+    d["format_version"] = version
+    (path / MANIFEST_NAME).write_text(json.dumps(d))
+    with pytest.raises(ModelError, match="format version .* is not supported"):
+        read_manifest(path)
+
+
+@pytest.mark.parametrize("layer", [True, 1.0])
+def test_a_link_table_whose_layer_only_equals_an_integer_is_refused(tmp_path, layer):
+    """A link table saying layer true is not layer 1's table."""
+    import numpy as np
+
+    from deltafin_mlx.format.bank import Section
+    from deltafin_mlx.format.links import ENTRY, read_links, write_links
+
+    section = Section("gate_proj.weight", "uint8", (4,), 0, 4)
+    experts = {"num_experts": 2, "record_size": 64, "sections": [section.to_dict()]}
+    path = tmp_path / "layer-00001.links"
+    write_links(path, 1, [section.name], ["model.safetensors"], np.zeros((2, 1), ENTRY),
+                np.zeros(2, "<u4"))
+    files = {"model.safetensors": {"size": 64}}
+    assert read_links(path, experts, 1, files).num_experts == 2  # as written: reads
+    write_links(path, layer, [section.name], ["model.safetensors"], np.zeros((2, 1), ENTRY),
+                np.zeros(2, "<u4"))
+    with pytest.raises(ModelError, match="corrupt link table .*layer .* is not an integer"):
+        read_links(path, experts, 1, files)
+
+
 def test_an_unlisted_generation_config_is_refused(converted, copy_of, capsys):
     """An added generation_config.json would change the eos tokens unseen."""
     path = copy_of(converted("qwen3_moe"))
@@ -125,6 +157,22 @@ def test_info_shows_escape_sequences_from_the_manifest_escaped(converted, copy_o
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
     assert "evil\\x1b]0;owned\\x07\\x1b[2J\\u202e" in out
+
+
+@pytest.mark.parametrize("command", [["info"], ["verify"], [], ["plan"]])
+def test_an_escape_sequence_in_a_model_path_is_shown_escaped_in_the_error_line(
+        converted, tmp_path, capsys, command):
+    """A directory named by a stranger must not drive the terminal through an error line."""
+    import shutil
+
+    path = tmp_path / "evil\x1b[31m\x07model"
+    shutil.copytree(converted("qwen3_moe"), path)
+    (path / "tokenizer_config.json").unlink()  # listed, so every command refuses it
+    assert main([*command, str(path), *(["hi"] if not command else [])]) == 1
+    err = capsys.readouterr().err
+    line = one_error_line(err)
+    assert "\x1b" not in err and "\x07" not in err
+    assert "evil\\x1b[31m\\x07model" in line and "tokenizer_config.json" in line
 
 
 # --- tokenizers -------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import threading
 from deltafin_mlx.cli.batch import cmd_batch
 from deltafin_mlx.cli.bench import cmd_bench
 from deltafin_mlx.cli.chat import cmd_chat
-from deltafin_mlx.cli.common import add_version, quiet_broken_pipe
+from deltafin_mlx.cli.common import add_version, printable, quiet_broken_pipe
 from deltafin_mlx.cli.demo import demo_argv, run_demo
 from deltafin_mlx.cli.info import cmd_info
 from deltafin_mlx.cli.list_models import cmd_list
@@ -196,7 +196,12 @@ def _main(argv=None):
 
 def one_line(e: BaseException) -> str:
     """A DeltafinError's message as it is; anything else is a bug (or the system's
-    error), shown with its type."""
+    error), shown with its type. Control characters are shown escaped: messages
+    name paths and values that came from strangers (a model directory's name)."""
+    return printable(_message(e))
+
+
+def _message(e: BaseException) -> str:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, DeltafinError):
         return msg

@@ -5,6 +5,7 @@ is one line on stderr, and the exit code is 1 when there is any."""
 import json
 import sys
 
+from deltafin_mlx.cli.common import printable
 from deltafin_mlx.cli.options import Parser
 from deltafin_mlx.format.verify import verify_model
 from deltafin_mlx.units import human_bytes
@@ -47,12 +48,12 @@ def cmd_verify(argv) -> int:
                           "problems": report.problems}))
     else:
         for problem in report.problems:
-            print(f"deltafin-run verify: damaged: {problem}", file=sys.stderr)
+            print(f"deltafin-run verify: damaged: {printable(problem)}", file=sys.stderr)
         summary = (f"{report.files_checked} files, {report.records_checked} expert records "
                    f"({human_bytes(report.bytes_checked)}) checked")
         if report.ok:
-            print(f"{report.path}: OK: {summary}")
+            print(f"{printable(str(report.path))}: OK: {summary}")
         else:
-            print(f"{report.path}: {len(report.problems)} problem(s) found; {summary}",
+            print(f"{printable(str(report.path))}: {len(report.problems)} problem(s) found; {summary}",
                   file=sys.stderr)
     return 0 if report.ok else 1

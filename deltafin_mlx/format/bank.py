@@ -272,7 +272,7 @@ def read_layout(path, expect: Optional[dict] = None) -> BankLayout:
                 if not isinstance(meta, dict):
                     raise ValueError("not a JSON object")
                 version = meta["format_version"]
-                if version not in FORMAT_VERSIONS:
+                if not _is_int(version) or version not in FORMAT_VERSIONS:
                     raise BankError(
                         f"{path}: bank format version {version!r:.40} is not supported "
                         f"(this Deltafin reads versions {FORMAT_VERSIONS})"

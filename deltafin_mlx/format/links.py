@@ -27,7 +27,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from deltafin_mlx.errors import ModelError
-from deltafin_mlx.format.bank import Section
+from deltafin_mlx.format.bank import Section, _is_int
 
 MAGIC = b"DFLINK\x00\x01"
 LINKED_VERSION = 3
@@ -138,6 +138,9 @@ def read_links(path, manifest_experts: dict, layer: int, linked_files: Dict[str,
         files, names, n = meta["files"], meta["sections"], meta["num_experts"]
         if not (isinstance(files, list) and all(isinstance(x, str) for x in files)):
             raise ValueError("files must be a list of paths")
+        for key in ("layer", "num_experts"):  # true == 1, 8.0 == 8 would compare equal
+            if not _is_int(meta.get(key)):
+                raise ValueError(f"{key} {meta.get(key)!r:.40} is not an integer")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise ModelError(f"{path}: corrupt link table ({e})") from None
     sections = [Section.from_dict(d) for d in manifest_experts["sections"]]

@@ -144,7 +144,7 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
     if not isinstance(d, dict) or d.get("format") != "deltafin":
         raise ModelError(f"{mpath}: not a Deltafin manifest")
     version = d.get("format_version")
-    if version not in MANIFEST_VERSIONS:
+    if not _is_int(version) or version not in MANIFEST_VERSIONS:  # true == 1 in Python
         raise ModelError(
             f"{mpath}: format version {version!r} is not supported "
             f"(this Deltafin reads versions {MANIFEST_VERSIONS})"

@@ -19,6 +19,11 @@ from deltafin_mlx.format.integrity import CONFIG_MAX_BYTES, check_if_present, re
 from deltafin_mlx.format.manifest import Manifest, read_manifest
 
 
+# The mlx-lm drop-in deltafin-convert writes and names as config.json's "model_file"
+# (mlx_lm_shim.py): mlx-lm executes whatever file that key names, so no other is read.
+SHIM_FILE = "deltafin_model.py"
+
+
 @dataclass
 class ModelDir:
     path: Path
@@ -59,10 +64,11 @@ def read_config(path: Path, manifest: Manifest) -> dict:
     read as mlx-lm's load_config reads it (eos from generation_config.json)."""
     cpath = path / "config.json"
     raw = read_inside(path, "config.json", CONFIG_MAX_BYTES)
-    config = _parse_config(raw, cpath)
     want = manifest.source.get("config_sha256")
     if want and hashlib.sha256(raw).hexdigest() != want:
         raise ModelError(f"{cpath}: modified since conversion (its checksum differs)")
+    config = _parse_config(raw, cpath)
+    _check_model_file(config, cpath, manifest)
     gpath = path / "generation_config.json"
     if check_if_present(manifest, gpath.name, CONFIG_MAX_BYTES):
         try:
@@ -72,3 +78,18 @@ def read_config(path: Path, manifest: Manifest) -> dict:
         if isinstance(generation, dict) and generation.get("eos_token_id"):
             config["eos_token_id"] = generation["eos_token_id"]
     return config
+
+
+def _check_model_file(config: dict, cpath: Path, manifest: Manifest):
+    """config.json's "model_file", which mlx-lm executes (`--trust-remote-code`), is
+    absent or the drop-in the converter wrote, listed in the manifest (so its bytes
+    are checked as every listed file's are)."""
+    if "model_file" not in config:
+        return
+    named = config["model_file"]
+    if named != SHIM_FILE:
+        raise ModelError(f"{cpath}: \"model_file\" is {named!r:.200}, not {SHIM_FILE} (the "
+                         "file deltafin-convert writes, which mlx-lm would execute)")
+    if SHIM_FILE not in manifest.files:
+        raise ModelError(f"{cpath}: \"model_file\" names {SHIM_FILE}, which the manifest "
+                         "does not list")

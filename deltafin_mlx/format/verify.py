@@ -2,9 +2,10 @@
 library of `deltafin-run verify MODEL`, deltafin_mlx/cli/verify.py).
 
 What is checked: the manifest parses; every file it lists resolves inside the model
-directory (after symlinks) and is a regular file (else the check stops: the
-directory itself is hostile); each has its recorded size and its recorded whole-file
-CRC-32;
+directory (after symlinks) and is a regular file, and config.json passes the rules
+every command reads it with (format/model_dir.py; else the check stops: the
+directory itself is hostile or edited); each file has its recorded size and its
+recorded whole-file CRC-32;
 every bank header matches the manifest, and every expert record the CRC-32 its bank
 header holds for it. Each problem names the file (and the record); checking goes on
 past a damaged file, so one run lists all the damage.
@@ -17,8 +18,10 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 from deltafin_mlx.format.bank import BankError, read_layout
-from deltafin_mlx.format.integrity import CHUNK, file_checksum, parse_checksum, resolve_inside
+from deltafin_mlx.format.integrity import (CHUNK, check_file, file_checksum, parse_checksum,
+                                          resolve_inside)
 from deltafin_mlx.format.manifest import read_manifest
+from deltafin_mlx.format.model_dir import read_config
 from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.links import check_linked_sources, read_links
 
@@ -46,6 +49,7 @@ def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) ->
     m = read_manifest(path, check_files=False)
     report = VerifyReport(path)
     real = {rel: resolve_inside(m.path, rel) for rel in m.files}  # raises on escapes
+    _check_config(m)
 
     sound = []
     for rel, size in sorted(m.files.items()):
@@ -104,6 +108,19 @@ def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) ->
     if m.linked is not None:
         _check_linked(m, report, advance)
     return report
+
+
+def _check_config(m):
+    """config.json by the rules every command reads it with (model_dir.read_config:
+    its hash in the manifest's source, its `model_file`), so verify never passes a
+    model that run refuses; a refusal raises, in the line run gives. Bytes that do not
+    match their listed checksum are damage, reported with the other files'."""
+    if "config.json" in m.files:
+        try:
+            check_file(m, "config.json")
+        except ModelError:
+            return
+    read_config(m.path, m)
 
 
 def _check_linked(m, report: VerifyReport, advance):
