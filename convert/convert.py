@@ -219,7 +219,7 @@ def check_source_tokenizer(path: Path, tok_files, config: dict):
         return
     import tempfile
 
-    from deltafin_mlx.engine.load import read_tokenizer
+    from deltafin_mlx.tokenizer.read import read_tokenizer
     from deltafin_mlx.errors import ModelError
 
     # Read from a copy: a hub cache's files are links into its blobs, which the

@@ -102,8 +102,9 @@ def test_the_runtime_never_imports_the_converter():
     assert {n: t for n, t in offenders.items() if t} == {}
 
 
-def test_the_converter_library_uses_only_format_model_and_plan():
+def test_the_converter_library_uses_only_format_model_plan_and_tokenizer():
     allowed = ("deltafin_mlx.format", "deltafin_mlx.model", "deltafin_mlx.plan",
+               "deltafin_mlx.tokenizer",
                "deltafin_mlx.errors", "deltafin_mlx.units", "deltafin_mlx.compat", "deltafin_mlx.mlx_lm_shim",
                "deltafin_mlx.__init__", "deltafin_convert")
     cli_helpers = ("deltafin_mlx.cli.common",)  # help format, --version: the tools share them

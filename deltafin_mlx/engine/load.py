@@ -15,7 +15,7 @@ from deltafin_mlx.engine.chunked_attention import chunk_attention
 from deltafin_mlx.format.manifest import ModelError
 from deltafin_mlx.format.model_dir import open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
-from deltafin_mlx.model.config import eos_token_ids, text_config
+from deltafin_mlx.model.config import text_config
 from deltafin_mlx.model.modules import find_path, get_module, layer_paths, set_module
 from deltafin_mlx.plan.footprint import inventory_from_manifest
 from deltafin_mlx.plan.memory import MAX_SEQUENCES, plan_memory
@@ -422,39 +422,9 @@ def load_tokenizer(path: Path, manifest, config: dict):
 
     for name in TOKENIZER_FILE_NAMES:
         check_if_present(manifest, name, TOKENIZER_MAX_BYTES)
+    from deltafin_mlx.tokenizer.read import read_tokenizer
+
     return read_tokenizer(path, manifest.tokenizer.get("kind"), config)
-
-
-def read_tokenizer(path: Path, kind: str, config: dict):
-    """The tokenizer in `path` (kind "kimi_tiktoken" or "huggingface"), validated
-    (tokenizer/kimi.py) and checked against the model (tokenizer/coverage.py: every
-    byte encodable, no id beyond the embedding table). The converter reads a
-    source's with it too, so a model that could not run is never written. Whatever
-    a tokenizer library raises, Rust panics included, becomes one ModelError line."""
-    from deltafin_mlx.errors import TokenizerError
-    from deltafin_mlx.tokenizer.coverage import check_tokenizer
-
-    eos = eos_token_ids(config)
-    try:
-        if kind == "kimi_tiktoken":
-            from deltafin_mlx.tokenizer.kimi import load_kimi_tokenizer
-
-            tokenizer = load_kimi_tokenizer(path, eos_token_ids=eos)
-        else:
-            from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
-
-            tokenizer = load_hf_tokenizer(Path(path), eos_token_ids=eos)
-        check_tokenizer(tokenizer, text_config(config).get("vocab_size"), path)
-        return tokenizer
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except ModelError:
-        raise
-    except TokenizerError as e:
-        raise ModelError(str(e)) from None
-    except BaseException as e:  # tokenizers/tiktoken raise odd types (pyo3 panics)
-        raise ModelError(f"{path}: cannot load the tokenizer ({type(e).__name__}: "
-                         f"{str(e)[:200]})") from None
 
 
 def _gather_linked(manifest) -> list:
