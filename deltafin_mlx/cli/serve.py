@@ -16,6 +16,9 @@ What it guarantees, whatever clients send:
     in one batch, sharing expert reads), --queue more wait, and beyond that a
     request gets HTTP 503 at once; a body is read only once its request has a
     place, and no larger than the planned context can use;
+  - at most --max-connections connections are open at once (beyond, a new one gets
+    HTTP 503 and is closed), and one silent for --header-timeout seconds before its
+    request's headers are in is closed;
   - a failure inside generation fails the requests it was serving (HTTP 500), not
     the server: generation goes on and /health stays 200;
   - a client that resets its connection stops its generation at the next token
@@ -77,6 +80,13 @@ def non_negative_number(text):
     return v
 
 
+def positive_number(text):
+    v = float(text)
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
+    return v
+
+
 def fraction(text):
     v = float(text)
     if not 0 <= v <= 1:
@@ -99,6 +109,12 @@ def parser():
                    help="requests that may wait for a place; beyond, HTTP 503")
     p.add_argument("--queue-seconds", type=float, default=300.0,
                    help="the longest a request waits for a place before HTTP 503")
+    p.add_argument("--max-connections", type=positive, default=256,
+                   help="connections open at once (each holds a thread); beyond, a new one "
+                   "gets HTTP 503 and is closed")
+    p.add_argument("--header-timeout", type=positive_number, default=10.0,
+                   help="seconds a client may stay silent before or while sending a "
+                   "request's headers (an idle connection is closed after it)")
     p.add_argument("--max-body-bytes", type=positive, default=None,
                    help="largest request body (default: what --context can use: "
                    "context x the longest token's bytes, as JSON)")
@@ -145,6 +161,7 @@ def cmd_serve(argv) -> int:
         model=args.model, host=args.host, port=args.port, budget=args.budget,
         context=args.context, sequences=args.sequences, queue=args.queue,
         queue_seconds=args.queue_seconds, max_body_bytes=args.max_body_bytes,
+        max_connections=args.max_connections, header_timeout=args.header_timeout,
         reader_threads=args.reader_threads, verify=args.verify, read_mode=args.read_mode,
         lookahead=not args.no_lookahead, warm_start=not args.no_warm_start,
         prefill_step_size=args.prefill_step_size, prompt_cache_size=args.prompt_cache_size,

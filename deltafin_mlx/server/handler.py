@@ -39,8 +39,10 @@ def peer_reset(sock) -> bool:
     """Whether the client's connection is broken (reset). A client that only
     closed its sending side (end of file) may still be reading its answer."""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if readable and sock.recv(1, socket.MSG_PEEK) == b"":
+        # poll, not select: select refuses descriptors past FD_SETSIZE (1024).
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        if poller.poll(0) and sock.recv(1, socket.MSG_PEEK) == b"":
             return _tcp_state(sock) == TCP_CLOSE  # a reset after the end of file
         return False
     except (OSError, ValueError):
@@ -78,9 +80,27 @@ def make_handler(base, settings):
             self.send_header("Content-Length", str(len(data)))
             for k, v in extra_headers:
                 self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
-            self.wfile.flush()
+            try:
+                self.end_headers()
+                self.wfile.write(data)
+                self.wfile.flush()
+            except (ConnectionError, TimeoutError) as e:
+                log.info("client went away before its answer (%d): %s", status,
+                         type(e).__name__)
+                self.close_connection = True
+
+        # --- reading a request ------------------------------------------------
+
+        def handle_one_request(self):
+            # A client gets less time for its request line and headers than for a
+            # body or a reply: an idle or trickling connection frees its thread soon.
+            self.connection.settimeout(settings.header_timeout)
+            super().handle_one_request()
+
+        def parse_request(self):
+            ok = super().parse_request()  # has read the headers
+            self.connection.settimeout(settings.socket_timeout)
+            return ok
 
         def _refuse(self, status: int, message: str, extra_headers=()):
             log.info("refused (%d): %s", status, message)
