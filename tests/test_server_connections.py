@@ -131,7 +131,7 @@ def test_a_reset_is_still_seen_on_descriptors_past_1024(serve):
 def test_connections_beyond_the_cap_get_503_at_once_and_threads_stay_bounded(serve):
     port, proc, _ = serve
     time.sleep(0.3)  # earlier tests' connections have closed
-    base = threads(proc.pid)
+    base, refused = threads(proc.pid), metric(port, "deltafin_connections_refused_total")
     idle = idle_connections(port, MAX_CONNECTIONS + 4)  # 4 beyond the cap: refused
     try:
         assert threads(proc.pid) <= base + MAX_CONNECTIONS
@@ -150,6 +150,8 @@ def test_connections_beyond_the_cap_get_503_at_once_and_threads_stay_bounded(ser
     time.sleep(0.3)
     assert get(port, "/health")[0] == 200
     assert post(port, "/v1/chat/completions", CHAT)[0] == 200
+    assert metric(port, "deltafin_connections_refused_total") == refused + 5
+    assert metric(port, "deltafin_connections_open") == 1  # this request's
 
 
 def test_a_connection_silent_before_its_headers_is_closed_after_the_header_timeout(serve):

@@ -5,7 +5,8 @@ Endpoints: POST /v1/chat/completions, /v1/completions (streamed or not, logprobs
 with top alternatives best first; /v1/completions also takes the legacy integer
 `logprobs`), /tokenize {"content": TEXT} and /detokenize {"tokens": [IDS]};
 GET /v1/models, /health and /metrics (requests, tokens and the expert cache's
-hits, misses and bytes read, in Prometheus' text format).
+hits, misses and bytes read, connections open and refused, in Prometheus' text
+format).
 
 What it guarantees, whatever clients send:
   - every value is checked first (types, ranges, lengths, nesting) and a bad one is

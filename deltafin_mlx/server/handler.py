@@ -134,7 +134,7 @@ def make_handler(base, settings):
                 return self._send_json(200 if ok else 503,
                                        {"status": "ok" if ok else "unavailable"})
             if path == "/metrics":
-                data = settings.counters.metrics_text(settings.admission).encode()
+                data = settings.counters.metrics_text(settings.admission, self.server).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(data)))
