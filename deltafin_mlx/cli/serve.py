@@ -146,6 +146,8 @@ def parser():
 
 
 def cmd_serve(argv) -> int:
+    import logging
+    import os
     import sys
 
     from deltafin_mlx.errors import UsageError
@@ -158,7 +160,7 @@ def cmd_serve(argv) -> int:
         raise UsageError(f"--queue-seconds must be positive, not {args.queue_seconds}")
     if args.top_k < 0:
         raise UsageError(f"--top-k must be 0 or more, not {args.top_k}")
-    return serve(ServeConfig(
+    rc = serve(ServeConfig(
         model=args.model, host=args.host, port=args.port, budget=args.budget,
         context=args.context, sequences=args.sequences, queue=args.queue,
         queue_seconds=args.queue_seconds, max_body_bytes=args.max_body_bytes,
@@ -171,3 +173,12 @@ def cmd_serve(argv) -> int:
         chat_template_args=args.chat_template_args,
         allowed_origins=tuple(args.allowed_origins.split(",")), log_level=args.log_level,
         progress=sys.stderr.isatty()))
+    # Exit without the interpreter's finalization. The generation thread ran
+    # mx.compile'd code (mlx-lm's samplers); after Python has joined it, its C++
+    # thread-local compile cache is freed, which takes the GIL; once finalization has
+    # begun, taking the GIL ends the thread inside that destructor: std::terminate,
+    # SIGABRT (Ctrl-C with a request in flight, 3 in 28 tries).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
