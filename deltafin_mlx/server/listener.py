@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import threading
+import time
 from http.server import ThreadingHTTPServer
 
 log = logging.getLogger("deltafin_mlx.server")
@@ -26,6 +27,7 @@ class DeltafinHTTPServer(ThreadingHTTPServer):
         self.open_connections = 0
         self.refused_connections = 0
         self._count_lock = threading.Lock()
+        self._last_refusal_log = -1e9
         super().__init__(*args, **kwargs)
 
     def _enter(self) -> bool:
@@ -42,8 +44,11 @@ class DeltafinHTTPServer(ThreadingHTTPServer):
 
     def process_request(self, request, client_address):
         if not self._enter():
-            log.info("refused a connection from %s: %d connections are open, the most",
-                     client_address[0], self.max_connections)
+            now = time.monotonic()
+            if now - self._last_refusal_log >= 1.0:  # a flood is a line a second
+                self._last_refusal_log = now
+                log.info("refusing connections: %d are open, the most (%d refused so far)",
+                         self.max_connections, self.refused_connections)
             refuse_connection(request, self.max_connections)
             self.shutdown_request(request)
             return
