@@ -133,6 +133,7 @@ def test_connections_beyond_the_cap_get_503_at_once_and_threads_stay_bounded(ser
     port, proc, _ = serve
     time.sleep(0.3)  # earlier tests' connections have closed
     base, refused = threads(proc.pid), metric(port, "deltafin_connections_refused_total")
+    fds = len(open_fds(proc.pid))
     idle = idle_connections(port, MAX_CONNECTIONS + 4)  # 4 beyond the cap: refused
     try:
         assert threads(proc.pid) <= base + MAX_CONNECTIONS
@@ -153,6 +154,7 @@ def test_connections_beyond_the_cap_get_503_at_once_and_threads_stay_bounded(ser
     assert post(port, "/v1/chat/completions", CHAT)[0] == 200
     assert metric(port, "deltafin_connections_refused_total") == refused + 5
     assert metric(port, "deltafin_connections_open") == 1  # this request's
+    assert len(open_fds(proc.pid)) <= fds + 1  # every closed connection's socket is closed
 
 
 def test_a_connection_silent_before_its_headers_is_closed_after_the_header_timeout(serve):
@@ -162,6 +164,23 @@ def test_a_connection_silent_before_its_headers_is_closed_after_the_header_timeo
     started = time.monotonic()
     assert read_all(s) == b""
     assert HEADER_TIMEOUT - 0.5 < time.monotonic() - started < HEADER_TIMEOUT + 10
+    s.close()
+
+
+def test_a_client_that_trickles_its_headers_is_closed_after_the_header_timeout(serve):
+    """A byte a second keeps each read short; the timeout bounds them in all."""
+    port = serve[0]
+    s = socket.create_connection(("127.0.0.1", port), timeout=HEADER_TIMEOUT + 20)
+    started = time.monotonic()
+    try:
+        for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"y" * 40:
+            s.send(bytes([byte]))
+            time.sleep(0.5)
+    except OSError:  # closed under it: a reset on the next byte
+        pass
+    else:
+        raise AssertionError("20 s of trickled headers were taken")
+    assert time.monotonic() - started < HEADER_TIMEOUT + 10
     s.close()
 
 

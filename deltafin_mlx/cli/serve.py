@@ -18,8 +18,8 @@ What it guarantees, whatever clients send:
     request gets HTTP 503 at once; a body is read only once its request has a
     place, and no larger than the planned context can use;
   - at most --max-connections connections are open at once (beyond, a new one gets
-    HTTP 503 and is closed), and one silent for --header-timeout seconds before its
-    request's headers are in is closed;
+    HTTP 503 and is closed), and one that has not sent a request's headers within
+    --header-timeout seconds is closed;
   - a failure inside generation fails the requests it was serving (HTTP 500), not
     the server: generation goes on and /health stays 200;
   - a client that resets its connection stops its generation at the next token
@@ -114,8 +114,8 @@ def parser():
                    help="connections open at once (each holds a thread); beyond, a new one "
                    "gets HTTP 503 and is closed")
     p.add_argument("--header-timeout", type=positive_number, default=10.0,
-                   help="seconds a client may stay silent before or while sending a "
-                   "request's headers (an idle connection is closed after it)")
+                   help="seconds a client has to send a request's line and headers, "
+                   "waiting between requests included (then it is closed)")
     p.add_argument("--max-body-bytes", type=positive, default=None,
                    help="largest request body (default: what --context can use: "
                    "context x the longest token's bytes, as JSON)")

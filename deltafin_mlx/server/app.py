@@ -46,7 +46,7 @@ class ServeConfig:
     queue_seconds: float = 300.0  # the longest a request waits for a place
     max_body_bytes: Optional[int] = None  # default: what the context can use
     socket_timeout: float = 60.0  # a client silent this long is dropped
-    header_timeout: float = 10.0  # ... or this long while sending a request's headers
+    header_timeout: float = 10.0  # a request's line and headers take at most this, in all
     max_connections: int = 256  # open at once; beyond, a new one is 503 and closed
     backlog: int = 128
     reader_threads: int = 1

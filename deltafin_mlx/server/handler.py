@@ -64,6 +64,22 @@ class ClientGone(Exception):
     pass
 
 
+class DeadlineReader(socket.SocketIO):
+    """A socket's reads, each waiting at most what is left until `deadline`
+    (time.monotonic; None: the socket's own timeout), so a client that trickles
+    its headers a byte at a time still has only that long in all."""
+
+    deadline = None
+
+    def readinto(self, b):
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request's headers took too long")
+            self._sock.settimeout(left)
+        return super().readinto(b)
+
+
 def make_handler(base, settings):
     """A subclass of mlx-lm's APIHandler (`base`) for `settings`
     (server/app.py's ServeSettings)."""
@@ -91,14 +107,21 @@ def make_handler(base, settings):
 
         # --- reading a request ------------------------------------------------
 
+        def setup(self):
+            super().setup()
+            self.rfile.close()  # the socket's own reader, replaced by one with a deadline
+            self._reader = DeadlineReader(self.connection, "rb")
+            self.rfile = io.BufferedReader(self._reader)
+
         def handle_one_request(self):
-            # A client gets less time for its request line and headers than for a
-            # body or a reply: an idle or trickling connection frees its thread soon.
-            self.connection.settimeout(settings.header_timeout)
+            # A client gets less time for its request line and headers, in all, than
+            # for a body or a reply: an idle or trickling connection frees its thread.
+            self._reader.deadline = time.monotonic() + settings.header_timeout
             super().handle_one_request()
 
         def parse_request(self):
             ok = super().parse_request()  # has read the headers
+            self._reader.deadline = None
             self.connection.settimeout(settings.socket_timeout)
             return ok
 
