@@ -81,6 +81,14 @@ HOSTILE = [
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters":
                                                          json.loads("[" * 40 + "]" * 40)}}]),
      "nested"),
+    (CHAT, chat(repetition_penalty=-1), "repetition_penalty"),
+    (CHAT, chat(repetition_penalty=1e-40), "repetition_penalty"),  # logits / it = inf
+    (CHAT, chat(repetition_penalty=11), "repetition_penalty"),
+    (CHAT, chat(repetition_penalty="2"), "repetition_penalty"),
+    (TEXT, text(min_tokens_to_keep=-5), "min_tokens_to_keep"),
+    (TEXT, text(min_tokens_to_keep=10 ** 6), "min_tokens_to_keep"),
+    (CHAT, chat(min_tokens_to_keep=1.5), "min_tokens_to_keep"),
+    (CHAT, chat(min_tokens_to_keep=5), "min_tokens_to_keep"),  # mlx-lm's server keeps 1
     (CHAT, chat("stream " * (CONTEXT + 64)), "planned context"),
 ]
 
@@ -107,7 +115,9 @@ def test_after_every_hostile_request_the_server_is_healthy_and_exact(serve, conv
 
 def test_absent_and_null_values_are_the_defaults(serve):
     port = serve[0]
-    for body in (chat(logit_bias=None, seed=None, stop=None, stream_options=None),
+    for body in (chat(logit_bias=None, seed=None, stop=None, stream_options=None,
+                      repetition_penalty=None, min_tokens_to_keep=None),
+                 chat(repetition_penalty=0, min_tokens_to_keep=1),
                  chat(stop="\n\n", logit_bias={"5": -1.5}, seed=3)):
         status, reply = post(port, CHAT, body)
         assert status == 200, reply
@@ -154,7 +164,7 @@ def test_an_image_url_is_refused_without_being_fetched(serve):
 # once found top_k = the vocabulary size, which mlx-lm's sampler refused inside the
 # generation thread.
 EDGES = {"temperature": [0, 1e-30, 100, 0.5], "top_p": [0, 1e-9, 1], "top_k": [0, 1, 1023],
-         "min_p": [0, 1, 1e-9], "repetition_penalty": [0, 1e-9, 100],
+         "min_p": [0, 1, 1e-9], "repetition_penalty": [0, 0.01, 10],
          "repetition_context_size": [0, 1, CONTEXT], "presence_penalty": [-100, 100],
          "presence_context_size": [0, CONTEXT], "frequency_penalty": [-100, 100],
          "frequency_context_size": [0, CONTEXT], "xtc_probability": [0, 1],
@@ -163,7 +173,8 @@ EDGES = {"temperature": [0, 1e-30, 100, 0.5], "top_p": [0, 1e-9, 1], "top_k": [0
          "seed": [0, 2 ** 63 - 1], "top_logprobs": [0, 10], "logprobs": [True, False],
          "stop": [["\u0000"], ["a" * 1024], ["x"] * 16, "\n"], "max_tokens": [1, 8],
          "chat_template_kwargs": [{"thinking": False}, {"x": None}],
-         "stream_options": [{"include_usage": True}], "max_completion_tokens": [1, 5]}
+         "stream_options": [{"include_usage": True}], "max_completion_tokens": [1, 5],
+         "min_tokens_to_keep": [1]}
 
 
 def test_random_combinations_of_edge_values_never_fail_generation(serve):

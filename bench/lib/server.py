@@ -29,11 +29,12 @@ def stop_server(proc):
 
 
 def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, extra=(),
-                 env=None, samples=None):
+                 env=None, samples=None, prefix=()):
     """The server logs every request: to a file (a pipe nobody drains would fill
     up and block the server). `env`: more environment (DELTAFIN_CONTEXT, ...).
     `samples`: a file for `deltafin-run serve`'s memory samples
-    (bench/lib/worker/sampled_serve.py)."""
+    (bench/lib/worker/sampled_serve.py). `prefix`: a command that execs the
+    server's command line (its arguments)."""
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "DELTAFIN_BUDGET": budget, **(env or {})}
     log = open(log_path, "w")
@@ -47,7 +48,7 @@ def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, e
     else:
         cmd = [str(bin_dir / "mlx_lm.server"), "--model", str(model), "--trust-remote-code",
                "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen([*prefix, *cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 180
     while time.time() < deadline:
         try:

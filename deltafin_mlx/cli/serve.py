@@ -5,7 +5,8 @@ Endpoints: POST /v1/chat/completions, /v1/completions (streamed or not, logprobs
 with top alternatives best first; /v1/completions also takes the legacy integer
 `logprobs`), /tokenize {"content": TEXT} and /detokenize {"tokens": [IDS]};
 GET /v1/models, /health and /metrics (requests, tokens and the expert cache's
-hits, misses and bytes read, in Prometheus' text format).
+hits, misses and bytes read, connections open and refused, in Prometheus' text
+format).
 
 What it guarantees, whatever clients send:
   - every value is checked first (types, ranges, lengths, nesting) and a bad one is
@@ -16,6 +17,9 @@ What it guarantees, whatever clients send:
     in one batch, sharing expert reads), --queue more wait, and beyond that a
     request gets HTTP 503 at once; a body is read only once its request has a
     place, and no larger than the planned context can use;
+  - at most --max-connections connections are open at once (beyond, a new one gets
+    HTTP 503 and is closed), and one that has not sent a request's headers within
+    --header-timeout seconds is closed;
   - a failure inside generation fails the requests it was serving (HTTP 500), not
     the server: generation goes on and /health stays 200;
   - a client that resets its connection stops its generation at the next token
@@ -77,6 +81,13 @@ def non_negative_number(text):
     return v
 
 
+def positive_number(text):
+    v = float(text)
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
+    return v
+
+
 def fraction(text):
     v = float(text)
     if not 0 <= v <= 1:
@@ -99,6 +110,12 @@ def parser():
                    help="requests that may wait for a place; beyond, HTTP 503")
     p.add_argument("--queue-seconds", type=float, default=300.0,
                    help="the longest a request waits for a place before HTTP 503")
+    p.add_argument("--max-connections", type=positive, default=256,
+                   help="connections open at once (each holds a thread); beyond, a new one "
+                   "gets HTTP 503 and is closed")
+    p.add_argument("--header-timeout", type=positive_number, default=10.0,
+                   help="seconds a client has to send a request's line and headers, "
+                   "waiting between requests included (then it is closed)")
     p.add_argument("--max-body-bytes", type=positive, default=None,
                    help="largest request body (default: what --context can use: "
                    "context x the longest token's bytes, as JSON)")
@@ -129,6 +146,8 @@ def parser():
 
 
 def cmd_serve(argv) -> int:
+    import logging
+    import os
     import sys
 
     from deltafin_mlx.errors import UsageError
@@ -141,10 +160,11 @@ def cmd_serve(argv) -> int:
         raise UsageError(f"--queue-seconds must be positive, not {args.queue_seconds}")
     if args.top_k < 0:
         raise UsageError(f"--top-k must be 0 or more, not {args.top_k}")
-    return serve(ServeConfig(
+    rc = serve(ServeConfig(
         model=args.model, host=args.host, port=args.port, budget=args.budget,
         context=args.context, sequences=args.sequences, queue=args.queue,
         queue_seconds=args.queue_seconds, max_body_bytes=args.max_body_bytes,
+        max_connections=args.max_connections, header_timeout=args.header_timeout,
         reader_threads=args.reader_threads, verify=args.verify, read_mode=args.read_mode,
         lookahead=not args.no_lookahead, warm_start=not args.no_warm_start,
         prefill_step_size=args.prefill_step_size, prompt_cache_size=args.prompt_cache_size,
@@ -153,3 +173,12 @@ def cmd_serve(argv) -> int:
         chat_template_args=args.chat_template_args,
         allowed_origins=tuple(args.allowed_origins.split(",")), log_level=args.log_level,
         progress=sys.stderr.isatty()))
+    # Exit without the interpreter's finalization. The generation thread ran
+    # mx.compile'd code (mlx-lm's samplers); after Python has joined it, its C++
+    # thread-local compile cache is freed, which takes the GIL; once finalization has
+    # begun, taking the GIL ends the thread inside that destructor: std::terminate,
+    # SIGABRT (Ctrl-C with a request in flight, 3 in 28 tries).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

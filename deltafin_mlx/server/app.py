@@ -18,13 +18,13 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Optional
 
 from deltafin_mlx.errors import UsageError
 from deltafin_mlx.server.admission import Admission, AdmissionConfig
 from deltafin_mlx.server.counters import ServerCounters
+from deltafin_mlx.server.listener import DeltafinHTTPServer
 from deltafin_mlx.server.schema import RequestLimits
 from deltafin_mlx.units import human_bytes
 
@@ -46,6 +46,8 @@ class ServeConfig:
     queue_seconds: float = 300.0  # the longest a request waits for a place
     max_body_bytes: Optional[int] = None  # default: what the context can use
     socket_timeout: float = 60.0  # a client silent this long is dropped
+    header_timeout: float = 10.0  # a request's line and headers take at most this, in all
+    max_connections: int = 256  # open at once; beyond, a new one is 503 and closed
     backlog: int = 128
     reader_threads: int = 1
     verify: bool = False
@@ -78,22 +80,20 @@ class ServeSettings:
     admission: Admission
     counters: ServerCounters
     socket_timeout: float
+    header_timeout: float
 
 
-class DeltafinHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
-def bind(host: str, port: int, backlog: int) -> DeltafinHTTPServer:
-    """The listening server, handler to be set; a bad address is one line."""
+def bind(host: str, port: int, backlog: int, max_connections: int = 256) -> DeltafinHTTPServer:
+    """The listening server (server/listener.py), handler to be set; a bad address
+    is one line."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                     flags=socket.AI_PASSIVE)[0][0]
     except socket.gaierror as e:
         raise UsageError(f"--host {host}: {e.strerror}") from None
     cls = type("Server", (DeltafinHTTPServer,), {"address_family": family,
-                                                 "request_queue_size": backlog})
+                                                 "request_queue_size": backlog,
+                                                 "max_connections": max_connections})
     try:
         return cls((host, port), None)
     except OSError as e:
@@ -151,7 +151,7 @@ def serve(cfg: ServeConfig) -> int:
     group = detect_group("auto")
     rank = group.rank() if group is not None else 0
     # The port first: a port in use is one line before minutes of loading.
-    httpd = bind(cfg.host, cfg.port, cfg.backlog) if rank == 0 else None
+    httpd = bind(cfg.host, cfg.port, cfg.backlog, cfg.max_connections) if rank == 0 else None
     try:
         return _serve(cfg, httpd, rank)
     finally:
@@ -211,7 +211,8 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
         settings = ServeSettings(model=model, tokenizer=tokenizer, limits=limits,
                                  max_body=max_body, model_id=Path(cfg.model).name,
                                  created=int(time.time()), admission=admission,
-                                 counters=counters, socket_timeout=cfg.socket_timeout)
+                                 counters=counters, socket_timeout=cfg.socket_timeout,
+                                 header_timeout=cfg.header_timeout)
         handler = make_handler(server.APIHandler, settings)
         fingerprint = server.get_system_fingerprint()
         httpd.RequestHandlerClass = lambda *a, **k: handler(

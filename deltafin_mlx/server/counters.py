@@ -76,8 +76,9 @@ class ServerCounters:
         if self.rank == 0:
             log.info(request_line(meter, outcome, expert_counters(self.model)))
 
-    def metrics_text(self, admission) -> str:
-        """The counters in Prometheus' text exposition format."""
+    def metrics_text(self, admission, listener) -> str:
+        """The counters in Prometheus' text exposition format (`listener`:
+        server/listener.py's server, for its connections)."""
         e = expert_counters(self.model)
         with self._lock:
             outcomes = dict(self.outcomes)
@@ -103,6 +104,10 @@ class ServerCounters:
             f"deltafin_requests_running {admission.active}",
             "# TYPE deltafin_requests_waiting gauge",
             f"deltafin_requests_waiting {admission.waiting}",
+            "# TYPE deltafin_connections_open gauge",
+            f"deltafin_connections_open {listener.open_connections}",
+            "# TYPE deltafin_connections_refused_total counter",
+            f"deltafin_connections_refused_total {listener.refused_connections}",
         ]
         return "\n".join(lines) + "\n"
 

@@ -39,8 +39,10 @@ def peer_reset(sock) -> bool:
     """Whether the client's connection is broken (reset). A client that only
     closed its sending side (end of file) may still be reading its answer."""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if readable and sock.recv(1, socket.MSG_PEEK) == b"":
+        # poll, not select: select refuses descriptors past FD_SETSIZE (1024).
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        if poller.poll(0) and sock.recv(1, socket.MSG_PEEK) == b"":
             return _tcp_state(sock) == TCP_CLOSE  # a reset after the end of file
         return False
     except (OSError, ValueError):
@@ -62,6 +64,22 @@ class ClientGone(Exception):
     pass
 
 
+class DeadlineReader(socket.SocketIO):
+    """A socket's reads, each waiting at most what is left until `deadline`
+    (time.monotonic; None: the socket's own timeout), so a client that trickles
+    its headers a byte at a time still has only that long in all."""
+
+    deadline = None
+
+    def readinto(self, b):
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request's headers took too long")
+            self._sock.settimeout(left)
+        return super().readinto(b)
+
+
 def make_handler(base, settings):
     """A subclass of mlx-lm's APIHandler (`base`) for `settings`
     (server/app.py's ServeSettings)."""
@@ -78,9 +96,34 @@ def make_handler(base, settings):
             self.send_header("Content-Length", str(len(data)))
             for k, v in extra_headers:
                 self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
-            self.wfile.flush()
+            try:
+                self.end_headers()
+                self.wfile.write(data)
+                self.wfile.flush()
+            except (ConnectionError, TimeoutError) as e:
+                log.info("client went away before its answer (%d): %s", status,
+                         type(e).__name__)
+                self.close_connection = True
+
+        # --- reading a request ------------------------------------------------
+
+        def setup(self):
+            super().setup()
+            self.rfile.close()  # the socket's own reader, replaced by one with a deadline
+            self._reader = DeadlineReader(self.connection, "rb")
+            self.rfile = io.BufferedReader(self._reader)
+
+        def handle_one_request(self):
+            # A client gets less time for its request line and headers, in all, than
+            # for a body or a reply: an idle or trickling connection frees its thread.
+            self._reader.deadline = time.monotonic() + settings.header_timeout
+            super().handle_one_request()
+
+        def parse_request(self):
+            ok = super().parse_request()  # has read the headers
+            self._reader.deadline = None
+            self.connection.settimeout(settings.socket_timeout)
+            return ok
 
         def _refuse(self, status: int, message: str, extra_headers=()):
             log.info("refused (%d): %s", status, message)
@@ -114,7 +157,7 @@ def make_handler(base, settings):
                 return self._send_json(200 if ok else 503,
                                        {"status": "ok" if ok else "unavailable"})
             if path == "/metrics":
-                data = settings.counters.metrics_text(settings.admission).encode()
+                data = settings.counters.metrics_text(settings.admission, self.server).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(data)))

@@ -25,6 +25,8 @@ MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 10
 MAX_SEED = 2**63 - 1
 MAX_TOOLS = 256
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,17 @@ def logit_bias(v, vocab):
     return out or None
 
 
+def repetition_penalty(body):
+    """0 is mlx-lm's "no penalty" (it skips the processor); otherwise a factor that
+    divides repeated tokens' positive logits (multiplies negative ones), so a tiny
+    one overflows them to inf and the sampler's softmax to NaN."""
+    v = number(body, "repetition_penalty", 0, MAX_REPETITION_PENALTY)
+    if v is not None and 0 < v < MIN_REPETITION_PENALTY:
+        fail("repetition_penalty", f"must be 0 (none) or in [{MIN_REPETITION_PENALTY}, "
+                                   f"{MAX_REPETITION_PENALTY}], not {v}")
+    return v
+
+
 def check_completion(body: dict, chat: bool, limits: RequestLimits) -> dict:
     """The validated fields of a chat (`chat`) or text completion body."""
     if not isinstance(body, dict):
@@ -175,12 +188,18 @@ def check_completion(body: dict, chat: bool, limits: RequestLimits) -> dict:
     if max_tokens is not None:
         out["max_tokens"] = max_tokens
     for key, low, high in (("temperature", 0, 100), ("top_p", 0, 1), ("min_p", 0, 1),
-                           ("repetition_penalty", 0, 100), ("presence_penalty", -100, 100),
+                           ("presence_penalty", -100, 100),
                            ("frequency_penalty", -100, 100), ("xtc_probability", 0, 1),
                            ("xtc_threshold", 0, 1)):
         v = number(body, key, low, high)
         if v is not None:
             out[key] = v
+    v = repetition_penalty(body)
+    if v is not None:
+        out["repetition_penalty"] = v
+    # mlx-lm's server samples with min_tokens_to_keep 1 and takes no other.
+    if integer(body, "min_tokens_to_keep", 1, limits.vocab) not in (None, 1):
+        fail("min_tokens_to_keep", "other than 1 is not supported by deltafin-run serve")
     v = integer(body, "top_k", 0, limits.vocab - 1)  # mlx-lm's sampler takes fewer than all
     if v is not None:
         out["top_k"] = v
