@@ -90,6 +90,15 @@ HOSTILE = [
     (CHAT, chat(min_tokens_to_keep=1.5), "min_tokens_to_keep"),
     (CHAT, chat(min_tokens_to_keep=5), "min_tokens_to_keep"),  # mlx-lm's server keeps 1
     (CHAT, chat("stream " * (CONTEXT + 64)), "planned context"),
+    # What the server does not do is refused, never dropped.
+    (TEXT, text(echo=True), "echo"),
+    (TEXT, text(best_of=2), "best_of"),
+    (TEXT, text(suffix="and so on"), "suffix"),
+    (CHAT, chat(tool_choice="required"), "tool_choice"),
+    (CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+    (CHAT, chat(images=["aGk="]), "images"),
+    (CHAT, chat(role_mapping={"user": "U"}), "role_mapping"),
+    (CHAT, chat(temprature=0.5), "temprature"),
 ]
 
 
@@ -118,7 +127,11 @@ def test_absent_and_null_values_are_the_defaults(serve):
     for body in (chat(logit_bias=None, seed=None, stop=None, stream_options=None,
                       repetition_penalty=None, min_tokens_to_keep=None),
                  chat(repetition_penalty=0, min_tokens_to_keep=1),
-                 chat(stop="\n\n", logit_bias={"5": -1.5}, seed=3)):
+                 chat(stop="\n\n", logit_bias={"5": -1.5}, seed=3),
+                 # what OpenAI's client libraries send when asked for nothing more
+                 chat(user="u1", metadata={"k": "v"}, store=False, parallel_tool_calls=True,
+                      tool_choice="auto", response_format={"type": "text"}, best_of=1,
+                      modalities=["text"], audio=None, functions=None)):
         status, reply = post(port, CHAT, body)
         assert status == 200, reply
 

@@ -148,11 +148,47 @@ def repetition_penalty(body):
     return v
 
 
+# Every field a completion body may hold; anything else is refused, never dropped.
+READ_FIELDS = {
+    "stream", "stream_options", "model", "adapters", "draft_model", "n", "messages", "tools",
+    "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "min_p",
+    "presence_penalty", "frequency_penalty", "xtc_probability", "xtc_threshold",
+    "repetition_penalty", "min_tokens_to_keep", "top_k", "repetition_context_size",
+    "presence_context_size", "frequency_context_size", "seed", "logit_bias", "stop",
+    "logprobs", "top_logprobs", "chat_template_kwargs",
+}
+# OpenAI's fields that say nothing about the reply (bookkeeping for the client's side).
+INFORMATIONAL_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+# OpenAI's fields for what this server does not do: taken only at the value that asks
+# for nothing (a client library may send it), refused otherwise.
+NO_OP_VALUES = {
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "tool_choice": (None, "auto"), "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]), "functions": (None,), "function_call": (None,),
+    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+    "images": (None,), "image": (None,),
+}
+
+
+def check_fields(body: dict):
+    for key in body:
+        if key in READ_FIELDS or key in INFORMATIONAL_FIELDS:
+            continue
+        if key in NO_OP_VALUES:
+            v = body[key]
+            if not any(v == ok and type(v) is type(ok) for ok in NO_OP_VALUES[key]):
+                fail(str(key), "is not supported by deltafin-run serve (only its default, "
+                               f"{NO_OP_VALUES[key][-1]!r}, is taken)")
+            continue
+        fail(str(key)[:40], "is not a field deltafin-run serve takes")
+
+
 def check_completion(body: dict, chat: bool, limits: RequestLimits) -> dict:
     """The validated fields of a chat (`chat`) or text completion body."""
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     check_depth(body)
+    check_fields(body)
     out = {"stream": boolean(body, "stream")}
     so = body.get("stream_options")
     if so is not None:
