@@ -796,13 +796,16 @@ def fill(fs: Path) -> Path:
     return filler
 
 
-def fill_on_call(monkeypatch, owner, name, nth, fs, state):
+def fill_on_call(monkeypatch, owner, name, nth, fs, state, dest_in=None):
     """Fill `fs` just before the `nth` call of owner.name (after the converter's
-    up-front free-space check has passed)."""
+    up-front free-space check has passed); with `dest_in`, counting only calls
+    whose destination (second argument) lies in that directory."""
     real = getattr(owner, name)
     calls = {"n": 0}
 
     def hooked(*a, **k):
+        if dest_in is not None and not str(a[1]).startswith(str(dest_in)):
+            return real(*a, **k)
         calls["n"] += 1
         if calls["n"] == nth:
             state["filler"] = fill(fs)
@@ -815,7 +818,7 @@ DISK_FULL_AT = {
     "expert record": (BankWriter, "write_record", 21),
     "partial state": (conv, "_write_atomic_json", 3),
     "trunk file": (conv, "_save_safetensors", 2),
-    "tokenizer copy": (shutil, "copyfile", 1),
+    "tokenizer copy": (shutil, "copyfile", 1),  # the first copy into OUT
     "manifest": (Manifest, "write", 1),
 }
 
@@ -827,7 +830,8 @@ def test_disk_full_mid_conversion_is_one_line_and_resumable(
     out = small_fs / "out"
     state = {}
     owner, name, nth = DISK_FULL_AT[stage]
-    fill_on_call(monkeypatch, owner, name, nth, small_fs, state)
+    fill_on_call(monkeypatch, owner, name, nth, small_fs, state,
+                 dest_in=out if owner is shutil else None)
     code = cli.main([str(src), str(out), "--quiet"])
     err = capsys.readouterr().err
     monkeypatch.undo()
