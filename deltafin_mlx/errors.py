@@ -60,7 +60,8 @@ class BatchError(DeltafinError, ValueError):
 
 
 class RequestError(DeltafinError, ValueError):
-    """A server request refused with HTTP 400; the message says why."""
+    """A request refused, naming the field: a server's HTTP 400, or a batch or score
+    line's error line (tokenizer/messages.py checks conversations for all three)."""
 
 
 class ConvertError(DeltafinError):
