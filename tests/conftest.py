@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_map_with_path
 from mlx_lm.utils import load_model, quantize_model
 
-from deltafin_convert.convert import ConvertOptions, convert
+from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.testing.synthetic import make_checkpoint
 
 # Affine fixtures use widths that every group size divides, so mlx-lm quantizes

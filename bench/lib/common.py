@@ -77,7 +77,7 @@ def ensure_model(workdir: Path, name: str, overrides: dict, seed: int = 0) -> Pa
     if free < 2.2 * size:
         raise SystemExit(f"{base}: {free / 1e9:.1f} GB free, need about {2.2 * size / 1e9:.1f} GB "
                          "(source and converted model; the source is deleted afterwards)")
-    from deltafin_convert.convert import ConvertOptions, convert
+    from deltafin_mlx.convert.convert import ConvertOptions, convert
 
     src = base / "src"
     log(f"model {name}: generating a {size / 1e9:.2f} GB K3-layout checkpoint {overrides}")

@@ -83,7 +83,7 @@ def union_table(sizes):
 
 
 def worker(args):
-    from deltafin_mlx.batch import batch_generate
+    from deltafin_mlx.jobs.batch import batch_generate
     from deltafin_mlx.engine.load import load
 
     results = []

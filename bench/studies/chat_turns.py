@@ -18,7 +18,7 @@ from pathlib import Path
 from mlx_lm.models.cache import make_prompt_cache
 
 from bench.lib import ROOT, common
-from deltafin_mlx.chat import ChatSession
+from deltafin_mlx.chat.session import ChatSession
 from deltafin_mlx.engine.load import load
 from deltafin_mlx import runtime
 

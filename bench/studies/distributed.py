@@ -40,7 +40,7 @@ def log(msg):
 
 
 def ensure_model(workdir: Path) -> Path:
-    from deltafin_convert.convert import ConvertOptions, convert
+    from deltafin_mlx.convert.convert import ConvertOptions, convert
     from deltafin_mlx.testing.synthetic import make_checkpoint
 
     out = workdir / "model-r2"

@@ -132,7 +132,7 @@ def main():
     p.add_argument("--read-mb", type=int, default=512)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    from deltafin_convert.convert import ConvertOptions, convert
+    from deltafin_mlx.convert.convert import ConvertOptions, convert
     from deltafin_mlx.testing.synthetic import make_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="deltafin-integrity-", dir=a.dir))

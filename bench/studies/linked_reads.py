@@ -31,7 +31,7 @@ MODEL = dict(hidden_size=256, num_layers=5, num_experts=8, vocab_size=1024,
 
 def ensure_models(workdir: Path):
     """The source (kept: linked experts live in it) and its two conversions."""
-    from deltafin_convert.convert import ConvertOptions, convert
+    from deltafin_mlx.convert.convert import ConvertOptions, convert
     from deltafin_mlx.testing.synthetic import make_checkpoint
 
     spec = {"arch": "kimi_k3", "overrides": MODEL}

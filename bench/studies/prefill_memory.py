@@ -20,7 +20,7 @@ from bench.lib import ROOT, worker
 
 
 def fixture(root: Path) -> Path:
-    from deltafin_convert.convert import ConvertOptions, convert
+    from deltafin_mlx.convert.convert import ConvertOptions, convert
     from deltafin_mlx.testing.synthetic import make_checkpoint
 
     if not (root / "model" / "deltafin.json").exists():

@@ -71,7 +71,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    from deltafin_convert.convert import ConvertOptions, convert
+    from deltafin_mlx.convert.convert import ConvertOptions, convert
     from deltafin_mlx.testing.synthetic import make_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="deltafin-record-checks-", dir=a.dir))

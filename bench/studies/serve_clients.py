@@ -36,7 +36,7 @@ from bench.lib.server import free_port, start_server, stop_server
 
 
 def fixture_model(workdir: Path) -> Path:
-    from deltafin_convert.convert import ConvertOptions, convert
+    from deltafin_mlx.convert.convert import ConvertOptions, convert
     from deltafin_mlx.testing.synthetic import make_checkpoint
 
     out = workdir / "k3"

@@ -35,7 +35,7 @@ def batch_parser():
 
 
 def cmd_batch(argv) -> int:
-    from deltafin_mlx.batch import open_job, run_job, summary_line
+    from deltafin_mlx.jobs.batch import open_job, run_job, summary_line
 
     args = batch_parser().parse_args(argv)
     opts = batch_options(args)
@@ -69,7 +69,7 @@ def cmd_batch(argv) -> int:
 
 
 def batch_options(args):
-    from deltafin_mlx.batch import BatchOptions
+    from deltafin_mlx.jobs.batch import BatchOptions
 
     return BatchOptions(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
                         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,

@@ -105,7 +105,7 @@ def bench_run(model, args, i: int):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from deltafin_mlx.generate import StatsMeter
+    from deltafin_mlx.generation.stream import StatsMeter
 
     step = runtime(model).plan.prefill_pass
     cache = make_prompt_cache(model)

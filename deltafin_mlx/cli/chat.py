@@ -6,13 +6,13 @@ import sys
 
 import mlx.core as mx
 
-from deltafin_mlx.chat import ChatSession, session_path
-from deltafin_mlx.chat_context import status as context_status
+from deltafin_mlx.chat.session import ChatSession, session_path
+from deltafin_mlx.chat.context import status as context_status
 from deltafin_mlx.cli.options import load_model, sampling_of
 from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import ContextError
-from deltafin_mlx.generate import PrefillProgress
-from deltafin_mlx.stops import StopMatcher
+from deltafin_mlx.generation.stream import PrefillProgress
+from deltafin_mlx.generation.stops import StopMatcher
 from deltafin_mlx.engine.runtime import runtime
 
 

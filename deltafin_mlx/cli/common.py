@@ -10,7 +10,7 @@ import unicodedata
 
 
 def add_version(p: argparse.ArgumentParser):
-    from deltafin_mlx import __version__
+    from deltafin_mlx._version import __version__
 
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                    help="show the version and exit")

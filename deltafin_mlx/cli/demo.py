@@ -32,7 +32,7 @@ def demo_dir(args) -> Path:
 
 def prepare(root: Path) -> Path:
     """The converted demo model (built on first use, reused afterwards)."""
-    from deltafin_convert.convert import ConvertOptions, convert
+    from deltafin_mlx.convert.convert import ConvertOptions, convert
 
     from deltafin_mlx.format.manifest import MANIFEST_NAME
     from deltafin_mlx.testing.synthetic import make_checkpoint

@@ -121,7 +121,7 @@ def add_sampling_options(p):
 
 def sampling_of(args):
     """The Sampling that add_sampling_options' options describe."""
-    from deltafin_mlx.sampling import Sampling
+    from deltafin_mlx.generation.sampling import Sampling
 
     return Sampling(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                     repetition_penalty=args.repetition_penalty,

@@ -5,7 +5,7 @@ answer cut before the first stop string."""
 
 import sys
 
-from deltafin_mlx.stops import StopMatcher
+from deltafin_mlx.generation.stops import StopMatcher
 
 DIM, PLAIN = "\033[2m", "\033[0m"
 

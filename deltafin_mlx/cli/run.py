@@ -7,7 +7,7 @@ import sys
 from deltafin_mlx.cli.options import load_model, sampling_of
 from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import UsageError
-from deltafin_mlx.stops import StopMatcher
+from deltafin_mlx.generation.stops import StopMatcher
 from deltafin_mlx.engine.runtime import runtime
 
 
@@ -72,7 +72,7 @@ def refuse_without_template(tokenizer, args):
 def make_prompt(tokenizer, text, args):
     """The prompt's tokens: `text` as the user's message (after --system's) in the
     model's chat template, or as it is with --raw."""
-    from deltafin_mlx.generate import chat_prompt
+    from deltafin_mlx.generation.stream import chat_prompt
 
     if args.raw:
         return tokenizer.encode(text)
@@ -86,9 +86,9 @@ def generate_reply(model, tokenizer, prompt, args, echo=True, top=None):
     printed as it comes, as a chat shows it (ReplyPrinter: thinking apart, markup
     never), its answer up to the first stop string; `top`, a list, gets each
     generated position's top `args.top_logprobs` [id, logprob] pairs."""
-    from deltafin_mlx.chat import Channels
-    from deltafin_mlx.generate import PrefillProgress, StatsMeter, stream_generate
-    from deltafin_mlx.score.logprobs import top_logprobs
+    from deltafin_mlx.chat.session import Channels
+    from deltafin_mlx.generation.stream import PrefillProgress, StatsMeter, stream_generate
+    from deltafin_mlx.generation.logprobs import top_logprobs
 
     stop = StopMatcher(args.stop)
     printer = ReplyPrinter(stop, sys.stdout.isatty(), echo=echo)

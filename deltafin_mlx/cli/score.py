@@ -37,8 +37,8 @@ def score_parser():
 
 
 def cmd_score(argv) -> int:
-    from deltafin_mlx.batch_io import check_regular
-    from deltafin_mlx.score.job import ScoreOptions, run_job, summary_line
+    from deltafin_mlx.jobs.results_file import check_regular
+    from deltafin_mlx.jobs.score import ScoreOptions, run_job, summary_line
 
     args = score_parser().parse_args(argv)
     check_regular(args.input, "input")  # before the model loads, not after

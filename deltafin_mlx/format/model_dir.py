@@ -22,6 +22,16 @@ from deltafin_mlx.format.manifest import Manifest, read_manifest
 # The mlx-lm drop-in deltafin-convert writes and names as config.json's "model_file"
 # (mlx_lm_shim.py): mlx-lm executes whatever file that key names, so no other is read.
 SHIM_FILE = "deltafin_model.py"
+# What the converter writes for the drop-in: the file itself, and the empty weights
+# file mlx-lm's loader needs to find (it globs model*.safetensors).
+PLACEHOLDER_WEIGHTS = "model-deltafin-placeholder.safetensors"
+SHIM_SOURCE = '''"""Written by deltafin-convert: lets mlx-lm run this directory through Deltafin."""
+from pathlib import Path
+
+from deltafin_mlx.dropin.shim import make_classes
+
+Model, ModelArgs = make_classes(Path(__file__).parent)
+'''
 
 
 @dataclass

@@ -102,7 +102,7 @@ def bind(host: str, port: int, backlog: int, max_connections: int = 256) -> Delt
 
 def mlx_lm_args(cfg: ServeConfig, plan, sequences: int) -> argparse.Namespace:
     """The options mlx-lm's server classes read, for this plan."""
-    from deltafin_mlx.batch import PREFILL_BATCH
+    from deltafin_mlx.jobs.batch import PREFILL_BATCH
 
     prompts_together = min(sequences, PREFILL_BATCH)
     step = cfg.prefill_step_size or max(1, plan.prefill_pass // prompts_together)

@@ -22,7 +22,7 @@ def main(argv):
     import numpy as np
 
     from deltafin_mlx.engine.load import load
-    from deltafin_mlx.generate import stream_generate
+    from deltafin_mlx.generation.stream import stream_generate
 
     mx.eval(mx.ones(4) + 1)  # the runtime is part of the baseline
     base = status("VmRSS")

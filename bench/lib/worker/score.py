@@ -42,8 +42,8 @@ def decode_rate(model, prompt: np.ndarray, steps: int) -> float:
 
 
 def score_items(data: np.ndarray):
-    from deltafin_mlx.batch_requests import Request
-    from deltafin_mlx.score.inputs import ScoreItem
+    from deltafin_mlx.jobs.batch_lines import Request
+    from deltafin_mlx.jobs.score_lines import ScoreItem
 
     scored = np.arange(data.shape[1]) > 0  # every position but the first
     return [ScoreItem(Request(str(i), i, i), row.tolist(), scored.copy())
@@ -55,7 +55,7 @@ def ab(args) -> int:
     from mlx_lm.perplexity import eval_ppl
 
     from deltafin_mlx.engine.load import load, load_resident
-    from deltafin_mlx.score.job import ScoreOptions, iter_passes
+    from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
 
     reference = load_resident(args.model)
     model, _ = load(args.model, args.budget, tokenizer=False, warm_start=False, context=1024)
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
 
     from deltafin_mlx.engine.load import load
     from deltafin_mlx.engine.runtime import runtime
-    from deltafin_mlx.score.job import ScoreOptions, iter_passes
+    from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
 
     model, _ = load(args.model, args.budget, cache_slots=args.cache_slots, tokenizer=False,
                     warm_start=False, context=1024)

@@ -1,0 +1,714 @@
+"""deltafin-convert: a Hugging Face MoE checkpoint -> a Deltafin model directory.
+
+One decoder layer at a time: its trunk tensors go through mlx-lm's own sanitize,
+cast and quantization (convert/trunk.py) into `trunk/layer-L.safetensors`; its routed
+experts are written one record at a time into `experts/layer-L.bank`
+(convert/experts.py). Every file is written under a temporary name and renamed when
+complete; `deltafin.partial.json` records what is finished, so an interrupted run
+resumes at the first unfinished layer; the manifest is written last.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from tqdm import tqdm
+
+from deltafin_mlx._version import __version__ as deltafin_version
+from deltafin_mlx.format.bank import BankWriter, bank_header_size, record_size_of, slice_sections
+from deltafin_mlx.format.integrity import MANIFEST_MAX_BYTES, file_checksum, format_checksum
+from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
+from deltafin_mlx.format.model_dir import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE, open_model_dir
+
+from deltafin_mlx.format.record import PROJECTIONS, expert_sections
+from deltafin_mlx.model.build import build_model, source_dtype
+from deltafin_mlx.model.config import ARCHITECTURES, LAYER_RE, experts_per_token
+from deltafin_mlx.model.quantization import check_quantization, expert_quantization
+
+from .experts import expert_locations, expert_record, group_experts, linkable
+from .linked import LinkWriter, linked_manifest_entry
+from .scratch import SCRATCH_NAME, check_scratch_limit, disk_in_use, open_hub_scratch, plan_scratch
+from .source import ConvertError, Source, free_bytes, open_source, read_source, tokenizer_files
+from deltafin_mlx.errors import DeltafinError
+from deltafin_mlx.format.hub import looks_like_hub_id
+from deltafin_mlx.units import human_bytes
+from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
+
+from .trunk import convert_unit, release
+
+SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "vision_model.", "multi_modal_projector.")
+
+
+@dataclass
+class ConvertOptions:
+    bits: Optional[int] = 4  # trunk; None keeps the trunk unquantized
+    group_size: int = 64
+    expert_bits: int = 4  # for bf16/fp16 experts; K3's MXFP4 experts are kept
+    expert_group_size: int = 64
+    ranks: int = 1  # rank slices per expert record (tensor parallel, see FORMAT.md)
+    link_experts: bool = False  # record where experts lie in SRC instead of copying them
+    force: bool = False
+    progress: bool = True
+    revision: Optional[str] = None  # of a hub id (the source fingerprint covers its content)
+    scratch: bool = False  # a hub id converted shard by shard (convert/scratch.py)
+    scratch_limit: Optional[int] = None  # bytes of shards on disk at once; None: what is free
+
+    def check(self):
+        check_quantization(self.bits, self.group_size, self.expert_bits, self.expert_group_size)
+        if not 1 <= self.ranks <= 1024:
+            raise ConvertError(f"--ranks must be between 1 and 1024 (got {self.ranks})")
+        if self.scratch and self.link_experts:
+            raise ConvertError("--link-experts with a hub id keeps the whole snapshot in the hub "
+                               "cache and links into it: it does not take --scratch-limit")
+        if self.link_experts and self.ranks > 1:
+            raise ConvertError("--link-experts reads each expert whole from the source: it "
+                               "does not take --ranks")
+
+    def recorded(self) -> dict:
+        # What changes the output (resume and rerun compare it), not how it is fetched.
+        how = ("force", "progress", "revision", "scratch", "scratch_limit")
+        return {k: v for k, v in asdict(self).items() if k not in how}
+
+
+def _write_atomic_json(path: Path, obj):
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_safetensors(path: Path, arrays: dict):
+    tmp = path.with_name(path.name + ".tmp.safetensors")
+    try:
+        mx.save_safetensors(str(tmp), arrays)
+    except RuntimeError as e:  # MLX reports a failed write (e.g. a full disk) this way
+        tmp.unlink(missing_ok=True)
+        raise ConvertError(
+            f"writing {path} failed ({e}); is the disk full? Free space and rerun to resume"
+        ) from None
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _tensor_info(name, a, rel, quantized):
+    module = name.rsplit(".", 1)[0]
+    return {
+        "file": rel,
+        "dtype": str(a.dtype).split(".")[-1],
+        "shape": list(a.shape),
+        "quantization": quantized.get(module),
+    }
+
+
+def check_out_apart(src: Path, out: Path):
+    """OUT must not be SRC, nor hold it: converting writes config.json and removes
+    OUT's trunk/ and experts/ (with --force), which would destroy the source. No
+    option overrides this. OUT inside SRC is allowed: nothing of SRC is touched."""
+    s, o = os.path.realpath(src), os.path.realpath(out)
+    if s == o:
+        raise ConvertError(f"{out}: is the source directory; choose another output directory")
+    if os.path.commonpath([s, o]) == o:
+        raise ConvertError(f"{out}: holds the source directory {src}; choose an output "
+                           "directory outside it")
+
+
+def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
+    """Check OUT (creating nothing), and return the state of the conversion to run:
+    fresh, or the finished units of an interrupted run of the same conversion."""
+    fresh = {"fingerprint": source.fingerprint, "options": options.recorded(), "done": {}}
+    if not out.exists():
+        return fresh
+    if not out.is_dir():
+        raise ConvertError(f"{out}: exists and is not a directory")
+    partial = out / PARTIAL_NAME
+    manifest = out / MANIFEST_NAME
+    state = None
+    if partial.is_file() and partial.stat().st_size <= MANIFEST_MAX_BYTES:
+        try:
+            state = json.loads(partial.read_text())
+            state["done"]
+        except (OSError, ValueError, KeyError, TypeError):
+            state = None
+    same = (
+        state is not None
+        and state.get("fingerprint") == source.fingerprint
+        and state.get("options") == options.recorded()
+    )
+    if not (partial.is_file() or _deltafin_manifest(manifest) or _only_our_leftovers(out)):
+        # No option overrides this: --force replaces a Deltafin output, never the
+        # user's files (a directory that merely has trunk/ or config.json in it).
+        raise ConvertError(f"{out}: exists, is not empty and holds no Deltafin model or "
+                           "conversion; nothing was changed: choose a new or empty directory")
+    if options.force:
+        for name in ("trunk", "experts"):
+            shutil.rmtree(out / name, ignore_errors=True)
+        for name in (MANIFEST_NAME, PARTIAL_NAME, "config.json"):
+            (out / name).unlink(missing_ok=True)
+        return fresh
+    if manifest.exists() and state is None and finished_conversion(out, source, options):
+        return {**fresh, "finished": True}
+    if manifest.exists() and not same:
+        raise ConvertError(
+            f"{out}: already holds a converted model of another source or with other options "
+            "(use --force to overwrite)"
+        )
+    if same:
+        return state  # (with a manifest: stopped just before its last step, rerun it)
+    if state is not None:
+        raise ConvertError(
+            f"{out}: holds an unfinished conversion of another source or with other "
+            "options (use --force to start over)"
+        )
+    return fresh
+
+
+def _deltafin_manifest(path: Path) -> bool:
+    """`path` is a manifest Deltafin wrote (of any version): a small JSON object
+    whose "format" is "deltafin", read only within a size bound."""
+    try:
+        if not path.is_file() or path.stat().st_size > MANIFEST_MAX_BYTES:
+            return False
+        d = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(d, dict) and d.get("format") == "deltafin"
+
+
+def finished_conversion(out: Path, source: Source, options: ConvertOptions) -> bool:
+    """OUT holds a finished conversion of this very source with these options."""
+    try:
+        recorded = json.loads((out / MANIFEST_NAME).read_text()).get("source", {})
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (recorded.get("fingerprint") == source.fingerprint
+            and recorded.get("options") == options.recorded())
+
+
+def _only_our_leftovers(out: Path) -> bool:
+    """Empty, or what a run stopped before its first state file can leave behind."""
+    for p in out.iterdir():
+        if p.name in ("trunk", "experts") and p.is_dir():
+            if any(not q.name.endswith((".tmp", ".tmp.safetensors")) for q in p.iterdir()):
+                return False
+        elif not p.name.endswith(".tmp") and p.name != SCRATCH_NAME:
+            return False
+    return True
+
+
+def tokenizer_kind(tok_files) -> str:
+    return "kimi_tiktoken" if "tiktoken.model" in tok_files else "huggingface"
+
+
+def check_source_tokenizer(path: Path, tok_files, config: dict):
+    """Read the source's tokenizer as `deltafin-run` will (validated, every byte
+    encodable, no id beyond the embedding table): a tokenizer the model could not
+    run with is refused before hours of converting, not after. A source without
+    tokenizer files converts (the model is usable without one, `tokenizer=False`)."""
+    if not tok_files:
+        return
+    import tempfile
+
+    from deltafin_mlx.tokenizer.read import read_tokenizer
+    from deltafin_mlx.errors import ModelError
+
+    # Read from a copy: a hub cache's files are links into its blobs, which the
+    # model directory's reader rightly refuses (tokenizer_files checked them).
+    with tempfile.TemporaryDirectory(prefix="deltafin-tokenizer-") as copy:
+        for name in tok_files:
+            shutil.copyfile(path / name, Path(copy) / name)
+        try:
+            read_tokenizer(Path(copy), tokenizer_kind(tok_files), config)
+        except ModelError as e:
+            raise ConvertError(f"the source's tokenizer: {str(e).replace(copy, str(path))}"
+                               ) from None
+
+
+def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest:
+    options = options or ConvertOptions()
+    out = Path(out).expanduser()
+    existed = out.exists(), (out / SCRATCH_NAME).exists()
+    try:
+        return _convert(src, out, options)
+    except DeltafinError:
+        # Refused before the conversion started: a scratch this run made goes, and
+        # an OUT it made and left empty, so OUT is as it was.
+        if options.scratch and not existed[1] and not (out / PARTIAL_NAME).exists():
+            shutil.rmtree(out / SCRATCH_NAME, ignore_errors=True)
+            if not existed[0] and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+        raise
+
+
+def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
+    options.check()
+    hub = None
+    if options.scratch:
+        if Path(src).expanduser().exists() or not looks_like_hub_id(src):
+            raise ConvertError(f"--scratch-limit: {src} is not a hub id (a local source is "
+                               "read where it is, with no scratch)")
+        if out.exists() and not out.is_dir():
+            raise ConvertError(f"{out}: exists and is not a directory")
+        hub = open_hub_scratch(src, options.revision, out, options.progress)
+        source = read_source(src, hub.dir, Path(os.path.realpath(hub.dir)), remote=hub)
+    else:
+        source = open_source(src, options.revision, options.progress)
+        check_out_apart(source.path, out)
+    tok_files = tokenizer_files(source.path, source.root)  # regular files inside SRC
+    config = dict(source.config)
+    check_source_tokenizer(source.path, tok_files, config)  # before any work
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ConvertError(
+            f"unsupported architecture {model_type!r}; supported: "
+            + ", ".join(f"{v} ({k})" for k, v in ARCHITECTURES.items())
+        )
+    expert_quant = expert_quantization(config, options.expert_bits, options.expert_group_size)
+    if options.link_experts and not linkable(expert_quant):
+        raise ConvertError(
+            f"--link-experts: the experts of {src} are {expert_quant['mode']} after "
+            "quantizing them, not the source's bytes; only experts carried over byte for byte "
+            "(Kimi K3's MXFP4 ones) can be linked (convert without --link-experts)")
+    trunk_quant = (
+        {"group_size": options.group_size, "bits": options.bits, "mode": "affine"}
+        if options.bits is not None
+        else None
+    )
+    dtype = source_dtype(config)
+    model = build_model(config)
+    paths = layer_paths(model)
+    num_layers = len(paths)
+
+    # Sort the source tensors into units: one per decoder layer, then the globals.
+    skipped = [n for n in source.tensors if n.startswith(SKIPPED_PREFIXES)]
+    units = {i: [] for i in range(num_layers)}
+    units["globals"] = []
+    dropped = []
+    for name in source.tensors:
+        if name.startswith(SKIPPED_PREFIXES):
+            continue
+        m = LAYER_RE.search(name)
+        if m is None:
+            units["globals"].append(name)
+        elif int(m.group(1)) < num_layers:
+            units[int(m.group(1))].append(name)
+        else:
+            dropped.append(name)  # e.g. multi-token-prediction layers mlx-lm drops
+    experts = group_experts(source.tensors)
+
+    # The record layout, from mlx-lm's own SwitchGLU shapes.
+    moe_layers = {}
+    for i, path in enumerate(paths):
+        sp = switch_path(get_module(model, path))
+        if sp is not None:
+            moe_layers[i] = f"{path}.{sp}"
+    if not moe_layers:
+        raise ConvertError(f"{model_type}: this configuration has no MoE layers")
+    first_switch = get_module(model, next(iter(moe_layers.values())))
+    num_experts = first_switch.gate_proj.weight.shape[0]
+    shapes = {p: tuple(getattr(first_switch, p).weight.shape[1:]) for p in PROJECTIONS}
+    for p, (o, i) in shapes.items():
+        if i % expert_quant["group_size"]:
+            raise ConvertError(
+                f"expert {p} input size {i} is not a multiple of the expert group size "
+                f"{expert_quant['group_size']} (choose another --expert-group-size)"
+            )
+    scales_dtype = str(dtype or mx.bfloat16).split(".")[-1]
+    sections = expert_sections(shapes, expert_quant, scales_dtype)
+    slices = options.ranks
+    if slices > 1:
+        # Each rank's slice of the intermediate dimension is whole quantization
+        # groups of down_proj's input (mlx-lm's sharded-to-all split).
+        hidden = shapes["gate_proj"][0]
+        if hidden % (slices * expert_quant["group_size"]):
+            raise ConvertError(
+                f"--ranks {slices}: the experts' intermediate size {hidden} does not split "
+                f"into {slices} slices of whole quantization groups of "
+                f"{expert_quant['group_size']}"
+            )
+        sections = slice_sections(sections, slices)
+    record_size = record_size_of(sections) * slices
+    for layer in moe_layers:
+        found = experts.get(layer, {})
+        if len(found) != num_experts or set(found) != set(range(num_experts)):
+            raise ConvertError(
+                f"layer {layer}: source has {len(found)} routed experts, config says {num_experts}"
+            )
+
+    state = prepare_output(out, source, options)
+    if state.get("finished"):
+        if hub is not None:
+            hub.remove()
+        # Opened as every command opens it: an edited config.json is not "this conversion".
+        return open_model_dir(out).manifest
+
+    # Disk, checked before anything is written: banks are exact; the trunk needs
+    # at most its source size.
+    trunk_src = {
+        u: sum(source.nbytes(n) for n in names if n not in _expert_names(experts, u))
+        for u, names in units.items()
+    }
+    bank_bytes = {
+        layer: (LinkWriter.size(num_experts, sections) if options.link_experts else
+                bank_header_size(layer, num_experts, sections, slices)
+                + num_experts * record_size)
+        for layer in moe_layers
+    }
+    needed = sum(
+        trunk_src[u] + bank_bytes.get(u, 0) for u in units if str(u) not in state["done"]
+    )
+    free = free_bytes(_existing_parent(out))
+    scratch_plan = None
+    if hub is not None:
+        order = [u for u in list(range(num_layers)) + ["globals"] if str(u) not in state["done"]]
+        needs = {u: {source.tensors[n].shard for n in units[u]} for u in order}
+        scratch_plan = plan_scratch(order, needs, hub.shard_sizes)
+        held = sum(hub.shard_sizes[s] for s in hub.shards if hub.present(s))
+        check_scratch_limit(scratch_plan, options.scratch_limit, free + held, needed,
+                            hub.small_bytes)
+        for s in hub.shards:  # what a killed run left that no unit left to do reads
+            if s not in scratch_plan.last_use:
+                hub.release(s)
+    elif needed > free:
+        raise ConvertError(
+            f"not enough free disk space in {out}: the conversion needs up to {needed} bytes "
+            f"({needed / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomic_json(out / PARTIAL_NAME, state)
+    (out / "trunk").mkdir(exist_ok=True)
+    (out / "experts").mkdir(exist_ok=True)
+
+    notes = []
+    if skipped:
+        notes.append(f"skipping {len(skipped)} vision/projector tensors (text model only)")
+    if dropped:
+        notes.append(f"skipping {len(dropped)} tensors of layers beyond num_hidden_layers")
+    done_layers = sorted(int(k) for k in state["done"] if k != "globals")
+    if state["done"]:
+        todo = [i for i in range(num_layers) if str(i) not in state["done"]]
+        notes.append(
+            f"resuming {out}: {len(done_layers)} of {num_layers} layers already converted, "
+            + (f"picking up at layer {todo[0]} (layers are numbered 0-{num_layers - 1})" if todo
+               else "only the embeddings/head and the manifest are left")
+        )
+    if options.progress:
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr, flush=True)
+
+    bar = ConvertProgress(
+        {u: _unit_source_bytes(source, trunk_src, experts, u) for u in units},
+        state["done"], options.progress)
+    if hub is not None:
+        bar.status = lambda: (f"download {human_bytes(hub.download_rate)}/s "
+                              f"({human_bytes(hub.downloaded)} so far), disk in use "
+                              f"{human_bytes(disk_in_use(out))}")
+        hub.on_download = lambda n: bar.show_status(every=0.5)  # a shard takes minutes
+    try:
+        _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
+                       num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
+                       dtype, state, bar, hub, scratch_plan)
+    except BaseException:
+        bar.close(failed=True)
+        raise
+    bar.close()
+    manifest = _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
+                       num_layers, moe_layers, num_experts, record_size, sections)
+    if hub is not None:
+        hub.remove()
+    return manifest
+
+
+def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
+                   num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
+                   dtype, state, bar, hub=None, scratch_plan=None):
+    _write_atomic_json(out / PARTIAL_NAME, state)
+
+    partial_path = out / PARTIAL_NAME
+    order = list(range(num_layers)) + ["globals"]
+    for unit in order:
+        key = str(unit)
+        needed = {source.tensors[n].shard for n in units[unit]}
+        if hub is not None and key in state["done"] and not all(map(hub.present, needed)):
+            # Its shards were deleted once it was durably written: its files are
+            # checked, its source is the pinned commit's (sha256-checked) bytes.
+            fingerprint = state["done"][key].get("source_fingerprint")
+        else:
+            if hub is not None:
+                hub.ensure(needed)
+                bar.show_status()
+            verified = state.setdefault("verified_blobs", {})
+            for shard in sorted(needed):
+                if shard in source.blob_sha256 and verified.get(shard) != source.blob_sha256[shard]:
+                    source.check_blob(shard)  # hub downloads are not checked by the hub client
+                    verified[shard] = source.blob_sha256[shard]
+                    _write_atomic_json(partial_path, state)
+            fingerprint = source.content_fingerprint(units[unit])
+        if key in state["done"]:
+            stale = _stale_unit(out, state["done"][key], fingerprint)
+            if stale is None:
+                if unit != "globals":
+                    release(get_module(model, paths[unit]))
+                continue
+            bar.redo(unit, f"note: redoing {'layer ' + key if unit != 'globals' else 'the globals'}: "
+                     f"{stale}")
+            del state["done"][key]
+            _write_atomic_json(partial_path, state)
+        bar.start_unit(unit)
+        result = {"files": {}, "tensors": {}, "quantized": {}}
+
+        # Trunk.
+        expert_names = _expert_names(experts, unit)
+        raw = {n: source.load(n) for n in units[unit] if n not in expert_names}
+        weights = model.sanitize(raw)
+        if unit == "globals":
+            prefix, module = "", model
+            rel = "trunk/globals.safetensors"
+
+            def skip(p):
+                return LAYER_RE.search(p + ".") is not None
+
+        else:
+            prefix, module = paths[unit], get_module(model, paths[unit])
+            rel = f"trunk/layer-{unit:05d}.safetensors"
+            switch = moe_layers.get(unit)
+
+            def skip(p):
+                return switch is not None and (p == switch or p.startswith(switch + "."))
+
+        params, quantized = convert_unit(model, prefix, module, weights, skip, trunk_quant, dtype)
+        _save_safetensors(out / rel, params)
+        result["files"][rel] = (out / rel).stat().st_size
+        result["checksums"] = {rel: format_checksum(file_checksum(out / rel))}
+        result["source_fingerprint"] = fingerprint
+        result["tensors"] = {k: _tensor_info(k, v, rel, quantized) for k, v in params.items()}
+        result["quantized"] = quantized
+        del params, weights, raw
+        bar.update(trunk_src[unit])
+
+        # Experts.
+        if unit in moe_layers and state["options"].get("link_experts"):
+            rel = f"experts/layer-{unit:05d}.links"
+            writer = LinkWriter(source, unit, num_experts, sections)
+            for e in range(num_experts):
+                names = experts[unit][e]
+                rec = expert_record(source, names, unit, e, shapes, expert_quant, dtype)
+                writer.add(e, rec, expert_locations(source, names))
+                bar.update(sum(source.nbytes(n) for n in names.values()))
+            writer.write(out / rel)
+            result["files"][rel] = (out / rel).stat().st_size
+            result["checksums"][rel] = format_checksum(file_checksum(out / rel))
+            result["bank"] = {"links": rel, "switch_path": moe_layers[unit]}
+            result["linked_files"] = writer.files
+        elif unit in moe_layers:
+            rel = f"experts/layer-{unit:05d}.bank"
+            tmp = out / (rel + ".tmp")
+            writer = BankWriter(tmp, unit, num_experts, sections, state["options"].get("ranks", 1))
+            try:
+                for e in range(num_experts):
+                    names = experts[unit][e]
+                    rec = expert_record(source, names, unit, e, shapes, expert_quant, dtype)
+                    writer.write_record(rec)
+                    bar.update(sum(source.nbytes(n) for n in names.values()))
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            os.replace(tmp, out / rel)
+            result["files"][rel] = (out / rel).stat().st_size
+            result["checksums"][rel] = format_checksum(file_checksum(out / rel))
+            result["bank"] = {
+                "bank": rel,
+                "switch_path": moe_layers[unit],
+                "header_size": writer.header_size,
+            }
+        if unit != "globals":
+            release(module)
+        state["done"][key] = result
+        _write_atomic_json(partial_path, state)
+        if hub is not None:  # durably recorded: the shards no later unit reads can go
+            at = scratch_plan.order.index(unit)
+            for s in hub.shards:
+                if scratch_plan.last_use.get(s, -1) <= at and hub.present(s):
+                    source.forget(s)
+                    hub.release(s)
+        bar.end_unit(unit)
+
+
+def _unit_source_bytes(source, trunk_src, experts, unit) -> int:
+    """Source bytes a unit reads: its trunk tensors and, for a layer, its experts."""
+    if unit == "globals":
+        return trunk_src[unit]
+    return trunk_src[unit] + sum(
+        source.nbytes(n) for e in experts.get(unit, {}).values() for n in e.values())
+
+
+class ConvertProgress:
+    """The progress bar on stderr: source bytes converted (so MB/s is the real
+    rate, not counting what a resumed run had already done) and layers per second;
+    it ends at 100% because its total is the sum of exactly what is counted."""
+
+    def __init__(self, unit_bytes: dict, done: dict, enabled: bool):
+        self.unit_bytes = unit_bytes
+        self.layers = sum(1 for u in unit_bytes if u != "globals")
+        self.start = time.perf_counter()
+        self.finished = 0
+        self.status = None  # more to show after the rates (the scratch's download, disk)
+        self._shown = 0.0
+        self.bar = tqdm(
+            total=sum(unit_bytes.values()),
+            initial=sum(b for u, b in unit_bytes.items() if str(u) in done),
+            unit="B", unit_scale=True, desc="converting", disable=not enabled,
+            dynamic_ncols=True, leave=True, file=sys.stderr,
+        )
+
+    def update(self, nbytes: int):
+        self.bar.update(nbytes)
+
+    def redo(self, unit, note: str):
+        """A unit counted as done at the start turned out stale: it is converted again."""
+        self.bar.write(note, file=sys.stderr)
+        self.bar.update(-self.unit_bytes[unit])
+
+    def start_unit(self, unit):
+        self.bar.set_description(f"layer {unit} (0-{self.layers - 1})" if unit != "globals"
+                                 else "embeddings/head")
+
+    def end_unit(self, unit):
+        self.finished += unit != "globals"
+        self.show_status()
+
+    def show_status(self, every: float = 0.0):
+        now = time.perf_counter()
+        if every and now - self._shown < every:
+            return
+        self._shown = now
+        rate = self.finished / max(now - self.start, 1e-9)
+        extra = f", {self.status()}" if self.status else ""
+        self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}", refresh=True)
+
+    def close(self, failed: bool = False):
+        if failed:
+            self.bar.leave = False  # the error line follows, alone
+        else:
+            self.bar.set_description("converted")
+        self.bar.close()
+
+
+def _stale_unit(out: Path, done: dict, fingerprint: str):
+    """Why a unit recorded as finished cannot be trusted (None if it can): a file
+    of it missing, resized or changed (checksum), or its source tensors' content
+    changed since it was converted."""
+    checksums = done.get("checksums")
+    if not isinstance(checksums, dict) or done.get("source_fingerprint") is None:
+        return "recorded without checksums"
+    if done["source_fingerprint"] != fingerprint:
+        return "its source tensors changed since it was converted"
+    for rel, size in done.get("files", {}).items():
+        p = out / rel
+        if not p.is_file() or p.is_symlink() or p.stat().st_size != size:
+            return f"{rel} is missing or has another size"
+        if format_checksum(file_checksum(p)) != checksums.get(rel):
+            return f"{rel} was modified (checksum differs)"
+    return None
+
+
+def _existing_parent(p: Path) -> Path:
+    while not p.exists():
+        p = p.parent
+    return p
+
+
+def _expert_names(experts, unit):
+    if unit == "globals":
+        return set()
+    return {n for e in experts.get(unit, {}).values() for n in e.values()}
+
+
+def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
+            num_layers, moe_layers, num_experts, record_size, sections):
+    done = state["done"]
+    files, tensors, quantized, checksums = {}, {}, {}, {}
+    for unit in done.values():
+        files.update(unit["files"])
+        checksums.update(unit["checksums"])
+        tensors.update(unit["tensors"])
+        quantized.update(unit["quantized"])
+
+    # config.json in mlx-lm's form: the default quantization plus one entry per
+    # quantized module, as mlx_lm.convert writes a fine-grained model.
+    default = trunk_quant or {k: expert_quant[k] for k in ("group_size", "bits", "mode")}
+    quantization = dict(default)
+    quantization.update(quantized)
+    for path in moe_layers.values():
+        for p in PROJECTIONS:
+            quantization[f"{path}.{p}"] = {
+                k: expert_quant[k] for k in ("group_size", "bits", "mode")
+            }
+    mlx_config = dict(config)
+    mlx_config["quantization"] = quantization
+    mlx_config["quantization_config"] = quantization
+    # The mlx-lm drop-in (deltafin_mlx/mlx_lm_shim.py): mlx-lm imports this file
+    # with --trust-remote-code; Deltafin itself builds mlx-lm's class from model_type.
+    mlx_config["model_file"] = SHIM_FILE
+    _write_atomic_json(out / "config.json", mlx_config)
+    (out / SHIM_FILE).write_text(SHIM_SOURCE)
+    mx.save_safetensors(str(out / PLACEHOLDER_WEIGHTS), {})
+    for name in (SHIM_FILE, PLACEHOLDER_WEIGHTS):
+        files[name] = (out / name).stat().st_size
+
+    tok_files = tokenizer_files(source.path, source.root)
+    for name in tok_files:
+        shutil.copyfile(source.path / name, out / (name + ".tmp"))
+        os.replace(out / (name + ".tmp"), out / name)
+        files[name] = (out / name).stat().st_size
+    files["config.json"] = (out / "config.json").stat().st_size
+    for name in files:
+        if name not in checksums:
+            checksums[name] = format_checksum(file_checksum(out / name))
+    kind = tokenizer_kind(tok_files)
+
+    manifest = Manifest(
+        path=out,
+        model_type=config["model_type"],
+        dtype=str(dtype).split(".")[-1] if dtype is not None else "float32",
+        num_layers=num_layers,
+        quantization={"trunk": trunk_quant, "experts": expert_quant},
+        trunk_files={
+            **{str(i): f"trunk/layer-{i:05d}.safetensors" for i in range(num_layers)},
+            "globals": "trunk/globals.safetensors",
+        },
+        tensors=tensors,
+        experts={
+            "num_experts": num_experts,
+            "experts_per_token": experts_per_token(config),
+            "record_size": record_size,
+            "sections": [s.to_dict() for s in sections],
+            "layers": {str(u): done[str(u)]["bank"] for u in moe_layers},
+            **({"slices": options.ranks} if options.ranks > 1 else {}),
+            **({"linked": linked_manifest_entry(source, done)} if options.link_experts else {}),
+        },
+        tokenizer={"kind": kind, "files": tok_files},
+        files=files,
+        source={
+            "id": source.id,
+            "fingerprint": source.fingerprint,
+            "converted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "deltafin_version": deltafin_version,
+            "options": options.recorded(),
+            "config_sha256": hashlib.sha256((out / "config.json").read_bytes()).hexdigest(),
+        },
+        checksums=checksums,
+    )
+    manifest.write()
+    (out / PARTIAL_NAME).unlink(missing_ok=True)
+    return manifest

@@ -1,0 +1,144 @@
+"""Deltafin's request checks inside plain `mlx_lm.server --trust-remote-code`
+serving a Deltafin model through the drop-in (mlx_lm_shim.py), as far as they
+can reach there. When mlx-lm imports the drop-in inside mlx_lm.server (as its
+model starts loading), `install_checks` wraps mlx-lm's APIHandler so that every
+request is checked first by
+server/schema.py (token ids in the vocabulary: mlx-lm would index past the
+logits, a segfault; stop strings, top_k, empty prompts, content other than text,
+so no URL is fetched) and its prompt tokens against the planned context (the
+reply cut to what is left); once the model has loaded, `fit_batching` makes
+mlx-lm's batch generator decode no more sequences at once than the plan holds and
+prefill in the plan's passes.
+
+What it cannot do there (mlx-lm's own code runs first or around it): bound a
+body before mlx-lm reads and parses it whole, admit requests with a queue and
+503, keep the generation thread alive after an exception, size the listen
+backlog, bound the prompt cache (mlx-lm's --prompt-cache-bytes; changing it on
+one rank of mlx.launch would desynchronise the ranks), or check anything before
+the first moment of loading: mlx-lm starts listening as its generation thread
+starts loading, and a request in the instant before the drop-in is imported is
+mlx-lm's alone (one arriving later waits for the model, as mlx-lm would).
+`deltafin-run serve` does all of these.
+"""
+
+import json
+import logging
+import sys
+import threading
+import time
+
+from deltafin_mlx import compat
+from deltafin_mlx.errors import RequestError
+from deltafin_mlx.server import schema
+
+log = logging.getLogger("deltafin_mlx.server")
+_lock = threading.Lock()
+LOAD_WAIT_SECONDS = 600  # a request that arrives while the model loads waits this long
+_limits = {}  # id(model) -> RequestLimits
+
+
+def _limits_of(model, tokenizer):
+    from deltafin_mlx.engine.runtime import find_runtime
+    from deltafin_mlx.model.modules import model_vocab
+    from deltafin_mlx.tokenizer.text_bound import max_text_bytes
+
+    with _lock:
+        if id(model) not in _limits:
+            state = find_runtime(model)
+            if state is None:
+                return None
+            inner = getattr(model, "_inner", model)
+            vocab = model_vocab(inner)
+            _limits[id(model)] = schema.RequestLimits(
+                vocab=vocab, context=state.plan.context,
+                max_text_bytes=max_text_bytes(tokenizer, vocab, state.plan.context))
+        return _limits[id(model)]
+
+
+def install_checks():
+    """Wrap mlx_lm.server's APIHandler (once), if mlx_lm.server is running: called
+    when the drop-in is imported, which mlx-lm does as its model starts loading."""
+    server = sys.modules.get("mlx_lm.server")
+    if server is None or getattr(server.APIHandler, "_deltafin_guard", False):
+        return
+    handler = server.APIHandler
+    mlx_lm_validate = handler.validate_model_parameters
+    mlx_lm_handle = handler.handle_completion
+
+    def validate_model_parameters(self):
+        provider = self.response_generator.model_provider
+        deadline = time.monotonic() + LOAD_WAIT_SECONDS
+        while provider.model is None or provider.tokenizer is None:  # mlx-lm queues it too
+            if time.monotonic() > deadline:
+                raise ValueError("the model is still loading; retry later")
+            time.sleep(0.1)
+        limits = _limits_of(provider.model, provider.tokenizer)
+        if limits is not None:
+            try:
+                schema.check_completion(self.body, self.path != "/v1/completions", limits)
+            except RequestError as e:
+                raise ValueError(str(e)) from None
+        mlx_lm_validate(self)
+
+    def handle_completion(self, request, stop_words):
+        provider = self.response_generator.model_provider
+        tokenizer = provider.tokenizer
+        limits = _limits_of(provider.model, tokenizer)
+        if limits is not None:
+            try:
+                n = len(compat.server_prompt_tokens(self.response_generator, tokenizer,
+                                                    request, self))
+            except Exception as e:  # noqa: BLE001 - a template failing on the request
+                n, why = -1, f"cannot build the prompt ({type(e).__name__})"
+            else:
+                why = ("the prompt is empty" if n == 0 else
+                       f"the prompt is {n} tokens; the planned context is {limits.context} "
+                       "tokens (DELTAFIN_CONTEXT=N plans for more)"
+                       if n + 1 > limits.context else None)
+            if why is not None:
+                self._set_completion_headers(400)
+                self.end_headers()
+                self.wfile.write(json.dumps({"error": why}).encode())
+                return
+            self.max_tokens = min(self.max_tokens, limits.context - n)
+        return mlx_lm_handle(self, request, stop_words)
+
+    handler.validate_model_parameters = validate_model_parameters
+    handler.handle_completion = handle_completion
+    handler._deltafin_guard = True
+    log.warning("deltafin: requests to mlx_lm.server are checked as deltafin-run serve checks "
+                "them, but bodies are not bounded before parsing, there is no admission "
+                "queue and an exception still stops mlx-lm's generation thread: use "
+                "`deltafin-run serve` for untrusted clients")
+
+
+def fit_batching(model):
+    """mlx-lm's batch generator within `model`'s plan (once), if mlx_lm.server is
+    running: called when the drop-in's model has loaded, before mlx-lm's
+    generation thread makes its first batch generator."""
+    from deltafin_mlx.engine.runtime import find_runtime
+
+    server = sys.modules.get("mlx_lm.server")
+    state = find_runtime(model)
+    if server is None or state is None or getattr(server.BatchGenerator, "_deltafin", False):
+        return
+    server.BatchGenerator = _batch_generator_within(state.plan, server.BatchGenerator)
+
+
+def _batch_generator_within(plan, make):
+    """mlx-lm's BatchGenerator, decoding and prefilling no more sequences at once
+    than `plan` holds, in the plan's passes. Installed when the model loads, in
+    every rank's generation thread alike (under mlx.launch the ranks must batch
+    identically)."""
+    from deltafin_mlx.jobs.batch import PREFILL_BATCH
+
+    def batch_generator(model, *args, completion_batch_size=32, prefill_batch_size=8,
+                        prefill_step_size=2048, **kwargs):
+        decode = min(completion_batch_size, plan.sequences)
+        prefill = min(prefill_batch_size, decode, PREFILL_BATCH)
+        step = min(prefill_step_size, max(1, plan.prefill_pass // prefill))
+        return make(model, *args, completion_batch_size=decode, prefill_batch_size=prefill,
+                    prefill_step_size=step, **kwargs)
+
+    batch_generator._deltafin = True
+    return batch_generator

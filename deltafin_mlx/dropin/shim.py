@@ -1,0 +1,189 @@
+"""The mlx-lm drop-in: a converted directory loads with `mlx_lm.load`,
+`mlx_lm.generate --model DIR --trust-remote-code` and `mlx_lm.server`.
+
+deltafin-convert writes `deltafin_model.py` into the model directory and names it
+as `model_file` in config.json; mlx-lm imports it (with --trust-remote-code) and
+builds its `Model`, which loads the directory with `deltafin_mlx.load` and holds the
+streaming model as `_inner` (an underscore attribute, so mlx-lm's strict weight
+loading sees no parameters to fill). Importing it also teaches mlx-lm's tokenizer
+loading to use Deltafin's tokenizer for Deltafin directories (K3 ships no
+tokenizer.json, only a tiktoken vocabulary).
+
+Under `mlx.launch` with more than one rank, the model is sharded (tensor parallel,
+see model/shard.py) and its loading waits for mlx-lm's `shard(group)` call (mlx_lm.server's
+`sharded_load` builds the model class twice; only the second one loads).
+
+Environment: DELTAFIN_BUDGET (e.g. "8GB") sets the memory budget (per rank);
+DELTAFIN_CONTEXT (default 4096) the tokens of prompt plus reply planned for;
+DELTAFIN_SEQUENCES (a number or "auto", default 1) the sequences whose KV/recurrent
+state it must hold — mlx_lm.server decodes at most that many together.
+
+From the model's side the drop-in refuses what it can see: token ids outside the
+vocabulary (at the embedding) and a call longer than the planned context. Inside
+mlx_lm.server it also installs Deltafin's request checks (server/mlx_lm_guard.py:
+logit_bias ids, every value's type and range, content other than text, prompts
+beyond the context) and fits mlx-lm's batching to the plan; what
+it cannot do there is listed in that module and in `deltafin-run serve --help`.
+mlx-lm executes the `model_file` config.json names before any Deltafin code
+runs, so a config.json edited to name a file elsewhere is out of Deltafin's
+reach on that path; `deltafin-run verify` and every deltafin-run command refuse
+it (format/model_dir.py: config.json's hash is in the manifest, and its
+`model_file` must be this drop-in, listed in the manifest).
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.nn as nn
+import mlx_lm.utils as mlx_lm_utils
+from mlx_lm.models.base import BaseModelArgs
+
+from deltafin_mlx.format.manifest import MANIFEST_NAME
+
+
+
+def make_classes(path: Path):
+    path = Path(path)
+
+    @dataclass
+    class ModelArgs(BaseModelArgs):
+        model_type: str = "deltafin"
+
+        @classmethod
+        def from_dict(cls, params):
+            return cls(model_type=params.get("model_type", "deltafin"))
+
+    class Model(nn.Module):
+        def __init__(self, args: ModelArgs):
+            super().__init__()
+            from deltafin_mlx.model.shard import detect_group
+
+            self.model_type = args.model_type
+            self.args = args
+            self._loaded = None
+            if detect_group() is None:
+                self._load(None)
+
+        def _load(self, group):
+            self._loaded = load_for_mlx_lm(path, group)
+
+        @property
+        def _inner(self):
+            if self._loaded is None:
+                self._load("auto")
+            return self._loaded
+
+        def shard(self, group=None):
+            """mlx-lm's tensor-parallel entry point (sharded_load, mlx_lm.server)."""
+            from deltafin_mlx.engine.runtime import find_runtime
+
+            if self._loaded is None:
+                self._load(group or "auto")
+            elif getattr(find_runtime(self._loaded), "group", None) is None and group is not None \
+                    and group.size() > 1:
+                raise ValueError("this Deltafin model was loaded whole; shard() must come first")
+
+        def __call__(self, inputs, cache=None, **kwargs):
+            check_call_length(self._inner, inputs)
+            return self._inner(inputs, cache=cache, **kwargs)
+
+        @property
+        def layers(self):
+            return self._inner.layers
+
+        def make_cache(self):
+            from mlx_lm.models.cache import make_prompt_cache
+
+            return make_prompt_cache(self._inner)
+
+        def sanitize(self, weights):
+            return {}
+
+        @property
+        def _deltafin(self):
+            return self._inner._deltafin
+
+    return Model, ModelArgs
+
+
+def check_call_length(model, inputs):
+    """A single call longer than the planned context cannot fit it: refused
+    before any work (mlx-lm hands a prompt over in passes of its prefill step)."""
+    from deltafin_mlx.engine.runtime import find_runtime
+    from deltafin_mlx.errors import ContextError
+
+    state = find_runtime(model)
+    n = inputs.shape[-1] if getattr(inputs, "ndim", 0) else 0
+    if state is not None and n > state.plan.context:
+        raise ContextError(f"{n} tokens in one call; the planned context is "
+                           f"{state.plan.context} tokens (DELTAFIN_CONTEXT=N plans for more)")
+
+
+def load_for_mlx_lm(path: Path, group=None):
+    """The Deltafin model for mlx-lm's loaders. A model or budget that cannot be
+    used is one line on stderr and exit status 1 (SystemExit), not a traceback
+    from inside mlx-lm's CLI."""
+    import sys
+
+    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.errors import BudgetError, ModelError
+
+    seqs = os.environ.get("DELTAFIN_SEQUENCES") or "1"
+    if seqs != "auto" and not (seqs.isdigit() and int(seqs) >= 1):
+        print(f"deltafin: error: DELTAFIN_SEQUENCES={seqs!r:.60}: not a positive number or "
+              "'auto'", file=sys.stderr)
+        raise SystemExit(1)
+    context = os.environ.get("DELTAFIN_CONTEXT") or "4096"
+    if not (context.isascii() and context.isdigit() and 1 <= int(context) <= 1 << 24):
+        print(f"deltafin: error: DELTAFIN_CONTEXT={context!r:.60}: not a number of tokens",
+              file=sys.stderr)
+        raise SystemExit(1)
+    try:
+        model, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
+                        tokenizer=False, group=group, context=int(context),
+                        sequences=seqs if seqs == "auto" else int(seqs))
+    except BudgetError as e:
+        print(f"deltafin: error: DELTAFIN_BUDGET={os.environ.get('DELTAFIN_BUDGET', '')!r:.60}: "
+              f"{e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except ModelError as e:
+        print(f"deltafin: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    from deltafin_mlx.dropin.guard import fit_batching
+
+    fit_batching(model)  # inside mlx_lm.server: batching within the plan
+    return model
+
+
+_mlx_lm_load_tokenizer = mlx_lm_utils.load_tokenizer
+
+
+def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
+    p = Path(model_path)
+    if os.path.lexists(p / MANIFEST_NAME):
+        import sys
+
+        from deltafin_mlx.engine.load import open_tokenizer
+        from deltafin_mlx.errors import ModelError
+
+        try:
+            return open_tokenizer(p)
+        except ModelError as e:
+            print(f"deltafin: error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+    return _mlx_lm_load_tokenizer(model_path, tokenizer_config_extra, eos_token_ids)
+
+
+mlx_lm_utils.load_tokenizer = load_tokenizer
+
+
+def _install_server_checks():
+    # mlx-lm imports this module as its model starts loading: inside mlx_lm.server
+    # Deltafin's request checks are in place before the model is.
+    from deltafin_mlx.dropin.guard import install_checks
+
+    install_checks()
+
+
+_install_server_checks()

@@ -1,0 +1,2 @@
+"""Generation: the token stream, its stats, sampling, stop strings and
+log-probabilities."""

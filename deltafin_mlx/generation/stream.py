@@ -1,0 +1,289 @@
+"""Generation with Deltafin's counters attached: thin wrappers over mlx-lm's own
+`stream_generate`, so sampling, caches and detokenization are mlx-lm's."""
+
+import time
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.sample_utils import make_sampler
+from deltafin_mlx.errors import ContextError
+from deltafin_mlx.units import human_bytes
+from deltafin_mlx.generation.stops import StopMatcher
+from deltafin_mlx.engine.runtime import find_runtime
+
+
+@dataclass
+class RunStats:
+    """What one generation cost: the prompt's prefill and the decode timed apart,
+    and the expert cache's work."""
+
+    prompt_tokens: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    first_token_seconds: float = 0.0  # time to first token: the prefill and one step
+    hits: int = 0
+    misses: int = 0
+    speculative_issued: int = 0
+    speculative_used: int = 0
+    bytes_read: int = 0
+    stall_seconds: float = 0.0
+    # The process's high-water marks when the stats were taken: MLX's allocations
+    # (mx.get_peak_memory) and the resident set (getrusage's ru_maxrss).
+    peak_mlx_bytes: int = 0
+    peak_rss_bytes: int = 0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        t = self.first_token_seconds
+        return self.prompt_tokens / t if t > 0 and self.tokens else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first over the time after the first (the first token
+        comes out of the prefill)."""
+        t = self.seconds - self.first_token_seconds
+        return (self.tokens - 1) / t if self.tokens > 1 and t > 0 else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.decode_tokens_per_second
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+    @property
+    def stall_share(self) -> float:
+        return self.stall_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(prefill_tokens_per_second=self.prefill_tokens_per_second,
+                 decode_tokens_per_second=self.decode_tokens_per_second,
+                 tokens_per_second=self.tokens_per_second, hit_rate=self.hit_rate,
+                 stall_share=self.stall_share)
+        return d
+
+    def line(self) -> str:
+        return (
+            f"{self.tokens} tokens in {self.seconds:.2f} s (decode "
+            f"{self.decode_tokens_per_second:.2f} tok/s); prompt {self.prompt_tokens} tokens, "
+            f"first token after {self.first_token_seconds:.2f} s "
+            f"(prefill {self.prefill_tokens_per_second:.1f} tok/s); "
+            f"experts: {self.hits} hits, {self.misses} misses ({self.hit_rate:.0%} hit rate), "
+            f"{self.bytes_read / 1e6:.1f} MB read, stalled on reads {self.stall_share:.0%} of the time; "
+            f"peak memory {human_bytes(self.peak_mlx_bytes)} MLX, {human_bytes(self.peak_rss_bytes)} RSS"
+        )
+
+
+class StatsMeter:
+    """Counters of a loaded model, measured from the moment it is created;
+    `first_token()` marks the end of the prefill."""
+
+    def __init__(self, model):
+        self.state = find_runtime(model)
+        self.start = time.perf_counter()
+        self.first = None
+        self.base = self._read()
+
+    def first_token(self):
+        if self.first is None:
+            self.first = time.perf_counter()
+
+    def _read(self):
+        if self.state is None:
+            return RunStats()
+        s = self.state.stats
+        return RunStats(hits=s.hits, misses=s.misses, speculative_issued=s.speculative_issued,
+                        speculative_used=s.speculative_used, bytes_read=self.state.store.bytes_read,
+                        stall_seconds=s.stall_seconds)
+
+    def now(self, tokens: int = 0, prompt_tokens: int = 0) -> RunStats:
+        cur, base = self._read(), self.base
+        return RunStats(
+            prompt_tokens=prompt_tokens,
+            tokens=tokens,
+            seconds=time.perf_counter() - self.start,
+            first_token_seconds=(self.first - self.start) if self.first is not None else 0.0,
+            hits=cur.hits - base.hits,
+            misses=cur.misses - base.misses,
+            speculative_issued=cur.speculative_issued - base.speculative_issued,
+            speculative_used=cur.speculative_used - base.speculative_used,
+            bytes_read=cur.bytes_read - base.bytes_read,
+            stall_seconds=cur.stall_seconds - base.stall_seconds,
+            peak_mlx_bytes=mx.get_peak_memory(),
+            peak_rss_bytes=peak_rss(),
+        )
+
+
+def peak_rss() -> int:
+    """The process's resident-set high-water mark in bytes (Linux reports KiB)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def planned_pass(model, default: int = 512) -> int:
+    """Prompt tokens per prefill pass, as the memory plan sized it: mlx-lm hands the
+    model a pass in one call, which goes through each layer whole (its attention in
+    the plan's chunks), so each expert the pass routes to is read once."""
+    state = find_runtime(model)
+    return state.plan.prefill_pass if state is not None else default
+
+
+def fit_context(model, prompt_tokens: int, max_tokens: int, cached: int = 0) -> int:
+    """The tokens that may be generated after a prompt within the planned context
+    (KV/state is reserved for that many tokens): a prompt that does not fit is
+    refused, never a silent overrun; generation stops where the context ends."""
+    state = find_runtime(model)
+    if state is None:
+        return max_tokens
+    context, used = state.plan.context, cached + prompt_tokens
+    if used >= context:
+        raise ContextError(
+            f"the prompt is {used} tokens, beyond the planned context of {context} tokens "
+            f"(use --context N, or load(..., context=N), with N above {used})"
+        )
+    room = context - used
+    return room if max_tokens < 0 else min(max_tokens, room)
+
+
+def cached_tokens(prompt_cache) -> int:
+    """Tokens a prompt cache already holds (its attention layers' offset)."""
+    return max((c.offset for c in prompt_cache or () if hasattr(c, "offset")), default=0)
+
+
+class PrefillProgress:
+    """Prefill progress on a terminal: tokens done, the pass and the layer it is in,
+    tokens/s, ETA (one line, redrawn). mlx-lm reports each finished pass
+    (`__call__`); the engine reports each layer a pass finishes (`layer`)."""
+
+    def __init__(self, stream, min_tokens: int = 256):
+        self.stream = stream
+        self.min_tokens = min_tokens
+        self.start = None
+        self.shown = False
+        self.done = self.total = 0
+        self.pass_tokens = 0  # tokens per pass, when the engine reports layers
+
+    def __call__(self, done: int, total: int):
+        if self.start is None:
+            self.start = time.perf_counter()
+        self.done, self.total = done, total
+        if done >= total:
+            if self.shown:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+            return
+        self._show(done, "")
+
+    def layer(self, finished: int, layers: int):
+        """`finished` of the model's `layers` MoE layers are done with the pass."""
+        if not self.total or self.done >= self.total:
+            return
+        passing = min(self.pass_tokens, self.total - 1 - self.done) or 1
+        passes = -(-(self.total - 1) // max(self.pass_tokens, 1))
+        this = self.done // max(self.pass_tokens, 1) + 1
+        self._show(self.done + passing * finished / layers,
+                   f" (pass {this}/{passes}, layer {finished}/{layers})")
+
+    def _show(self, done: float, where: str):
+        if self.total < self.min_tokens:
+            return
+        now = time.perf_counter()
+        rate = done / (now - self.start) if done and now > self.start else 0.0
+        eta = f", ETA {(self.total - done) / rate:.0f} s" if rate else ""
+        self.stream.write(f"\r[prefill] {int(done)}/{self.total} tokens{where}, "
+                          f"{rate:.1f} tok/s{eta}\033[K")
+        self.stream.flush()
+        self.shown = True
+
+
+def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True,
+                thinking_effort: Optional[str] = None, add_generation_prompt: bool = True):
+    """Token ids for a conversation, with the model's own prompt format when it
+    has one (K3's XTML, a Jinja chat template), else the last message as text.
+    `thinking_effort` is K3's (None: the model's default)."""
+    if getattr(tokenizer, "has_chat_template", False):
+        extra = {} if thinking_effort is None else {"thinking_effort": thinking_effort}
+        return list(tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            thinking=thinking, enable_thinking=thinking, **extra))
+    return tokenizer.encode(messages[-1]["content"]) if messages else []
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token lists share (two renderings of a
+    conversation, a cache's tokens against a new prompt)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
+                    *, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                    seed: Optional[int] = None, **kwargs):
+    """mlx-lm's stream_generate; every response carries `.deltafin` (RunStats so far).
+    The prompt is prefilled in the plan's passes (`prefill_step_size`), so its
+    activations stay within the memory budget."""
+    if seed is not None:
+        mx.random.seed(seed)
+    sampler = kwargs.pop("sampler", None) or make_sampler(temp, top_p=top_p, top_k=top_k)
+    kwargs.setdefault("prefill_step_size", planned_pass(model))
+    if isinstance(prompt, str):  # as mlx-lm encodes it
+        bos = getattr(tokenizer, "bos_token", None)
+        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    max_tokens = fit_context(model, len(prompt), max_tokens,
+                             cached_tokens(kwargs.get("prompt_cache")))
+    meter = StatsMeter(model)
+    progress, state = kwargs.get("prompt_progress_callback"), find_runtime(model)
+    layers = getattr(progress, "layer", None) if state is not None else None
+    if layers is not None:  # a long prefill shows the layer each pass is at
+        progress.pass_tokens = kwargs["prefill_step_size"]
+        state.store.on_pass_layer = layers
+    try:
+        for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                        sampler=sampler, **kwargs):
+            meter.first_token()
+            r.deltafin = meter.now(r.generation_tokens, r.prompt_tokens)
+            yield r
+    finally:
+        if layers is not None:
+            state.store.on_pass_layer = None
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: List[int]
+    stats: RunStats
+    finish_reason: Optional[str] = None
+
+    def __str__(self):
+        return self.text
+
+
+def generate(model, tokenizer, prompt, max_tokens: int = 256, *,
+             stop: Sequence[str] = (), **kwargs) -> Completion:
+    """Generate to completion: the text, its tokens and what it cost. The text ends
+    before the earliest of the `stop` strings (finish_reason "stop")."""
+    stops = StopMatcher(stop)
+    tokens, last, reason = [], None, None
+    for r in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
+        stops.add(r.text)
+        tokens.append(r.token)
+        last, reason = r, r.finish_reason
+        if stops.stopped:
+            reason = "stop"
+            break
+    stops.flush()
+    stats = last.deltafin if last is not None else RunStats()
+    return Completion(stops.text, tokens, stats, reason)

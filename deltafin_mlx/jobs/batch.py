@@ -1,0 +1,474 @@
+"""Offline batch jobs: many prompts decoded together, resumable after any kill.
+
+    deltafin-run batch MODEL IN.jsonl -o OUT.jsonl [--batch-size B] [-n N] ...
+
+The input's lines (Deltafin's own format or OpenAI's Batch format) are read by
+`batch_requests.py`, the output is appended to and scanned by `batch_io.py`.
+Sequences are decoded together by mlx-lm's `BatchGenerator` (continuous batching:
+a finished sequence's place goes to the next prompt), so at each step every MoE
+layer reads the union of the experts its sequences route to, once.
+
+A request that cannot run becomes an error line, whether it fails when it is read,
+when it is tokenized and rendered, or inside the decode loop: a step that fails
+retires its sequences and reruns each of them alone, so only the request that
+fails alone gets the error line and every other one its answer.
+"""
+
+import dataclasses
+import json
+import secrets
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from deltafin_mlx.jobs.results_file import Results, open_input, read_lines, result_key
+from deltafin_mlx.jobs.batch_lines import Request, read_requests
+from deltafin_mlx.errors import DeltafinError
+from deltafin_mlx.engine.runtime import find_runtime
+from deltafin_mlx.generation.stream import StatsMeter, chat_prompt, planned_pass
+from deltafin_mlx.model.modules import model_vocab
+from deltafin_mlx.generation.logprobs import top_logprobs
+from deltafin_mlx.generation.stops import StopMatcher
+from deltafin_mlx.tokenizer.text_bound import max_text_bytes, text_bytes
+
+PREFILL_BATCH = 8  # prompts prefilled together (mlx-lm's default)
+
+
+@dataclass
+class BatchOptions:
+    """Defaults for every request (a line's own keys override the sampling ones)."""
+
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Sequence[str] = ()
+    raw: bool = False  # prompts as they are, no chat template
+    thinking: bool = True  # K3's prompt format: thinking on
+    batch_size: int = 8  # sequences decoded together
+    context: int = 4096  # longest prompt + max_tokens a request may have
+    logprobs: bool = False  # each generated token's log-probability in the output
+    top_logprobs: int = 0  # the K likeliest tokens at each generated position (0: none)
+    prefill_step_size: Optional[int] = None  # tokens per sequence per prefill call; None: the plan's pass
+    # mlx-lm's logits processors for every request: the penalties of sampling.Sampling
+    logits_processors: Optional[list] = None
+
+
+class KeyedSampler:
+    """mlx-lm's sampling chain with a key of its own: a request's samples depend on
+    its seed alone, not on what else is in the batch or how often the job was
+    resumed. The key is split the way `mx.random.seed` + mlx-lm's sampler split the
+    global one, so a request samples what `deltafin-run --seed S` samples from the
+    same logits."""
+
+    def __init__(self, seed: int, temp: float, top_p: float, top_k: int, min_p: float):
+        self.key = mx.random.key(seed)
+        self.seed, self.temp, self.top_p, self.top_k, self.min_p = seed, temp, top_p, top_k, min_p
+
+    def restarted(self) -> "KeyedSampler":
+        """The sampler as it was before its first sample."""
+        return KeyedSampler(self.seed, self.temp, self.top_p, self.top_k, self.min_p)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, self.min_p, 1)
+        if 0 < self.top_k < logprobs.shape[-1]:  # a k beyond the vocabulary keeps all
+            logprobs = apply_top_k(logprobs, self.top_k)
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1.0 / self.temp), key=sub)
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+@dataclass
+class Prepared:
+    request: Request
+    prompt: List[int]
+    max_tokens: int
+    stop: List[str]
+    sampler: object
+    seed: Optional[int]
+
+    def restarted(self) -> "Prepared":
+        """This request from its start again (a sampler keyed by its seed restarts)."""
+        sampler = self.sampler.restarted() if isinstance(self.sampler, KeyedSampler) else self.sampler
+        return dataclasses.replace(self, sampler=sampler)
+
+
+def prepare(req: Request, tokenizer, opts: BatchOptions, max_text: Optional[int] = None
+            ) -> Prepared:
+    """Tokens and sampling of one request; ValueError says why it cannot run.
+    `max_text`: UTF-8 bytes of prompt text that cannot fit the context
+    (tokenizer/text_bound.py), checked before anything is tokenized."""
+    spec = req.spec  # canonical (batch_requests.py)
+    if max_text is not None:
+        size = text_bytes(spec.get("prompt", spec.get("messages")))
+        if size > max_text:
+            raise ValueError(f"too long: {size:,} bytes of prompt text cannot fit the context "
+                             f"of {opts.context} tokens (--context)")
+    if "prompt" in spec:
+        if not isinstance(spec["prompt"], str):
+            raise ValueError('"prompt" must be a string')
+        if opts.raw:
+            prompt = tokenizer.encode(spec["prompt"])
+        else:
+            prompt = chat_prompt(tokenizer, [{"role": "user", "content": spec["prompt"]}],
+                                 thinking=opts.thinking)
+    else:
+        if opts.raw:
+            raise ValueError('"messages" need the chat template; --raw takes "prompt" only')
+        msgs = [{**m, "content": m.get("content") or ""} for m in spec["messages"]]
+        prompt = chat_prompt(tokenizer, msgs, thinking=opts.thinking)
+    prompt = list(prompt)
+    if not prompt:
+        raise ValueError("the prompt is empty")
+
+    def number(name, kind, default, ok):
+        v = spec.get(name, default)
+        if isinstance(v, bool) or not isinstance(v, kind) or not ok(v):
+            raise ValueError(f'"{name}" is out of range or of the wrong type ({v!r})')
+        return v
+
+    max_tokens = number("max_tokens", int, opts.max_tokens, lambda v: v > 0)
+    temp = number("temp", (int, float), opts.temp, lambda v: 0 <= v < float("inf"))
+    top_p = number("top_p", (int, float), opts.top_p, lambda v: 0 <= v <= 1)
+    top_k = number("top_k", int, opts.top_k, lambda v: v >= 0)
+    min_p = number("min_p", (int, float), opts.min_p, lambda v: 0 <= v <= 1)
+    seed = spec.get("seed", opts.seed)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed < 2**63):
+        raise ValueError(f'"seed" must be a non-negative integer ({seed!r})')
+    stop = spec.get("stop", list(opts.stop))
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ValueError('"stop" must be a string or a list of strings')
+    if len(prompt) + max_tokens > opts.context:
+        raise ValueError(f"too long: {len(prompt)} prompt tokens + max_tokens {max_tokens} "
+                         f"exceed the context of {opts.context} tokens (--context)")
+    sampler = greedy
+    if temp > 0:
+        seed = secrets.randbits(32) if seed is None else seed  # recorded in the output
+        sampler = KeyedSampler(seed, temp, top_p, top_k, min_p)
+    else:
+        seed = None
+    return Prepared(req, prompt, max_tokens, stop, sampler, seed)
+
+
+class Running:
+    """One request in the generator: its tokens, text so far and counters."""
+
+    def __init__(self, p: Prepared, tokenizer):
+        self.p = p
+        self.tokens: List[int] = []
+        self.logprobs: List[float] = []
+        self.top: List[list] = []  # per generated token, its position's top K
+        self.detok = tokenizer.detokenizer
+        self.stops = StopMatcher(p.stop)
+        self.start = time.perf_counter()
+        self.steps = 0
+        self.batch_sum = 0
+        self.bytes_read = 0.0
+
+    def add_token(self, token: int):
+        self.tokens.append(token)
+        self.detok.add_token(token)
+        self.stops.add(self.detok.last_segment)
+
+    def result(self, reason: str) -> dict:
+        self.detok.finalize()  # the text held back for more tokens is checked too
+        self.stops.add(self.detok.last_segment)
+        self.stops.flush()
+        if self.stops.stopped:
+            reason = "stop"
+        text = self.stops.text
+        seconds = time.perf_counter() - self.start
+        out = {"id": self.p.request.id, "text": text, "tokens": self.tokens,
+               "finish_reason": reason}
+        if self.p.request.custom_id:
+            out["custom_id"] = self.p.request.id
+        if self.p.seed is not None:
+            out["seed"] = self.p.seed
+        if self.logprobs:
+            out["logprobs"] = self.logprobs
+        if self.top:
+            out["top_logprobs"] = self.top
+        out["stats"] = {
+            "prompt_tokens": len(self.p.prompt),
+            "generation_tokens": len(self.tokens),
+            "seconds": seconds,
+            "tokens_per_second": len(self.tokens) / seconds if seconds > 0 else 0.0,
+            "mean_batch": self.batch_sum / self.steps if self.steps else 0.0,
+            "expert_bytes_read": int(self.bytes_read),  # its share of each step's reads
+        }
+        return out
+
+
+def error_line(req: Request, message: str) -> dict:
+    out = {"id": req.id, "line": req.line, "error": message}
+    if req.custom_id:
+        out["custom_id"] = req.id
+    return out
+
+
+def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions,
+               progress=None) -> Iterator[dict]:
+    """Results (dicts) as requests finish, errors included, in finishing order."""
+    todo = deque()
+    max_text = max_text_bytes(tokenizer, model_vocab(model), opts.context)
+    for req in requests:
+        if req.error:
+            yield error_line(req, req.error)
+            continue
+        try:
+            todo.append(prepare(req, tokenizer, opts, max_text))
+        except DeltafinError as e:  # the template's own limits, a token id, ...
+            yield error_line(req, f"line {req.line}: {e}")
+        except Exception as e:  # whatever the tokenizer or template make of it
+            yield error_line(req, f"line {req.line}: {_failure(e)}")
+    if not todo:
+        return
+    B = max(1, int(opts.batch_size))
+    eos = set(tokenizer.eos_token_ids)
+    alone = deque()  # the sequences of a failed step, rerun one at a time
+    running = {}
+    gen = _generator(model, tokenizer, B, opts)
+    try:
+        while todo or alone or running:
+            try:
+                # Keep the generator's queue just full enough: caches are made on insert.
+                if alone and not running:
+                    p = alone.popleft()
+                    running[_insert(gen, p, opts)] = Running(p, tokenizer)
+                while not alone and todo and len(running) < B + min(B, PREFILL_BATCH):
+                    p = todo.popleft()
+                    running[_insert(gen, p, opts)] = Running(p, tokenizer)
+                meter = StatsMeter(model)
+                prompt_rs, gen_rs = gen.next()
+                involved = {r.uid for r in prompt_rs} | {r.uid for r in gen_rs}
+                share = meter.now().bytes_read / len(involved) if involved else 0
+                for uid in involved:
+                    running[uid].bytes_read += share
+                finished = []
+                for r in gen_rs:
+                    run = running[r.uid]
+                    run.steps += 1
+                    run.batch_sum += len(gen_rs)
+                    reason = r.finish_reason
+                    if not (reason == "stop" and r.token in eos):
+                        run.add_token(r.token)
+                        if opts.logprobs:
+                            run.logprobs.append(r.logprobs[r.token].item())
+                        if opts.top_logprobs:
+                            run.top.append(top_logprobs(r.logprobs, opts.top_logprobs))
+                        if run.stops.stopped:
+                            if reason is None:
+                                gen.remove([r.uid])
+                            reason = "stop"
+                    if reason is not None:
+                        finished.append((r.uid, run.result(reason)))
+            except DeltafinError:
+                raise  # the model's files or the machine, not a request: stop, resumable
+            except Exception as e:
+                gen.close()
+                gen = _generator(model, tokenizer, B, opts)
+                failed = [run.p for run in running.values()]
+                running = {}
+                if len(failed) == 1:
+                    req = failed[0].request
+                    yield error_line(req, f"line {req.line}: failed while decoding "
+                                     f"({_failure(e)})")
+                else:
+                    alone.extend(p.restarted() for p in failed)
+                continue
+            for uid, result in finished:
+                del running[uid]
+                yield result
+            if progress is not None:
+                progress.step(len(gen_rs), prompt_rs)
+    finally:
+        gen.close()
+
+
+def _generator(model, tokenizer, B: int, opts: BatchOptions) -> BatchGenerator:
+    return BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+                          sampler=greedy, completion_batch_size=B,
+                          prefill_batch_size=min(B, PREFILL_BATCH),
+                          prefill_step_size=opts.prefill_step_size
+                          or max(1, planned_pass(model) // min(B, PREFILL_BATCH)))
+
+
+def _insert(gen: BatchGenerator, p: Prepared, opts: BatchOptions) -> int:
+    (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[p.sampler],
+                        logits_processors=[opts.logits_processors]
+                        if opts.logits_processors else None)
+    return uid
+
+
+def _failure(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def batch_generate(model, tokenizer, requests: Sequence, **options) -> List[dict]:
+    """Generate for many requests, decoded together; results in input order.
+
+    requests: strings (prompts) or dicts in the batch line format
+        ({"prompt": ...} or {"messages": [...]}, optional "id", "max_tokens",
+        "temp", "top_p", "top_k", "min_p", "seed", "stop").
+    options: BatchOptions fields (max_tokens, temp, batch_size, raw, thinking,
+        stop, context, logprobs, ...).
+    Each result: {"id", "text", "tokens", "finish_reason", "stats"} or {"id", "error"}.
+    """
+    opts = BatchOptions(**options)
+    lines = []
+    for i, r in enumerate(requests):
+        spec = {"prompt": r} if isinstance(r, str) else dict(r)
+        if "custom_id" not in spec:
+            spec.setdefault("id", i)
+        lines.append(json.dumps(spec))
+    reqs = read_requests(lines)
+    order = {r.key: i for i, r in enumerate(reqs)}
+    results = [None] * len(reqs)
+    for res in iter_batch(model, tokenizer, reqs, opts):
+        results[order[result_key(res)]] = res
+    return results
+
+
+class Progress:
+    """Requests done/total, the prefill's tokens while prompts are read, aggregate
+    tokens/s and ETA, on one stderr line (`label` and `items` name the job and what
+    it counts: a score job counts texts)."""
+
+    def __init__(self, total: int, skipped: int, show: bool, label: str = "batch",
+                 items: str = "requests"):
+        self.total, self.skipped, self.show = total, skipped, show
+        self.label, self.items = label, items
+        self.done = self.errors = self.tokens = 0
+        self.prefill = {}  # uid -> (prompt tokens done, of total), while prefilling
+        self.in_layer = ""  # where the prefill step now running is (the engine says)
+        self.start = time.perf_counter()
+        self.last = 0.0
+
+    def step(self, tokens: int, prompt_responses=()):
+        self.tokens += tokens
+        for r in prompt_responses:
+            self.prefill[r.uid] = tuple(r.progress)
+        self.prefill = {u: p for u, p in self.prefill.items() if p[0] < p[1]}
+        self.in_layer = ""
+        self._draw()
+
+    def layer(self, finished: int, layers: int):
+        """A prefill step has finished `finished` of the model's `layers` MoE layers
+        (the first step of a job can take long before any prompt reports)."""
+        self.in_layer = f" (MoE layer {finished}/{layers})"
+        self._draw()
+
+    def finished(self, result: dict):
+        self.done += 1
+        self.errors += "error" in result
+        self._draw(force=True)
+
+    @property
+    def tokens_per_second(self) -> float:
+        t = time.perf_counter() - self.start
+        return self.tokens / t if t > 0 else 0.0
+
+    def _draw(self, force=False):
+        now = time.perf_counter()
+        if not self.show or (not force and now - self.last < 0.5):
+            return
+        self.last = now
+        done = self.skipped + self.done
+        left = self.total - done
+        eta = (now - self.start) / self.done * left if self.done else float("nan")
+        eta = "?" if eta != eta else f"{int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
+        reading = f", prefilling{self.in_layer}" if self.in_layer else ""
+        if self.prefill:
+            have = sum(p[0] for p in self.prefill.values())
+            want = sum(p[1] for p in self.prefill.values())
+            reading = (f", prefill {have}/{want} tokens of {len(self.prefill)} prompts"
+                       f"{self.in_layer}")
+        print(f"\r\033[K[{self.label}] {done}/{self.total} {self.items} ({self.errors} errors){reading}, "
+              f"{self.tokens_per_second:.2f} tok/s, ETA {eta}", end="", file=sys.stderr,
+              flush=True)
+
+    def close(self):
+        if self.show:
+            print(file=sys.stderr)
+
+
+@dataclass
+class Job:
+    """A job's requests, the ones its output does not answer yet, and the output,
+    locked until `close`."""
+
+    requests: List[Request]
+    todo: List[Request]
+    results: Results
+
+    @property
+    def skipped(self) -> int:
+        return len(self.requests) - len(self.todo)
+
+    def close(self):
+        self.results.close()
+
+
+def open_job(in_path, out_path) -> Job:
+    """Read IN, lock OUT (`-`: stdout, no resume) and find what it already answers."""
+    with open_input(in_path) as f:
+        requests = read_requests(line for _, line, _ in read_lines(f))
+    results = Results(out_path)
+    try:
+        done = results.scan()
+    except BaseException:
+        results.close()
+        raise
+    return Job(requests, [r for r in requests if r.key not in done], results)
+
+
+def run_job(model, tokenizer, job: Job, opts: BatchOptions,
+            show_progress: Optional[bool] = None) -> dict:
+    """The batch job: answer what its output does not answer yet, appending each
+    result as it finishes."""
+    show = sys.stderr.isatty() if show_progress is None else show_progress
+    progress = Progress(len(job.requests), job.skipped, show)
+    meter = StatsMeter(model)
+    state = find_runtime(model) if show else None
+    if state is not None:  # prefill steps report their layers
+        state.store.on_pass_layer = progress.layer
+    try:
+        progress.step(0)  # shown from the start, before the first step returns
+        for result in iter_batch(model, tokenizer, job.todo, opts, progress):
+            job.results.write(result)
+            progress.finished(result)
+    finally:
+        if state is not None:
+            state.store.on_pass_layer = None
+        progress.close()
+    s = meter.now(progress.tokens)
+    return {"requests": len(job.requests), "skipped": job.skipped,
+            "answered": progress.done, "errors": progress.errors, "tokens": progress.tokens,
+            "seconds": s.seconds, "tokens_per_second": s.tokens_per_second,
+            "batch_size": opts.batch_size, "expert_bytes_read": s.bytes_read}
+
+
+def summary_line(s: dict) -> str:
+    per = s["expert_bytes_read"] / s["tokens"] / 1e6 if s["tokens"] else 0.0
+    return (f"{s['requests']} requests: {s['answered']} answered now ({s['errors']} errors), "
+            f"{s['skipped']} already answered; {s['tokens']} tokens in {s['seconds']:.1f} s "
+            f"({s['tokens_per_second']:.2f} tok/s aggregate, batch {s['batch_size']}); "
+            f"experts read {s['expert_bytes_read'] / 1e6:.1f} MB ({per:.2f} MB per token)")

@@ -1,0 +1,212 @@
+"""Score jobs: `deltafin_mlx.score` and the library of `deltafin-run score`.
+
+Every line of IN is prepared (score/inputs.py), the texts not yet answered are
+packed into passes (score/packing.py, sized by plan/scoring.py), each pass runs
+once through the model (score/sweep.py) and its texts' results are written as the
+pass finishes (score/outputs.py), so a killed job loses at most the pass in flight
+and a rerun of the same command resumes. The summary counts texts, scored tokens,
+mean negative log-likelihood and perplexity, sweeps (passes: each reads every
+expert it routes to at most once), expert bytes read against the union bound, and
+tokens/s.
+"""
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+
+from deltafin_mlx.jobs.batch import Progress, error_line
+from deltafin_mlx.jobs.results_file import open_input, read_lines
+from deltafin_mlx.jobs.batch_lines import Request, read_requests
+from deltafin_mlx.engine.runtime import find_runtime
+from deltafin_mlx.errors import BatchError
+from deltafin_mlx.model.config import max_context
+from deltafin_mlx.plan.scoring import (attention_tokens, logit_rows, scoring_allowance,
+                                       scoring_pass_tokens)
+from deltafin_mlx.jobs.score_lines import ScoreItem, prepare
+from deltafin_mlx.jobs.score_results import open_output, result_line
+from deltafin_mlx.jobs.score_packing import pack
+from deltafin_mlx.jobs.score_sweep import PassStats, Scored, run_pass
+
+UNPLANNED_PASS = 8192  # tokens per pass for a model Deltafin did not load
+UNPLANNED_STEP = 512
+UNPLANNED_LOGIT_ROWS = 256
+
+
+@dataclass
+class ScoreOptions:
+    top_logprobs: int = 0  # K most likely next tokens per scored position (0: none)
+    thinking: bool = True  # K3's prompt format for "messages": thinking on
+    format: str = "jsonl"  # or "safetensors" (shards + a JSONL index)
+    max_pass_tokens: Optional[int] = None  # at most this many tokens per pass (None: the plan's)
+
+
+@dataclass
+class Totals:
+    texts: int = 0
+    errors: int = 0
+    scored_tokens: int = 0
+    logprob: float = 0.0
+    sweeps: int = 0
+    pass_tokens: int = 0  # pads included
+    expert_bytes_read: int = 0
+    union_bytes: int = 0
+
+    def add(self, results: List[Scored], stats: PassStats):
+        self.texts += len(results)
+        self.scored_tokens += sum(s.item.scored_tokens for s in results)
+        self.logprob += sum(s.logprob for s in results)
+        self.sweeps += 1
+        self.pass_tokens += stats.tokens
+        self.expert_bytes_read += stats.expert_bytes_read
+        self.union_bytes += stats.union_bytes
+
+
+class Sizing:
+    """How big the passes of this model may be (plan/scoring.py's rule)."""
+
+    def __init__(self, model):
+        state = find_runtime(model)
+        self.state = state
+        if state is None:
+            self.step, self.rows = UNPLANNED_STEP, UNPLANNED_LOGIT_ROWS
+            self.limit = None
+            return
+        config, plan = state.model_dir.config, state.plan
+        self.step = plan.prefill_step
+        self.rows = logit_rows(config, scoring_allowance(plan))
+        self.limit = max_context(config)
+        act = state.activation_dtype
+        self._capacity = lambda longest: scoring_pass_tokens(config, plan, act, longest)
+        self._attention = lambda longest: attention_tokens(config, plan, act, longest)
+
+    def capacity(self, longest: int) -> int:
+        if self.state is None:
+            return max(UNPLANNED_PASS, longest)
+        return self._capacity(longest)
+
+    def attention(self, longest: int) -> int:
+        """Tokens per attention call of a pass of texts within a chunk."""
+        return UNPLANNED_PASS if self.state is None else self._attention(longest)
+
+
+def prepare_all(requests: Sequence[Request], tokenizer, opts: ScoreOptions,
+                limit=None) -> Tuple[List[ScoreItem], List[dict]]:
+    """(items to score, error lines)."""
+    items, errors = [], []
+    for req in requests:
+        if req.error:
+            errors.append(error_line(req, req.error))
+            continue
+        try:
+            item = prepare(req, tokenizer, opts.thinking)
+            if isinstance(limit, int) and len(item.tokens) > limit:
+                raise ValueError(f"{len(item.tokens)} tokens, beyond this model's maximum "
+                                 f"of {limit} (max_position_embeddings)")
+            items.append(item)
+        except ValueError as e:
+            errors.append(error_line(req, f"line {req.line}: {e}"))
+    return items, errors
+
+
+def iter_passes(model, items: Sequence[ScoreItem], opts: ScoreOptions
+                ) -> Iterator[Tuple[List[Scored], PassStats]]:
+    """Each pass's scores, as the passes finish."""
+    if opts.top_logprobs < 0:
+        raise BatchError(f"--top-logprobs must be 0 or more (got {opts.top_logprobs})")
+    sizing = Sizing(model)
+    capacity = sizing.capacity
+    if opts.max_pass_tokens:
+        capacity = lambda longest: min(sizing.capacity(longest), opts.max_pass_tokens)
+    for indices in pack([len(it.tokens) for it in items], capacity):
+        chosen = [items[i] for i in indices]
+        longest = max(len(it.tokens) for it in chosen)
+        yield run_pass(model, chosen, opts.top_logprobs, sizing.rows, sizing.step,
+                       sizing.attention(longest))
+
+
+def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
+    """Teacher-forced scores of many texts, packed into as few passes as the
+    memory plan allows; results in input order.
+
+    inputs: strings (each a "text") or dicts in the score line format
+        ({"text"}, {"prompt", "completion"} or {"messages"}, optional "id").
+    options: ScoreOptions fields (top_logprobs, thinking).
+    Each result: {"id", "tokens", "token_logprobs", ["top_logprobs"], "logprob",
+    "scored_tokens", "greedy"} or {"id", "line", "error"}.
+    """
+    opts = ScoreOptions(**options)
+    lines = []
+    for i, x in enumerate(inputs):
+        spec = {"text": x} if isinstance(x, str) else dict(x)
+        spec.setdefault("id", i)
+        lines.append(json.dumps(spec))
+    requests = read_requests(lines, spec_of=dict)
+    order = {r.key: i for i, r in enumerate(requests)}
+    sizing = Sizing(model)
+    items, errors = prepare_all(requests, tokenizer, opts, sizing.limit)
+    results = [None] * len(requests)
+    for e in errors:
+        results[order[f"line:{e['line']}" if e["id"] is None else json.dumps(e["id"])]] = e
+    for done, _ in iter_passes(model, items, opts):
+        for s in done:
+            results[order[s.item.request.key]] = result_line(s)
+    return results
+
+
+def read_job(in_path) -> List[Request]:
+    """IN's lines as batch reads its own (a regular file, lines bounded), each line's
+    object kept as it is: `prepare` says which cannot be scored."""
+    with open_input(in_path) as f:
+        return read_requests((line for _, line, _ in read_lines(f)), spec_of=dict)
+
+
+def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
+            show_progress: Optional[bool] = None) -> dict:
+    """The score job: read IN, skip what OUT already answers, score and append the
+    rest a pass at a time."""
+    requests = read_job(in_path)
+    out = open_output(out_path, opts.format, opts.top_logprobs)
+    todo = [r for r in requests if r.key not in out.done]
+    show = sys.stderr.isatty() if show_progress is None else show_progress
+    progress = Progress(len(requests), len(requests) - len(todo), show, label="score",
+                        items="texts")
+    totals = Totals()
+    start = time.perf_counter()
+    try:
+        items, errors = prepare_all(todo, tokenizer, opts, Sizing(model).limit)
+        for e in errors:
+            out.write_error(e)
+            progress.finished(e)
+        totals.errors = len(errors)
+        for results, stats in iter_passes(model, items, opts):
+            out.write_pass(results)
+            totals.add(results, stats)
+            progress.tokens += sum(s.item.scored_tokens for s in results)
+            for s in results:
+                progress.finished({})
+    finally:
+        out.close()
+        progress.close()
+    seconds = time.perf_counter() - start
+    nll = -totals.logprob / totals.scored_tokens if totals.scored_tokens else 0.0
+    return {"texts": len(requests), "skipped": len(requests) - len(todo),
+            "scored_texts": totals.texts, "errors": totals.errors,
+            "scored_tokens": totals.scored_tokens, "mean_nll": nll,
+            "perplexity": math.exp(nll) if nll < 700 else float("inf"),
+            "sweeps": totals.sweeps, "pass_tokens": totals.pass_tokens,
+            "expert_bytes_read": totals.expert_bytes_read,
+            "union_bytes": totals.union_bytes, "seconds": seconds,
+            "tokens_per_second": totals.scored_tokens / seconds if seconds > 0 else 0.0}
+
+
+def summary_line(s: dict) -> str:
+    return (f"{s['texts']} texts: {s['scored_texts']} scored now ({s['errors']} errors), "
+            f"{s['skipped']} already answered; {s['scored_tokens']} tokens scored, "
+            f"mean NLL {s['mean_nll']:.4f}, perplexity {s['perplexity']:.3f}; "
+            f"{s['sweeps']} sweeps; experts read {s['expert_bytes_read'] / 1e6:.1f} MB "
+            f"(union bound {s['union_bytes'] / 1e6:.1f} MB); "
+            f"{s['tokens_per_second']:.1f} tok/s in {s['seconds']:.1f} s")
