@@ -316,7 +316,7 @@ def test_plan_piped_to_head_prints_no_traceback(converted):
 def test_k3_tests_follow_the_config_path_in_the_environment(tmp_path):
     elsewhere = tmp_path / "k3" / "config.json"
     p = subprocess.run([sys.executable, "-c", "import test_plan; print(test_plan.K3_CONFIG)"],
-                       cwd=REPO / "tests", capture_output=True, text=True,
+                       cwd=REPO / "tests" / "plan", capture_output=True, text=True,
                        env={**os.environ, "DELTAFIN_K3_CONFIG": str(elsewhere)})
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == str(elsewhere)
