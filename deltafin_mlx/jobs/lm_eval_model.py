@@ -12,9 +12,9 @@ stock `lm_eval` command cannot see it. In Python, import this module and call
 The requests run through Deltafin's jobs, so the experts stream once per pass:
     loglikelihood          (context, continuation) pairs scored as the
                            {"prompt", "completion"} lines of a score job
-                           (deltafin_mlx.score: the same values), many per pass;
-                           the choices of one context have near-equal lengths, so
-                           packing (longest first) puts them in the same passes
+                           (deltafin_mlx.score: the same values), many per pass,
+                           the choices of one context packed one after another,
+                           so they share passes
     loglikelihood_rolling  lm-eval's rolling windows of max_length tokens (every
                            token predicted once, with the most context a window
                            holds), scored many per pass as perplexity's windows are
@@ -28,6 +28,7 @@ window; default: context), max_gen_toks (256, unless a task gives its own).
 This module needs lm-eval; `import deltafin_mlx` never imports it.
 """
 
+import json
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -39,9 +40,10 @@ from deltafin_mlx.engine.load import load
 from deltafin_mlx.engine.runtime import runtime
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.jobs.batch import batch_generate
-from deltafin_mlx.jobs.batch_lines import Request
-from deltafin_mlx.jobs.score import ScoreOptions, iter_passes, score
+from deltafin_mlx.jobs.batch_lines import Request, read_requests
+from deltafin_mlx.jobs.score import ScoreOptions, Sizing, iter_passes, prepare_all
 from deltafin_mlx.jobs.score_lines import ScoreItem
+from deltafin_mlx.model.modules import model_vocab
 
 
 @register_model("deltafin")
@@ -83,15 +85,26 @@ class DeltafinLM(LM):
         return result
 
     def loglikelihood(self, requests) -> List[Tuple[float, bool]]:
-        lines = []
-        for context, continuation in (r.args for r in requests):
+        lines, contexts = [], []
+        for n, (context, continuation) in enumerate(r.args for r in requests):
             if context:
-                lines.append({"prompt": context, "completion": continuation})
+                lines.append({"id": n, "prompt": context, "completion": continuation})
             else:  # lm-eval's rule: the continuation given the end-of-text token alone
                 cont = self.tokenizer.encode(continuation, add_special_tokens=False)
-                lines.append({"tokens": [self._prefix_token(), *map(int, cont)]})
-        results = score(self.model, self.tokenizer, lines)
-        return [(float(r["logprob"]), bool(r["greedy"])) for r in map(self._check, results)]
+                lines.append({"id": n, "tokens": [self._prefix_token(), *map(int, cont)]})
+            contexts.append(context)
+        # prepared as deltafin_mlx.score prepares its lines: the same tokens, the same values
+        reqs = read_requests((json.dumps(l) for l in lines), spec_of=dict)
+        items, errors = prepare_all(reqs, self.tokenizer, ScoreOptions(),
+                                    Sizing(self.model).limit, model_vocab(self.model))
+        for e in errors:
+            self._check(e)
+        out = [None] * len(requests)
+        groups = [contexts[it.request.id] for it in items]  # a context's choices share passes
+        for results, _ in iter_passes(self.model, items, ScoreOptions(), groups=groups):
+            for s in results:
+                out[s.item.request.id] = (s.logprob, s.greedy)
+        return out
 
     def loglikelihood_rolling(self, requests) -> List[float]:
         items, owner = [], []

@@ -121,17 +121,18 @@ def prepare_all(requests: Sequence[Request], tokenizer, opts: ScoreOptions,
     return items, errors
 
 
-def iter_passes(model, items: Sequence[ScoreItem], opts: ScoreOptions, at_ids=None
-                ) -> Iterator[Tuple[List[Scored], PassStats]]:
+def iter_passes(model, items: Sequence[ScoreItem], opts: ScoreOptions, at_ids=None,
+                groups=None) -> Iterator[Tuple[List[Scored], PassStats]]:
     """Each pass's scores, as the passes finish; `at_ids`: per item, the token ids
-    whose log-probabilities are wanted at each scored position (run_pass)."""
+    whose log-probabilities are wanted at each scored position (run_pass);
+    `groups`: per item, a key whose items share passes (score_packing.pack)."""
     if opts.top_logprobs < 0:
         raise BatchError(f"--top-logprobs must be 0 or more (got {opts.top_logprobs})")
     sizing = Sizing(model)
     capacity = sizing.capacity
     if opts.max_pass_tokens:
         capacity = lambda longest: min(sizing.capacity(longest), opts.max_pass_tokens)
-    for indices in pack([len(it.tokens) for it in items], capacity):
+    for indices in pack([len(it.tokens) for it in items], capacity, groups):
         chosen = [items[i] for i in indices]
         longest = max(len(it.tokens) for it in chosen)
         yield run_pass(model, chosen, opts.top_logprobs, sizing.rows, sizing.step,
