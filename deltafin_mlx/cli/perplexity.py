@@ -5,7 +5,7 @@ reference run (deltafin_mlx/jobs/perplexity.py)."""
 import json
 import sys
 
-from deltafin_mlx.cli.options import Parser, add_load_options, count, load_model, positive
+from deltafin_mlx.cli.options import Parser, add_load_options, load_model, positive
 from deltafin_mlx.engine.runtime import runtime
 
 
@@ -32,8 +32,9 @@ def perplexity_parser():
                    help="compare this run's distributions with REF's (written by "
                    "--kl-divergence-base, with another conversion of the same model): "
                    "mean/median/p99 KL and top-1 agreement")
-    p.add_argument("--kl-top-k", type=count, default=32, metavar="K",
-                   help="with --kl-divergence-base: the K likeliest tokens kept per position")
+    p.add_argument("--kl-top-k", type=positive, default=None, metavar="K",
+                   help="with --kl-divergence-base: the K likeliest tokens kept per position "
+                   "(default: 32)")
     p.add_argument("--pass-tokens", type=positive, default=None, metavar="N",
                    help="at most N tokens per pass (default: what the memory plan allows)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -50,17 +51,22 @@ def cmd_perplexity(argv) -> int:
     args = perplexity_parser().parse_args(argv)
     text = read_text(args.file)  # before the model loads, not after
     windows = Windows(args.context or 512, args.stride)
+    if args.kl_top_k is not None and not args.kl_divergence_base:
+        raise UsageError("--kl-top-k is what --kl-divergence-base keeps: it goes with it")
     if args.kl_divergence:
-        given = [f for f, v in (("-c", args.context), ("--stride", args.stride),
-                                ("--chunks", args.chunks)) if v is not None]
-        if given:
-            raise UsageError(f"{', '.join(given)}: --kl-divergence takes the windows of its "
-                             "reference")
-        read_reference(args.kl_divergence)  # a bad reference is refused before loading
+        # a bad reference is refused before the model loads
+        ref = read_reference(args.kl_divergence)
+        for flag, given, theirs in (("-c", args.context, ref.windows.context),
+                                    ("--stride", args.stride, ref.windows.stride),
+                                    ("--chunks", args.chunks, ref.chunks)):
+            if given is not None and given != theirs:
+                raise UsageError(f"{flag} {given}: {args.kl_divergence} was written with "
+                                 f"{flag} {theirs or 'unset'}, and --kl-divergence scores "
+                                 f"the windows of its reference (leave {flag} out)")
     opts = PerplexityOptions(windows=windows, chunks=args.chunks,
                              max_pass_tokens=args.pass_tokens,
                              kl_base=args.kl_divergence_base,
-                             kl_reference=args.kl_divergence, top_k=args.kl_top_k)
+                             kl_reference=args.kl_divergence, top_k=args.kl_top_k or 32)
     windows.check()
     model, tokenizer = load_model(args)
     try:

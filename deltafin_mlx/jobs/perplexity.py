@@ -217,7 +217,7 @@ def write_reference(path, tokens, opts: PerplexityOptions, top_ids, top_logprobs
 
 def read_reference(path) -> Reference:
     try:
-        arrays, meta = mx.load(str(path), return_metadata=True)
+        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
         if (meta or {}).get("kind") != REFERENCE_KIND:
             raise ValueError("not a KL reference")
         t = {k: np.array(arrays[k]) for k in ("tokens", "top_ids", "top_logprobs",

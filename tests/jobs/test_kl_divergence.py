@@ -37,9 +37,9 @@ def base(converted, tmp_path_factory):
     return text, ref
 
 
-def kl_of(capsys, model, text, ref):
+def kl_of(capsys, model, text, ref, *extra):
     assert main(["perplexity", str(model), str(text), "--budget", "200MB", "--json",
-                 "--kl-divergence", str(ref)]) == 0
+                 "--kl-divergence", str(ref), *extra]) == 0
     out, err = capsys.readouterr()
     return json.loads(out), err.strip().splitlines()[-1]
 
@@ -59,7 +59,7 @@ def test_the_reference_is_top_k_and_the_tails_mass_per_scored_position(base, cap
 def test_a_model_against_its_own_reference_has_kl_0_and_agrees_everywhere(converted, base,
                                                                            capsys):
     text, ref = base
-    s, last = kl_of(capsys, converted("qwen3_moe"), text, ref)
+    s, last = kl_of(capsys, converted("qwen3_moe"), text, ref, "-c", "48")  # the same: taken
     kl = s["kl"]
     assert kl["positions"] == s["scored_tokens"] > 100
     assert kl["mean"] == kl["median"] == kl["p99"] == kl["max"] == 0.0
@@ -93,4 +93,8 @@ def test_a_reference_of_another_text_or_not_a_reference_is_refused(converted, ba
     assert "not a KL reference written by --kl-divergence-base" in capsys.readouterr().err
     assert main(["perplexity", str(converted("qwen3_moe")), str(text), "-c", "64",
                  "--kl-divergence", str(ref)]) == 1
-    assert "-c: --kl-divergence takes the windows of its reference" in capsys.readouterr().err
+    assert (f"-c 64: {ref} was written with -c 48, and --kl-divergence scores the windows of "
+            "its reference") in capsys.readouterr().err
+    assert main(["perplexity", str(converted("qwen3_moe")), str(text), "--kl-top-k", "8",
+                 "--kl-divergence", str(ref)]) == 1
+    assert "--kl-top-k is what --kl-divergence-base keeps" in capsys.readouterr().err
