@@ -27,7 +27,8 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from deltafin_mlx.jobs.results_file import Results, open_input, read_lines, result_key
+from deltafin_mlx.jobs.results_file import (STDOUT, Results, open_input, read_lines,
+                                            result_key)
 from deltafin_mlx.jobs.batch_lines import Request, read_requests
 from deltafin_mlx.jobs.job_options import check_options
 from deltafin_mlx.errors import DeltafinError
@@ -257,6 +258,7 @@ class Outcome:
     def last_line(self, out_path, hint: str = "") -> Optional[str]:
         """The line that ends a run with errors (None without): why every line
         failed, or how many did."""
+        out_path = "stdout" if out_path == STDOUT else out_path
         if self.status == FAILED:
             if self.not_json == self.errors:
                 return (f"every line is not JSON: {self.label} takes JSONL, one object per "

@@ -145,7 +145,7 @@ def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
     memory plan allows; results in input order.
 
     inputs: strings (each a "text") or dicts in the score line format
-        ({"text"}, {"prompt", "completion"} or {"messages"}, optional "id").
+        ({"text"}, {"prompt", "completion"}, {"messages"} or {"tokens"}, optional "id").
     options: ScoreOptions fields (top_logprobs, thinking, content_only).
     Each result: {"id", "tokens", "token_logprobs", ["top_logprobs"], "logprob",
     "scored_tokens", "greedy"} or {"id", "line", "error"}.
