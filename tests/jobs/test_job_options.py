@@ -76,12 +76,16 @@ def test_the_same_options_resume(started, tmp_path, capsys, cmd, opts):
     assert sorted(json.loads(l)["id"] for l in out.read_text().splitlines()) == [1, 2]
 
 
-def test_an_output_without_a_record_resumes_unchecked_and_says_so(started, tmp_path, capsys):
-    model, src, out = copy_job(started, "batch", tmp_path)
+@pytest.mark.parametrize("cmd, opts, flag, value", [
+    ("batch", ["-n", "2"], "-n", 2),
+    ("score", ["--top-logprobs", "3", "--format", "safetensors"], "--top-logprobs", 3)])
+def test_an_output_without_a_record_resumes_unchecked_and_says_so(started, tmp_path, capsys,
+                                                                   cmd, opts, flag, value):
+    model, src, out = copy_job(started, cmd, tmp_path)
     record = tmp_path / f"{out.name}.options.json"
     record.unlink()  # as every output written before records were kept
-    assert main(["batch", model, str(src), "-o", str(out), "--budget", "200MB", "-n", "2"]) == 0
+    assert main([cmd, model, str(src), "-o", str(out), "--budget", "200MB", *opts]) == 0
     err = capsys.readouterr().err
-    assert f"{out} records no options (written before they were recorded)" in err
-    assert json.loads(record.read_text())["-n"] == 2  # what that run asked for
+    assert err.count(f"{out} records no options (written before they were recorded)") == 1
+    assert json.loads(record.read_text())[flag] == value  # what that run asked for
     assert sorted(json.loads(l)["id"] for l in out.read_text().splitlines()) == [1, 2]
