@@ -34,13 +34,31 @@ def batch_parser():
     return p
 
 
+def recorded_options(args) -> dict:
+    """What a batch's results depend on, by flag: recorded beside its output and
+    checked on resume (jobs/job_options.py). The budget, batch size and context
+    change no request's tokens, only whether it fits."""
+    return {"-n": args.max_tokens, "--temp": args.temp, "--top-p": args.top_p,
+            "--top-k": args.top_k, "--min-p": args.min_p, "--seed": args.seed,
+            "--stop": args.stop, "--raw": args.raw, "--no-think": args.no_think,
+            "--logprobs": args.logprobs, "--top-logprobs": args.top_logprobs,
+            "--repetition-penalty": args.repetition_penalty,
+            "--presence-penalty": args.presence_penalty,
+            "--frequency-penalty": args.frequency_penalty,
+            "--penalty-context": args.penalty_context}
+
+
 def cmd_batch(argv) -> int:
-    from deltafin_mlx.jobs.batch import open_job, run_job, summary_line
+    from deltafin_mlx.jobs.batch import Outcome, open_job, run_job, summary_line
 
     args = batch_parser().parse_args(argv)
     opts = batch_options(args)
-    job = open_job(args.input, args.output)  # the output stays locked until the job ends
+    # the output stays locked until the job ends
+    job = open_job(args.input, args.output, recorded_options(args))
+    outcome = Outcome("batch")
     try:
+        if job.note:
+            print(f"[batch] {job.note}", file=sys.stderr)
         if job.skipped:
             print(f"[batch] resuming: {job.skipped} of {len(job.requests)} done",
                   file=sys.stderr)
@@ -55,7 +73,7 @@ def cmd_batch(argv) -> int:
                                       max_sequences=max(1, len(job.todo)))
         opts.batch_size = runtime(model).plan.sequences
         summary = run_job(model, tokenizer, job, opts,
-                          show_progress=False if args.no_progress else None)
+                          show_progress=False if args.no_progress else None, outcome=outcome)
     except KeyboardInterrupt:
         again = ("rerun the same command to resume" if job.results.resumable
                  else "the results so far are on stdout")
@@ -65,7 +83,10 @@ def cmd_batch(argv) -> int:
         job.close()
     print(f"[deltafin] {summary_line(summary)}", file=sys.stderr)
     runtime(model).close()
-    return 0
+    last = outcome.last_line(args.output)
+    if last:
+        print(f"deltafin-run: batch: {last}", file=sys.stderr)
+    return outcome.status
 
 
 def batch_options(args):

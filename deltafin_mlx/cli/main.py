@@ -18,6 +18,7 @@ from deltafin_mlx.cli.demo import demo_argv, run_demo
 from deltafin_mlx.cli.info import cmd_info
 from deltafin_mlx.cli.list_models import cmd_list
 from deltafin_mlx.cli.remove import cmd_rm
+from deltafin_mlx.cli.perplexity import cmd_perplexity
 from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens, add_sampling_options,
                                       count, positive)
 from deltafin_mlx.cli.plan import cmd_plan
@@ -33,6 +34,7 @@ USAGE = """deltafin-run MODEL PROMPT [options]
        deltafin-run bench MODEL [options]
        deltafin-run batch MODEL IN.jsonl -o OUT.jsonl [options]
        deltafin-run score MODEL IN.jsonl -o OUT.jsonl [options]
+       deltafin-run perplexity MODEL FILE [options]
        deltafin-run serve MODEL [options]
        deltafin-run info MODEL
        deltafin-run verify MODEL
@@ -49,6 +51,8 @@ COMMANDS = """commands:
   batch             answer every prompt of a JSONL file, decoded together (resumable)
   score             teacher-forced log-probs (and top-K) of every text of a JSONL file,
                     many texts per sweep over the experts (resumable)
+  perplexity        perplexity of a text file in windows (llama-perplexity's), and the
+                    KL divergence from a reference run (--kl-divergence-base/--kl-divergence)
   serve             an OpenAI-compatible HTTP server (mlx_lm.server's), every request
                     checked before it reaches the model
   info              what a converted model is: architecture, experts, quantization,
@@ -65,7 +69,7 @@ written by deltafin-convert (convert a Hugging Face checkpoint with it first).""
 # Each takes the arguments after its name.
 SUBCOMMANDS = {"plan": cmd_plan, "bench": cmd_bench, "batch": cmd_batch, "score": cmd_score,
                "serve": cmd_serve, "info": cmd_info, "verify": cmd_verify, "list": cmd_list,
-               "rm": cmd_rm}
+               "rm": cmd_rm, "perplexity": cmd_perplexity}
 # Load no model, so never run under mlx.launch: their output is not a rank's.
 NOT_DISTRIBUTED = {"plan", "list", "rm"}
 # Take --demo themselves (rm --demo removes the demo's cache).

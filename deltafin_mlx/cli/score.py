@@ -3,6 +3,7 @@ every text of a JSONL file, many texts per sweep over the experts; rerunning the
 same command resumes (deltafin_mlx/score/)."""
 
 import json
+import os
 import sys
 
 from deltafin_mlx.cli.options import Parser, add_load_options, count, load_model, positive
@@ -30,6 +31,9 @@ def score_parser():
                    help="at most N tokens per pass (default: what the memory plan allows)")
     p.add_argument("--no-think", action="store_true",
                    help="\"messages\": thinking off (K3 prompt format)")
+    p.add_argument("--content-only", action="store_true",
+                   help="\"messages\": score only the assistant turns' content tokens, not "
+                   "the template's tokens around them")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress line on a terminal")
     add_load_options(p)
@@ -38,20 +42,34 @@ def score_parser():
 
 def cmd_score(argv) -> int:
     from deltafin_mlx.jobs.results_file import check_regular
+    from deltafin_mlx.jobs.batch import Outcome
+    from deltafin_mlx.jobs.job_options import check_options
     from deltafin_mlx.jobs.score import ScoreOptions, run_job, summary_line
 
     args = score_parser().parse_args(argv)
     check_regular(args.input, "input")  # before the model loads, not after
     check_regular(args.output, "output", missing_ok=True)
     opts = ScoreOptions(top_logprobs=args.top_logprobs, thinking=not args.no_think,
-                        format=args.format, max_pass_tokens=args.pass_tokens)
+                        format=args.format, max_pass_tokens=args.pass_tokens,
+                        content_only=args.content_only)
+    if os.path.exists(args.output) and os.path.getsize(args.output) > 0:
+        # A resume with other options is refused before the model loads, not after
+        # (run_job checks again, under OUT's lock, and records a new job's).
+        note = check_options(args.output, opts.recorded(), started=True)
+        if note:
+            print(f"[score] {note}", file=sys.stderr)
+    outcome = Outcome("score")
     model, tokenizer = load_model(args)
     try:
         summary = run_job(model, tokenizer, args.input, args.output, opts,
-                          show_progress=False if args.no_progress else None)
+                          show_progress=False if args.no_progress else None, outcome=outcome)
     finally:
         runtime(model).close()
     if args.json:
         print(json.dumps(summary))
     print(f"[deltafin] {summary_line(summary)}", file=sys.stderr)
-    return 0
+    last = outcome.last_line(args.output, hint=" (for a text file: deltafin-run perplexity "
+                             "MODEL FILE)")
+    if last:
+        print(f"deltafin-run: score: {last}", file=sys.stderr)
+    return outcome.status

@@ -23,6 +23,7 @@ class LogprobRows:
     greedy: Optional[np.ndarray]  # (N,) bool, None without targets
     top_ids: np.ndarray  # (N, K) int64, best first
     top_logprobs: np.ndarray  # (N, K) float32
+    at_logprobs: Optional[np.ndarray] = None  # (N, J) float32: of the ids asked for
 
 
 def log_softmax(logits: mx.array) -> mx.array:
@@ -31,9 +32,11 @@ def log_softmax(logits: mx.array) -> mx.array:
 
 
 def logprob_rows(logits: mx.array, targets=None, top_k: int = 0,
-                 normalized: bool = False) -> LogprobRows:
+                 normalized: bool = False, at_ids=None) -> LogprobRows:
     """`logits` (N, vocab); `targets` (N,) token ids or None; `normalized`: the
-    rows are already log-probabilities (mlx-lm's generation hands those out)."""
+    rows are already log-probabilities (mlx-lm's generation hands those out);
+    `at_ids` (N, J) token ids whose log-probabilities are wanted too (another
+    model's top K, for a KL divergence), or None."""
     lp = logits.astype(mx.float32) if normalized else log_softmax(logits)
     best = mx.argmax(lp, axis=-1)
     outs = [best]
@@ -44,7 +47,12 @@ def logprob_rows(logits: mx.array, targets=None, top_k: int = 0,
     if k:
         ids = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
         outs += [ids, mx.take_along_axis(lp, ids, axis=-1)]
+    at = None
+    if at_ids is not None:
+        at = mx.take_along_axis(lp, mx.array(np.asarray(at_ids).astype(np.int32)), axis=-1)
+        outs.append(at)
     mx.eval(outs)
+    at_logprobs = np.array(outs.pop()).astype(np.float32) if at is not None else None
     best = np.array(best).astype(np.int64)
     chosen = greedy = None
     if targets is not None:
@@ -58,7 +66,7 @@ def logprob_rows(logits: mx.array, targets=None, top_k: int = 0,
         order = np.lexsort((top_ids, -top_vals), axis=-1)  # best first, ties by id
         top_ids = np.take_along_axis(top_ids, order, axis=-1)
         top_vals = np.take_along_axis(top_vals, order, axis=-1)
-    return LogprobRows(chosen, greedy, top_ids, top_vals)
+    return LogprobRows(chosen, greedy, top_ids, top_vals, at_logprobs)
 
 
 def top_pairs(ids: np.ndarray, values: np.ndarray) -> List[list]:

@@ -27,8 +27,10 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from deltafin_mlx.jobs.results_file import Results, open_input, read_lines, result_key
+from deltafin_mlx.jobs.results_file import (STDOUT, Results, open_input, read_lines,
+                                            result_key)
 from deltafin_mlx.jobs.batch_lines import Request, read_requests
+from deltafin_mlx.jobs.job_options import check_options
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.generation.stream import StatsMeter, chat_prompt, planned_pass
@@ -221,6 +223,52 @@ def error_line(req: Request, message: str) -> dict:
     if req.custom_id:
         out["custom_id"] = req.id
     return out
+
+
+# Exit statuses of batch and score jobs (README, "Exit statuses"): 0 every line
+# answered; 1 the job could not run, or every line it tried failed; 3 it finished
+# with some lines answered by error lines.
+FAILED, PARTIAL = 1, 3
+
+
+@dataclass
+class Outcome:
+    """What a run of a job did with its lines: how many it answered now and how
+    many of those are error lines, for its last line and exit status."""
+
+    label: str  # "batch" or "score"
+    answered: int = 0  # error lines included
+    errors: int = 0
+    not_json: int = 0
+    first_error: str = ""
+
+    def add(self, result: dict):
+        self.answered += 1
+        if "error" in result:
+            self.errors += 1
+            self.not_json += ": not JSON (" in result["error"]
+            self.first_error = self.first_error or result["error"]
+
+    @property
+    def status(self) -> int:
+        if not self.errors:
+            return 0
+        return FAILED if self.errors == self.answered else PARTIAL
+
+    def last_line(self, out_path, hint: str = "") -> Optional[str]:
+        """The line that ends a run with errors (None without): why every line
+        failed, or how many did."""
+        out_path = "stdout" if out_path == STDOUT else out_path
+        if self.status == FAILED:
+            if self.not_json == self.errors:
+                return (f"every line is not JSON: {self.label} takes JSONL, one object per "
+                        f"line (see deltafin-run {self.label} --help){hint}")
+            return (f"every line failed ({self.errors} error lines in {out_path}; the first: "
+                    f"{self.first_error})")
+        if self.status == PARTIAL:
+            return (f"{self.errors} of {self.answered} lines failed (error lines in "
+                    f"{out_path}); exit status {PARTIAL}")
+        return None
 
 
 def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions,
@@ -418,6 +466,7 @@ class Job:
     requests: List[Request]
     todo: List[Request]
     results: Results
+    note: Optional[str] = None  # what the options check has to say (job_options.py)
 
     @property
     def skipped(self) -> int:
@@ -427,23 +476,27 @@ class Job:
         self.results.close()
 
 
-def open_job(in_path, out_path) -> Job:
-    """Read IN, lock OUT (`-`: stdout, no resume) and find what it already answers."""
+def open_job(in_path, out_path, options: Optional[dict] = None) -> Job:
+    """Read IN, lock OUT (`-`: stdout, no resume), find what it already answers and
+    check `options` ({flag: value}) against the ones OUT was written with."""
     with open_input(in_path) as f:
         requests = read_requests(line for _, line, _ in read_lines(f))
     results = Results(out_path)
+    note = None
     try:
         done = results.scan()
+        if options is not None and results.resumable:
+            note = check_options(out_path, options, started=bool(done))
     except BaseException:
         results.close()
         raise
-    return Job(requests, [r for r in requests if r.key not in done], results)
+    return Job(requests, [r for r in requests if r.key not in done], results, note)
 
 
 def run_job(model, tokenizer, job: Job, opts: BatchOptions,
-            show_progress: Optional[bool] = None) -> dict:
+            show_progress: Optional[bool] = None, outcome: Optional[Outcome] = None) -> dict:
     """The batch job: answer what its output does not answer yet, appending each
-    result as it finishes."""
+    result as it finishes (and counting it in `outcome`)."""
     show = sys.stderr.isatty() if show_progress is None else show_progress
     progress = Progress(len(job.requests), job.skipped, show)
     meter = StatsMeter(model)
@@ -455,6 +508,8 @@ def run_job(model, tokenizer, job: Job, opts: BatchOptions,
         for result in iter_batch(model, tokenizer, job.todo, opts, progress):
             job.results.write(result)
             progress.finished(result)
+            if outcome is not None:
+                outcome.add(result)
     finally:
         if state is not None:
             state.store.on_pass_layer = None

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 
-from deltafin_mlx.jobs.batch import Progress, error_line
+from deltafin_mlx.jobs.batch import Outcome, Progress, error_line
+from deltafin_mlx.jobs.job_options import check_options
 from deltafin_mlx.jobs.results_file import open_input, read_lines
 from deltafin_mlx.jobs.batch_lines import Request, read_requests
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.errors import BatchError
 from deltafin_mlx.model.config import max_context
+from deltafin_mlx.model.modules import model_vocab
 from deltafin_mlx.plan.scoring import (attention_tokens, logit_rows, scoring_allowance,
                                        scoring_pass_tokens)
 from deltafin_mlx.jobs.score_lines import ScoreItem, prepare
@@ -42,6 +44,12 @@ class ScoreOptions:
     thinking: bool = True  # K3's prompt format for "messages": thinking on
     format: str = "jsonl"  # or "safetensors" (shards + a JSONL index)
     max_pass_tokens: Optional[int] = None  # at most this many tokens per pass (None: the plan's)
+    content_only: bool = False  # "messages": the turns' content tokens only, not the template's
+
+    def recorded(self) -> dict:
+        """What the results depend on, by flag (jobs/job_options.py): not the pass size."""
+        return {"--top-logprobs": self.top_logprobs, "--format": self.format,
+                "--no-think": not self.thinking, "--content-only": self.content_only}
 
 
 @dataclass
@@ -94,15 +102,16 @@ class Sizing:
 
 
 def prepare_all(requests: Sequence[Request], tokenizer, opts: ScoreOptions,
-                limit=None) -> Tuple[List[ScoreItem], List[dict]]:
-    """(items to score, error lines)."""
+                limit=None, vocab=None) -> Tuple[List[ScoreItem], List[dict]]:
+    """(items to score, error lines); `limit`: the model's longest sequence,
+    `vocab`: its embedding rows."""
     items, errors = [], []
     for req in requests:
         if req.error:
             errors.append(error_line(req, req.error))
             continue
         try:
-            item = prepare(req, tokenizer, opts.thinking)
+            item = prepare(req, tokenizer, opts.thinking, opts.content_only, vocab)
             if isinstance(limit, int) and len(item.tokens) > limit:
                 raise ValueError(f"{len(item.tokens)} tokens, beyond this model's maximum "
                                  f"of {limit} (max_position_embeddings)")
@@ -112,20 +121,23 @@ def prepare_all(requests: Sequence[Request], tokenizer, opts: ScoreOptions,
     return items, errors
 
 
-def iter_passes(model, items: Sequence[ScoreItem], opts: ScoreOptions
-                ) -> Iterator[Tuple[List[Scored], PassStats]]:
-    """Each pass's scores, as the passes finish."""
+def iter_passes(model, items: Sequence[ScoreItem], opts: ScoreOptions, at_ids=None,
+                groups=None) -> Iterator[Tuple[List[Scored], PassStats]]:
+    """Each pass's scores, as the passes finish; `at_ids`: per item, the token ids
+    whose log-probabilities are wanted at each scored position (run_pass);
+    `groups`: per item, a key whose items share passes (score_packing.pack)."""
     if opts.top_logprobs < 0:
         raise BatchError(f"--top-logprobs must be 0 or more (got {opts.top_logprobs})")
     sizing = Sizing(model)
     capacity = sizing.capacity
     if opts.max_pass_tokens:
         capacity = lambda longest: min(sizing.capacity(longest), opts.max_pass_tokens)
-    for indices in pack([len(it.tokens) for it in items], capacity):
+    for indices in pack([len(it.tokens) for it in items], capacity, groups):
         chosen = [items[i] for i in indices]
         longest = max(len(it.tokens) for it in chosen)
         yield run_pass(model, chosen, opts.top_logprobs, sizing.rows, sizing.step,
-                       sizing.attention(longest))
+                       sizing.attention(longest),
+                       None if at_ids is None else [at_ids[i] for i in indices])
 
 
 def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
@@ -133,8 +145,8 @@ def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
     memory plan allows; results in input order.
 
     inputs: strings (each a "text") or dicts in the score line format
-        ({"text"}, {"prompt", "completion"} or {"messages"}, optional "id").
-    options: ScoreOptions fields (top_logprobs, thinking).
+        ({"text"}, {"prompt", "completion"}, {"messages"} or {"tokens"}, optional "id").
+    options: ScoreOptions fields (top_logprobs, thinking, content_only).
     Each result: {"id", "tokens", "token_logprobs", ["top_logprobs"], "logprob",
     "scored_tokens", "greedy"} or {"id", "line", "error"}.
     """
@@ -147,7 +159,7 @@ def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
     requests = read_requests(lines, spec_of=dict)
     order = {r.key: i for i, r in enumerate(requests)}
     sizing = Sizing(model)
-    items, errors = prepare_all(requests, tokenizer, opts, sizing.limit)
+    items, errors = prepare_all(requests, tokenizer, opts, sizing.limit, model_vocab(model))
     results = [None] * len(requests)
     for e in errors:
         results[order[f"line:{e['line']}" if e["id"] is None else json.dumps(e["id"])]] = e
@@ -165,11 +177,19 @@ def read_job(in_path) -> List[Request]:
 
 
 def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
-            show_progress: Optional[bool] = None) -> dict:
+            show_progress: Optional[bool] = None, outcome: Optional[Outcome] = None) -> dict:
     """The score job: read IN, skip what OUT already answers, score and append the
-    rest a pass at a time."""
+    rest a pass at a time (counting each line in `outcome`)."""
     requests = read_job(in_path)
     out = open_output(out_path, opts.format, opts.top_logprobs)
+    try:
+        note = check_options(out_path, opts.recorded(), started=bool(out.done))
+    except BaseException:
+        out.close()
+        raise
+    if note:
+        print(f"[score] {note}", file=sys.stderr)
+    outcome = Outcome("score") if outcome is None else outcome
     todo = [r for r in requests if r.key not in out.done]
     show = sys.stderr.isatty() if show_progress is None else show_progress
     progress = Progress(len(requests), len(requests) - len(todo), show, label="score",
@@ -177,10 +197,12 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
     totals = Totals()
     start = time.perf_counter()
     try:
-        items, errors = prepare_all(todo, tokenizer, opts, Sizing(model).limit)
+        items, errors = prepare_all(todo, tokenizer, opts, Sizing(model).limit,
+                                    model_vocab(model))
         for e in errors:
             out.write_error(e)
             progress.finished(e)
+            outcome.add(e)
         totals.errors = len(errors)
         for results, stats in iter_passes(model, items, opts):
             out.write_pass(results)
@@ -188,15 +210,17 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
             progress.tokens += sum(s.item.scored_tokens for s in results)
             for s in results:
                 progress.finished({})
+                outcome.add({})
     finally:
         out.close()
         progress.close()
     seconds = time.perf_counter() - start
-    nll = -totals.logprob / totals.scored_tokens if totals.scored_tokens else 0.0
+    # No tokens scored, no perplexity (not exp(0) = 1, a perfect score).
+    nll = -totals.logprob / totals.scored_tokens if totals.scored_tokens else None
     return {"texts": len(requests), "skipped": len(requests) - len(todo),
             "scored_texts": totals.texts, "errors": totals.errors,
             "scored_tokens": totals.scored_tokens, "mean_nll": nll,
-            "perplexity": math.exp(nll) if nll < 700 else float("inf"),
+            "perplexity": None if nll is None else math.exp(nll) if nll < 700 else float("inf"),
             "sweeps": totals.sweeps, "pass_tokens": totals.pass_tokens,
             "expert_bytes_read": totals.expert_bytes_read,
             "union_bytes": totals.union_bytes, "seconds": seconds,
@@ -204,9 +228,11 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
 
 
 def summary_line(s: dict) -> str:
+    scores = (f"mean NLL {s['mean_nll']:.4f}, perplexity {s['perplexity']:.3f}"
+              if s["scored_tokens"] else "no perplexity")
     return (f"{s['texts']} texts: {s['scored_texts']} scored now ({s['errors']} errors), "
             f"{s['skipped']} already answered; {s['scored_tokens']} tokens scored, "
-            f"mean NLL {s['mean_nll']:.4f}, perplexity {s['perplexity']:.3f}; "
+            f"{scores}; "
             f"{s['sweeps']} sweeps; experts read {s['expert_bytes_read'] / 1e6:.1f} MB "
             f"(union bound {s['union_bytes'] / 1e6:.1f} MB); "
             f"{s['tokens_per_second']:.1f} tok/s in {s['seconds']:.1f} s")

@@ -3,7 +3,11 @@
     {"id": ..., "text": "..."}                      every token of the text (no template)
     {"id": ..., "prompt": "...", "completion": "..."}  the completion's tokens, given the prompt
     {"id": ..., "messages": [...]}                  the chat template applied; the
-                                                    assistant turns' tokens scored
+                                                    assistant turns' tokens scored (with
+                                                    content_only, their content's alone)
+    {"id": ..., "tokens": [...]}                    token ids as they are, every one scored
+                                                    (the windows of `perplexity`, lm-eval's
+                                                    requests: texts already tokenized)
 
 Lines are read as batch jobs read them (batch_requests.read_requests: JSON objects with a
 string or integer id, duplicate ids refused before anything runs); a line that
@@ -12,7 +16,7 @@ sequence has no prediction, so it is never scored.
 """
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -20,7 +24,8 @@ from deltafin_mlx.jobs.batch_lines import Request
 from deltafin_mlx.generation.stream import chat_prompt, common_prefix
 from deltafin_mlx.tokenizer.messages import chat_messages
 
-TEXT_KEYS = ({"id", "text"}, {"id", "prompt", "completion"}, {"id", "messages"})
+TEXT_KEYS = ({"id", "text"}, {"id", "prompt", "completion"}, {"id", "messages"},
+             {"id", "tokens"})
 
 
 @dataclass
@@ -46,10 +51,13 @@ def _render(tokenizer, messages, add_generation_prompt: bool, thinking: bool) ->
                        add_generation_prompt=add_generation_prompt)
 
 
-def _messages(tokenizer, msgs, thinking: bool):
+def _messages(tokenizer, msgs, thinking: bool, content_only: bool = False):
     """Tokens of the conversation and the mask of its assistant turns: a turn's
     tokens run from where the conversation before it, with the generation prompt,
-    stops matching, to the end of the conversation rendered up to it."""
+    stops matching, to the end of the conversation rendered up to it. Its content's
+    tokens (`content_only`) are those where the turn rendered with its content and
+    rendered with none differ: whatever the template puts around the content (the
+    end-of-turn token, thinking markers) renders in both."""
     msgs = chat_messages(msgs)
     turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if not turns:
@@ -64,19 +72,42 @@ def _messages(tokenizer, msgs, thinking: bool):
             raise ValueError("the chat template does not render the conversation up to an "
                              "assistant turn as a prefix of the whole; score it as \"text\"")
         start = common_prefix(tokens, _render(tokenizer, msgs[:i], True, thinking))
-        scored[start : len(upto)] = True
+        end = len(upto)
+        if content_only:
+            empty = _render(tokenizer, msgs[:i] + [{**msgs[i], "content": ""}], False, thinking)
+            start = max(start, common_prefix(upto, empty))
+            end -= common_prefix(upto[::-1], empty[::-1])
+        scored[start:end] = True
+    if not scored.any():
+        raise ValueError("the assistant turns have no content tokens to score")
     return tokens, scored
 
 
-def prepare(req: Request, tokenizer, thinking: bool = True) -> ScoreItem:
+def _token_ids(v, vocab: Optional[int]) -> List[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in v):
+        raise ValueError('"tokens" must be a list of token ids (integers)')
+    bad = [t for t in v if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise ValueError(f'"tokens" has id {bad[0]}, outside the vocabulary (0 to '
+                         f'{(vocab or 1) - 1})')
+    return v
+
+
+def prepare(req: Request, tokenizer, thinking: bool = True, content_only: bool = False,
+            vocab: Optional[int] = None) -> ScoreItem:
     """The tokens and scored positions of one line; ValueError says why it cannot
-    be scored."""
+    be scored. `vocab`: the model's embedding rows, which "tokens" must index."""
     spec = req.spec
     keys = set(spec)
     if keys not in TEXT_KEYS:
-        raise ValueError('a line is {"id", "text"}, {"id", "prompt", "completion"} or '
-                         f'{{"id", "messages"}} (got keys {", ".join(sorted(keys))})')
-    if "text" in spec:
+        raise ValueError('a line is {"id", "text"}, {"id", "prompt", "completion"}, '
+                         '{"id", "messages"} or {"id", "tokens"} (got keys '
+                         f'{", ".join(sorted(keys))})')
+    if "tokens" in spec:
+        tokens = _token_ids(spec["tokens"], vocab)
+        scored = np.ones(len(tokens), dtype=bool)
+    elif "text" in spec:
         tokens = list(tokenizer.encode(_string(spec, "text")))
         scored = np.ones(len(tokens), dtype=bool)
     elif "prompt" in spec:
@@ -88,7 +119,7 @@ def prepare(req: Request, tokenizer, thinking: bool = True) -> ScoreItem:
         tokens = prompt + completion
         scored = np.arange(len(tokens)) >= len(prompt)
     else:
-        tokens, scored = _messages(tokenizer, spec["messages"], thinking)
+        tokens, scored = _messages(tokenizer, spec["messages"], thinking, content_only)
     if not tokens:
         raise ValueError("nothing to score: no tokens")
     scored[0] = False

@@ -8,23 +8,30 @@ similar lengths and pads are few (and they read no experts, engine/streaming_moe
 How many tokens a pass may hold is plan/scoring.py's rule, given the longest text.
 """
 
-from typing import Callable, List, Sequence
+from typing import Callable, Hashable, List, Optional, Sequence
 
 
-def pack(lengths: Sequence[int], capacity: Callable[[int], int]) -> List[List[int]]:
+def pack(lengths: Sequence[int], capacity: Callable[[int], int],
+         groups: Optional[Sequence[Hashable]] = None) -> List[List[int]]:
     """Indices into `lengths`, one list per pass, longest texts first; `capacity`
     gives the tokens a pass may hold when its longest text has that many. A text
-    longer than that is a pass of its own."""
+    longer than that is a pass of its own. `groups`: a key per text (lm-eval's
+    choices of one context): a group's texts are taken one after another, so they
+    share passes, the groups longest first."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    passes, current, longest, room = [], [], 0, 0
+    if groups is not None:
+        first = {}  # group -> its rank: where its longest text comes in `order`
+        for rank, i in enumerate(order):
+            first.setdefault(groups[i], rank)
+        order.sort(key=lambda i: first[groups[i]])  # stable: longest first within a group
+    passes, current, longest = [], [], 0
     for i in order:
-        if current and (len(current) + 1) * longest > room:
+        wider = max(longest, lengths[i])
+        if current and (len(current) + 1) * wider > capacity(wider):
             passes.append(current)
-            current = []
-        if not current:
-            longest = lengths[i]
-            room = capacity(longest)
+            current, wider = [], lengths[i]
         current.append(i)
+        longest = wider
     if current:
         passes.append(current)
     return passes

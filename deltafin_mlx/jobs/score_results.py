@@ -67,13 +67,17 @@ class JsonlOutput:
         self.out.close()
 
 
-_SAFETENSORS_DTYPES = {np.dtype(np.int32): "I32", np.dtype(np.float16): "F16"}
+_SAFETENSORS_DTYPES = {np.dtype(np.int32): "I32", np.dtype(np.float16): "F16",
+                       np.dtype(np.float32): "F32"}
 
 
-def write_safetensors(path: Path, tensors: dict):
+def write_safetensors(path: Path, tensors: dict, metadata: dict = None):
     """A safetensors file written whole: temporary name, fsync, rename, fsync of
-    the directory (so a file under its final name is always complete)."""
+    the directory (so a file under its final name is always complete);
+    `metadata`: strings for its header's __metadata__."""
     header, offset, blobs = {}, 0, []
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     for name, a in tensors.items():
         a = np.ascontiguousarray(a)
         data = a.tobytes()

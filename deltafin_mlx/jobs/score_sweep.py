@@ -37,6 +37,9 @@ class Scored:
     top_ids: Optional[np.ndarray]  # (T, K) int64, or None without top-K
     top_logprobs: Optional[np.ndarray]  # (T, K) float32, NaN rows where not scored
     greedy: bool
+    # (scored positions, J) float32: the log-probabilities of the ids `run_pass`
+    # was asked about at each scored position, or None
+    at_logprobs: Optional[np.ndarray] = None
 
     @property
     def logprob(self) -> float:
@@ -74,9 +77,11 @@ class PassStats:
 
 
 def run_pass(model, items: Sequence[ScoreItem], top_k: int, logit_rows: int,
-             attention_step: int, attention_tokens: int = None):
+             attention_step: int, attention_tokens: int = None, at_ids=None):
     """(scores of `items`, PassStats) for one pass; `attention_tokens`: tokens per
-    attention call of rows (default: the plan's chunk, `attention_step`)."""
+    attention call of rows (default: the plan's chunk, `attention_step`); `at_ids`:
+    per item, (its scored positions, J) token ids whose log-probabilities are
+    wanted too (Scored.at_logprobs), or None."""
     rows, longest = len(items), max(len(it.tokens) for it in items)
     inputs = np.zeros((rows, longest), dtype=np.int32)
     real = np.zeros((rows, longest), dtype=bool)
@@ -113,6 +118,8 @@ def run_pass(model, items: Sequence[ScoreItem], top_k: int, logit_rows: int,
         targets.append(np.asarray(it.tokens, dtype=np.int64)[pos])
     where = np.concatenate(where) if where else np.zeros(0, np.int64)
     targets = np.concatenate(targets) if targets else np.zeros(0, np.int64)
+    asked = np.concatenate(at_ids) if at_ids is not None else None
+    at_vals = None if asked is None else np.zeros(asked.shape, np.float32)
     flat = hidden.reshape(rows * longest, -1)
     chosen = np.zeros(where.size, np.float32)
     greedy = np.zeros(where.size, bool)
@@ -121,8 +128,11 @@ def run_pass(model, items: Sequence[ScoreItem], top_k: int, logit_rows: int,
     for s in range(0, where.size, logit_rows):
         part = slice(s, s + logit_rows)
         h = flat[mx.array(where[part].astype(np.uint32))]
-        out = logprob_rows(head(h), targets[part], k)
+        out = logprob_rows(head(h), targets[part], k,
+                           at_ids=None if asked is None else asked[part])
         chosen[part], greedy[part] = out.chosen, out.greedy
+        if asked is not None:
+            at_vals[part] = out.at_logprobs
         if top_ids is None:  # K is at most the vocabulary
             k = out.top_ids.shape[1]
             top_ids = np.zeros((where.size, k), np.int64)
@@ -141,7 +151,8 @@ def run_pass(model, items: Sequence[ScoreItem], top_k: int, logit_rows: int,
             ids = np.zeros((len(it.tokens), k), np.int64)
             vals = np.full((len(it.tokens), k), np.nan, np.float32)
             ids[pos], vals[pos] = top_ids[at : at + n], top_vals[at : at + n]
-        results.append(Scored(it, lp, ids, vals, bool(greedy[at : at + n].all())))
+        results.append(Scored(it, lp, ids, vals, bool(greedy[at : at + n].all()),
+                              None if at_vals is None else at_vals[at : at + n]))
         at += n
     stats = PassStats(tokens=rows * longest, real_tokens=int(real.sum()),
                       expert_bytes_read=(store.bytes_read - read0) if store is not None else 0,

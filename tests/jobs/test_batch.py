@@ -185,7 +185,7 @@ def test_bad_requests_become_error_lines_and_the_job_goes_on(converted, tmp_path
     out = tmp_path / "out.jsonl"
     rc = main(["batch", str(converted("qwen3_moe")), str(src), "-o", str(out), "-n", "4",
                "--raw", "--context", "512"])
-    assert rc == 0
+    assert rc == 3  # finished, some lines are error lines
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     by_line = {r.get("line"): r for r in lines if "error" in r}
     assert set(by_line) == {2, 3, 4, 5, 6, 7}
@@ -281,7 +281,8 @@ def test_a_job_killed_at_random_points_answers_every_id_once(converted, tmp_path
     cmd = [sys.executable, "-m", "deltafin_mlx.cli.main", "batch", str(model), str(src), "--raw",
            "--batch-size", "4", "--no-progress"]
     clean = tmp_path / "clean.jsonl"
-    subprocess.run(cmd + ["-o", str(clean)], check=True, capture_output=True, timeout=300)
+    # exit status 3: finished, the broken line an error line
+    assert subprocess.run(cmd + ["-o", str(clean)], capture_output=True, timeout=300).returncode == 3
 
     out = tmp_path / "killed.jsonl"
     rng = random.Random(14)
@@ -299,7 +300,8 @@ def test_a_job_killed_at_random_points_answers_every_id_once(converted, tmp_path
         proc.wait(timeout=60)
         read_results(out)  # every complete line parses
     assert kills >= 2
-    subprocess.run(cmd + ["-o", str(out)], check=True, capture_output=True, timeout=300)
+    assert subprocess.run(cmd + ["-o", str(out)], capture_output=True,
+                          timeout=300).returncode in (0, 3)  # 3 if the broken line was left
 
     got, want = read_results(out), read_results(clean)
     key = lambda r: (r["id"], r.get("line"))  # noqa: E731

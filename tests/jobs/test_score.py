@@ -147,7 +147,7 @@ def test_cli_bad_lines_become_error_lines_and_duplicates_are_refused(converted, 
                    '"content": "hi"}, {"role": "assistant", "content": "the experts"}]}\n')
     r = score_cli(converted("kimi_k3"), inp, "-o", out, "--budget", "200MB", "--json",
                   "--top-logprobs", "3")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 3, r.stderr  # finished, some lines are error lines
     summary = json.loads(r.stdout)
     assert summary["texts"] == 4 and summary["errors"] == 2 and summary["scored_texts"] == 2
     assert summary["perplexity"] > 1 and summary["sweeps"] == 1

@@ -1,0 +1,73 @@
+"""A job's options, recorded beside its output and checked when it resumes.
+
+A resumed job appends to what an earlier run wrote, so the two runs must have
+asked for the same thing: a rerun with another `-n`, `--temp` or `--top-logprobs`
+would leave an output whose lines mean different things, with nothing in them to
+tell which. The options that shape the results (not the budget or batch size,
+which never change a greedy token) are written once, as `OUT.options.json`, when
+the output is started, and a rerun with any of them different is refused, naming
+them. An output written before options were recorded resumes unchecked (it says
+so) and gets its record from that run. stdout (`-o -`) has no resume, so no record.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from deltafin_mlx.errors import BatchError
+
+SUFFIX = ".options.json"
+
+
+def record_path(out_path) -> Path:
+    return Path(f"{out_path}{SUFFIX}")
+
+
+def _shown(flag: str, value) -> str:
+    if value is True:
+        return flag
+    if value is False or value is None:
+        return f"no {flag}"
+    if isinstance(value, list):
+        return " ".join(f"{flag} {json.dumps(v)}" for v in value) or f"no {flag}"
+    return f"{flag} {value}"
+
+
+def check_options(out_path, options: dict, started: bool) -> Optional[str]:
+    """Check `options` ({flag: value}, JSON-able) against OUT's record, or write the
+    record; `started`: OUT already holds results. Returns a note to show, if any;
+    raises BatchError when the record differs."""
+    path = record_path(out_path)
+    wanted = json.loads(json.dumps(options))  # as it reads back (tuples as lists)
+    try:
+        recorded = json.loads(path.read_text())
+    except FileNotFoundError:
+        recorded = None
+    except (OSError, ValueError) as e:
+        raise BatchError(f"{path}: cannot read the options this output was written with "
+                         f"({e}); delete it to resume without checking them") from None
+    if started and recorded is not None:
+        differ = [k for k in sorted(set(wanted) | set(recorded))
+                  if wanted.get(k) != recorded.get(k)]
+        if differ:
+            was = ", ".join(_shown(k, recorded.get(k)) for k in differ)
+            now = ", ".join(_shown(k, wanted.get(k)) for k in differ)
+            raise BatchError(f"{out_path} was written with {was}; this run asks for {now}: "
+                             "rerun with the same options, or write to another output file")
+        return None
+    _write(path, wanted)
+    if started:
+        return (f"{out_path} records no options (written before they were recorded): "
+                "resuming without checking them, and recording this run's")
+    return None
+
+
+def _write(path: Path, options: dict):
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(options, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,141 @@
+"""The lm-evaluation-harness model "deltafin": lm-eval's own command line (with the
+model registered: `deltafin-lm-eval`, here `python -m deltafin_mlx.cli.evaluate`) runs tasks defined by local YAML files over local JSON data, no
+download: a multiple-choice task's log-likelihoods equal `deltafin_mlx.score`'s for
+the same strings, a rolling log-likelihood task's equal the sum over lm-eval's
+rolling windows, and a generation task's answers are batch's. `import
+deltafin_mlx` never imports lm-eval."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import deltafin_mlx
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.engine.runtime import runtime
+
+ROOT = Path(__file__).resolve().parents[2]
+MC = [{"question": "The experts stream from", "choices": [" disk", " memory", " route"],
+       "answer": 0},
+      {"question": "def route(x): return", "choices": [" x", " 12"], "answer": 0}]
+DOCS = [{"text": "the experts stream from disk while the trunk stays in memory " * 6},
+        {"text": "every token routes to a few of them"}]
+TASKS = {
+    "deltafin_local_mc": """output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: acc
+""",
+    "deltafin_local_rolling": """output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list:
+  - metric: word_perplexity
+""",
+    "deltafin_local_gen": """output_type: generate_until
+doc_to_text: "{{question}}"
+doc_to_target: "{{choices[answer]}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 5
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""",
+}
+
+
+def write_tasks(root: Path):
+    data = {"deltafin_local_mc": MC, "deltafin_local_rolling": DOCS, "deltafin_local_gen": MC}
+    for name, body in TASKS.items():
+        rows = root / f"{name}.jsonl"
+        rows.write_text("".join(json.dumps(r) + "\n" for r in data[name]))
+        (root / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {rows}\ntest_split: test\n{body}")
+
+
+def samples(out: Path, task: str):
+    (path,) = out.rglob(f"samples_{task}_*.jsonl")
+    return [json.loads(l) for l in path.read_text().splitlines()]
+
+
+def arguments(sample):
+    return [[a[k] for k in sorted(a)] for _, a in sorted(sample["arguments"].items())]
+
+
+@pytest.fixture(scope="module")
+def evaluated(converted, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm_eval")
+    write_tasks(root)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_HOME": str(root / "hf"), "PYTHONPATH": str(ROOT)}
+    model = converted("qwen3_moe")
+    r = subprocess.run([sys.executable, "-m", "deltafin_mlx.cli.evaluate",
+                        "--model", "deltafin", "--model_args", f"model={model},budget=200MB,"
+                        "max_length=16", "--tasks", ",".join(TASKS), "--include_path",
+                        str(root), "--log_samples", "--output_path", str(root / "out")],
+                       capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return model, root / "out", r.stdout
+
+
+def test_loglikelihoods_equal_deltafin_score_for_the_same_strings(evaluated):
+    model_dir, out, stdout = evaluated
+    assert "deltafin_local_mc" in stdout and "acc" in stdout
+    got = {}
+    for s in samples(out, "deltafin_local_mc"):
+        for (context, continuation), resp in zip(arguments(s), s["resps"]):
+            got[(context, continuation)] = resp[0]
+    assert len(got) == 5
+    model, tok = load(model_dir, "200MB", warm_start=False)
+    want = deltafin_mlx.score(model, tok, [{"prompt": c, "completion": k} for c, k in got])
+    for (key, (logprob, greedy)), w in zip(got.items(), want):
+        assert abs(float(logprob) - w["logprob"]) < 1e-4, key
+        assert str(greedy) == str(w["greedy"])  # the samples file holds them as text
+    runtime(model).close()
+
+
+def test_rolling_loglikelihoods_are_every_token_once_in_windows(evaluated):
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    model_dir, out, _ = evaluated
+    model, tok = load(model_dir, "200MB", warm_start=False)
+    prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    for s in samples(out, "deltafin_local_rolling"):
+        (text,) = arguments(s)[0]
+        tokens = tok.encode(text, add_special_tokens=False)
+        windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+            tokens, prefix, max_seq_len=16, context_len=1)]
+        assert len(windows) > 1 or len(tokens) <= 16
+        lines = [{"prompt_tokens": c, "tokens": [*c, *k]} for c, k in windows]
+        want = 0.0
+        for line, r in zip(lines, deltafin_mlx.score(
+                model, tok, [{"tokens": l["tokens"]} for l in lines])):
+            want += sum(v for v in r["token_logprobs"][len(line["prompt_tokens"]):])
+        assert abs(float(s["resps"][0][0]) - want) < 1e-3
+    runtime(model).close()
+
+
+def test_generation_is_batchs_greedy_answer(evaluated):
+    model_dir, out, _ = evaluated
+    model, tok = load(model_dir, "200MB", warm_start=False)
+    for s in samples(out, "deltafin_local_gen"):
+        ((context, kwargs),) = arguments(s)
+        (want,) = deltafin_mlx.batch_generate(model, tok, [{"prompt": context, "max_tokens": 5,
+                                                            "stop": ["\n"]}], raw=True)
+        assert s["resps"][0][0] == want["text"]
+    runtime(model).close()
+
+
+def test_import_deltafin_mlx_never_imports_lm_eval():
+    r = subprocess.run([sys.executable, "-c", "import sys, deltafin_mlx; deltafin_mlx.score; "
+                        "import deltafin_mlx.jobs.score, deltafin_mlx.cli.main; "
+                        "print('lm_eval' in sys.modules)"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
