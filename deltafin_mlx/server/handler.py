@@ -405,25 +405,37 @@ def _token_text(tokenizer, token: int) -> str:
 def logprobs_block(tokenizer, tokens, logprobs, top_tokens, legacy: bool):
     """OpenAI's logprobs of a reply: per generated token its own logprob and the
     top alternatives, best first (ties by id). `legacy`: /v1/completions' shape
-    (tokens, token_logprobs, top_logprobs as {text: logprob}, text_offset)."""
+    (tokens, token_logprobs, top_logprobs as {text: logprob}, text_offset), where
+    alternatives that decode to the same text (pieces of one UTF-8 character all
+    decode to U+FFFD) share one key, holding the best of their logprobs; every
+    alternative, with its id, is in `top_tokens` (as chat's top_logprobs entries)."""
     tops = []
     for i in range(len(tokens)):
         top = top_tokens[i] if i < len(top_tokens) else ()
         tops.append(sorted(top, key=lambda t: (-t["logprob"], t["id"])))
     texts = [_token_text(tokenizer, t) for t in tokens]
+
+    def entry(token, text, logprob):
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
+                "id": token}
+
     if legacy:
         offsets, at = [], 0
         for s in texts:
             offsets.append(at)
             at += len(s)
+        alternatives = [[entry(x["id"], _token_text(tokenizer, x["id"]), x["logprob"])
+                         for x in top] for top in tops]
+        merged = []
+        for top in alternatives:
+            by_text = {}
+            for x in top:  # best first: a shared text keeps the best logprob
+                by_text.setdefault(x["token"], x["logprob"])
+            merged.append(by_text)
         return {"tokens": texts, "token_ids": list(tokens), "token_logprobs": list(logprobs),
-                "top_logprobs": [{_token_text(tokenizer, t["id"]): t["logprob"] for t in top}
-                                 for top in tops] if any(tops) else None,
+                "top_logprobs": merged if any(tops) else None,
+                "top_tokens": alternatives if any(tops) else None,
                 "text_offset": offsets}
-
-    def entry(token, text, logprob):
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
-                "id": token}
 
     return {"content": [
         {**entry(t, s, lp), "top_logprobs": [entry(x["id"], _token_text(tokenizer, x["id"]),
