@@ -14,8 +14,10 @@ cache folder (`models--OWNER--NAME`, its real path), not the snapshot folder.
 """
 
 import contextlib
+import errno
 import hashlib
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
@@ -48,6 +50,11 @@ def hub_failure(repo: str, e: BaseException, what: str, revision: Optional[str] 
     elif isinstance(e, errors.EntryNotFoundError) and not isinstance(
             e, errors.LocalEntryNotFoundError):
         why = f"the repository has no {what}"
+    elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        why = f"disk full: no space left to write {e.filename or hub_cache_dir()}"
+    elif _is_cut_short(e):
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        why = f"download cut short: {detail}; rerun to fetch it again"
     elif isinstance(e, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled,
                         ConnectionError, OSError)) or _is_network_error(e):
         if offline_mode():
@@ -61,6 +68,24 @@ def hub_failure(repo: str, e: BaseException, what: str, revision: Optional[str] 
     return f"{repo}: not a local path, and fetching {what} from the Hugging Face hub failed ({why})"
 
 
+def hub_cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _is_cut_short(e: BaseException) -> bool:
+    """A transfer that began and broke off (the connection reset or closed early,
+    or fewer bytes than the hub listed), as opposed to a hub never reached."""
+    if isinstance(e, OSError) and str(e).startswith("Consistency check failed"):
+        return True  # huggingface-hub: a file of another size than its listing
+    try:
+        from httpx2 import ReadError, ReadTimeout, RemoteProtocolError
+    except ImportError:  # another huggingface-hub HTTP stack: its errors are OSErrors
+        return False
+    return isinstance(e, (ReadError, ReadTimeout, RemoteProtocolError))
+
+
 def _is_network_error(e: BaseException) -> bool:
     try:
         from httpx2 import TransportError
@@ -71,14 +96,18 @@ def _is_network_error(e: BaseException) -> bool:
 
 @contextlib.contextmanager
 def quiet_hub():
-    """huggingface-hub logs each retry as a warning: one line is said instead."""
+    """huggingface-hub logs each retry as a warning, and warns of too little free
+    disk space before it writes: one line is said instead (a full disk is "disk
+    full" when a write fails)."""
     from huggingface_hub.utils import logging as hub_logging
 
     logger = hub_logging.get_logger("huggingface_hub")
     level = logger.level
     logger.setLevel(hub_logging.ERROR + 10)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Not enough free disk space")
+            yield
     finally:
         logger.setLevel(level)
 
@@ -218,28 +247,42 @@ def fetch_range(repo: str, commit: str, name: str, start: int, length: int) -> b
     return data
 
 
-def download_to(repo: str, commit: str, name: str, dest: Path, on_bytes=None) -> str:
+def download_to(repo: str, commit: str, name: str, dest: Path, size: int,
+                on_bytes=None) -> str:
     """Stream a repository file into `dest` (flushed to disk), returning its
-    sha256; `on_bytes(n)` is told of every chunk written."""
+    sha256; `on_bytes(n)` is told of every chunk written. The file must be the
+    `size` bytes the hub lists: a hub that sends more (an endless body) is stopped
+    there, one that sends fewer is a download cut short; a failed download's
+    partial file is removed. A full disk is said as such, naming `dest`."""
     from huggingface_hub.utils import hf_raise_for_status
 
     h = hashlib.sha256()
+    got = 0
     try:
         with _get(repo, commit, name, {}) as r, open(dest, "wb") as f:
             hf_raise_for_status(r)
             for chunk in r.iter_bytes(4 << 20):
+                got += len(chunk)
+                if got > size:
+                    raise HubError(f"{repo}/{name}: the hub sent more than the {size} bytes it "
+                                   "lists for it; the download was stopped there")
                 f.write(chunk)
                 h.update(chunk)
                 if on_bytes:
                     on_bytes(len(chunk))
+            if got < size:
+                raise HubError(f"{repo}/{name}: download cut short: {got} of the {size} bytes "
+                               "the hub lists arrived; rerun to fetch it again")
             f.flush()
             os.fsync(f.fileno())
-    except HubError:
-        raise
-    except OSError as e:
-        if e.errno is not None and e.filename is not None:
+    except BaseException as e:
+        Path(dest).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise HubError(f"{repo}/{name}: disk full: no space left to write {dest}") from None
+        if isinstance(e, HubError) or not isinstance(e, Exception):
             raise
-        raise HubError(hub_failure(repo, e, name)) from None
-    except Exception as e:  # the hub raises many types; hub_failure says which
+        if isinstance(e, OSError) and e.errno is not None and e.filename is not None:
+            raise
+        # the hub raises many types; hub_failure says which
         raise HubError(hub_failure(repo, e, name)) from None
     return h.hexdigest()
