@@ -122,9 +122,10 @@ def install_checks():
 def check_taken_request(response_generator, args):
     """What mlx-lm's generation thread must never see of a request (`args`, its
     GenerationArguments), checked as that thread takes it: a logit_bias id outside
-    the vocabulary (mlx-lm would index past the logits, a segfault) or a top_k
-    beyond it (its sampler's argpartition fails, and with it the thread). Raises
-    ValueError, which mlx-lm's handler answers with the reason."""
+    the vocabulary (mlx-lm would index past the logits, a segfault), and what
+    would stop the thread: a top_k beyond the vocabulary (its sampler's
+    argpartition), stop strings that are not non-empty strings, a seed beyond
+    64 bits. Raises ValueError, which mlx-lm's handler answers with the reason."""
     provider = response_generator.model_provider
     limits = _limits_of(provider.model, provider.tokenizer)
     if limits is None:
@@ -134,6 +135,8 @@ def check_taken_request(response_generator, args):
         if bias:
             schema.logit_bias({str(k): v for k, v in bias.items()}, limits.vocab)
         schema.integer({"top_k": args.sampling.top_k}, "top_k", 0, limits.vocab - 1)
+        schema.stops(args.stop_words)
+        schema.integer({"seed": args.seed}, "seed", 0, schema.MAX_SEED)
     except RequestError as e:
         raise ValueError(str(e)) from None
 

@@ -4,8 +4,9 @@ mlx-lm has imported the drop-in (and so before Deltafin's checks exist), so such
 request passes mlx-lm's own validation. The drop-in checks every request again as
 mlx-lm's generation thread takes it (that thread loads the model, and so imports
 the drop-in, before it takes any request): an out-of-vocabulary logit_bias id is
-refused with its reason instead of indexing past the logits (a segfault), and the
-server goes on answering. Three fresh servers, each hit as early as a client can."""
+refused with its reason instead of indexing past the logits (a segfault), and so
+are values that would stop that thread; the server goes on answering. Fresh
+servers, each hit as early as a client can."""
 
 import json
 import os
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from bench.lib.server import free_port, get, post, stop_server
 
@@ -42,7 +45,7 @@ def request(port, path, body=None, timeout=300):
     return int(reply.split(b" ", 2)[1]), reply.split(b"\r\n\r\n", 1)[-1]
 
 
-def first_moment_request(model, log_path):
+def first_moment_request(model, log_path, body=HOSTILE):
     """Start mlx_lm.server, poll /health as fast as a client can, and send the
     hostile request the moment it answers 200; returns (status, body, process)."""
     port = free_port()
@@ -61,8 +64,8 @@ def first_moment_request(model, log_path):
         stop_server(proc)
         raise AssertionError("mlx_lm.server did not answer /health: "
                              + Path(log_path).read_text()[-2000:])
-    status, body = request(port, "/v1/chat/completions", HOSTILE)
-    return port, status, body, proc
+    status, reply = request(port, "/v1/chat/completions", body)
+    return port, status, reply, proc
 
 
 def test_a_hostile_first_request_is_refused_and_the_server_goes_on(converted, tmp_path):
@@ -86,3 +89,20 @@ def test_a_hostile_first_request_is_refused_and_the_server_goes_on(converted, tm
             assert ok == 200 and reply["usage"]["completion_tokens"] >= 1, reply
         finally:
             stop_server(proc)
+
+
+@pytest.mark.parametrize("values,says", [({"stop": [1]}, "stop[0]"),
+                                         ({"seed": 2 ** 70}, "seed")])
+def test_a_first_request_that_would_stop_generation_is_refused(converted, tmp_path, values,
+                                                               says):
+    port, status, body, proc = first_moment_request(converted("kimi_k3"),
+                                                    tmp_path / "server.log",
+                                                    {**HOSTILE, "logit_bias": None, **values})
+    try:
+        assert status in (400, 404) and says in body.decode(), (status, body)
+        assert get(port, "/health")[0] == 200  # the generation thread lives
+        ok, reply = post(port, "/v1/chat/completions", {**HOSTILE, "logit_bias": None},
+                         timeout=300)
+        assert ok == 200 and reply["usage"]["completion_tokens"] >= 1, reply
+    finally:
+        stop_server(proc)
