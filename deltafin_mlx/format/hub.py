@@ -17,6 +17,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,9 @@ def hub_failure(repo: str, e: BaseException, what: str, revision: Optional[str] 
         why = f"the repository has no {what}"
     elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         why = f"disk full: no space left to write {e.filename or hub_cache_dir()}"
+    elif isinstance(e, OSError) and e.errno == errno.EFBIG:  # file_size_bound
+        why = ("the hub sent more bytes for a file than it lists; the download was "
+               "stopped there")
     elif _is_cut_short(e):
         detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         why = f"download cut short: {detail}; rerun to fetch it again"
@@ -183,7 +187,10 @@ def download_snapshot(repo: str, revision: Optional[str] = None,
                       listed: Optional[HubRepo] = None, patterns=None,
                       progress: bool = True) -> Path:
     """The snapshot folder of the whole repository (what a conversion reads),
-    downloaded into the hub cache, or found there when the hub cannot be reached."""
+    downloaded into the hub cache, or found there when the hub cannot be reached.
+    huggingface-hub writes a file whole before it compares its size with the
+    listing, so no file may grow past the largest the listing names meanwhile: a
+    hub that sends an endless body cannot fill the disk."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import disable_progress_bars
 
@@ -191,13 +198,42 @@ def download_snapshot(repo: str, revision: Optional[str] = None,
         listed = list_repo(repo, revision)
     if not progress:
         disable_progress_bars()
+    largest = max((f.size for f in listed.files.values()), default=0) if listed else None
     try:
-        with quiet_hub():
+        with quiet_hub(), file_size_bound(largest):
             return Path(snapshot_download(
                 repo, revision=listed.commit if listed else revision,
                 local_files_only=listed is None, allow_patterns=patterns or SOURCE_PATTERNS))
     except Exception as e:  # the hub raises many types; hub_failure says which
         raise HubError(hub_failure(repo, e, "it", revision)) from None
+
+
+@contextlib.contextmanager
+def file_size_bound(limit: Optional[int]):
+    """While the block runs, no file this process writes grows past `limit` bytes
+    (RLIMIT_FSIZE, with SIGXFSZ ignored so such a write fails with EFBIG instead of
+    killing the process). Only from the main thread (signals are set there) and
+    where the platform has the limit; None: no bound."""
+    try:
+        import resource
+        import signal
+    except ImportError:  # Windows
+        resource = None
+    if limit is None or resource is None or \
+            threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY and soft <= limit:  # already as tight
+        yield
+        return
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
 
 
 def cache_root(snapshot: Path) -> Path:
