@@ -31,6 +31,32 @@ def server_prompt_tokens(response_generator, tokenizer, request, args):
     return ResponseGenerator._tokenize(response_generator, tokenizer, request, args)[0]
 
 
+def gate_server_requests(check):
+    """Make mlx_lm.server's generation thread pass every request it takes to
+    `check(response_generator, args)` first (once per process): a request `check`
+    raises on is answered with that error (mlx-lm's handler reports it) and never
+    reaches generation. Wraps ResponseGenerator._next_request, which hands the
+    thread each (response queue, request, GenerationArguments)."""
+    from mlx_lm.server import ResponseGenerator
+
+    taken = ResponseGenerator._next_request
+    if getattr(taken, "_deltafin_gate", False):
+        return
+
+    def next_request(self, timeout=None):
+        item = taken(self, timeout)
+        if item is not None:
+            try:
+                check(self, item[2])
+            except ValueError as e:
+                item[0].put(e)
+                return None
+        return item
+
+    next_request._deltafin_gate = True
+    ResponseGenerator._next_request = next_request
+
+
 def server_generation_loop(response_generator):
     """mlx-lm's generation loop (its thread's body), run in the calling thread."""
     response_generator._generate()

@@ -15,8 +15,11 @@ What it guarantees, whatever clients send:
     fetched) are refused before any work;
   - memory stays within the plan: --sequences requests generate together (decoded
     in one batch, sharing expert reads), --queue more wait, and beyond that a
-    request gets HTTP 503 at once; a body is read only once its request has a
-    place, and no larger than the planned context can use;
+    request gets HTTP 503 at once; a body is no larger than the planned context
+    can use, and bodies held at once are bounded in bytes;
+  - a body is read and checked before its request takes a generation place, and
+    must keep to a byte-rate floor (16 KiB/s after 5 s; slower is HTTP 408), so
+    clients that stall their bodies hold no place, and a bad body waits for none;
   - at most --max-connections connections are open at once (beyond, a new one gets
     HTTP 503 and is closed), and one that has not sent a request's headers within
     --header-timeout seconds is closed;

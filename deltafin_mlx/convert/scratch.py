@@ -116,7 +116,8 @@ class HubScratch:
             part = self.dir / (shard + ".part")
             self._since = time.perf_counter()
             try:
-                got = download_to(self.repo, self.commit, shard, part, self._count)
+                got = download_to(self.repo, self.commit, shard, part,
+                                  self.shard_sizes[shard], self._count)
             finally:
                 self.download_seconds += time.perf_counter() - self._since
                 self._since = None
@@ -126,10 +127,6 @@ class HubScratch:
                 raise ConvertError(f"{self.repo}/{shard}: downloaded bytes do not match the "
                                    f"hub's sha256 (got {got[:12]}..., the hub says "
                                    f"{want[:12]}...); rerun to fetch it again")
-            if part.stat().st_size != self.shard_sizes[shard]:
-                part.unlink(missing_ok=True)
-                raise ConvertError(f"{self.repo}/{shard}: downloaded {part.stat().st_size} "
-                                   f"bytes, the hub lists {self.shard_sizes[shard]}")
             os.replace(part, self.dir / shard)
 
     def _count(self, n: int):
@@ -173,7 +170,7 @@ def open_hub_scratch(repo: str, revision: Optional[str], out: Path,
         dest = scratch / f.name
         if dest.is_file() and dest.stat().st_size == f.size:
             continue
-        got = download_to(repo, listed.commit, f.name, scratch / (f.name + ".part"))
+        got = download_to(repo, listed.commit, f.name, scratch / (f.name + ".part"), f.size)
         if f.sha256 is not None and got != f.sha256:
             raise ConvertError(f"{repo}/{f.name}: downloaded bytes do not match the hub's "
                                "sha256; rerun to fetch it again")

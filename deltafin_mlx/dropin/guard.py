@@ -15,10 +15,12 @@ body before mlx-lm reads and parses it whole, admit requests with a queue and
 503, keep the generation thread alive after an exception, size the listen
 backlog, bound the prompt cache (mlx-lm's --prompt-cache-bytes; changing it on
 one rank of mlx.launch would desynchronise the ranks), or check anything before
-the first moment of loading: mlx-lm starts listening as its generation thread
-starts loading, and a request in the instant before the drop-in is imported is
-mlx-lm's alone (one arriving later waits for the model, as mlx-lm would).
-`deltafin-run serve` does all of these.
+the first moment of loading in the handler: mlx-lm starts listening as its
+generation thread starts loading, so a request in the instant before the drop-in
+is imported passes mlx-lm's own checks only (one arriving later waits for the
+model, as mlx-lm would). What would crash or stop the generation thread is
+checked again as that thread takes each request (`check_taken_request`): it
+imports the drop-in before it takes any. `deltafin-run serve` does all of these.
 """
 
 import json
@@ -106,10 +108,37 @@ def install_checks():
     handler.validate_model_parameters = validate_model_parameters
     handler.handle_completion = handle_completion
     handler._deltafin_guard = True
+    # mlx-lm listens before its generation thread has loaded the model (and so
+    # imported this drop-in): a request that came in first passed mlx-lm's own
+    # checks only. That thread imports the drop-in before it takes any request, so
+    # checking each request it takes again catches those.
+    compat.gate_server_requests(check_taken_request)
     log.warning("deltafin: requests to mlx_lm.server are checked as deltafin-run serve checks "
                 "them, but bodies are not bounded before parsing, there is no admission "
                 "queue and an exception still stops mlx-lm's generation thread: use "
                 "`deltafin-run serve` for untrusted clients")
+
+
+def check_taken_request(response_generator, args):
+    """What mlx-lm's generation thread must never see of a request (`args`, its
+    GenerationArguments), checked as that thread takes it: a logit_bias id outside
+    the vocabulary (mlx-lm would index past the logits, a segfault), and what
+    would stop the thread: a top_k beyond the vocabulary (its sampler's
+    argpartition), stop strings that are not non-empty strings, a seed beyond
+    64 bits. Raises ValueError, which mlx-lm's handler answers with the reason."""
+    provider = response_generator.model_provider
+    limits = _limits_of(provider.model, provider.tokenizer)
+    if limits is None:
+        return
+    try:
+        bias = args.logits.logit_bias
+        if bias:
+            schema.logit_bias({str(k): v for k, v in bias.items()}, limits.vocab)
+        schema.integer({"top_k": args.sampling.top_k}, "top_k", 0, limits.vocab - 1)
+        schema.stops(args.stop_words)
+        schema.integer({"seed": args.seed}, "seed", 0, schema.MAX_SEED)
+    except RequestError as e:
+        raise ValueError(str(e)) from None
 
 
 def fit_batching(model):

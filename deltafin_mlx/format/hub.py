@@ -14,8 +14,11 @@ cache folder (`models--OWNER--NAME`, its real path), not the snapshot folder.
 """
 
 import contextlib
+import errno
 import hashlib
 import os
+import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
@@ -48,6 +51,14 @@ def hub_failure(repo: str, e: BaseException, what: str, revision: Optional[str] 
     elif isinstance(e, errors.EntryNotFoundError) and not isinstance(
             e, errors.LocalEntryNotFoundError):
         why = f"the repository has no {what}"
+    elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        why = f"disk full: no space left to write {e.filename or hub_cache_dir()}"
+    elif isinstance(e, OSError) and e.errno == errno.EFBIG:  # file_size_bound
+        why = ("the hub sent more bytes for a file than it lists; the download was "
+               "stopped there")
+    elif _is_cut_short(e):
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        why = f"download cut short: {detail}; rerun to fetch it again"
     elif isinstance(e, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled,
                         ConnectionError, OSError)) or _is_network_error(e):
         if offline_mode():
@@ -61,6 +72,24 @@ def hub_failure(repo: str, e: BaseException, what: str, revision: Optional[str] 
     return f"{repo}: not a local path, and fetching {what} from the Hugging Face hub failed ({why})"
 
 
+def hub_cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _is_cut_short(e: BaseException) -> bool:
+    """A transfer that began and broke off (the connection reset or closed early,
+    or fewer bytes than the hub listed), as opposed to a hub never reached."""
+    if isinstance(e, OSError) and str(e).startswith("Consistency check failed"):
+        return True  # huggingface-hub: a file of another size than its listing
+    try:
+        from httpx2 import ReadError, ReadTimeout, RemoteProtocolError
+    except ImportError:  # another huggingface-hub HTTP stack: its errors are OSErrors
+        return False
+    return isinstance(e, (ReadError, ReadTimeout, RemoteProtocolError))
+
+
 def _is_network_error(e: BaseException) -> bool:
     try:
         from httpx2 import TransportError
@@ -71,14 +100,18 @@ def _is_network_error(e: BaseException) -> bool:
 
 @contextlib.contextmanager
 def quiet_hub():
-    """huggingface-hub logs each retry as a warning: one line is said instead."""
+    """huggingface-hub logs each retry as a warning, and warns of too little free
+    disk space before it writes: one line is said instead (a full disk is "disk
+    full" when a write fails)."""
     from huggingface_hub.utils import logging as hub_logging
 
     logger = hub_logging.get_logger("huggingface_hub")
     level = logger.level
     logger.setLevel(hub_logging.ERROR + 10)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Not enough free disk space")
+            yield
     finally:
         logger.setLevel(level)
 
@@ -154,7 +187,10 @@ def download_snapshot(repo: str, revision: Optional[str] = None,
                       listed: Optional[HubRepo] = None, patterns=None,
                       progress: bool = True) -> Path:
     """The snapshot folder of the whole repository (what a conversion reads),
-    downloaded into the hub cache, or found there when the hub cannot be reached."""
+    downloaded into the hub cache, or found there when the hub cannot be reached.
+    huggingface-hub writes a file whole before it compares its size with the
+    listing, so no file may grow past the largest the listing names meanwhile: a
+    hub that sends an endless body cannot fill the disk."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import disable_progress_bars
 
@@ -162,13 +198,42 @@ def download_snapshot(repo: str, revision: Optional[str] = None,
         listed = list_repo(repo, revision)
     if not progress:
         disable_progress_bars()
+    largest = max((f.size for f in listed.files.values()), default=0) if listed else None
     try:
-        with quiet_hub():
+        with quiet_hub(), file_size_bound(largest):
             return Path(snapshot_download(
                 repo, revision=listed.commit if listed else revision,
                 local_files_only=listed is None, allow_patterns=patterns or SOURCE_PATTERNS))
     except Exception as e:  # the hub raises many types; hub_failure says which
         raise HubError(hub_failure(repo, e, "it", revision)) from None
+
+
+@contextlib.contextmanager
+def file_size_bound(limit: Optional[int]):
+    """While the block runs, no file this process writes grows past `limit` bytes
+    (RLIMIT_FSIZE, with SIGXFSZ ignored so such a write fails with EFBIG instead of
+    killing the process). Only from the main thread (signals are set there) and
+    where the platform has the limit; None: no bound."""
+    try:
+        import resource
+        import signal
+    except ImportError:  # Windows
+        resource = None
+    if limit is None or resource is None or \
+            threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY and soft <= limit:  # already as tight
+        yield
+        return
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
 
 
 def cache_root(snapshot: Path) -> Path:
@@ -218,28 +283,42 @@ def fetch_range(repo: str, commit: str, name: str, start: int, length: int) -> b
     return data
 
 
-def download_to(repo: str, commit: str, name: str, dest: Path, on_bytes=None) -> str:
+def download_to(repo: str, commit: str, name: str, dest: Path, size: int,
+                on_bytes=None) -> str:
     """Stream a repository file into `dest` (flushed to disk), returning its
-    sha256; `on_bytes(n)` is told of every chunk written."""
+    sha256; `on_bytes(n)` is told of every chunk written. The file must be the
+    `size` bytes the hub lists: a hub that sends more (an endless body) is stopped
+    there, one that sends fewer is a download cut short; a failed download's
+    partial file is removed. A full disk is said as such, naming `dest`."""
     from huggingface_hub.utils import hf_raise_for_status
 
     h = hashlib.sha256()
+    got = 0
     try:
         with _get(repo, commit, name, {}) as r, open(dest, "wb") as f:
             hf_raise_for_status(r)
             for chunk in r.iter_bytes(4 << 20):
+                got += len(chunk)
+                if got > size:
+                    raise HubError(f"{repo}/{name}: the hub sent more than the {size} bytes it "
+                                   "lists for it; the download was stopped there")
                 f.write(chunk)
                 h.update(chunk)
                 if on_bytes:
                     on_bytes(len(chunk))
+            if got < size:
+                raise HubError(f"{repo}/{name}: download cut short: {got} of the {size} bytes "
+                               "the hub lists arrived; rerun to fetch it again")
             f.flush()
             os.fsync(f.fileno())
-    except HubError:
-        raise
-    except OSError as e:
-        if e.errno is not None and e.filename is not None:
+    except BaseException as e:
+        Path(dest).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise HubError(f"{repo}/{name}: disk full: no space left to write {dest}") from None
+        if isinstance(e, HubError) or not isinstance(e, Exception):
             raise
-        raise HubError(hub_failure(repo, e, name)) from None
-    except Exception as e:  # the hub raises many types; hub_failure says which
+        if isinstance(e, OSError) and e.errno is not None and e.filename is not None:
+            raise
+        # the hub raises many types; hub_failure says which
         raise HubError(hub_failure(repo, e, name)) from None
     return h.hexdigest()

@@ -1,9 +1,17 @@
-"""Admission control: at most `active` requests generate at once (the sequences
-whose KV/recurrent state the memory plan holds), at most `queued` more wait for a
-place, and anything beyond is refused at once with HTTP 503, so no number of
-concurrent clients can together push the server past its budget. A request
-takes its place before its body is read: a waiting request holds a socket and
-a thread, never a body.
+"""Admission control, in two steps, so no number of concurrent clients can together
+push the server past its budget and none can hold a place it does not use:
+
+- `body(length)`: before a body is read, its declared length is reserved out of
+  `body_bytes` (bodies being read or checked, or waiting for a generation place,
+  hold at most that much memory together). A body that arrives is checked before
+  anything else, so a client that stalls its body holds only its own reservation
+  (and its connection, until the handler's byte-rate floor closes it), never a
+  generation place, and a refusal of a bad body waits for nothing.
+- `place()`: a checked request takes one of the `active` places (the sequences
+  whose KV/recurrent state the memory plan holds) to generate.
+
+At most `queued` requests wait, for either step, at most `wait_seconds` each;
+beyond, a request is refused at once with HTTP 503.
 """
 
 import threading
@@ -15,8 +23,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class AdmissionConfig:
     active: int  # requests generating together (the plan's sequences)
-    queued: int  # requests waiting for a place
+    queued: int  # requests waiting for a place or for room for their body
     wait_seconds: float  # the longest a request waits before it is refused
+    body_bytes: int  # bodies held at once (being read, checked or waiting), in bytes
 
 
 class Busy(Exception):
@@ -30,32 +39,55 @@ class Admission:
         self.active = 0
         self.waiting = 0
         self.refused = 0
+        self.body_bytes = 0  # reserved by bodies now held
+
+    def _wait_until(self, ready):
+        """Wait (holding the condition) until `ready()`, as one of the `queued`
+        waiters, for at most `wait_seconds`; else Busy."""
+        c = self.config
+        if ready():
+            return
+        if self.waiting >= c.queued:
+            self.refused += 1
+            raise Busy(f"the server is busy ({self.active} requests running, "
+                       f"{self.waiting} waiting); retry later")
+        self.waiting += 1
+        deadline = time.monotonic() + c.wait_seconds
+        try:
+            while not ready():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.refused += 1
+                    raise Busy(f"the server is busy: no place within "
+                               f"{c.wait_seconds:g} s; retry later")
+                self._cond.wait(left)
+        finally:
+            self.waiting -= 1
+
+    @contextmanager
+    def body(self, length: int):
+        """Hold `length` bytes of the bodies' budget while the block runs (a body
+        larger than the whole budget waits until no other body is held)."""
+        with self._cond:
+            self._wait_until(lambda: self.body_bytes == 0 or
+                             self.body_bytes + length <= self.config.body_bytes)
+            self.body_bytes += length
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.body_bytes -= length
+                self._cond.notify_all()  # waiters of both kinds share the condition
 
     @contextmanager
     def place(self):
         """Hold one of the `active` places while the block runs."""
-        c = self.config
         with self._cond:
-            if self.active >= c.active and self.waiting >= c.queued:
-                self.refused += 1
-                raise Busy(f"the server is busy ({self.active} requests running, "
-                           f"{self.waiting} waiting); retry later")
-            self.waiting += 1
-            deadline = time.monotonic() + c.wait_seconds
-            try:
-                while self.active >= c.active:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        self.refused += 1
-                        raise Busy(f"the server is busy: no place within "
-                                   f"{c.wait_seconds:g} s; retry later")
-                    self._cond.wait(left)
-            finally:
-                self.waiting -= 1
+            self._wait_until(lambda: self.active < self.config.active)
             self.active += 1
         try:
             yield
         finally:
             with self._cond:
                 self.active -= 1
-                self._cond.notify()
+                self._cond.notify_all()

@@ -6,8 +6,9 @@ HTTP server with a listen backlog for a few dozen clients.
 
 Memory: the plan holds `sequences` sequences' KV/recurrent state at `context`
 tokens; that many requests generate together (mlx-lm's batch decoding, which
-reads each expert once per step for all of them), a bounded queue waits, and a
-body is read only once its request has a place (server/admission.py). A
+reads each expert once per step for all of them), a bounded queue waits, and
+bodies held at once (read, checked, or waiting for a place) are bounded in bytes
+(server/admission.py). A
 prompt's text is bounded before it is tokenized: no token of the vocabulary is
 longer than `longest_token_bytes` (tokenizer/text_bound.py), so more text than context x that many bytes
 cannot fit.
@@ -182,8 +183,11 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
                            max_text_bytes=max_text_bytes(tokenizer, vocab, cfg.context))
     max_body = cfg.max_body_bytes or limits.max_text_bytes * JSON_ESCAPE + BODY_SLACK
     counters = ServerCounters(model, rank)
+    # Bodies held at once: the generating requests' and one more of the largest,
+    # however many smaller ones that is (a queue of ordinary requests holds little).
     admission = Admission(AdmissionConfig(active=plan.sequences, queued=cfg.queue,
-                                          wait_seconds=cfg.queue_seconds))
+                                          wait_seconds=cfg.queue_seconds,
+                                          body_bytes=max_body * (plan.sequences + 1)))
     args = mlx_lm_args(cfg, plan, plan.sequences)
 
     class DeltafinProvider(server.ModelProvider):

@@ -1,15 +1,16 @@
 """The HTTP handler of `deltafin-run serve`: a subclass of mlx-lm's APIHandler
-that admits a request (server/admission.py), reads a body no larger than the
-planned context can use, checks every value (server/schema.py) and hands mlx-lm
-only the checked body; then it checks the prompt's tokens against the context,
+that reads a body no larger than the planned context can use (with room for it
+reserved, server/admission.py, and at a byte-rate floor), checks every value
+(server/schema.py), and only then takes a generation place and hands mlx-lm the
+checked body; then it checks the prompt's tokens against the context,
 watches the client, counts the request (server/counters.py) and reports
 logprobs as OpenAI does. It also answers /v1/models, /tokenize, /detokenize and
 /metrics itself.
 
 A failure is an HTTP error with a JSON body `{"error": {"message": ...}}`: 400
-for a bad request, 404 for an unknown path, 411/413 for a missing or too large
-body, 503 when the server is busy, 500 when generation failed (the server goes
-on serving).
+for a bad request, 404 for an unknown path, 408 for a body slower than the
+byte-rate floor, 411/413 for a missing or too large body, 503 when the server is
+busy, 500 when generation failed (the server goes on serving).
 """
 
 import io
@@ -32,7 +33,12 @@ COMPLETIONS = {"/v1/completions": False, "/v1/chat/completions": True,
 DRAIN_CHUNK = 1 << 16
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 256 << 20
-BODY_SECONDS = 30.0  # the longest a body may take to arrive
+# A body's byte-rate floor: after BODY_GRACE_SECONDS it must have arrived at
+# BODY_MIN_RATE on average, so a client that stalls or trickles its body frees its
+# connection soon (a body is read before its request takes a generation place, so it
+# never holds one of those).
+BODY_GRACE_SECONDS = 5.0
+BODY_MIN_RATE = 16 << 10  # bytes/s
 
 
 def peer_reset(sock) -> bool:
@@ -192,13 +198,18 @@ def make_handler(base, settings):
                 self._refuse(413, f"the body is {length} bytes, more than the "
                                   f"{settings.max_body} this server's planned context can use")
                 return self._linger(length)
+            has_room = False
             try:
-                with settings.admission.place():
+                with settings.admission.body(length):
+                    has_room = True
                     self._admitted(path, length)
             except Busy as e:
-                self._drain(length)
                 settings.counters.outcome("busy")
+                if not has_room:  # refused with its body unread
+                    self.close_connection = True
                 self._refuse(503, str(e), [("Retry-After", "1")])
+                if not has_room:
+                    self._linger(length)
 
         def _length_or_none(self):
             try:
@@ -234,12 +245,12 @@ def make_handler(base, settings):
                 pass
 
         def _read_body(self, length: int) -> bytes:
-            """The body, within BODY_SECONDS in all: a client that trickles its body
-            does not hold its place for longer."""
-            parts, got, deadline = [], 0, time.monotonic() + BODY_SECONDS
+            """The body, as long as it keeps to the byte-rate floor: after
+            BODY_GRACE_SECONDS, BODY_MIN_RATE bytes/s on average since the start."""
+            parts, got, start = [], 0, time.monotonic()
             try:
                 while got < length:
-                    left = deadline - time.monotonic()
+                    left = start + BODY_GRACE_SECONDS + got / BODY_MIN_RATE - time.monotonic()
                     if left <= 0:
                         break
                     self.connection.settimeout(min(left, settings.socket_timeout))
@@ -255,11 +266,19 @@ def make_handler(base, settings):
             return b"".join(parts)
 
         def _admitted(self, path, length):
+            """A request whose body has room: read and check it, then answer it
+            (a completion once it has a generation place)."""
+            started = time.monotonic()
             raw = self._read_body(length)
             if len(raw) < length:
                 self.close_connection = True
-                return self._refuse(400, f"the body ended after {len(raw)} of {length} bytes "
-                                         f"(or took more than {BODY_SECONDS:g} s)")
+                took = time.monotonic() - started
+                if took >= BODY_GRACE_SECONDS:
+                    return self._refuse(408, f"the body came slower than the "
+                                             f"{BODY_MIN_RATE >> 10} KiB/s this server "
+                                             f"takes ({len(raw)} of {length} bytes in "
+                                             f"{took:.0f} s)")
+                return self._refuse(400, f"the body ended after {len(raw)} of {length} bytes")
             try:
                 body = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
@@ -291,6 +310,12 @@ def make_handler(base, settings):
             del self.headers["Content-Length"]
             self.headers["Content-Length"] = str(len(data))
             self.rfile = io.BytesIO(data)
+            with settings.admission.place():
+                self._generate()
+
+        def _generate(self):
+            """mlx-lm's do_POST on the checked body, counted."""
+            path = self.path.split("?", 1)[0]
             self._meter = settings.counters.start(path)
             self._outcome = "refused"
             try:
@@ -405,25 +430,37 @@ def _token_text(tokenizer, token: int) -> str:
 def logprobs_block(tokenizer, tokens, logprobs, top_tokens, legacy: bool):
     """OpenAI's logprobs of a reply: per generated token its own logprob and the
     top alternatives, best first (ties by id). `legacy`: /v1/completions' shape
-    (tokens, token_logprobs, top_logprobs as {text: logprob}, text_offset)."""
+    (tokens, token_logprobs, top_logprobs as {text: logprob}, text_offset), where
+    alternatives that decode to the same text (pieces of one UTF-8 character all
+    decode to U+FFFD) share one key, holding the best of their logprobs; every
+    alternative, with its id, is in `top_tokens` (as chat's top_logprobs entries)."""
     tops = []
     for i in range(len(tokens)):
         top = top_tokens[i] if i < len(top_tokens) else ()
         tops.append(sorted(top, key=lambda t: (-t["logprob"], t["id"])))
     texts = [_token_text(tokenizer, t) for t in tokens]
+
+    def entry(token, text, logprob):
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
+                "id": token}
+
     if legacy:
         offsets, at = [], 0
         for s in texts:
             offsets.append(at)
             at += len(s)
+        alternatives = [[entry(x["id"], _token_text(tokenizer, x["id"]), x["logprob"])
+                         for x in top] for top in tops]
+        merged = []
+        for top in alternatives:
+            by_text = {}
+            for x in top:  # best first: a shared text keeps the best logprob
+                by_text.setdefault(x["token"], x["logprob"])
+            merged.append(by_text)
         return {"tokens": texts, "token_ids": list(tokens), "token_logprobs": list(logprobs),
-                "top_logprobs": [{_token_text(tokenizer, t["id"]): t["logprob"] for t in top}
-                                 for top in tops] if any(tops) else None,
+                "top_logprobs": merged if any(tops) else None,
+                "top_tokens": alternatives if any(tops) else None,
                 "text_offset": offsets}
-
-    def entry(token, text, logprob):
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
-                "id": token}
 
     return {"content": [
         {**entry(t, s, lp), "top_logprobs": [entry(x["id"], _token_text(tokenizer, x["id"]),

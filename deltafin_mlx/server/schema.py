@@ -269,10 +269,19 @@ def check_completion(body: dict, chat: bool, limits: RequestLimits) -> dict:
     return out
 
 
+def only_fields(body: dict, fields):
+    """/tokenize and /detokenize, as the completions: a field the endpoint does not
+    take is refused, never dropped."""
+    for key in body:
+        if key not in fields:
+            fail(str(key)[:40], "is not a field this endpoint takes")
+
+
 def check_tokenize(body: dict, limits: RequestLimits):
     """/tokenize's `content` and `add_special` (llama.cpp's shape)."""
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
+    only_fields(body, ("content", "add_special"))
     content = text(body.get("content"), "content")
     if len(content.encode("utf-8")) > limits.max_text_bytes:
         fail("content", f"is more text than the planned context of {limits.context} "
@@ -284,6 +293,7 @@ def check_detokenize(body: dict, limits: RequestLimits) -> list:
     """/detokenize's `tokens`: ids in the vocabulary, at most a context of them."""
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
+    only_fields(body, ("tokens",))
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         fail("tokens", "must be a list of token ids")

@@ -8,12 +8,18 @@ expects (checked with huggingface-hub 2.4): the model API (`/api/models/{repo}` 
 Tests point `HF_ENDPOINT` at `FakeHub.url` (with `HF_HUB_DISABLE_XET=1` and a private
 `HF_HOME`, see `FakeHub.env`) in the environment of the process under test, since
 huggingface-hub reads them at import. The hub counts the bytes it served, can be
-slowed to a rate (so a test can kill a download half-way) and can serve a file whose
-bytes differ from its advertised oid.
+slowed to a rate (so a test can kill a download half-way), can serve a file whose
+bytes differ from its advertised oid, and can misbehave on a file's whole download
+(ranged reads stay correct): "endless" (no Content-Length, the file's bytes then
+more, up to ENDLESS_BYTES), "die" (its full Content-Length, half the bytes, then
+the connection dropped) or "truncate" (no Content-Length, half the bytes, then a
+clean close).
 """
 
 import hashlib
 import json
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +30,8 @@ from urllib.parse import unquote, urlparse
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".model", ".tiktoken")
 CHUNK = 1 << 16
+ENDLESS_BYTES = 256 << 20  # what an "endless" download sends at most (a bounded test)
+MISBEHAVIOURS = ("endless", "die", "truncate")
 
 
 @dataclass
@@ -41,6 +49,7 @@ class HubRepo:
     files: Dict[str, HubFile]
     gated: bool = False
     corrupt: Set[str] = field(default_factory=set)  # served with one byte flipped
+    misbehave: Dict[str, str] = field(default_factory=dict)  # name -> a MISBEHAVIOURS mode
 
 
 def _describe(path: Path) -> HubFile:
@@ -76,12 +85,14 @@ class FakeHub:
         return {"HF_ENDPOINT": self.url, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(hf_home),
                 "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
-    def add(self, repo: str, directory, gated: bool = False, corrupt=()) -> HubRepo:
+    def add(self, repo: str, directory, gated: bool = False, corrupt=(),
+            misbehave=None) -> HubRepo:
         directory = Path(directory)
         files = {p.name: _describe(p) for p in sorted(directory.iterdir()) if p.is_file()}
         commit = hashlib.sha1(repo.encode() + b"".join(
             f.sha256.encode() for f in files.values())).hexdigest()
-        self.repos[repo] = HubRepo(commit, files, gated, set(corrupt))
+        assert all(m in MISBEHAVIOURS for m in (misbehave or {}).values()), misbehave
+        self.repos[repo] = HubRepo(commit, files, gated, set(corrupt), dict(misbehave or {}))
         return self.repos[repo]
 
     def __enter__(self):
@@ -178,6 +189,7 @@ def _handler(hub: FakeHub):
                 start = int(a) if a else 0
                 end = int(b) + 1 if b else f.size
                 end = min(end, f.size)
+            mode = None if rng or not body else repo.misbehave.get(name)
             self.send_response(206 if rng else 200)
             self.send_header("X-Repo-Commit", repo.commit)
             etag = f.sha256 if f.lfs else f.git_oid
@@ -185,13 +197,19 @@ def _handler(hub: FakeHub):
             if f.lfs:
                 self.send_header("X-Linked-Etag", f'"{etag}"')
                 self.send_header("X-Linked-Size", str(f.size))
-            self.send_header("Content-Length", str(end - start))
+            if mode in ("endless", "truncate"):  # the body ends when the connection does
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            else:
+                self.send_header("Content-Length", str(end - start))
             if rng:
                 self.send_header("Content-Range", f"bytes {start}-{end - 1}/{f.size}")
             self.send_header("Accept-Ranges", "bytes")
             self.end_headers()
             if not body:
                 return
+            if mode is not None:
+                return self._misbehave(mode, f)
             flip = name in repo.corrupt
             with open(f.path, "rb") as src:
                 src.seek(start)
@@ -213,6 +231,25 @@ def _handler(hub: FakeHub):
                         ahead = sent / hub.rate - (time.perf_counter() - t0)
                         if ahead > 0:
                             time.sleep(ahead)
+
+        def _misbehave(self, mode: str, f: HubFile):
+            data = f.path.read_bytes()
+            if mode in ("die", "truncate"):
+                data = data[:f.size // 2]
+            sent = 0
+            try:
+                while sent < (ENDLESS_BYTES if mode == "endless" else len(data)):
+                    chunk = data[sent:sent + CHUNK] if sent < len(data) else bytes(CHUNK)
+                    self.wfile.write(chunk)
+                    hub._count(len(chunk))
+                    sent += len(chunk)
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            self.close_connection = True
+            if mode == "die":  # dropped, not closed: the client sees a reset
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                           struct.pack("ii", 1, 0))
 
     return Handler
 
