@@ -9,19 +9,21 @@ and `ResponseGenerator._run_generate` and `_next_request` (reading its `requests
 queue, `_stop` flag and `_generation_thread`). Checked against mlx-lm 0.32.x (pyproject.toml pins `mlx-lm>=0.32.2,<0.33`).
 """
 
-import mlx_lm.utils as _utils
-
 CHECKED_VERSIONS = ">=0.32.2,<0.33"
 
 
 def model_classes(config: dict):
     """(Model, ModelArgs) of the architecture config.json names (`model_type`)."""
-    return _utils._get_classes(config)
+    import mlx_lm.utils
+
+    return mlx_lm.utils._get_classes(config)
 
 
 def decode_tagged_floats(obj):
     """config.json as mlx-lm's load_config decodes it (tagged non-finite floats)."""
-    return _utils._decode_tagged_floats(obj)
+    import mlx_lm.utils
+
+    return mlx_lm.utils._decode_tagged_floats(obj)
 
 
 def server_prompt_tokens(response_generator, tokenizer, request, args):
