@@ -53,13 +53,11 @@ def quiet_broken_pipe(main):
 
     return wrapper
 
-def guarded(prog: str, body, debug: bool = False, unforeseen=None) -> int:
+def guarded(prog: str, body, debug: bool = False) -> int:
     """`body()`'s exit status, under the one error policy of both commands: a Ctrl-C
     is one line and status 130 (also while MLX and mlx-lm import, which takes
     seconds), any other failure one line (`one_line`) and status 1 unless `debug`
-    (then the traceback). A closed stdout is left to quiet_broken_pipe.
-    `unforeseen(e)`, where given, words the line for an error that is neither
-    Deltafin's nor the system's (deltafin-convert names the source it could not read)."""
+    (then the traceback). A closed stdout is left to quiet_broken_pipe."""
     try:
         return body()
     except KeyboardInterrupt:
@@ -70,14 +68,24 @@ def guarded(prog: str, body, debug: bool = False, unforeseen=None) -> int:
     except (SystemExit, GeneratorExit):
         raise
     except BaseException as e:  # tiktoken's Rust panics are BaseExceptions, not Exceptions
+        if interrupted(e):  # a Ctrl-C a library re-raised as its own error (transformers'
+            print(f"\n{prog}: interrupted", file=sys.stderr)  # lazy imports do)
+            return 130
         if debug:
             raise
-        from deltafin_mlx.errors import DeltafinError
-
-        known = isinstance(e, (DeltafinError, OSError))
-        line = one_line(e) if known or unforeseen is None else unforeseen(e)
-        print(printable(f"{prog}: error: {line}"), file=sys.stderr)
+        print(printable(f"{prog}: error: {one_line(e)}"), file=sys.stderr)
         return 1
+
+
+def interrupted(e: BaseException) -> bool:
+    """Whether a Ctrl-C caused `e` (anywhere in its chain of causes)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def one_line(e: BaseException) -> str:
