@@ -6,15 +6,33 @@ imported only when it runs); anything else is the default path, `MODEL PROMPT`,
 `MODEL --chat` or `--demo` (MODES). Every failure is one line on stderr (cli/common.py's `guarded`) unless --debug is given.
 """
 
-import importlib
 import signal
 import sys
-import threading
 
-from deltafin_mlx.cli.common import add_version, guarded, quiet_broken_pipe
-from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens, add_sampling_options,
-                                      count, positive)
-from deltafin_mlx.errors import UsageError
+
+def _interrupted_while_starting(signum, frame):
+    """A Ctrl-C while this module's own imports run, before `guarded` is in place:
+    the same one line and status as later, not a traceback through the import
+    machinery (a loaded machine can take a second here)."""
+    print("\ndeltafin-run: interrupted", file=sys.stderr)
+    raise SystemExit(130)
+
+
+try:
+    _sigint = signal.signal(signal.SIGINT, _interrupted_while_starting)
+except ValueError:  # imported outside the main thread: its signals are not ours to set
+    _sigint = None
+
+import importlib  # noqa: E402
+import threading  # noqa: E402
+
+from deltafin_mlx.cli.common import add_version, guarded, quiet_broken_pipe  # noqa: E402
+from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens,  # noqa: E402
+                                      add_sampling_options, count, positive)
+from deltafin_mlx.errors import UsageError  # noqa: E402
+
+if _sigint is not None:  # imported: Ctrl-C is KeyboardInterrupt again, for guarded
+    signal.signal(signal.SIGINT, _sigint)
 
 USAGE = """deltafin-run MODEL PROMPT [options]
        deltafin-run MODEL --chat [options]
