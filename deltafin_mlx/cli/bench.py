@@ -76,17 +76,15 @@ def projected_against_measured(model, runs, measured: float) -> dict:
     """plan's projection for this model and budget (plan/speed.py, the cached machine
     rates) next to what the runs measured, and the per-layer cost the runs imply,
     cached for the next `plan` (the term small models are dominated by)."""
-    from types import SimpleNamespace
-
-    from deltafin_mlx.cli.plan import _disk_rate, decode_rates
+    from deltafin_mlx.plan.report import decode_rates, disk_rate
     from deltafin_mlx.plan.rates import layer_key, store_rate
     from deltafin_mlx.plan.speed import layer_seconds_from_run, project
 
     state = runtime(model)
     inv, plan = state.inventory, state.plan
     bank = state.manifest.bank_path(state.manifest.moe_layers[0])
-    disk, _ = _disk_rate(None, bank, str(state.manifest.path), False)
-    compute, _, layer, _ = decode_rates(SimpleNamespace(), inv, inv.activation_dtype)
+    disk, _ = disk_rate(None, bank, str(state.manifest.path))
+    compute, _, layer, _ = decode_rates(inv, inv.activation_dtype)
     projected = project(inv, plan, disk, compute, layer)["real_routing_tokens_per_second"]
     last = runs[-1]
     stall = last.stall_seconds / max(last.tokens, 1)

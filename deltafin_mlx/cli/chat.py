@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from deltafin_mlx.chat.session import ChatSession, session_path
 from deltafin_mlx.chat.context import status as context_status
-from deltafin_mlx.cli.options import load_model, sampling_of
+from deltafin_mlx.cli.options import load_model, refuse_without_template, sampling_of
 from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import ContextError
 from deltafin_mlx.generation.stream import PrefillProgress
@@ -17,7 +17,6 @@ from deltafin_mlx.engine.runtime import runtime
 
 
 def cmd_chat(args, model_dir=None) -> int:
-    from deltafin_mlx.cli.run import refuse_without_template
     from deltafin_mlx.engine.load import open_tokenizer
     from deltafin_mlx.format.model_dir import open_model_dir
 

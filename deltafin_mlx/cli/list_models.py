@@ -17,14 +17,8 @@ def list_parser():
 
 
 def cmd_list(argv) -> int:
-    import mlx.core as mx
-
-    from deltafin_mlx.engine.load import default_activation_dtype
     from deltafin_mlx.errors import DeltafinError
-    from deltafin_mlx.format.catalog import dir_bytes, find_model_dirs
-    from deltafin_mlx.format.model_dir import open_model_dir
-    from deltafin_mlx.model.config import architecture_name
-    from deltafin_mlx.plan.floor import floor_bytes
+    from deltafin_mlx.format.catalog import find_model_dirs
     from deltafin_mlx.units import human_bytes
 
     args = list_parser().parse_args(argv)
@@ -32,12 +26,7 @@ def cmd_list(argv) -> int:
     for path in find_model_dirs(args.dir):
         found += 1
         try:
-            model_dir = open_model_dir(path)
-            m = model_dir.manifest
-            act = default_activation_dtype() or getattr(mx, m.dtype)
-            row = {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
-                   "architecture_name": architecture_name(m.model_type),
-                   "floor_bytes": floor_bytes(model_dir, act, args.context)}
+            row = model_row(path, args.context)
         except DeltafinError as e:  # one damaged model does not hide the others
             row = {"model": str(path), "error": str(e)}
         if args.json:
@@ -50,3 +39,23 @@ def cmd_list(argv) -> int:
     if not found and not args.json:
         print(f"no converted models under {args.dir}")
     return 0
+
+
+def model_row(path, context: int) -> dict:
+    """What `list` shows of the model in `path`. Its floor is planned from the
+    manifest, which needs MLX and mlx-lm's model code: imported here, so that a
+    directory holding no model (and `list --help`) loads neither."""
+    import mlx.core as mx
+
+    from deltafin_mlx.format.catalog import dir_bytes
+    from deltafin_mlx.format.model_dir import open_model_dir
+    from deltafin_mlx.model.config import architecture_name
+    from deltafin_mlx.plan.floor import floor_bytes
+    from deltafin_mlx.plan.memory import default_activation_dtype
+
+    model_dir = open_model_dir(path)
+    m = model_dir.manifest
+    act = default_activation_dtype() or getattr(mx, m.dtype)
+    return {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
+            "architecture_name": architecture_name(m.model_type),
+            "floor_bytes": floor_bytes(model_dir, act, context)}

@@ -129,6 +129,20 @@ def sampling_of(args):
                     frequency_penalty=args.frequency_penalty, penalty_context=args.penalty_context)
 
 
+def refuse_without_template(tokenizer, args):
+    """Options that go into a chat template do nothing for a model without one
+    (a run and a chat alike)."""
+    from deltafin_mlx.errors import UsageError
+
+    if getattr(tokenizer, "has_chat_template", False):
+        return
+    for flag, given in (("--system", args.system), ("--thinking-effort", args.thinking_effort),
+                        ("--no-think", args.no_think)):
+        if given:
+            raise UsageError(f"{flag} goes into a chat template and this model has none "
+                             "(its prompts are passed as they are)")
+
+
 def load_model(args, model_dir=None, **extra):
     """The model `args` names (or `model_dir`, already opened), loaded with
     add_load_options' options (and --context where the command has one); `extra`

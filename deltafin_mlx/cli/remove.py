@@ -31,8 +31,7 @@ def confirm(what: str, yes: bool) -> bool:
 
 
 def cmd_rm(argv) -> int:
-    from deltafin_mlx.cli.demo import demo_dir, remove_demo
-    from deltafin_mlx.format.catalog import dir_bytes, remove_model_dir
+    from deltafin_mlx.format.catalog import demo_root, dir_bytes, remove_demo, remove_model_dir
     from deltafin_mlx.format.manifest import read_manifest
     from deltafin_mlx.units import human_bytes
 
@@ -42,7 +41,7 @@ def cmd_rm(argv) -> int:
     if args.demo_dir and not args.demo:
         raise UsageError("--demo-dir only applies with --demo")
     if args.demo:
-        root = demo_dir(args)
+        root = demo_root(args.demo_dir)
         if not root.exists():
             print(f"no demo cache at {root}", file=sys.stderr)
             return 0

@@ -4,7 +4,7 @@ JSON object with --json), the run's counters on stderr."""
 import json
 import sys
 
-from deltafin_mlx.cli.options import load_model, sampling_of
+from deltafin_mlx.cli.options import load_model, refuse_without_template, sampling_of
 from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import UsageError
 from deltafin_mlx.generation.stops import StopMatcher
@@ -56,17 +56,6 @@ def open_model(args, text, model_dir=None):
                                             max_context(model_dir.config))
     model, _ = load_model(args, model_dir, context=context)
     return model, tokenizer, prompt
-
-
-def refuse_without_template(tokenizer, args):
-    """Options that go into a chat template do nothing for a model without one."""
-    if getattr(tokenizer, "has_chat_template", False):
-        return
-    for flag, given in (("--system", args.system), ("--thinking-effort", args.thinking_effort),
-                        ("--no-think", args.no_think)):
-        if given:
-            raise UsageError(f"{flag} goes into a chat template and this model has none "
-                             "(its prompts are passed as they are)")
 
 
 def make_prompt(tokenizer, text, args):

@@ -18,7 +18,7 @@ from deltafin_mlx.model.build import build_model, quantize_like_config
 from deltafin_mlx.model.config import text_config
 from deltafin_mlx.model.modules import find_path, get_module, layer_paths, set_module
 from deltafin_mlx.plan.footprint import inventory_from_manifest
-from deltafin_mlx.plan.memory import MAX_SEQUENCES, plan_memory
+from deltafin_mlx.plan.memory import MAX_SEQUENCES, default_activation_dtype, plan_memory
 from deltafin_mlx.engine.linked_reader import LinkedSources
 from deltafin_mlx.engine.reader import Reader, open_bank
 from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
@@ -30,12 +30,6 @@ from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
 from deltafin_mlx.errors import TokenIdError
 
 READ_MODES = ("direct", "mmap")
-
-
-def default_activation_dtype() -> mx.Dtype:
-    # MLX's CPU backend is far faster (and more accurate) in float32; Apple GPUs
-    # run the model's own dtype.
-    return mx.float32 if mx.default_device() == mx.cpu else None
 
 
 def check_against_manifest(model: nn.Module, config: dict, manifest, switches: dict):

@@ -79,3 +79,30 @@ def dir_bytes(path) -> int:
             if not os.path.islink(full):
                 total += os.path.getsize(full)
     return total
+
+
+def demo_root(where=None) -> Path:
+    """Where `deltafin-run --demo` keeps its synthetic checkpoint (`source/`) and the
+    model converted from it (`model/`): `where`, or ~/.cache/deltafin/demo."""
+    if where:
+        return Path(where).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "deltafin" / "demo"
+
+
+def remove_demo(root: Path) -> int:
+    """Delete the demo's cache under `root`: its converted model (refused unless it
+    is one, remove_model_dir), its synthetic checkpoint, then `root` when empty.
+    Returns the bytes freed."""
+    freed = 0
+    if (root / "model").exists():
+        freed += remove_model_dir(root / "model")
+    src = root / "source"
+    if src.exists():
+        if src.is_symlink() or not (src / "config.json").is_file():
+            raise ModelError(f"{src}: not the demo's synthetic checkpoint; not removed")
+        freed += dir_bytes(src)
+        shutil.rmtree(src)
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
+    return freed

@@ -32,7 +32,7 @@ def resilient_generator_class(base):
             super().__init__(model_provider, prompt_cache)
 
         def _run_generate(self):
-            while not self._stop:
+            while not compat.generation_stopping(self):
                 try:
                     compat.server_generation_loop(self)
                     return
@@ -91,11 +91,11 @@ def resilient_generator_class(base):
                 try:
                     return response_queue.get(timeout=1.0)
                 except Empty:
-                    if not self._generation_thread.is_alive():
+                    if not compat.generation_thread_alive(self):
                         raise GenerationFailed("the generation thread has stopped") from None
 
         @property
         def is_healthy(self):
-            return self._generation_thread.is_alive()
+            return compat.generation_thread_alive(self)
 
     return ResilientGenerator

@@ -247,7 +247,7 @@ def test_plan_rates_are_measured_once_then_cached(converted, tmp_path, monkeypat
     """The measurements themselves are tested in test_plan.py; here, how often they run."""
     import itertools
 
-    import deltafin_mlx.cli.plan as plan
+    import deltafin_mlx.plan.report as plan
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     rates = itertools.count(1)
