@@ -12,9 +12,7 @@ The embedding table can instead stay on disk: each call reads only the rows of t
 tokens it embeds and dequantizes them exactly as mlx-lm's QuantizedEmbedding does.
 """
 
-import json
 import os
-import struct
 import threading
 import time
 from collections import defaultdict
@@ -27,52 +25,23 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from deltafin_mlx.engine.cache import np_view
-from deltafin_mlx.format import dtypes
 from deltafin_mlx.format.dtypes import FLOATS, NUMPY, SAFETENSORS
 from deltafin_mlx.model.modules import get_module
-from deltafin_mlx.errors import TrunkReadError
+from deltafin_mlx.errors import ModelError, TrunkReadError
+from deltafin_mlx.format.safetensors import read_header
 
 
 def safetensors_index(path) -> Dict[str, tuple]:
-    """name -> (dtype name, shape, absolute offset, nbytes) for one trunk file.
-
-    The header is checked, since reads go where it says: well-typed entries of
-    known dtypes, each tensor's bytes exactly its shape's, inside the file and not
-    overlapping another's. A damaged header is a ModelError naming the file."""
-    from deltafin_mlx.errors import ModelError
-
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError(f"header length {n} in a {size}-byte file")
-            header = json.loads(f.read(n))
-        if not isinstance(header, dict):
-            raise ValueError("the header is not an object")
-        out, spans = {}, []
-        for name, e in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = e["data_offsets"]
-            shape = tuple(e["shape"])
-            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                       for x in (start, end, *shape)):
-                raise ValueError(f"entry {name} is not well typed")
-            dtype = SAFETENSORS.get(e["dtype"])
-            if dtype not in NUMPY:
-                raise KeyError(e["dtype"])
-            if end - start != dtypes.nbytes(dtype, shape) or 8 + n + end > size:
-                raise ValueError(f"tensor {name}'s bytes do not fit its shape or the file")
-            spans.append((start, end, name))
-            out[name] = (dtype, shape, 8 + n + start, end - start)
-        spans.sort()
-        for (_, e0, a), (s1, _, b) in zip(spans, spans[1:]):
-            if s1 < e0:
-                raise ValueError(f"tensors {a} and {b} overlap")
-    except (OSError, ValueError, KeyError, TypeError, RecursionError, struct.error) as e:
-        raise ModelError(f"{path}: corrupt trunk file header ({type(e).__name__}: "
-                         f"{str(e)[:200]})") from None
+    """name -> (dtype name, shape, absolute offset, nbytes) for one trunk file, its
+    header checked (format/safetensors.py: reads go where it says); a damaged header,
+    or a dtype the streamer does not read, is a ModelError naming the file."""
+    out = {}
+    for name, e in read_header(path, ModelError).items():
+        dtype = SAFETENSORS[e.dtype]
+        if dtype not in NUMPY:
+            raise ModelError(f"{path}: tensor {name:.200} is {e.dtype}, a dtype the trunk "
+                             "streamer does not read")
+        out[name] = (dtype, e.shape, e.offset, e.nbytes)
     return out
 
 
@@ -269,8 +238,6 @@ class RowEmbedding(nn.Module):
         self._act = act
         self._num_rows = self._parts["weight"][1][0]
         if tuple(self._parts["weight"][1]) != tuple(original.weight.shape):
-            from deltafin_mlx.format.manifest import ModelError
-
             raise ModelError(f"{path}: {prefix}.weight is {self._parts['weight'][1]} in the "
                              f"file, {tuple(original.weight.shape)} in the model")
         self._fd = os.open(self._path, os.O_RDONLY)
