@@ -12,6 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from deltafin_mlx.format.bank import BankError, read_layout
+from deltafin_mlx.format.dtypes import mlx_dtype, to_mlx
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
 from deltafin_mlx.engine.chunked_attention import chunk_attention
 from deltafin_mlx.format.manifest import ModelError
@@ -302,7 +303,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     activation_dtype = o.activation_dtype
     if activation_dtype == "auto":
         activation_dtype = default_activation_dtype()
-    act = activation_dtype or getattr(mx, manifest.dtype, mx.bfloat16)
+    act = activation_dtype or mlx_dtype(manifest.dtype)
     inventory = inventory_from_manifest(manifest, config, act)
     if group is not None:
         # Streamed trunk layers would need sliced reads of their own: a rank
@@ -510,9 +511,8 @@ def _gather_linked(manifest) -> list:
             for e in range(bank.layout.num_experts):
                 bank.read_into(e, {k: v[e] for k, v in stacked.items()}, staging, True)
             for s in bank.layout.sections:
-                a = mx.array(stacked[s.name])
                 weights.append((f"{manifest.switch_path(layer)}.{s.name}",
-                                a.view(mx.bfloat16) if s.dtype == "bfloat16" else a))
+                                to_mlx(stacked[s.name], s.dtype)))
     finally:
         sources.close()
     return weights
@@ -540,10 +540,7 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
         experts = [layout.split_record(records[e]) for e in range(layout.num_experts)]
         for s in layout.held_sections:
             arr = np.stack([np.ascontiguousarray(x[s.name]) for x in experts])
-            a = mx.array(arr)
-            if s.dtype == "bfloat16":
-                a = a.view(mx.bfloat16)
-            weights.append((f"{manifest.switch_path(layer)}.{s.name}", a))
+            weights.append((f"{manifest.switch_path(layer)}.{s.name}", to_mlx(arr, s.dtype)))
     for rel in sorted(set(manifest.trunk_files.values())):
         weights.extend(mx.load(str(path / rel)).items())
     model.load_weights(weights, strict=True)

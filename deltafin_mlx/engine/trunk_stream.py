@@ -24,8 +24,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from deltafin_mlx.engine.cache import np_view
-from deltafin_mlx.format.dtypes import FLOATS, NUMPY, SAFETENSORS
+from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, in_memory, name_of, to_mlx, to_numpy, widen
 from deltafin_mlx.model.modules import get_module
 from deltafin_mlx.errors import ModelError, TrunkReadError
 from deltafin_mlx.format.safetensors import read_header
@@ -57,19 +56,8 @@ def _read_into(fd: int, path, dst: np.ndarray, disk_dtype: str, offset: int, nby
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
     if direct:
         return
-    src = target.view(NUMPY[disk_dtype]).reshape(dst.shape)
-    if disk_dtype == "bfloat16" and dst.dtype == np.float32:
-        dst.view(np.uint32)[...] = src.astype(np.uint32) << 16  # exact
-    else:
-        dst[...] = src.astype(dst.dtype)
+    widen(dst, target.view(NUMPY[disk_dtype]).reshape(dst.shape))
 
-
-
-def _dtype_in_memory(disk_dtype: str, act) -> mx.Dtype:
-    """As the resident path holds it: floats cast to `act` (None: kept as stored)."""
-    if act is not None and disk_dtype in FLOATS:
-        return act
-    return getattr(mx, disk_dtype)
 
 
 class Buffer:
@@ -79,10 +67,10 @@ class Buffer:
         self.arrays = {}
         self.views = {}
         for rel, (dtype, shape) in template.items():
-            a = mx.zeros(shape, dtype=_dtype_in_memory(dtype, act))
+            a = mx.zeros(shape, dtype=in_memory(dtype, act))
             mx.eval(a)
             self.arrays[rel] = a
-            self.views[rel] = np_view(a)
+            self.views[rel] = to_numpy(a)
         self.holds = None  # the layer whose weights are in it
         self.future = None  # its read in flight
         self.last_user = None  # the layer that computed with it last
@@ -251,14 +239,12 @@ class RowEmbedding(nn.Module):
     def _rows(self, part: str, ids: np.ndarray) -> mx.array:
         dtype, shape, offset, nbytes = self._parts[part]
         row = nbytes // shape[0]
-        dst_dtype = _dtype_in_memory(dtype, self._act)
-        out = np.empty((len(ids), *shape[1:]), dtype=np.uint16 if dst_dtype == mx.bfloat16
-                       else np.dtype(str(dst_dtype).split(".")[-1]))
+        dst_dtype = name_of(in_memory(dtype, self._act))
+        out = np.empty((len(ids), *shape[1:]), dtype=NUMPY[dst_dtype])
         for j, t in enumerate(ids):
             _read_into(self._fd, self._path, out[j], dtype, offset + int(t) * row, row,
                        self._scratch)
-        a = mx.array(out)
-        return a.view(mx.bfloat16) if dst_dtype == mx.bfloat16 else a
+        return to_mlx(out, dst_dtype)
 
     def __call__(self, x: mx.array) -> mx.array:
         mx.eval(x)
