@@ -4,9 +4,11 @@ table, and the one way each moves between them.
 Names are MLX's (`mx.bfloat16` is "bfloat16"). numpy has no bfloat16, so bf16
 bytes move through numpy as raw uint16 bit patterns: `to_numpy` views an MLX array
 so, `to_mlx` views the bits back, `widen` turns them into float32 exactly.
+
+MLX is imported by the functions that take or make its arrays, not by this module:
+format/ reads and checks files without loading MLX.
 """
 
-import mlx.core as mx
 import numpy as np
 
 # The float dtypes a model's weights and activations come in.
@@ -45,12 +47,14 @@ def name_of(dtype) -> str:
     return str(dtype).split(".")[-1]
 
 
-def mlx_dtype(name: str) -> mx.Dtype:
+def mlx_dtype(name: str):
     """The MLX dtype of a name: mx.bfloat16 for "bfloat16"."""
+    import mlx.core as mx
+
     return getattr(mx, name)
 
 
-def in_memory(disk_dtype: str, activation_dtype) -> mx.Dtype:
+def in_memory(disk_dtype: str, activation_dtype):
     """The dtype a tensor stored as `disk_dtype` is held in: floats (weights, scales,
     biases) in the activation dtype, so no kernel converts them per call; the rest,
     and everything when `activation_dtype` is None, as stored."""
@@ -59,17 +63,21 @@ def in_memory(disk_dtype: str, activation_dtype) -> mx.Dtype:
     return mlx_dtype(disk_dtype)
 
 
-def to_numpy(a: mx.array) -> np.ndarray:
+def to_numpy(a) -> np.ndarray:
     """A numpy view of an MLX array (its buffer: writable once evaluated), bf16 as
     its uint16 bits."""
+    import mlx.core as mx
+
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     return np.asarray(a)
 
 
-def to_mlx(x: np.ndarray, dtype: str) -> mx.array:
+def to_mlx(x: np.ndarray, dtype: str):
     """An MLX array of `x`, which holds dtype `dtype` as NUMPY views it (bf16 bits
     become bfloat16 again)."""
+    import mlx.core as mx
+
     a = mx.array(x)
     return a.view(mx.bfloat16) if dtype == "bfloat16" else a
 
