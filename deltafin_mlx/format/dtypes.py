@@ -83,9 +83,14 @@ def to_mlx(x: np.ndarray, dtype: str):
 
 
 def widen(dst: np.ndarray, src: np.ndarray):
-    """Copy `src` into `dst` of another dtype; bf16 bits into float32 exactly (the
-    bf16 bits are the top half of the f32)."""
-    if src.dtype == np.uint16 and dst.dtype == np.float32:
-        dst.view(np.uint32)[...] = src.astype(np.uint32) << 16
+    """Copy `src` into `dst` of another dtype. bf16 bits (uint16, as NUMPY views
+    them) become float32 exactly: they are the top half of the f32's bits; into
+    another float dtype, through that float32."""
+    if src.dtype == np.uint16 and dst.dtype.kind == "f":
+        bits = src.astype(np.uint32) << 16
+        if dst.dtype == np.float32:
+            dst.view(np.uint32)[...] = bits
+        else:
+            dst[...] = bits.view(np.float32).astype(dst.dtype)
     else:
         dst[...] = src.astype(dst.dtype)
