@@ -22,6 +22,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from deltafin_mlx._version import __version__ as deltafin_version
+from deltafin_mlx.format.dtypes import name_of
 from deltafin_mlx.format.bank import BankWriter, bank_header_size, record_size_of, slice_sections
 from deltafin_mlx.format.integrity import MANIFEST_MAX_BYTES, file_checksum, format_checksum
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
@@ -104,7 +105,7 @@ def _tensor_info(name, a, rel, quantized):
     module = name.rsplit(".", 1)[0]
     return {
         "file": rel,
-        "dtype": str(a.dtype).split(".")[-1],
+        "dtype": name_of(a.dtype),
         "shape": list(a.shape),
         "quantization": quantized.get(module),
     }
@@ -322,7 +323,7 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
                 f"expert {p} input size {i} is not a multiple of the expert group size "
                 f"{expert_quant['group_size']} (choose another --expert-group-size)"
             )
-    scales_dtype = str(dtype or mx.bfloat16).split(".")[-1]
+    scales_dtype = name_of(dtype or mx.bfloat16)
     sections = expert_sections(shapes, expert_quant, scales_dtype)
     slices = options.ranks
     if slices > 1:
@@ -680,7 +681,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
     manifest = Manifest(
         path=out,
         model_type=config["model_type"],
-        dtype=str(dtype).split(".")[-1] if dtype is not None else "float32",
+        dtype=name_of(dtype) if dtype is not None else "float32",
         num_layers=num_layers,
         quantization={"trunk": trunk_quant, "experts": expert_quant},
         trunk_files={

@@ -133,7 +133,7 @@ def load_for_mlx_lm(path: Path, group=None):
     from inside mlx-lm's CLI."""
     import sys
 
-    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.engine.load import LoadOptions, load
     from deltafin_mlx.errors import BudgetError, ModelError
 
     seqs = os.environ.get("DELTAFIN_SEQUENCES") or "1"
@@ -147,9 +147,10 @@ def load_for_mlx_lm(path: Path, group=None):
               file=sys.stderr)
         raise SystemExit(1)
     try:
-        model, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
-                        tokenizer=False, group=group, context=int(context),
-                        sequences=seqs if seqs == "auto" else int(seqs))
+        options = LoadOptions(memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
+                              tokenizer=False, group=group, context=int(context),
+                              sequences=seqs if seqs == "auto" else int(seqs))
+        model, _ = load(path, options=options)
     except BudgetError as e:
         print(f"deltafin: error: DELTAFIN_BUDGET={os.environ.get('DELTAFIN_BUDGET', '')!r:.60}: "
               f"{e}", file=sys.stderr)

@@ -29,6 +29,7 @@ import numpy as np
 
 from deltafin_mlx.jobs.results_file import Results, read_lines
 from deltafin_mlx.errors import BatchError
+from deltafin_mlx.format.dtypes import SAFETENSORS_CODE
 from deltafin_mlx.generation.logprobs import top_pairs
 from deltafin_mlx.jobs.score_sweep import Scored
 
@@ -67,10 +68,6 @@ class JsonlOutput:
         self.out.close()
 
 
-_SAFETENSORS_DTYPES = {np.dtype(np.int32): "I32", np.dtype(np.float16): "F16",
-                       np.dtype(np.float32): "F32"}
-
-
 def write_safetensors(path: Path, tensors: dict, metadata: dict = None):
     """A safetensors file written whole: temporary name, fsync, rename, fsync of
     the directory (so a file under its final name is always complete);
@@ -81,7 +78,7 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict = None):
     for name, a in tensors.items():
         a = np.ascontiguousarray(a)
         data = a.tobytes()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[a.dtype], "shape": list(a.shape),
+        header[name] = {"dtype": SAFETENSORS_CODE[a.dtype.name], "shape": list(a.shape),
                         "data_offsets": [offset, offset + len(data)]}
         offset += len(data)
         blobs.append(data)

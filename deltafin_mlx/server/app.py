@@ -40,9 +40,9 @@ class ServeConfig:
     model: str
     host: str = "127.0.0.1"
     port: int = 8080
-    budget: Optional[str] = None
-    context: int = 4096
-    sequences: object = "auto"  # requests generating together, or "auto" (the planner's)
+    # How the model loads (engine/load.py LoadOptions; None: its defaults). Its
+    # `context` is each request's, its `sequences` the requests generating together.
+    load: object = None
     queue: int = 64  # requests waiting for a place; beyond, 503
     queue_seconds: float = 300.0  # the longest a request waits for a place
     max_body_bytes: Optional[int] = None  # default: what the context can use
@@ -50,11 +50,6 @@ class ServeConfig:
     header_timeout: float = 10.0  # a request's line and headers take at most this, in all
     max_connections: int = 256  # open at once; beyond, a new one is 503 and closed
     backlog: int = 128
-    reader_threads: int = 1
-    verify: bool = False
-    read_mode: str = "direct"
-    lookahead: bool = True
-    warm_start: bool = True
     prefill_step_size: Optional[int] = None  # default: the plan's pass
     prompt_cache_size: int = 10
     prompt_cache_bytes: Optional[int] = None  # default: the plan's state bytes
@@ -66,7 +61,6 @@ class ServeConfig:
     chat_template_args: Optional[dict] = None
     allowed_origins: tuple = ("*",)
     log_level: str = "INFO"
-    progress: bool = False
 
 
 @dataclass
@@ -164,23 +158,21 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
     import mlx_lm.server as server
     from mlx_lm.models.cache import make_prompt_cache
 
-    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.engine.load import LoadOptions, load
     from deltafin_mlx.engine.runtime import runtime
     from deltafin_mlx.server.generation import resilient_generator_class
     from deltafin_mlx.server.handler import make_handler
     from deltafin_mlx.model.modules import model_vocab
     from deltafin_mlx.tokenizer.text_bound import max_text_bytes
 
-    model, tokenizer = load(cfg.model, memory_budget=cfg.budget, context=cfg.context,
-                            sequences=cfg.sequences, reader_threads=cfg.reader_threads,
-                            verify=cfg.verify, read_mode=cfg.read_mode,
-                            lookahead=cfg.lookahead, warm_start=cfg.warm_start,
-                            progress=cfg.progress)
+    options = cfg.load or LoadOptions(sequences="auto")
+    context = options.context
+    model, tokenizer = load(cfg.model, options=options)
     state = runtime(model)
     plan = state.plan
     vocab = model_vocab(model)
-    limits = RequestLimits(vocab=vocab, context=cfg.context,
-                           max_text_bytes=max_text_bytes(tokenizer, vocab, cfg.context))
+    limits = RequestLimits(vocab=vocab, context=context,
+                           max_text_bytes=max_text_bytes(tokenizer, vocab, context))
     max_body = cfg.max_body_bytes or limits.max_text_bytes * JSON_ESCAPE + BODY_SLACK
     counters = ServerCounters(model, rank)
     # Bodies held at once: the generating requests' and one more of the largest,
@@ -224,7 +216,7 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
         log.info("deltafin-run serve: %s on http://%s:%d, budget %s, context %d tokens, "
                  "%d request%s at once (%d more may wait), %d expert slots (%.0f%% of the "
                  "experts), bodies up to %s", cfg.model, cfg.host, cfg.port,
-                 human_bytes(plan.budget), cfg.context, plan.sequences,
+                 human_bytes(plan.budget), context, plan.sequences,
                  "s" * (plan.sequences != 1), cfg.queue, plan.slots,
                  100 * plan.cache_fraction, human_bytes(max_body))
         try:
