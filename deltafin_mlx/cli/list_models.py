@@ -45,17 +45,16 @@ def model_row(path, context: int) -> dict:
     """What `list` shows of the model in `path`. Its floor is planned from the
     manifest, which needs MLX and mlx-lm's model code: imported here, so that a
     directory holding no model (and `list --help`) loads neither."""
-    import mlx.core as mx
-
     from deltafin_mlx.format.catalog import dir_bytes
     from deltafin_mlx.format.model_dir import open_model_dir
     from deltafin_mlx.model.config import architecture_name
     from deltafin_mlx.plan.floor import floor_bytes
+    from deltafin_mlx.format.dtypes import mlx_dtype
     from deltafin_mlx.plan.memory import default_activation_dtype
 
     model_dir = open_model_dir(path)
     m = model_dir.manifest
-    act = default_activation_dtype() or getattr(mx, m.dtype)
+    act = default_activation_dtype() or mlx_dtype(m.dtype)
     return {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
             "architecture_name": architecture_name(m.model_type),
             "floor_bytes": floor_bytes(model_dir, act, context)}

@@ -7,6 +7,7 @@ module parses the options and formats it (or prints it as JSON).
 
 import json
 
+from deltafin_mlx.format.dtypes import FLOATS
 from deltafin_mlx.cli.options import Parser, positive, positive_or_auto
 from deltafin_mlx.plan.report import PREFILL_BATCH, PlanOptions, plan_report
 from deltafin_mlx.units import human_bytes
@@ -44,7 +45,7 @@ def plan_parser():
     p.add_argument("--remeasure", action="store_true",
                    help="measure the disk, compute and per-layer rates again instead of using "
                    "cached ones")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    p.add_argument("--dtype", choices=FLOATS, default=None,
                    help="activation dtype to plan for (default: float32 on CPU; the model's "
                    "dtype on GPU — plan an Apple GPU with bfloat16)")
     p.add_argument("--revision", default=None,

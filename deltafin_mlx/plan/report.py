@@ -17,6 +17,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from deltafin_mlx.format.dtypes import mlx_dtype, name_of
 from deltafin_mlx.format.hub import (SOURCE_PATTERNS, HubError, fetch_config, list_repo,
                                      looks_like_hub_id)
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
@@ -35,7 +36,6 @@ from deltafin_mlx.plan.scoring import scoring_plan
 from deltafin_mlx.plan.slots import max_slots, pool_chunks, pool_limit
 from deltafin_mlx.plan.speed import project, project_prefill, project_scoring
 
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 # Prompt lengths whose time to first token `plan` projects.
 PROJECTED_PROMPTS = (300, 3000, 30000)
@@ -57,7 +57,7 @@ class PlanOptions:
     context: int = 4096
     sequences: object = 1  # a number, or "auto"
     ranks: int = 1
-    dtype: Optional[str] = None  # a key of DTYPES; None: default_activation_dtype's
+    dtype: Optional[str] = None  # a name of format.dtypes.FLOATS; None: default_activation_dtype's
     revision: Optional[str] = None
     bits: Optional[int] = None
     group_size: Optional[int] = None
@@ -95,7 +95,7 @@ def plan_report(options: PlanOptions) -> dict:
     """The plan report of `options.model`, as `deltafin-run plan --json` prints it:
     every figure per rank (`ranks`), each rate with where it came from."""
     target = Path(options.model).expanduser()
-    act = DTYPES[options.dtype] if options.dtype else default_activation_dtype()
+    act = mlx_dtype(options.dtype) if options.dtype else default_activation_dtype()
     given = {k: getattr(options, k) for k in CONVERSION_OPTIONS}
     bank = None
     routes = None  # a converted model has taken its route
@@ -164,7 +164,7 @@ def plan_report(options: PlanOptions) -> dict:
         "whole_trunk_bytes": whole.trunk_bytes,
         "whole_expert_record_bytes": whole.record_size,
         "model_type": inv.model_type,
-        "activation_dtype": str(act).split(".")[-1],
+        "activation_dtype": name_of(act),
         "budget_bytes": plan.budget,
         "context": plan.context,
         "max_context": max_context(inv.config),
@@ -240,7 +240,7 @@ def _disk_routes(inv, config, opts, target: Path, name: str, revision):
             small = sum(f.size for n, f in listed.files.items()
                         if n not in shards and any(fnmatch(n, p) for p in SOURCE_PATTERNS))
     return disk_routes(inv, quant, shards or None, small,
-                       itemsize_of(str(source_dtype(config) or "bfloat16").split(".")[-1]))
+                       itemsize_of(name_of(source_dtype(config) or "bfloat16")))
 
 
 def matvec_kind(inv):
