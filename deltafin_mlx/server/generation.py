@@ -6,15 +6,28 @@ restart.
 
 The requests a loop had taken are known by their response queues: a request
 still waiting in the queue is served by the next loop as if nothing happened.
+
+It also splits a chat prompt at the end of the chat template's preamble when the
+conversation has no system message of its own (K3's template opens every
+conversation with a ~345-token system message of its own): mlx-lm's prompt cache
+keeps the state at the end of a prompt's first segment, so every new conversation
+starts from the cached preamble instead of prefilling it again. A prompt is always
+prefilled in the same segments, cached or not, so a reply is the same either way.
 """
 
+import json
 import logging
 import threading
 from queue import Empty, Queue
 
+from mlx_lm.server import CompletionRequest
+
 from deltafin_mlx import compat
+from deltafin_mlx.generation.stream import common_prefix
 
 log = logging.getLogger("deltafin_mlx.server")
+
+PREAMBLES = 16  # preambles kept (one per set of template arguments and tools)
 
 
 class GenerationFailed(RuntimeError):
@@ -29,6 +42,7 @@ def resilient_generator_class(base):
             self._taken = set()
             self._taken_lock = threading.Lock()
             self._on_restart = on_restart
+            self._preambles = {}  # (template arguments, tools) -> the preamble's tokens
             super().__init__(model_provider, prompt_cache)
 
         def _run_generate(self):
@@ -47,6 +61,29 @@ def resilient_generator_class(base):
                         q.put(error)
                     if self._on_restart is not None:
                         self._on_restart()
+
+        def _tokenize(self, tokenizer, request, args):
+            prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+            if request.request_type == "chat" and vision is None and types[0] == "user":
+                n = common_prefix(self._preamble(tokenizer, request, args), segments[0])
+                if 0 < n < len(segments[0]):
+                    segments = [segments[0][:n], segments[0][n:], *segments[1:]]
+                    types = ["system", *types]
+            return prompt, segments, types, state, vision
+
+        def _preamble(self, tokenizer, request, args):
+            """What the template puts before a conversation's first user message
+            and its text: the template rendered for one empty user message."""
+            key = json.dumps([args.chat_template_kwargs, request.tools], sort_keys=True,
+                             default=str)
+            if key not in self._preambles:
+                empty = CompletionRequest("chat", "", [{"role": "user", "content": ""}],
+                                          request.tools, request.role_mapping)
+                prompt = super()._tokenize(tokenizer, empty, args)[0]
+                if len(self._preambles) >= PREAMBLES:
+                    self._preambles.clear()
+                self._preambles[key] = prompt
+            return self._preambles[key]
 
         def _next_request(self, timeout=None):
             request = super()._next_request(timeout)
