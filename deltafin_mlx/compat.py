@@ -5,8 +5,9 @@ few of the hooks it needs are not public. Each one is reached through a function
 here, so that an mlx-lm release that moves one breaks this file, not the runtime.
 `deltafin-run serve` (deltafin_mlx/server/) also subclasses mlx-lm's server
 classes: it overrides `ModelProvider._load`, `APIHandler._set_completion_headers`,
-and `ResponseGenerator._run_generate` and `_next_request` (reading its `requests`
-queue, `_stop` flag and `_generation_thread`). Checked against mlx-lm 0.32.x (pyproject.toml pins `mlx-lm>=0.32.2,<0.33`).
+`ResponseGenerator._run_generate`, `_next_request` and `_tokenize` (reading its
+`requests` queue, `_stop` flag and `_generation_thread`), and BatchGenerator's
+`_next` (use_server_batch_generator). Checked against mlx-lm 0.32.x (pyproject.toml pins `mlx-lm>=0.32.2,<0.33`).
 """
 
 import mlx_lm.utils as _utils
@@ -55,6 +56,17 @@ def gate_server_requests(check):
 
     next_request._deltafin_gate = True
     ResponseGenerator._next_request = next_request
+
+
+def use_server_batch_generator(cls):
+    """Make mlx_lm.server's generation loop build its batches with `cls`, a
+    BatchGenerator subclass (server/generation.py's turn_taking, which overrides
+    `_next` and reads `_generation_batch`, `_unprocessed_sequences`,
+    `_currently_processing` and `_counters`): the loop names the class that
+    mlx_lm.server imported."""
+    import mlx_lm.server as server
+
+    server.BatchGenerator = cls
 
 
 def server_generation_loop(response_generator):

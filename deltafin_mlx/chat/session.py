@@ -26,7 +26,7 @@ from mlx_lm.models.cache import ArraysCache, can_trim_prompt_cache, make_prompt_
 
 from deltafin_mlx.generation.stream import (PrefillProgress, RunStats, StatsMeter, chat_prompt,
                                    common_prefix, fit_context, stream_generate)
-from deltafin_mlx.chat.context import grow
+from deltafin_mlx.chat.context import grow, shrink
 from deltafin_mlx.errors import SessionError
 from deltafin_mlx.chat.session_file import read_session, write_session
 from deltafin_mlx.engine.runtime import runtime, find_runtime
@@ -51,6 +51,7 @@ class Turn:
     tokens: List[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens run through the model for this turn
     reused: int = 0  # history tokens taken from the cache instead
+    prompt_tokens: int = 0  # the tokens this turn had to prefill (`prefilled` when done)
     finish_reason: Optional[str] = None
     stats: RunStats = field(default_factory=RunStats)
     # Interrupted before its reply began: the turn left the conversation, its tokens
@@ -91,6 +92,9 @@ class ChatSession:
         self.system = system
         self.thinking = thinking
         self.thinking_effort = thinking_effort
+        state = find_runtime(model)
+        # The context the model was first planned for: /drop plans it back there.
+        self.planned_context = state.plan.context if state is not None else None
         self.reset()
 
     def reset(self):
@@ -177,7 +181,7 @@ class ChatSession:
         self.model, self.growth = grow(self.model, self.reload, len(prompt) + max(max_tokens, 1),
                                        least=len(prompt) + 1)
         fit_context(self.model, len(new), max_tokens, cached=reused)  # before any change
-        turn = Turn(reused=reused)
+        turn = Turn(reused=reused, prompt_tokens=len(new))
         done = [0]
 
         def on_progress(n, total):
@@ -238,9 +242,21 @@ class ChatSession:
                     cut += 1
                 seen += 1
         self.messages = self.messages[:head] + body[cut:]
-        self.cache = make_prompt_cache(self.model)
         self.tokens = []
+        if self.planned_context is not None:
+            self.model, self.growth = shrink(self.model, self.reload,
+                                             self.conversation_tokens()[0] + 1,
+                                             self.planned_context)
+        self.cache = make_prompt_cache(self.model)
         return cut
+
+    def conversation_tokens(self):
+        """(tokens of the conversation, how many of them the next turn prefills
+        again): after /drop the cache is empty and the whole rest is pending."""
+        if self.tokens or not any(m["role"] != "system" for m in self.messages):
+            return len(self.tokens), 0
+        n = len(self.render(self.messages, add_generation_prompt=False))
+        return n, n
 
     # Saving and restoring
 

@@ -189,7 +189,8 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
 
     from deltafin_mlx.engine.load import load
     from deltafin_mlx.engine.runtime import runtime
-    from deltafin_mlx.server.generation import resilient_generator_class
+    from deltafin_mlx import compat
+    from deltafin_mlx.server.generation import resilient_generator_class, turn_taking
     from deltafin_mlx.server.handler import make_handler
     from deltafin_mlx.model.modules import model_vocab
     from deltafin_mlx.tokenizer.text_bound import max_text_bytes
@@ -224,6 +225,8 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
             if self.model is None:
                 self._load("default_model")
             return self.model, self.tokenizer
+
+    compat.use_server_batch_generator(turn_taking(server.BatchGenerator))
 
     def restarted():
         counters.generation_restarts += 1

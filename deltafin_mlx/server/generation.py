@@ -13,13 +13,22 @@ conversation with a ~345-token system message of its own): mlx-lm's prompt cache
 keeps the state at the end of a prompt's first segment, so every new conversation
 starts from the cached preamble instead of prefilling it again. A prompt is always
 prefilled in the same segments, cached or not, so a reply is the same either way.
+
+`turn_taking` makes mlx-lm's batch generator alternate between a decode step and a
+prefill pass when it has both to do: mlx-lm runs a pass of the next prompt in the
+same call as the decode step and hands the step's tokens to the server only after
+it, so each client already generating would wait a whole pass per token, and a
+client whose prompt was just prefilled would wait one more for its first token.
 """
 
 import json
 import logging
 import threading
+import time
 from queue import Empty, Queue
 
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
 from mlx_lm.server import CompletionRequest
 
 from deltafin_mlx import compat
@@ -136,3 +145,46 @@ def resilient_generator_class(base):
             return self._generation_thread.is_alive()
 
     return ResilientGenerator
+
+
+def turn_taking(base):
+    """A subclass of mlx-lm's BatchGenerator (`base`) whose `next()` does either one
+    decode step of the sequences generating or one prefill pass of the prompt being
+    admitted, in turns, when there are both; so a decode step's tokens reach their
+    clients before the next pass runs. The arithmetic is mlx-lm's own, in the same
+    order for each sequence."""
+
+    class TurnTakingBatchGenerator(base):
+        _decode_next = True  # after a prefill pass: its first token goes out at once
+
+        def _next(self):
+            generating = self._generation_batch
+            prefilling = bool(self._unprocessed_sequences or self._currently_processing)
+            full = not self._currently_processing and \
+                len(generating) >= self.completion_batch_size
+            if not len(generating) or not prefilling or full:
+                self._decode_next = True
+                return super()._next()
+            if self._decode_next:  # a decode step alone: mlx-lm's first half
+                self._decode_next = False
+                tic = time.perf_counter()
+                responses = generating.next()
+                self._counters.decode_time += time.perf_counter() - tic
+                self._counters.generation_tokens += len(responses)
+                self._counters.generation_steps += 1
+                if self._counters.generation_steps % 512 == 0:
+                    mx.clear_cache()
+                return [], responses
+            # A prefill pass alone: mlx-lm's step with the generating sequences set
+            # aside; a prompt that finishes joins them.
+            self._decode_next = True
+            self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
+            try:
+                prompt_responses, _ = super()._next()
+            finally:
+                joined, self._generation_batch = self._generation_batch, generating
+                if len(joined):
+                    generating.extend(joined)
+            return prompt_responses, []
+
+    return TurnTakingBatchGenerator
