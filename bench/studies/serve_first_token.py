@@ -35,34 +35,39 @@ def message(tag: str, words: int) -> str:
     return f"{tag}: " + " ".join(f"w{tag}{j}" for j in range(words))
 
 
-def chat(port, content, tokens, go, out, i):
+def chat(port, content, tokens, go, out, passes, i):
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": tokens,
             "temperature": 0.0, "stream": True}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
                                  json.dumps(body).encode(), {"Content-Type": "application/json"})
     go.wait()
     t0 = time.perf_counter()
-    first = None
+    first = began = None
     with urllib.request.urlopen(req, timeout=1800) as r:
         for line in r:
+            if began is None and line.startswith(b": keepalive"):
+                began = time.perf_counter() - t0
             if first is None and line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
                 chunk = json.loads(line[6:])
                 delta = chunk["choices"][0].get("delta", {}) if chunk["choices"] else {}
                 if delta.get("content") or delta.get("reasoning"):
                     first = time.perf_counter() - t0
     out[i] = first
+    passes[i] = began
 
 
 def together(port, contents, tokens):
-    out, go = [None] * len(contents), threading.Event()
-    threads = [threading.Thread(target=chat, args=(port, c, tokens, go, out, i))
+    """Each client's first token and the end of its first prefill pass (s after
+    the start), in the order of `contents`."""
+    out, passes, go = [None] * len(contents), [None] * len(contents), threading.Event()
+    threads = [threading.Thread(target=chat, args=(port, c, tokens, go, out, passes, i))
                for i, c in enumerate(contents)]
     for t in threads:
         t.start()
     go.set()
     for t in threads:
         t.join()
-    return out
+    return out, passes
 
 
 def main():
@@ -85,13 +90,16 @@ def main():
     try:
         together(port, [message("warm-up", 4)], 2)
         for r in range(a.rounds):
-            (lone,) = together(port, [message(f"lone{r}", a.words)], a.tokens)
-            firsts = together(port, [message(f"r{r}c{i}", a.words) for i in range(a.clients)],
-                              a.tokens)
+            (lone,), (lone_pass,) = together(port, [message(f"lone{r}", a.words)], a.tokens)
+            firsts, passes = together(
+                port, [message(f"r{r}c{i}", a.words) for i in range(a.clients)], a.tokens)
+            k = firsts.index(min(firsts))
             row = {"lone_s": lone, "first_served_s": min(firsts), "slowest_s": max(firsts),
-                   "clients_s": firsts, "ratio": min(firsts) / lone}
-            log(f"round {r}: lone {lone:.2f} s; {a.clients} together: first served "
-                f"{min(firsts):.2f} s, slowest {max(firsts):.2f} s ({row['ratio']:.2f}x)")
+                   "clients_s": firsts, "ratio": min(firsts) / lone,
+                   "lone_first_pass_s": lone_pass, "first_served_first_pass_s": passes[k]}
+            log(f"round {r}: lone {lone:.2f} s (first pass done at {lone_pass:.2f} s); "
+                f"{a.clients} together: first served {min(firsts):.2f} s (first pass done at "
+                f"{passes[k]:.2f} s), slowest {max(firsts):.2f} s ({row['ratio']:.2f}x)")
             rows.append(row)
     finally:
         stop_server(proc)
