@@ -178,6 +178,8 @@ class ChatSession:
         prompt = self.prompt_for(text) if prompt is None else list(prompt)
         reused = self.sync(prompt)
         new = prompt[reused:]
+        state = find_runtime(self.model)
+        context_before = state.plan.context if state is not None else None
         self.model, self.growth = grow(self.model, self.reload, len(prompt) + max(max_tokens, 1),
                                        least=len(prompt) + 1)
         fit_context(self.model, len(new), max_tokens, cached=reused)  # before any change
@@ -215,11 +217,13 @@ class ChatSession:
                     break
         except Interrupted:
             before.restore(self)
+            self._undo_growth(context_before)
             turn.prefilled, turn.finish_reason, turn.dropped = done[0], "interrupted", True
             turn.stats = meter.now(0, done[0])
             return turn
         except BaseException:
             before.restore(self)  # stopped inside a forward pass: the turn did not happen
+            self._undo_growth(context_before)
             raise
         turn.text, turn.thinking = channels.answer, channels.thinking
         reply = {"role": "assistant", "content": turn.text}
@@ -227,6 +231,13 @@ class ChatSession:
             reply["reasoning_content"] = turn.thinking
         self.messages.append(reply)
         return turn
+
+    def _undo_growth(self, context):
+        """A turn that did not happen leaves the plan as it was: a context grown
+        for it is planned back (the cache, as before the turn, is kept)."""
+        if self.growth is not None and context is not None:
+            self.model, _ = shrink(self.model, self.reload, len(self.tokens) + 1, context)
+            self.growth = None
 
     def drop_oldest(self, turns: int = 1) -> int:
         """Forget the oldest `turns` exchanges (a user message and its reply; the

@@ -1,6 +1,7 @@
 """The chat's frictions of issue 33: a pasted block of lines is one message; /drop
 plans the model back to the context the rest of the conversation needs (the expert
-cache gets its room back); after /drop, /context and a restart say the rest is
+cache gets its room back), and so does a turn dropped in its prefill after the context
+grew for it; after /drop, /context and a restart say the rest is
 prefilled again (not "0 tokens", not "no prefill needed"); a Ctrl-C in the prefill
 says how far it got, on a line of its own."""
 
@@ -96,3 +97,30 @@ def test_a_paste_read_from_a_pipe_is_one_message_too(monkeypatch):
     out = io.StringIO()
     assert read_message(out=out) == "one\ntwo and three"
     assert read_message(out=out) == "next"
+
+
+def test_a_turn_dropped_in_its_prefill_leaves_the_plan_as_before_it(converted):
+    path = converted("kimi_k3")
+    current = []
+
+    def reload(context):
+        runtime(current[-1]).close()
+        model, _ = load(path, BUDGET, context=context, tokenizer=False)
+        current.append(model)
+        return model
+
+    model, tok = load(path, BUDGET, context=1024)
+    current.append(model)
+    session = ChatSession(model, tok, reload=reload)
+    session.ask(TURN, 4)
+    before = status(session.model, len(session.tokens))
+    held = list(session.tokens)
+    passes = []
+    turn = session.ask(" ".join([TURN] * 2), 4, progress=lambda n, total: passes.append(n),
+                       stop_requested=lambda: bool(passes))  # grows, then stops in a pass
+    assert turn.dropped and len(current) == 3  # grown for the turn, then planned back
+    after = status(session.model, len(session.tokens))
+    assert (after.planned, after.slots) == (before.planned, before.slots)
+    assert session.growth is None and session.tokens == held
+    assert session.ask("Short now.", 4).reused == len(held)  # the cache was kept
+    runtime(current[-1]).close()
