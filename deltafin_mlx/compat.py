@@ -45,6 +45,12 @@ PRIVATE = (
     ("mlx_lm.server", "APIHandler.stream"),             # read: server/handler.py
     ("mlx_lm.server", "APIHandler.max_tokens"),         # cut to the context: dropin/guard.py
     ("mlx_lm.server", "APIHandler.response_generator"),
+    ("mlx_lm.server", "BatchGenerator"),                # replaced: use_server_batch_generator
+    ("mlx_lm.generate", "BatchGenerator._next"),        # overridden: server/generation.py
+    ("mlx_lm.generate", "BatchGenerator._generation_batch"),  # read there
+    ("mlx_lm.generate", "BatchGenerator._unprocessed_sequences"),
+    ("mlx_lm.generate", "BatchGenerator._currently_processing"),
+    ("mlx_lm.generate", "BatchGenerator._counters"),
 )
 
 
@@ -118,6 +124,17 @@ def gate_server_requests(check):
 
     next_request._deltafin_gate = True
     ResponseGenerator._next_request = next_request
+
+
+def use_server_batch_generator(cls):
+    """Make mlx_lm.server's generation loop build its batches with `cls`, a
+    BatchGenerator subclass (server/generation.py's turn_taking, which overrides
+    `_next` and reads `_generation_batch`, `_unprocessed_sequences`,
+    `_currently_processing` and `_counters`): the loop names the class that
+    mlx_lm.server imported."""
+    import mlx_lm.server as server
+
+    server.BatchGenerator = cls
 
 
 def server_generation_loop(response_generator):

@@ -67,7 +67,9 @@ def cmd_bench(argv) -> int:
               f"{1e3 * result['projected_layer_seconds']:.3g} ms per layer, measured "
               f"{result['tokens_per_second_median']:.3g}: projected/measured "
               f"{result['projected_over_measured']:.2f}; per-layer cost calibrated to "
-              f"{1e3 * result['calibrated_layer_seconds']:.3g} ms (cached: plan uses it)")
+              f"{1e3 * result['calibrated_layer_seconds']:.3g} ms from the median decode rate (cached: "
+              f"`deltafin-run plan` uses it for {result['activation_dtype']} activations on this "
+              "machine, unless given --layer-ms or --compute-gwps)")
     runtime(model).close()
     return 0
 
@@ -95,7 +97,8 @@ def projected_against_measured(model, runs, measured: float) -> dict:
                    how=f"calibrated by deltafin-run bench on {state.manifest.path}")
     return {"projected_tokens_per_second": projected, "projected_layer_seconds": layer,
             "projected_over_measured": projected / measured if measured > 0 else None,
-            "calibrated_layer_seconds": calibrated}
+            "calibrated_layer_seconds": calibrated,
+            "activation_dtype": str(inv.activation_dtype).split(".")[-1]}
 
 
 def bench_run(model, args, i: int):

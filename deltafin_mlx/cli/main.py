@@ -162,6 +162,9 @@ def refuse_ignored_options(args):
                             ("--thinking-effort", args.thinking_effort)):
             if args.raw and given:
                 raise UsageError(f"{flag} goes into the chat template, which --raw leaves out")
+    if args.no_think and args.thinking_effort:
+        raise UsageError("--thinking-effort sets how long the model thinks and --no-think "
+                         "turns thinking off: give one of them")
     if args.top_logprobs and not args.json:
         raise UsageError("--top-logprobs needs --json (the distributions go in its object)")
     if args.max_tokens is None:

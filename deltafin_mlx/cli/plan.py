@@ -106,7 +106,7 @@ def speed(tokens_per_second: float) -> str:
 
 def speed_range(low: float, high: float) -> str:
     if high < 1:
-        return f"{1 / low:.3g}-{1 / high:.3g} s/token"
+        return f"{1 / high:.3g}-{1 / low:.3g} s/token"  # ascending, as every range
     return f"{speed(low)}-{high:.3g} tok/s" if low < 1 else f"{low:.3g}-{high:.3g} tok/s"
 
 

@@ -3,6 +3,7 @@ directory deltafin-convert wrote, nothing else: format/catalog.py), or the demo'
 cache, after a confirmation or with --yes."""
 
 import sys
+from pathlib import Path
 
 from deltafin_mlx.cli.options import Parser
 from deltafin_mlx.errors import UsageError
@@ -32,7 +33,7 @@ def confirm(what: str, yes: bool) -> bool:
 
 def cmd_rm(argv) -> int:
     from deltafin_mlx.format.catalog import demo_root, dir_bytes, remove_demo, remove_model_dir
-    from deltafin_mlx.format.manifest import read_manifest
+    from deltafin_mlx.format.manifest import MANIFEST_NAME, is_hf_checkpoint, read_manifest
     from deltafin_mlx.units import human_bytes
 
     args = rm_parser().parse_args(argv)
@@ -50,6 +51,11 @@ def cmd_rm(argv) -> int:
             return 1
         print(f"removed {root} ({human_bytes(remove_demo(root))} freed)", file=sys.stderr)
         return 0
+    if is_hf_checkpoint(Path(args.model)) and \
+            not (Path(args.model) / MANIFEST_NAME).exists():
+        raise UsageError(f"{args.model}: a Hugging Face checkpoint, not a Deltafin model; rm "
+                         "removes only what deltafin-convert wrote (delete a checkpoint "
+                         "yourself)")
     read_manifest(args.model, check_files=False)  # refuse a non-model before asking
     if not confirm(f"the model {args.model} ({human_bytes(dir_bytes(args.model))})", args.yes):
         print("nothing removed", file=sys.stderr)

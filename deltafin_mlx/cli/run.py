@@ -85,9 +85,16 @@ def generate_reply(model, tokenizer, prompt, args, echo=True, top=None):
     meter = StatsMeter(model)
     stats, tokens, reason = meter.now(0, len(prompt)), [], None
     progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
+    prefilled = [0]
+
+    def on_progress(done, total):
+        prefilled[0] = done
+        if progress is not None:
+            progress(done, total)
+
     try:
         for r in stream_generate(model, tokenizer, prompt, args.max_tokens, seed=args.seed,
-                                 prompt_progress_callback=progress,
+                                 prompt_progress_callback=on_progress,
                                  **sampling_of(args).generation_kwargs()):
             tokens.append(r.token)
             if top is not None:
@@ -100,8 +107,11 @@ def generate_reply(model, tokenizer, prompt, args, echo=True, top=None):
                 break
     except KeyboardInterrupt:  # the stats so far are still shown
         reason = "interrupted"
-        if not tokens:
-            stats = meter.now(0, len(prompt))
+        if not tokens:  # stopped in the prefill: what it did
+            stats = meter.now(0, prefilled[0])
+    finally:
+        if progress is not None:
+            progress.clear()  # the next note starts on a line of its own
     printer.finish()
     return stop.text, channels.thinking, tokens, stats, reason
 

@@ -133,8 +133,8 @@ def parser():
     p.add_argument("--chat-template-args", type=json_object, default=None,
                    help="JSON object passed to the chat template, e.g. '{\"thinking\": false}'")
     p.add_argument("--prefill-step-size", type=positive, default=None,
-                   help="prompt tokens per pass (default: the memory plan's pass, shared by "
-                   "the prompts prefilled together)")
+                   help="prompt tokens per pass (default: the memory plan's pass; prompts are "
+                   "prefilled one at a time, in the order they arrive)")
     p.add_argument("--prompt-cache-size", type=positive, default=10,
                    help="earlier prompts whose KV cache is kept for reuse")
     p.add_argument("--prompt-cache-bytes", type=cache_bytes, default=None,

@@ -274,6 +274,12 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
             + ", ".join(f"{v} ({k})" for k, v in ARCHITECTURES.items())
         )
     expert_quant = expert_quantization(config, options.expert_bits, options.expert_group_size)
+    if expert_quant.get("carried_over") and (options.expert_bits, options.expert_group_size) \
+            != (ConvertOptions.expert_bits, ConvertOptions.expert_group_size):
+        raise ConvertError(
+            f"--expert-bits/--expert-group-size: the experts of {src} are "
+            f"{expert_quant['mode'].upper()} and are carried over as they are (only bf16/fp16/"
+            "fp32 experts are quantized): drop the option")
     if options.link_experts and not linkable(expert_quant):
         raise ConvertError(
             f"--link-experts: the experts of {src} are {expert_quant['mode']} after "
@@ -573,7 +579,10 @@ class ConvertProgress:
         )
 
     def update(self, nbytes: int):
-        self.bar.update(nbytes)
+        if self.bar.n + nbytes >= self.bar.total:  # complete: close() draws the last line
+            self.bar.n += nbytes
+        else:
+            self.bar.update(nbytes)
 
     def redo(self, unit, note: str):
         """A unit counted as done at the start turned out stale: it is converted again."""
@@ -595,13 +604,15 @@ class ConvertProgress:
         self._shown = now
         rate = self.finished / max(now - self.start, 1e-9)
         extra = f", {self.status()}" if self.status else ""
-        self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}", refresh=True)
+        self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}",
+                                 refresh=self.bar.n < self.bar.total)
 
     def close(self, failed: bool = False):
         if failed:
             self.bar.leave = False  # the error line follows, alone
         else:
-            self.bar.set_description("converted")
+            # No refresh here: close() draws the bar once more, its last line.
+            self.bar.set_description("converted", refresh=False)
         self.bar.close()
 
 

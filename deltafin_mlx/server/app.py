@@ -96,11 +96,18 @@ def bind(host: str, port: int, backlog: int, max_connections: int = 256) -> Delt
 
 
 def mlx_lm_args(cfg: ServeConfig, plan, sequences: int) -> argparse.Namespace:
-    """The options mlx-lm's server classes read, for this plan."""
-    from deltafin_mlx.jobs.batch import PREFILL_BATCH
+    """The options mlx-lm's server classes read, for this plan.
 
-    prompts_together = min(sequences, PREFILL_BATCH)
-    step = cfg.prefill_step_size or max(1, plan.prefill_pass // prompts_together)
+    Prompts are admitted one at a time, in the order they arrived
+    (`prompt_concurrency` 1): mlx-lm's batch generator prefills the prompts it
+    admits together in lockstep, so four prompts that arrive together would each
+    get their first token only once all four were prefilled. One at a time, the
+    first client's first token comes after its own prefill, the prompts after it
+    are prefilled a pass at a time between the decode steps of those already
+    generating, and each prompt is prefilled exactly as it would be alone (one
+    sequence, the plan's whole pass per step: no padding, no shared steps)."""
+    prompts_together = 1
+    step = cfg.prefill_step_size or plan.prefill_pass
     return argparse.Namespace(
         model=cfg.model, adapter_path=None, draft_model=None, num_draft_tokens=3,
         trust_remote_code=False, chat_template="", use_default_chat_template=False,
@@ -137,9 +144,25 @@ def tune_malloc(arenas: int = 2, mmap_threshold: int = 256 << 10, trim_threshold
         pass
 
 
+class PerRequestLog(logging.Filter):
+    """One log line per request (counters.request_line): mlx-lm's server logs
+    each prefill chunk's progress and its prompt cache's sizes for every request
+    (four lines) on the root logger; unless the log level is DEBUG those are
+    dropped."""
+
+    CHATTER = ("Prompt processing progress:", "Prompt Cache:", "- assistant:", "- user:",
+               "- system:")
+
+    def filter(self, record):
+        return (logging.getLogger().getEffectiveLevel() <= logging.DEBUG
+                or record.name != "root"
+                or not str(record.msg).startswith(self.CHATTER))
+
+
 def serve(cfg: ServeConfig) -> int:
     logging.basicConfig(level=getattr(logging, cfg.log_level),
                         format="%(asctime)s - %(levelname)s - %(message)s")
+    logging.getLogger().addFilter(PerRequestLog())
     tune_malloc()  # before any handler thread exists
     from deltafin_mlx.model.shard import detect_group
 
@@ -160,7 +183,8 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
 
     from deltafin_mlx.engine.load import LoadOptions, load
     from deltafin_mlx.engine.runtime import runtime
-    from deltafin_mlx.server.generation import resilient_generator_class
+    from deltafin_mlx import compat
+    from deltafin_mlx.server.generation import resilient_generator_class, turn_taking
     from deltafin_mlx.server.handler import make_handler
     from deltafin_mlx.model.modules import model_vocab
     from deltafin_mlx.tokenizer.text_bound import max_text_bytes
@@ -193,6 +217,8 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
             if self.model is None:
                 self._load("default_model")
             return self.model, self.tokenizer
+
+    compat.use_server_batch_generator(turn_taking(server.BatchGenerator))
 
     def restarted():
         counters.generation_restarts += 1
