@@ -30,6 +30,7 @@ from deltafin_mlx.chat.context import grow, shrink
 from deltafin_mlx.errors import SessionError
 from deltafin_mlx.chat.session_file import read_session, write_session
 from deltafin_mlx.engine.runtime import runtime, find_runtime
+from deltafin_mlx.generation.render import Channels
 
 SESSION_FORMAT = "deltafin-chat"
 # 2: a checksum of the cached tensors; 3: of the whole content (session_file.py)
@@ -358,64 +359,6 @@ class Snapshot:
             else:
                 c.state = value
         session.cache, session.tokens, session.messages = self.cache, self.tokens, self.messages
-
-
-class Channels:
-    """Splits a reply's tokens into thinking and answer text; markup tokens
-    (special tokens, XTML tags) are never shown. K3's XTML replies open `think`
-    and `response` channels; with other templates the whole reply is the answer."""
-
-    def __init__(self, tokenizer, thinking: bool = True):
-        self.tokenizer = tokenizer
-        self.special = set(getattr(tokenizer, "all_special_ids", None) or [])
-        inner = getattr(tokenizer, "_tokenizer", tokenizer)
-        self.special |= set(getattr(inner, "_special_ids", ()) or ())
-        self.detok = tokenizer.detokenizer
-        self.detok.reset()
-        self.xtml = bool(getattr(inner, "is_xtml", False))
-        # K3's generation prompt opens the think channel, or the response channel
-        self.channel = "think" if self.xtml and thinking else "answer"
-        self.tag = None  # the XTML tag being read after <|open|> or <|close|>
-        self.thinking = ""
-        self.answer = ""
-
-    def add(self, token: int, final: bool = False):
-        """(channel, text) pieces for one token."""
-        out = []
-        if token in self.special or token in self.tokenizer.eos_token_ids:
-            self._flush(out)
-            name = self.tokenizer.decode([token])
-            if self.xtml and name in ("<|open|>", "<|close|>"):
-                self.tag = (name, "")
-            elif self.xtml and name == "<|sep|>" and self.tag is not None:
-                opener, tag = self.tag
-                tag = tag.strip().split(" ")[0]
-                if opener == "<|open|>" and tag in ("think", "response"):
-                    self.channel = "think" if tag == "think" else "answer"
-                self.tag = None
-            return out
-        if self.tag is not None:
-            self.tag = (self.tag[0], self.tag[1] + self.tokenizer.decode([token]))
-            return out
-        self.detok.add_token(token)
-        if final:
-            self.detok.finalize()
-        self._emit(self.detok.last_segment, out)
-        return out
-
-    def _flush(self, out):
-        self.detok.finalize()
-        self._emit(self.detok.last_segment, out)
-        self.detok.reset()
-
-    def _emit(self, text, out):
-        if not text:
-            return
-        if self.channel == "think":
-            self.thinking += text
-        else:
-            self.answer += text
-        out.append((self.channel, text))
 
 
 def _consistent(cache, tokens: int) -> bool:

@@ -4,7 +4,8 @@ decoded together; rerunning the same command resumes (deltafin_mlx/batch.py)."""
 import sys
 
 from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens, add_sampling_options,
-                                      count, load_model, positive, positive_or_auto, sampling_of)
+                                      check_request_flags, load_model, positive,
+                                      positive_or_auto, request_field)
 
 from deltafin_mlx.engine.runtime import runtime
 
@@ -12,9 +13,11 @@ from deltafin_mlx.engine.runtime import runtime
 def batch_parser():
     p = Parser(prog="deltafin-run batch", description="Answer every prompt of a JSONL file "
                "(decoded together; rerun the same command to resume). Lines: "
-               '{"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, optional '
-               '"max_tokens", "temp" (or "temperature"), "top_p", "top_k", "min_p", "seed", '
-               '"stop"; or OpenAI Batch API lines ({"custom_id": ..., "body": {...}}).')
+               '{"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]} with any field '
+               "a deltafin-run serve body takes (\"temp\" for \"temperature\"); or OpenAI "
+               'Batch API lines ({"custom_id": ..., "url": ..., "body": {...}}), whose body '
+               "means what it means at serve's endpoint of that url. Each result has the "
+               '"text" and "thinking" that deltafin-run --json writes.')
     p.add_argument("model", help="a directory written by deltafin-convert")
     p.add_argument("input", help="JSONL requests ('-': stdin)")
     p.add_argument("-o", "--output", required=True, help="JSONL results (appended to; '-': stdout, without resume)")
@@ -22,11 +25,13 @@ def batch_parser():
                    help="sequences decoded together (default: what the budget allows, at most 32 "
                    "and at most the requests left)")
     p.add_argument("--context", type=positive, default=4096,
-                   help="longest prompt + max_tokens of a request (planned per sequence)")
+                   help="longest prompt + reply of a request (planned per sequence); a "
+                   "request's max_tokens is cut to fit, a prompt that leaves no room refused")
     add_max_tokens(p, 256, "tokens to generate per request")
     add_sampling_options(p)
     p.add_argument("--logprobs", action="store_true", help="each token's log-probability")
-    p.add_argument("--top-logprobs", type=count, default=0, metavar="K",
+    p.add_argument("--top-logprobs", type=request_field("top_logprobs", int), default=0,
+                   metavar="K",
                    help="the K likeliest tokens at each generated position, as [id, logprob] "
                    "pairs best first")
     p.add_argument("--no-progress", action="store_true", help="no progress line on a terminal")
@@ -52,6 +57,7 @@ def cmd_batch(argv) -> int:
     from deltafin_mlx.jobs.batch import Outcome, open_job, run_job, summary_line
 
     args = batch_parser().parse_args(argv)
+    check_request_flags(args)
     opts = batch_options(args)
     # the output stays locked until the job ends
     job = open_job(args.input, args.output, recorded_options(args))
@@ -71,6 +77,7 @@ def cmd_batch(argv) -> int:
         # "auto" reserves state for no more sequences than there are requests left.
         model, tokenizer = load_model(args, context=args.context, sequences=args.batch_size,
                                       max_sequences=max(1, len(job.todo)))
+        check_request_flags(args, model)
         opts.batch_size = runtime(model).plan.sequences
         summary = run_job(model, tokenizer, job, opts,
                           show_progress=False if args.no_progress else None, outcome=outcome)
@@ -93,7 +100,10 @@ def batch_options(args):
     from deltafin_mlx.jobs.batch import BatchOptions
 
     return BatchOptions(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
-                        top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                        top_k=args.top_k, min_p=args.min_p,
+                        repetition_penalty=args.repetition_penalty,
+                        presence_penalty=args.presence_penalty,
+                        frequency_penalty=args.frequency_penalty,
+                        penalty_context=args.penalty_context, seed=args.seed, stop=args.stop,
                         raw=args.raw, thinking=not args.no_think, context=args.context,
-                        logprobs=args.logprobs, top_logprobs=args.top_logprobs,
-                        logits_processors=sampling_of(args).logits_processors())
+                        logprobs=args.logprobs, top_logprobs=args.top_logprobs)

@@ -8,7 +8,8 @@ import mlx.core as mx
 
 from deltafin_mlx.chat.session import ChatSession, session_path
 from deltafin_mlx.chat.context import status as context_status
-from deltafin_mlx.cli.options import load_model, refuse_without_template, sampling_of
+from deltafin_mlx.cli.options import (check_request_flags, load_model, refuse_without_template,
+                                      sampling_of)
 from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import ContextError
 from deltafin_mlx.generation.stream import PrefillProgress
@@ -188,6 +189,7 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
               f"messages ({how}) from {path}", file=sys.stderr)
     else:
         session = ChatSession(model, tokenizer, reload=reload, **options)
+    check_request_flags(args, model)
     if args.seed is not None:
         mx.random.seed(args.seed)
     generation = sampling_of(args).generation_kwargs()

@@ -47,25 +47,66 @@ def positive(text):
 
 
 def add_max_tokens(p, default, what="tokens to generate"):
-    """-n: one rule for run, chat, bench and batch: at least 1 token (a run that
-    generates nothing has nothing to show; mlx-lm's -n -1 "until the context ends"
-    is the default context's job here)."""
-    p.add_argument("-n", "--max-tokens", type=positive, default=default, metavar="N",
-                   help=f"{what}, 1 or more")
+    """-n: one rule for run, chat, bench and batch, a request's max_tokens
+    (generation/request.py): at least 1 token (a run that generates nothing has
+    nothing to show; mlx-lm's -n -1 "until the context ends" is the default
+    context's job here)."""
+    p.add_argument("-n", "--max-tokens", type=request_field("max_tokens", int), default=default,
+                   metavar="N", help=f"{what}, 1 or more")
 
 
-def temperature(text):
-    t = float(text)
-    if not (t >= 0 and t != float("inf")):  # NaN fails every comparison
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
-    return t
+def request_field(name, parse=float):
+    """An option that sets a request's field `name`, checked by the one request
+    rule (generation/request.py), so the flag gets the verdict and the message a
+    batch line or a serve body with the same value gets."""
+    def check(text):
+        from deltafin_mlx.errors import RequestError
+        from deltafin_mlx.generation.request import GenerationRequest
+
+        try:
+            value = parse(text)
+        except ValueError:
+            kind = "an integer" if parse is int else "a number"
+            raise argparse.ArgumentTypeError(f"{name}: must be {kind}, not {text!r}") from None
+        try:
+            GenerationRequest.from_flags({name: [value] if name == "stop" else value})
+        except RequestError as e:
+            raise argparse.ArgumentTypeError(str(e).replace("stop[0]", "stop")) from None
+        return value
+
+    check.__name__ = name  # argparse names the type in some messages
+    return check
 
 
-def top_p(text):
-    p = float(text)
-    if not 0 < p <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {text}")
-    return p
+def check_request_flags(args, model=None):
+    """The sampling options together (--stop's count), and, given the loaded
+    `model`, the bounds that need it (--top-k below the vocabulary, the penalty
+    context within the planned one); a UsageError names the flag and the field."""
+    from deltafin_mlx.errors import RequestError, UsageError
+    from deltafin_mlx.generation.request import GenerationRequest
+
+    flags = {"stop": "--stop", "top_k": "--top-k", "repetition_context_size": "--penalty-context"}
+    try:
+        req = GenerationRequest.from_flags({"stop": args.stop, "top_k": args.top_k})
+        if model is not None:
+            limits = model_limits(model)
+            req.check_limits(limits)
+            GenerationRequest.from_flags({"repetition_context_size": args.penalty_context},
+                                         limits)
+    except RequestError as e:
+        field = str(e).split(":", 1)[0].split("[", 1)[0]
+        raise UsageError(f"{flags.get(field, field)}: {e}") from None
+
+
+def model_limits(model):
+    """The request limits of a loaded model: its vocabulary and planned context."""
+    from deltafin_mlx.engine.runtime import find_runtime
+    from deltafin_mlx.generation.request import RequestLimits
+    from deltafin_mlx.model.modules import model_vocab
+
+    state = find_runtime(model)
+    context = state.plan.context if state is not None else 1 << 31
+    return RequestLimits(vocab=model_vocab(model), context=context, max_text_bytes=1 << 62)
 
 
 def add_load_options(p):
@@ -82,38 +123,32 @@ def add_load_options(p):
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
-def probability(text):
-    p = float(text)
-    if not 0 <= p <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], not {text}")
-    return p
-
-
-def finite(text):
-    x = float(text)
-    if x != x or x in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
-    return x
-
-
 def add_sampling_options(p):
-    """Sampling, stops and prompt format: the same for a run, a chat and a batch
-    (deltafin_mlx/sampling.py maps them onto mlx-lm's sampler and logits processors)."""
-    p.add_argument("--temp", type=temperature, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--top-k", type=count, default=0, help="sample from the k likeliest (0: all)")
-    p.add_argument("--min-p", type=probability, default=0.0,
+    """Sampling, stops and prompt format: the same for a run, a chat and a batch,
+    each checked as the request field it sets (generation/request.py), and mapped
+    onto mlx-lm's sampler and logits processors by generation/sampling.py."""
+    p.add_argument("--temp", type=request_field("temperature"), default=0.0,
+                   help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=request_field("top_p"), default=1.0,
+                   help="nucleus sampling threshold (0 or 1: off)")
+    p.add_argument("--top-k", type=request_field("top_k", int), default=0,
+                   help="sample from the k likeliest (0: all)")
+    p.add_argument("--min-p", type=request_field("min_p"), default=0.0,
                    help="drop tokens below this share of the likeliest's probability (0: off)")
-    p.add_argument("--repetition-penalty", type=finite, default=None, metavar="X",
+    p.add_argument("--repetition-penalty", type=request_field("repetition_penalty"),
+                   default=None, metavar="X",
                    help="divide the logits of recent tokens by X, mlx-lm's (default: none)")
-    p.add_argument("--presence-penalty", type=finite, default=None, metavar="X",
-                   help="subtract X from the logits of recent tokens (default: none)")
-    p.add_argument("--frequency-penalty", type=finite, default=None, metavar="X",
+    p.add_argument("--presence-penalty", type=request_field("presence_penalty"), default=None,
+                   metavar="X", help="subtract X from the logits of recent tokens (default: none)")
+    p.add_argument("--frequency-penalty", type=request_field("frequency_penalty"),
+                   default=None, metavar="X",
                    help="subtract X times each recent token's count from its logit (default: none)")
-    p.add_argument("--penalty-context", type=positive, default=20, metavar="N",
-                   help="the recent tokens the penalties look at")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: not fixed)")
+    p.add_argument("--penalty-context", type=request_field("repetition_context_size", int),
+                   default=20, metavar="N", help="the recent tokens the penalties look at")
+    p.add_argument("--seed", type=request_field("seed", int), default=None,
+                   help="random seed (default: not fixed)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   type=request_field("stop", str),
                    help="stop before this text; repeat the option for several (default: none)")
     p.add_argument("--no-think", action="store_true", help="thinking off (K3 prompt format)")
     p.add_argument("--raw", action="store_true", help="no chat template: prompts as they are")
@@ -123,10 +158,12 @@ def sampling_of(args):
     """The Sampling that add_sampling_options' options describe."""
     from deltafin_mlx.generation.sampling import Sampling
 
+    n = args.penalty_context
     return Sampling(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                     repetition_penalty=args.repetition_penalty,
                     presence_penalty=args.presence_penalty,
-                    frequency_penalty=args.frequency_penalty, penalty_context=args.penalty_context)
+                    frequency_penalty=args.frequency_penalty, repetition_context=n,
+                    presence_context=n, frequency_context=n)
 
 
 def refuse_without_template(tokenizer, args):

@@ -1,6 +1,6 @@
 """A reply as `deltafin-run` shows it, in a chat and in a one-shot run alike: its
 thinking apart from its answer (dimmed on a terminal, `[thinking]`/`[answer]`
-otherwise), markup tokens never (chat.Channels decides what is which), and the
+otherwise), markup tokens never (generation/render.py decides what is which), and the
 answer cut before the first stop string."""
 
 import sys
@@ -11,7 +11,7 @@ DIM, PLAIN = "\033[2m", "\033[0m"
 
 
 class ReplyPrinter:
-    """Feed it `(channel, text)` pieces as chat.Channels gives them; `finish()` ends
+    """Feed it `(channel, text)` pieces as generation/render.py gives them; `finish()` ends
     the reply's line. With `echo` off it only collects (--json)."""
 
     def __init__(self, stop: StopMatcher, tty: bool, echo: bool = True, out=None):

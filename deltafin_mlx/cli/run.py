@@ -4,7 +4,8 @@ JSON object with --json), the run's counters on stderr."""
 import json
 import sys
 
-from deltafin_mlx.cli.options import load_model, refuse_without_template, sampling_of
+from deltafin_mlx.cli.options import (check_request_flags, load_model, refuse_without_template,
+                                      sampling_of)
 from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import UsageError
 from deltafin_mlx.generation.stops import StopMatcher
@@ -15,8 +16,10 @@ def cmd_run(args, model_dir=None) -> int:
     """`model_dir`: the directory already opened (the demo opens it to plan)."""
     if args.prompt is None:
         raise UsageError("no prompt given (a prompt, '-' for stdin, or --chat)")
+    check_request_flags(args)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer, prompt = open_model(args, text, model_dir)
+    check_request_flags(args, model)
     trace = start_trace(model, args.trace_routing)
     top = [] if getattr(args, "top_logprobs", 0) else None
     reply, thinking, tokens, stats, reason = generate_reply(model, tokenizer, prompt, args,
@@ -73,15 +76,15 @@ def make_prompt(tokenizer, text, args):
 def generate_reply(model, tokenizer, prompt, args, echo=True, top=None):
     """(answer, thinking, tokens, stats, finish reason); with `echo` the reply is
     printed as it comes, as a chat shows it (ReplyPrinter: thinking apart, markup
-    never), its answer up to the first stop string; `top`, a list, gets each
-    generated position's top `args.top_logprobs` [id, logprob] pairs."""
-    from deltafin_mlx.chat.session import Channels
+    never); the text is generation/render.py's, as batch and serve write it, its
+    answer up to the first stop string; `top`, a list, gets each generated
+    position's top `args.top_logprobs` [id, logprob] pairs."""
+    from deltafin_mlx.generation.render import Render
     from deltafin_mlx.generation.stream import PrefillProgress, StatsMeter, stream_generate
     from deltafin_mlx.generation.logprobs import top_logprobs
 
-    stop = StopMatcher(args.stop)
-    printer = ReplyPrinter(stop, sys.stdout.isatty(), echo=echo)
-    channels = Channels(tokenizer, thinking=not (args.raw or args.no_think))
+    rendered = Render(tokenizer, thinking=not (args.raw or args.no_think), stop=args.stop)
+    printer = ReplyPrinter(StopMatcher(()), sys.stdout.isatty(), echo=echo)  # cut already
     meter = StatsMeter(model)
     stats, tokens, reason = meter.now(0, len(prompt)), [], None
     progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
@@ -100,9 +103,9 @@ def generate_reply(model, tokenizer, prompt, args, echo=True, top=None):
             if top is not None:
                 top.append(top_logprobs(r.logprobs, args.top_logprobs))
             stats, reason = r.deltafin, r.finish_reason
-            for channel, piece in channels.add(r.token, final=r.finish_reason is not None):
+            for channel, piece in rendered.add(r.token, final=r.finish_reason is not None):
                 printer(channel, piece)
-            if stop.stopped:
+            if rendered.stopped:
                 reason = "stop"
                 break
     except KeyboardInterrupt:  # the stats so far are still shown
@@ -112,8 +115,10 @@ def generate_reply(model, tokenizer, prompt, args, echo=True, top=None):
     finally:
         if progress is not None:
             progress.clear()  # the next note starts on a line of its own
+    for channel, piece in rendered.finish():
+        printer(channel, piece)
     printer.finish()
-    return stop.text, channels.thinking, tokens, stats, reason
+    return rendered.text, rendered.thinking, tokens, stats, reason
 
 
 def start_trace(model, path):

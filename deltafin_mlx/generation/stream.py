@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 from deltafin_mlx.errors import ContextError
+from deltafin_mlx.generation.request import fit_max_tokens
 from deltafin_mlx.units import human_bytes
 from deltafin_mlx.generation.stops import StopMatcher
 from deltafin_mlx.engine.runtime import find_runtime
@@ -144,19 +145,13 @@ def planned_pass(model, default: int = 512) -> int:
 
 def fit_context(model, prompt_tokens: int, max_tokens: int, cached: int = 0) -> int:
     """The tokens that may be generated after a prompt within the planned context
-    (KV/state is reserved for that many tokens): a prompt that does not fit is
-    refused, never a silent overrun; generation stops where the context ends."""
+    (KV/state is reserved for that many tokens), by the one context rule
+    (generation/request.py's fit_max_tokens): max_tokens cut to fit, a prompt that
+    leaves no room refused, never a silent overrun."""
     state = find_runtime(model)
     if state is None:
         return max_tokens
-    context, used = state.plan.context, cached + prompt_tokens
-    if used >= context:
-        raise ContextError(
-            f"the prompt is {used} tokens, beyond the planned context of {context} tokens "
-            f"(use --context N, or load(..., context=N), with N above {used})"
-        )
-    room = context - used
-    return room if max_tokens < 0 else min(max_tokens, room)
+    return fit_max_tokens(prompt_tokens, max_tokens, state.plan.context, cached)
 
 
 def cached_tokens(prompt_cache) -> int:

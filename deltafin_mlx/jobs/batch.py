@@ -3,7 +3,9 @@
     deltafin-run batch MODEL IN.jsonl -o OUT.jsonl [--batch-size B] [-n N] ...
 
 The input's lines (Deltafin's own format or OpenAI's Batch format) are read by
-`batch_requests.py`, the output is appended to and scanned by `batch_io.py`.
+`batch_lines.py` and checked by the one request rule (generation/request.py), the
+output is appended to and scanned by `results_file.py`. A result's `text` and
+`thinking` are generation/render.py's, as `run --json` and `serve` give them.
 Sequences are decoded together by mlx-lm's `BatchGenerator` (continuous batching:
 a finished sequence's place goes to the next prompt), so at each step every MoE
 layer reads the union of the experts its sequences route to, once.
@@ -25,69 +27,55 @@ from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from deltafin_mlx.jobs.results_file import (STDOUT, Results, open_input, read_lines,
                                             result_key)
-from deltafin_mlx.jobs.batch_lines import Request, read_requests
+from deltafin_mlx.jobs.batch_lines import Request, batch_request, read_requests
 from deltafin_mlx.jobs.job_options import check_options
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.generation.stream import StatsMeter, chat_prompt, planned_pass
 from deltafin_mlx.model.modules import model_vocab
 from deltafin_mlx.generation.logprobs import top_logprobs
-from deltafin_mlx.generation.stops import StopMatcher
-from deltafin_mlx.tokenizer.text_bound import max_text_bytes, text_bytes
+from deltafin_mlx.generation.render import Render, thinking_opened
+from deltafin_mlx.generation.request import (GenerationRequest, RequestLimits, fit_max_tokens,
+                                             prompt_tokens)
+from deltafin_mlx.generation.sampling import KeyedSampler, Sampling
+from deltafin_mlx.tokenizer.text_bound import max_text_bytes
 
 PREFILL_BATCH = 8  # prompts prefilled together (mlx-lm's default)
 
 
 @dataclass
 class BatchOptions:
-    """Defaults for every request (a line's own keys override the sampling ones)."""
+    """Defaults for every request (a line's own fields override the sampling ones)."""
 
     max_tokens: int = 256
     temp: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    penalty_context: int = 20
     seed: Optional[int] = None
     stop: Sequence[str] = ()
-    raw: bool = False  # prompts as they are, no chat template
+    raw: bool = False  # own lines' prompts as they are, no chat template
     thinking: bool = True  # K3's prompt format: thinking on
     batch_size: int = 8  # sequences decoded together
-    context: int = 4096  # longest prompt + max_tokens a request may have
+    context: int = 4096  # longest prompt + reply a request may have
     logprobs: bool = False  # each generated token's log-probability in the output
     top_logprobs: int = 0  # the K likeliest tokens at each generated position (0: none)
     prefill_step_size: Optional[int] = None  # tokens per sequence per prefill call; None: the plan's pass
-    # mlx-lm's logits processors for every request: the penalties of sampling.Sampling
-    logits_processors: Optional[list] = None
 
-
-class KeyedSampler:
-    """mlx-lm's sampling chain with a key of its own: a request's samples depend on
-    its seed alone, not on what else is in the batch or how often the job was
-    resumed. The key is split the way `mx.random.seed` + mlx-lm's sampler split the
-    global one, so a request samples what `deltafin-run --seed S` samples from the
-    same logits."""
-
-    def __init__(self, seed: int, temp: float, top_p: float, top_k: int, min_p: float):
-        self.key = mx.random.key(seed)
-        self.seed, self.temp, self.top_p, self.top_k, self.min_p = seed, temp, top_p, top_k, min_p
-
-    def restarted(self) -> "KeyedSampler":
-        """The sampler as it was before its first sample."""
-        return KeyedSampler(self.seed, self.temp, self.top_p, self.top_k, self.min_p)
-
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        if 0 < self.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, self.top_p)
-        if self.min_p != 0.0:
-            logprobs = apply_min_p(logprobs, self.min_p, 1)
-        if 0 < self.top_k < logprobs.shape[-1]:  # a k beyond the vocabulary keeps all
-            logprobs = apply_top_k(logprobs, self.top_k)
-        self.key, sub = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * (1.0 / self.temp), key=sub)
+    def sampling(self) -> Sampling:
+        n = self.penalty_context
+        return Sampling(temp=self.temp, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                        repetition_penalty=self.repetition_penalty,
+                        presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty,
+                        repetition_context=n, presence_context=n, frequency_context=n)
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -102,71 +90,44 @@ class Prepared:
     stop: List[str]
     sampler: object
     seed: Optional[int]
+    logits_processors: Optional[list] = None
+    thinking: bool = False  # the prompt opens the thinking channel (render.py)
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def restarted(self) -> "Prepared":
-        """This request from its start again (a sampler keyed by its seed restarts)."""
+        """This request from its start again (a sampler keyed by its seed restarts,
+        and so do the penalties' processors, which keep no state of their own)."""
         sampler = self.sampler.restarted() if isinstance(self.sampler, KeyedSampler) else self.sampler
         return dataclasses.replace(self, sampler=sampler)
 
 
-def prepare(req: Request, tokenizer, opts: BatchOptions, max_text: Optional[int] = None
-            ) -> Prepared:
-    """Tokens and sampling of one request; ValueError says why it cannot run.
-    `max_text`: UTF-8 bytes of prompt text that cannot fit the context
-    (tokenizer/text_bound.py), checked before anything is tokenized."""
-    spec = req.spec  # canonical (batch_requests.py)
-    if max_text is not None:
-        size = text_bytes(spec.get("prompt", spec.get("messages")))
-        if size > max_text:
-            raise ValueError(f"too long: {size:,} bytes of prompt text cannot fit the context "
-                             f"of {opts.context} tokens (--context)")
-    if "prompt" in spec:
-        if not isinstance(spec["prompt"], str):
-            raise ValueError('"prompt" must be a string')
-        if opts.raw:
-            prompt = tokenizer.encode(spec["prompt"])
-        else:
-            prompt = chat_prompt(tokenizer, [{"role": "user", "content": spec["prompt"]}],
-                                 thinking=opts.thinking)
-    else:
-        if opts.raw:
-            raise ValueError('"messages" need the chat template; --raw takes "prompt" only')
-        msgs = [{**m, "content": m.get("content") or ""} for m in spec["messages"]]
-        prompt = chat_prompt(tokenizer, msgs, thinking=opts.thinking)
-    prompt = list(prompt)
+def prepare(req: Request, tokenizer, opts: BatchOptions, limits: RequestLimits) -> Prepared:
+    """Tokens and sampling of one request, by the one request rule for the model's
+    `limits` (the prompt's text is bounded before anything is tokenized);
+    ValueError says why it cannot run."""
+    request: GenerationRequest = batch_request(req.spec, limits, raw=opts.raw)
+    chat = request.messages is not None
+    prompt = prompt_tokens(request, tokenizer, thinking=opts.thinking)
     if not prompt:
-        raise ValueError("the prompt is empty")
-
-    def number(name, kind, default, ok):
-        v = spec.get(name, default)
-        if isinstance(v, bool) or not isinstance(v, kind) or not ok(v):
-            raise ValueError(f'"{name}" is out of range or of the wrong type ({v!r})')
-        return v
-
-    max_tokens = number("max_tokens", int, opts.max_tokens, lambda v: v > 0)
-    temp = number("temp", (int, float), opts.temp, lambda v: 0 <= v < float("inf"))
-    top_p = number("top_p", (int, float), opts.top_p, lambda v: 0 <= v <= 1)
-    top_k = number("top_k", int, opts.top_k, lambda v: v >= 0)
-    min_p = number("min_p", (int, float), opts.min_p, lambda v: 0 <= v <= 1)
-    seed = spec.get("seed", opts.seed)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not 0 <= seed < 2**63):
-        raise ValueError(f'"seed" must be a non-negative integer ({seed!r})')
-    stop = spec.get("stop", list(opts.stop))
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise ValueError('"stop" must be a string or a list of strings')
-    if len(prompt) + max_tokens > opts.context:
-        raise ValueError(f"too long: {len(prompt)} prompt tokens + max_tokens {max_tokens} "
-                         f"exceed the context of {opts.context} tokens (--context)")
+        raise ValueError("the prompt is empty (no tokens)")
+    max_tokens = fit_max_tokens(len(prompt), request.max_tokens or opts.max_tokens,
+                                opts.context)
+    sampling = request.sampling(opts.sampling())
+    # mlx-lm's server keeps newlines and the end of a turn out of XTC's cut.
+    sampling.xtc_special_tokens = list(tokenizer.encode("\n")) + list(tokenizer.eos_token_ids)
+    seed = request.seed if request.seed is not None else opts.seed
     sampler = greedy
-    if temp > 0:
+    if sampling.temp > 0:
         seed = secrets.randbits(32) if seed is None else seed  # recorded in the output
-        sampler = KeyedSampler(seed, temp, top_p, top_k, min_p)
+        sampler = KeyedSampler(sampling, seed)
     else:
         seed = None
-    return Prepared(req, prompt, max_tokens, stop, sampler, seed)
+    return Prepared(req, prompt, max_tokens, request.stop or list(opts.stop), sampler, seed,
+                    logits_processors=sampling.logits_processors(),
+                    thinking=thinking_opened(chat, request.chat_template_kwargs, opts.thinking),
+                    logprobs=request.logprobs or opts.logprobs,
+                    top_logprobs=request.top_logprobs or opts.top_logprobs)
 
 
 class Running:
@@ -177,8 +138,7 @@ class Running:
         self.tokens: List[int] = []
         self.logprobs: List[float] = []
         self.top: List[list] = []  # per generated token, its position's top K
-        self.detok = tokenizer.detokenizer
-        self.stops = StopMatcher(p.stop)
+        self.render = Render(tokenizer, thinking=p.thinking, stop=p.stop)
         self.start = time.perf_counter()
         self.steps = 0
         self.batch_sum = 0
@@ -186,18 +146,15 @@ class Running:
 
     def add_token(self, token: int):
         self.tokens.append(token)
-        self.detok.add_token(token)
-        self.stops.add(self.detok.last_segment)
+        self.render.add(token)
 
     def result(self, reason: str) -> dict:
-        self.detok.finalize()  # the text held back for more tokens is checked too
-        self.stops.add(self.detok.last_segment)
-        self.stops.flush()
-        if self.stops.stopped:
+        self.render.finish()  # the text held back for more tokens is checked too
+        if self.render.stopped:
             reason = "stop"
-        text = self.stops.text
         seconds = time.perf_counter() - self.start
-        out = {"id": self.p.request.id, "text": text, "tokens": self.tokens,
+        out = {"id": self.p.request.id, "text": self.render.text,
+               "thinking": self.render.thinking, "tokens": self.tokens,
                "finish_reason": reason}
         if self.p.request.custom_id:
             out["custom_id"] = self.p.request.id
@@ -275,13 +232,15 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
                progress=None) -> Iterator[dict]:
     """Results (dicts) as requests finish, errors included, in finishing order."""
     todo = deque()
-    max_text = max_text_bytes(tokenizer, model_vocab(model), opts.context)
+    vocab = model_vocab(model)
+    limits = RequestLimits(vocab=vocab, context=opts.context,
+                           max_text_bytes=max_text_bytes(tokenizer, vocab, opts.context))
     for req in requests:
         if req.error:
             yield error_line(req, req.error)
             continue
         try:
-            todo.append(prepare(req, tokenizer, opts, max_text))
+            todo.append(prepare(req, tokenizer, opts, limits))
         except DeltafinError as e:  # the template's own limits, a token id, ...
             yield error_line(req, f"line {req.line}: {e}")
         except Exception as e:  # whatever the tokenizer or template make of it
@@ -299,10 +258,10 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
                 # Keep the generator's queue just full enough: caches are made on insert.
                 if alone and not running:
                     p = alone.popleft()
-                    running[_insert(gen, p, opts)] = Running(p, tokenizer)
+                    running[_insert(gen, p)] = Running(p, tokenizer)
                 while not alone and todo and len(running) < B + min(B, PREFILL_BATCH):
                     p = todo.popleft()
-                    running[_insert(gen, p, opts)] = Running(p, tokenizer)
+                    running[_insert(gen, p)] = Running(p, tokenizer)
                 meter = StatsMeter(model)
                 prompt_rs, gen_rs = gen.next()
                 involved = {r.uid for r in prompt_rs} | {r.uid for r in gen_rs}
@@ -317,11 +276,11 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
                     reason = r.finish_reason
                     if not (reason == "stop" and r.token in eos):
                         run.add_token(r.token)
-                        if opts.logprobs:
+                        if run.p.logprobs:
                             run.logprobs.append(r.logprobs[r.token].item())
-                        if opts.top_logprobs:
-                            run.top.append(top_logprobs(r.logprobs, opts.top_logprobs))
-                        if run.stops.stopped:
+                        if run.p.top_logprobs:
+                            run.top.append(top_logprobs(r.logprobs, run.p.top_logprobs))
+                        if run.render.stopped:
                             if reason is None:
                                 gen.remove([r.uid])
                             reason = "stop"
@@ -358,10 +317,9 @@ def _generator(model, tokenizer, B: int, opts: BatchOptions) -> BatchGenerator:
                           or max(1, planned_pass(model) // min(B, PREFILL_BATCH)))
 
 
-def _insert(gen: BatchGenerator, p: Prepared, opts: BatchOptions) -> int:
+def _insert(gen: BatchGenerator, p: Prepared) -> int:
     (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[p.sampler],
-                        logits_processors=[opts.logits_processors]
-                        if opts.logits_processors else None)
+                        logits_processors=[p.logits_processors or []])
     return uid
 
 
@@ -374,11 +332,12 @@ def batch_generate(model, tokenizer, requests: Sequence, **options) -> List[dict
     """Generate for many requests, decoded together; results in input order.
 
     requests: strings (prompts) or dicts in the batch line format
-        ({"prompt": ...} or {"messages": [...]}, optional "id", "max_tokens",
-        "temp", "top_p", "top_k", "min_p", "seed", "stop").
+        ({"prompt": ...} or {"messages": [...]}, optional "id" and any field a
+        serve body takes: "max_tokens", "temperature" (or "temp"), "top_p", ...).
     options: BatchOptions fields (max_tokens, temp, batch_size, raw, thinking,
         stop, context, logprobs, ...).
-    Each result: {"id", "text", "tokens", "finish_reason", "stats"} or {"id", "error"}.
+    Each result: {"id", "text", "thinking", "tokens", "finish_reason", "stats"} or
+    {"id", "error"}.
     """
     opts = BatchOptions(**options)
     lines = []

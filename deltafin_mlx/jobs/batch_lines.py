@@ -1,14 +1,18 @@
 """The lines of a batch job's input, read into requests in one canonical form.
 
 Two line formats are read: Deltafin's own, `{"id": ..., "prompt": "..."}` or
-`{"id": ..., "messages": [...]}` with optional `max_tokens`, `temp`, `top_p`,
-`top_k`, `min_p`, `seed`, `stop` (OpenAI's names `temperature` and
-`max_completion_tokens` are taken too), and OpenAI's Batch format,
-`{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}`
-(or `/v1/completions` with a `prompt`). A line that is wrong in any way — not JSON,
-not UTF-8, too long, nested too deep, an unknown key, a message or tool call of
-the wrong shape, an unpaired surrogate — becomes a request that carries its error
-and is answered by an error line; only duplicate ids stop the job before it starts.
+`{"id": ..., "messages": [...]}`, and OpenAI's Batch format, `{"custom_id": ...,
+"method": "POST", "url": "/v1/chat/completions", "body": {...}}` (or
+`/v1/completions` with a `prompt`). Either way the request is checked by the one
+request rule (generation/request.py), the one `serve` applies to the same body:
+an OpenAI Batch line means what its body means at serve's endpoint of its `url`
+(a /v1/completions prompt is text as it is, no chat template), and an own line
+is such a body (every field serve takes, `temp` for `temperature`) whose
+`prompt` is the user's message of a conversation (text as it is with --raw).
+A line that is wrong in any way — not JSON, not UTF-8, too long, nested too deep,
+an unknown key, a value out of range, a message or tool call of the wrong shape,
+an unpaired surrogate — becomes a request that carries its error and is answered
+by an error line; only duplicate ids stop the job before it starts.
 """
 
 import json
@@ -16,12 +20,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, List, Optional, Union
 
 from deltafin_mlx.errors import BatchError
-from deltafin_mlx.tokenizer.messages import chat_messages
+from deltafin_mlx.generation.request import GenerationRequest, RequestLimits, unbounded
 
-SAMPLING_KEYS = {"max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "stop"}
-LINE_KEYS = {"id", "prompt", "messages"} | SAMPLING_KEYS
-ALIASES = {"temperature": "temp", "max_completion_tokens": "max_tokens"}  # OpenAI's names
-OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+ALIASES = {"temp": "temperature"}  # Deltafin's own name, in its own lines
+OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 OPENAI_LINE_KEYS = {"custom_id", "method", "url", "body"}
 
 
@@ -30,7 +32,7 @@ class Request:
     key: str  # the id as JSON text (ids may be strings or numbers)
     id: object
     line: int
-    spec: dict = field(default_factory=dict)  # canonical: LINE_KEYS only
+    spec: dict = field(default_factory=dict)  # canonical: batch_spec's
     error: Optional[str] = None
     custom_id: bool = False  # the line was in OpenAI's Batch format
 
@@ -81,13 +83,23 @@ def _read_line(n: int, text, spec_of) -> Request:
 
 
 def batch_spec(spec: dict) -> dict:
-    """A batch line's canonical spec: its own keys, or OpenAI's Batch format."""
-    out = _from_openai(spec) if "custom_id" in spec else _own(spec)
-    if ("prompt" in out) == ("messages" in out):
-        raise ValueError('needs exactly one of "prompt" (a string) or "messages" (a list)')
-    if "messages" in out:
-        out["messages"] = chat_messages(out["messages"])
+    """A batch line's canonical spec, `{"id", "url", "body"}`: the request body of
+    an OpenAI Batch line and its url, or an own line's keys but its id (url None),
+    checked by the one request rule as far as that needs no model (`batch_request`
+    checks the rest once the model is loaded)."""
+    if "custom_id" in spec:
+        out = _from_openai(spec)
+    else:
+        out = {"id": spec.get("id"), "url": None,
+               "body": _renamed({k: v for k, v in spec.items() if k != "id"})}
+    batch_request(out, unbounded())
     return out
+
+
+def batch_request(spec: dict, limits: RequestLimits, raw: bool = False) -> GenerationRequest:
+    """The GenerationRequest of a canonical spec, for a model's `limits`; `raw`:
+    an own line's prompt is text as it is (--raw). RequestError names the field."""
+    return GenerationRequest.from_batch_line(spec["body"], spec["url"], limits, raw=raw)
 
 
 def _is_id(v) -> bool:
@@ -121,21 +133,14 @@ def _check_text(value, depth: int = 0):
             _check_text(v, depth + 1)
 
 
-def _renamed(spec: dict, known: set, where: str) -> dict:
+def _renamed(body: dict) -> dict:
     out = {}
-    for k, v in spec.items():
+    for k, v in body.items():
         name = ALIASES.get(k, k)
-        if name not in known:
-            shown = sorted(known - {"id"}) + sorted(a for a in ALIASES if ALIASES[a] in known)
-            raise ValueError(f"unknown key {k!r}{where} (known: {', '.join(shown)})")
         if name in out:
-            raise ValueError(f"both {name!r} and its alias {k!r} given{where}")
+            raise ValueError(f"both {name!r} and its alias {k!r} given")
         out[name] = v
     return out
-
-
-def _own(spec: dict) -> dict:
-    return _renamed(spec, LINE_KEYS, "")
 
 
 def _from_openai(spec: dict) -> dict:
@@ -151,17 +156,4 @@ def _from_openai(spec: dict) -> dict:
     body = spec.get("body")
     if not isinstance(body, dict):
         raise ValueError('"body" must be an object')
-    body = dict(body)
-    if not isinstance(body.pop("model", ""), str):  # the model is the one loaded
-        raise ValueError('"model" must be a string')
-    if body.pop("n", 1) != 1:
-        raise ValueError('"n" must be 1 (one reply per request)')
-    if body.pop("stream", False) is not False:
-        raise ValueError('"stream" must be false in a batch')
-    canonical = _renamed(body, LINE_KEYS - {"id"}, " in \"body\"")
-    other = ({"messages", "prompt"} - {OPENAI_URLS[url]}) & set(canonical)
-    if other:
-        raise ValueError(f'"{other.pop()}" does not go with url {url}')
-    return {"id": spec["custom_id"], **canonical}
-
-
+    return {"id": spec["custom_id"], "url": url, "body": dict(body)}

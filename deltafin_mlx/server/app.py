@@ -26,7 +26,7 @@ from deltafin_mlx.errors import UsageError
 from deltafin_mlx.server.admission import Admission, AdmissionConfig
 from deltafin_mlx.server.counters import ServerCounters
 from deltafin_mlx.server.listener import DeltafinHTTPServer
-from deltafin_mlx.server.schema import RequestLimits
+from deltafin_mlx.generation.request import RequestLimits
 from deltafin_mlx.units import human_bytes
 
 log = logging.getLogger("deltafin_mlx.server")
@@ -76,6 +76,7 @@ class ServeSettings:
     counters: ServerCounters
     socket_timeout: float
     header_timeout: float
+    chat_template_args: dict = None  # serve's --chat-template-args: every request's
 
 
 def bind(host: str, port: int, backlog: int, max_connections: int = 256) -> DeltafinHTTPServer:
@@ -234,7 +235,8 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
                                  max_body=max_body, model_id=Path(cfg.model).name,
                                  created=int(time.time()), admission=admission,
                                  counters=counters, socket_timeout=cfg.socket_timeout,
-                                 header_timeout=cfg.header_timeout)
+                                 header_timeout=cfg.header_timeout,
+                                 chat_template_args=cfg.chat_template_args or {})
         handler = make_handler(server.APIHandler, settings)
         fingerprint = server.get_system_fingerprint()
         httpd.RequestHandlerClass = lambda *a, **k: handler(

@@ -21,7 +21,9 @@ import socket
 import time
 
 from deltafin_mlx import compat
-from deltafin_mlx.errors import RequestError
+from deltafin_mlx.errors import ContextError, RequestError
+from deltafin_mlx.generation.render import Render, thinking_opened
+from deltafin_mlx.generation.request import fit_max_tokens
 from deltafin_mlx.server import schema
 from deltafin_mlx.server.admission import Busy
 from deltafin_mlx.server.generation import GenerationFailed
@@ -295,17 +297,15 @@ def make_handler(base, settings):
                 if path == "/detokenize":
                     tokens = schema.check_detokenize(body, settings.limits)
                     return self._send_json(200, {"content": settings.tokenizer.decode(tokens)})
-                checked = schema.check_completion(body, COMPLETIONS[path], settings.limits)
+                request = schema.read_completion(body, COMPLETIONS[path], settings.limits)
             except RequestError as e:
                 settings.counters.outcome("refused")
                 return self._refuse(400, str(e))
-            self._legacy_logprobs = not COMPLETIONS[path] and checked["logprobs"]
-            self._want_logprobs = checked["logprobs"]
+            self._legacy_logprobs = not COMPLETIONS[path] and request.logprobs
+            self._want_logprobs = request.logprobs
             self._streamed = []  # responses not yet in a streamed chunk (for logprobs)
-            for_mlx_lm = {k: v for k, v in checked.items() if v is not None}
-            if "top_logprobs" not in for_mlx_lm:
-                for_mlx_lm["top_logprobs"] = -1
-            data = json.dumps(for_mlx_lm).encode()
+            self._request = request
+            data = json.dumps(request.mlx_lm_body()).encode()
             # mlx-lm's handler reads and parses the body itself: it gets the checked one.
             del self.headers["Content-Length"]
             self.headers["Content-Length"] = str(len(data))
@@ -332,12 +332,17 @@ def make_handler(base, settings):
                 return self._refuse(400, str(e))
             if n == 0:
                 return self._refuse(400, "the prompt is empty (no tokens)")
-            if n + 1 > settings.limits.context:
-                return self._refuse(400, f"the prompt is {n} tokens; the planned context is "
-                                         f"{settings.limits.context} tokens (deltafin-run serve "
-                                         "--context N plans for more)")
+            try:
+                self.max_tokens = fit_max_tokens(n, self.max_tokens, settings.limits.context)
+            except ContextError as e:
+                return self._refuse(400, str(e))
             self._meter.prompt_tokens = n
-            self.max_tokens = min(self.max_tokens, settings.limits.context - n)
+            chat = request.request_type == "chat"
+            template_kwargs = {**(settings.chat_template_args or {}),
+                               **(self._request.chat_template_kwargs or {})}
+            self._render = Render(settings.tokenizer, stop=stop_words,
+                                  thinking=thinking_opened(chat, template_kwargs))
+            self._rendered = {"answer": "", "think": ""}  # not yet in a response
             real = self.response_generator
             self.response_generator = _Watched(real, self, settings.counters)
             try:
@@ -387,6 +392,10 @@ def make_handler(base, settings):
         def generate_response(self, text, finish_reason, prompt_token_count=None,
                               completion_token_count=None, prompt_cache_count=None,
                               token_logprobs=None, top_tokens=None, tokens=None, **kwargs):
+            if not kwargs.get("tool_calls"):
+                # The text is generation/render.py's, as run and batch write it (a tool
+                # call's reply keeps mlx-lm's parse).
+                text, kwargs["reasoning_text"] = self._rendered_text(finish_reason)
             response = super().generate_response(
                 text, finish_reason, prompt_token_count, completion_token_count,
                 prompt_cache_count, token_logprobs=token_logprobs, top_tokens=top_tokens,
@@ -407,6 +416,16 @@ def make_handler(base, settings):
             elif not self.stream and "logprobs" not in choice:
                 choice["logprobs"] = None
             return response
+
+        def _rendered_text(self, finish_reason):
+            """(answer, thinking) rendered since the last response; at the end of
+            the reply, with what was held back in case a stop string began there."""
+            if finish_reason is not None:
+                for channel, piece in self._render.finish():
+                    self._rendered[channel] += piece
+            answer, thinking = self._rendered["answer"], self._rendered["think"]
+            self._rendered = {"answer": "", "think": ""}
+            return answer, thinking
 
         def completion_usage_response(self, *args, **kwargs):
             response = super().completion_usage_response(*args, **kwargs)
@@ -514,6 +533,10 @@ class _Watched:
                     self._counters.token(meter)
                 if getattr(handler, "_want_logprobs", False) and handler.stream:
                     handler._streamed.append(r)
+                render = getattr(handler, "_render", None)
+                if render is not None:
+                    for channel, piece in render.add(r.token, final=r.finish_reason is not None):
+                        handler._rendered[channel] += piece
                 yield r
 
         return ctx, watched()

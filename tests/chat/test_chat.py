@@ -11,7 +11,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from deltafin_mlx.chat.session import Channels, ChatSession, SessionError, _consistent
+from deltafin_mlx.chat.session import ChatSession, SessionError, _consistent
+from deltafin_mlx.generation.render import Channels
 from deltafin_mlx.generation.stream import ContextError
 from deltafin_mlx.engine.load import load
 from deltafin_mlx import runtime
