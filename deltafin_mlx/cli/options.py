@@ -78,10 +78,11 @@ def request_field(name, parse=float):
     return check
 
 
-def check_request_flags(args, model=None):
+def check_request_flags(args, model=None, limits=None):
     """The sampling options together (--stop's count), and, given the loaded
-    `model`, the bounds that need it (--top-k below the vocabulary, the penalty
-    context within the planned one); a UsageError names the flag and the field."""
+    `model` (or its `limits`), the bounds that need it (--top-k below the
+    vocabulary, the penalty context within the planned one); a UsageError names
+    the flag and the field."""
     from deltafin_mlx.errors import RequestError, UsageError
     from deltafin_mlx.generation.request import GenerationRequest
 
@@ -90,6 +91,7 @@ def check_request_flags(args, model=None):
         req = GenerationRequest.from_flags({"stop": args.stop, "top_k": args.top_k})
         if model is not None:
             limits = model_limits(model)
+        if limits is not None:
             req.check_limits(limits)
             GenerationRequest.from_flags({"repetition_context_size": args.penalty_context},
                                          limits)

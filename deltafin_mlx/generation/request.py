@@ -312,13 +312,16 @@ class GenerationRequest:
         if ("prompt" in body) == ("messages" in body):
             raise RequestError('needs exactly one of "prompt" (a string) or "messages" '
                                '(a list)')
-        if "messages" in body and raw:
-            fail("messages", 'need the chat template; --raw takes "prompt" only')
-        if "prompt" in body and not raw:
-            body = dict(body)
-            prompt = text(body.pop("prompt"), "prompt", allow_empty=False)
-            body["messages"] = [{"role": "user", "content": prompt}]
-        return cls.from_openai(body, chat="messages" in body, limits=limits)
+        if "messages" in body:
+            if raw:
+                fail("messages", 'need the chat template; --raw takes "prompt" only')
+            return cls.from_openai(body, chat=True, limits=limits)
+        # A "prompt" line's fields are a text completion's (a legacy integer
+        # `logprobs` too), with or without --raw.
+        req = cls.from_openai(body, chat=False, limits=limits)
+        if not raw:
+            req.messages, req.prompt = [{"role": "user", "content": req.prompt}], None
+        return req
 
     @classmethod
     def from_flags(cls, flags: dict, limits: Optional[RequestLimits] = None

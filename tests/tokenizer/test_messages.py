@@ -3,7 +3,7 @@
 
 import pytest
 
-from deltafin_mlx.jobs.batch_lines import Request, batch_spec
+from deltafin_mlx.jobs.batch_lines import Request, batch_request, batch_spec
 from deltafin_mlx.errors import RequestError
 from deltafin_mlx.jobs.score_lines import prepare
 from deltafin_mlx.server.schema import RequestLimits, check_completion
@@ -77,7 +77,7 @@ def test_a_good_conversation_is_taken_by_all_three(tmp_path):
     limits = RequestLimits(vocab=1 << 20, context=1024, max_text_bytes=1 << 20)
     assert check_completion({"messages": msgs}, chat=True, limits=limits)["messages"] == [
         USER, REPLY]
-    assert batch_spec({"id": 1, "messages": msgs})["messages"] == [USER, REPLY]
+    assert batch_request(batch_spec({"id": 1, "messages": msgs}), limits).messages == [USER, REPLY]
     write_kimi_tokenizer_files(tmp_path / "tok", flavor="k3")
     item = prepare(Request("1", 1, 1, spec={"id": 1, "messages": msgs}),
                    load_kimi_tokenizer(tmp_path / "tok"))
