@@ -138,7 +138,8 @@ def _renamed(body: dict) -> dict:
     for k, v in body.items():
         name = ALIASES.get(k, k)
         if name in out:
-            raise ValueError(f"both {name!r} and its alias {k!r} given")
+            alias = next(a for a, n in ALIASES.items() if n == name)
+            raise ValueError(f"both {name!r} and its alias {alias!r} given")
         out[name] = v
     return out
 
