@@ -185,7 +185,8 @@ def check_fields(body: dict):
 # The sampling fields' ranges (the rest have rules of their own below).
 NUMBER_FIELDS = (("temperature", 0, 100), ("top_p", 0, 1), ("min_p", 0, 1),
                  ("presence_penalty", -100, 100), ("frequency_penalty", -100, 100),
-                 ("xtc_probability", 0, 1), ("xtc_threshold", 0, 1))
+                 ("xtc_probability", 0, 1),
+                 ("xtc_threshold", 0, 0.5))  # mlx-lm's apply_xtc raises beyond 0.5
 CONTEXT_FIELDS = ("repetition_context_size", "presence_context_size", "frequency_context_size")
 
 

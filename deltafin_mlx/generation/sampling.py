@@ -69,7 +69,9 @@ class KeyedSampler:
     key, split the way `mx.random.seed` + mlx-lm's sampler split the global one,
     so a request samples exactly what `deltafin-run --seed S` samples from the
     same logits. (MLX's global key cannot be set to a given key, only seeded, so
-    the chain cannot simply be run under it.)"""
+    the chain cannot simply be run under it.) XTC's own coin (mlx-lm's
+    `apply_xtc`) still comes from the global key: a request that asks for XTC
+    samples reproducibly only alone."""
 
     def __init__(self, sampling: Sampling, seed: int):
         self.sampling, self.seed = sampling, seed

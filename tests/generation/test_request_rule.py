@@ -12,12 +12,14 @@ import sys
 
 import pytest
 
+from bench.lib.server import chat as chat_reply
 from bench.lib.server import free_port, post, start_server, stop_server
 from deltafin_mlx.cli.batch import batch_parser
 from deltafin_mlx.cli.options import check_request_flags, sampling_of
 from deltafin_mlx.errors import ContextError, RequestError, UsageError
 from deltafin_mlx.generation.request import (GenerationRequest, RequestLimits, fit_max_tokens,
                                              prompt_tokens)
+from deltafin_mlx.generation.render import render, thinking_opened
 from deltafin_mlx.jobs.batch_lines import batch_request, read_requests
 from deltafin_mlx.server.schema import read_completion
 from deltafin_mlx.testing.tokenizers import write_kimi_tokenizer_files
@@ -218,6 +220,22 @@ def test_the_context_rule_cuts_max_tokens_and_refuses_only_a_prompt_with_no_room
         fit_max_tokens(512, 8, 512)
 
 
+def test_the_render_rule_splits_thinking_hides_markup_and_cuts_the_answer_at_a_stop(
+        tokenizer):
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    special = tokenizer.convert_tokens_to_ids
+    reply = (enc("let me see") + [special("<|close|>")] + enc("think") + [special("<|sep|>")]
+             + [special("<|open|>")] + enc("response") + [special("<|sep|>")]
+             + enc("the answer. And more") + [special("<|end_of_msg|>")])
+    assert render(tokenizer, reply) == ("the answer. And more", "let me see")
+    assert render(tokenizer, reply, stop=["."]) == ("the answer", "let me see")
+    # a prompt with thinking off (or a text completion) opens the answer
+    assert render(tokenizer, enc("plain"), thinking=False) == ("plain", "")
+    assert not thinking_opened(False) and thinking_opened(True)
+    assert not thinking_opened(True, {"thinking": False})
+    assert not thinking_opened(True, {"thinking": True, "enable_thinking": False})
+
+
 # --- end to end: a real batch job and a real server --------------------------------
 
 CONTEXT = 512
@@ -284,7 +302,8 @@ def test_a_real_batch_job_and_a_real_server_agree(rid, url, body, refused, serve
         message = choice["message"]
         assert got["text"] == (message["content"] or "")
         assert got["thinking"] == (message.get("reasoning") or "")
-        assert "logprobs" in got and choice["logprobs"] is not None
+        if body.get("logprobs"):
+            assert len(got["logprobs"]) == len(got["tokens"]) and choice["logprobs"]
 
 
 def test_run_json_batch_and_serve_write_the_same_text_and_thinking(model, server,
@@ -302,3 +321,5 @@ def test_run_json_batch_and_serve_write_the_same_text_and_thinking(model, server
     assert run["text"] + run["thinking"], "nothing to compare"
     assert (run["text"], run["thinking"]) == (got["text"], got["thinking"]) == (
         message["content"] or "", message.get("reasoning") or "")
+    # streamed, the same text arrives in pieces
+    assert chat_reply(server, PROMPT, 8, stream=True) == run["thinking"] + run["text"]

@@ -181,7 +181,7 @@ EDGES = {"temperature": [0, 1e-30, 100, 0.5], "top_p": [0, 1e-9, 1], "top_k": [0
          "repetition_context_size": [0, 1, CONTEXT], "presence_penalty": [-100, 100],
          "presence_context_size": [0, CONTEXT], "frequency_penalty": [-100, 100],
          "frequency_context_size": [0, CONTEXT], "xtc_probability": [0, 1],
-         "xtc_threshold": [0, 1], "logit_bias": [{"0": 100}, {"1023": -100},
+         "xtc_threshold": [0, 0.5], "logit_bias": [{"0": 100}, {"1023": -100},
                                                  {str(i): -100 for i in range(1000)}],
          "seed": [0, 2 ** 63 - 1], "top_logprobs": [0, 10], "logprobs": [True, False],
          "stop": [["\u0000"], ["a" * 1024], ["x"] * 16, "\n"], "max_tokens": [1, 8],

@@ -1,0 +1,35 @@
+"""One sampler (generation/sampling.py): batch's keyed sampler is mlx-lm's own
+chain drawn from a key of its own, so a request's samples are exactly what
+`mx.random.seed(S)` followed by mlx-lm's `make_sampler` draws (what a run with
+`--seed S` samples), whatever else draws from MLX's global key meanwhile."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.sample_utils import make_sampler
+
+from deltafin_mlx.generation.sampling import KeyedSampler, Sampling
+
+
+@pytest.mark.parametrize("options", [
+    dict(temp=0.8), dict(temp=0.8, top_p=0.9), dict(temp=1.2, top_k=40, min_p=0.02),
+])  # not XTC: mlx-lm's apply_xtc tosses its coin with the global key
+def test_a_keyed_sampler_draws_what_the_seeded_mlx_lm_sampler_draws(options):
+    logits = mx.random.normal((1, 300), key=mx.random.key(1))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.random.seed(7)
+    chain = Sampling(**options).sampler()
+    want = [chain(logprobs).item() for _ in range(24)]
+    keyed = KeyedSampler(Sampling(**options), seed=7)
+    got = []
+    for _ in range(24):
+        mx.random.uniform()  # another request's draw from the global key changes nothing
+        got.append(keyed(logprobs).item())
+    assert got == want and len(set(got)) > 1
+    restarted = keyed.restarted()
+    assert [restarted(logprobs).item() for _ in range(24)] == want
+
+
+def test_greedy_options_need_no_key():
+    logprobs = mx.array([[0.1, 2.0, -1.0]])
+    assert KeyedSampler(Sampling(), seed=3)(logprobs).item() == 1
+    assert make_sampler(0.0)(logprobs).item() == 1
