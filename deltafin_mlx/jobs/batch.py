@@ -34,7 +34,7 @@ from deltafin_mlx.jobs.batch_lines import Request, batch_request, read_requests
 from deltafin_mlx.jobs.job_options import check_options
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.engine.runtime import find_runtime
-from deltafin_mlx.generation.stream import StatsMeter, chat_prompt, planned_pass
+from deltafin_mlx.generation.stream import StatsMeter, planned_pass
 from deltafin_mlx.model.modules import model_vocab
 from deltafin_mlx.generation.logprobs import top_logprobs
 from deltafin_mlx.generation.render import Render, thinking_opened

@@ -12,7 +12,8 @@ fetched.
 
 from deltafin_mlx.errors import RequestError
 from deltafin_mlx.generation.request import (  # noqa: F401 - the drop-in's guard reads these here
-    MAX_SEED, GenerationRequest, RequestLimits, boolean, integer, logit_bias, number, stops)
+    MAX_SEED, GenerationRequest, RequestLimits, _is_int, boolean, integer, logit_bias, number,
+    stops)
 from deltafin_mlx.tokenizer.messages import fail, text
 
 MAX_DEPTH = 32  # JSON nesting: messages > parts > tool calls > arguments > ...
