@@ -717,7 +717,7 @@ def test_sigint_after_the_manifest_is_written_reports_a_finished_conversion(
 
 
 @pytest.mark.parametrize("args", [["--temp", "nan"], ["--temp", "-0.5"], ["--temp", "inf"],
-                                  ["--top-p", "0"], ["--top-p", "1.01"], ["--top-p", "nan"],
+                                  ["--top-p", "-0.1"], ["--top-p", "1.01"], ["--top-p", "nan"],
                                   ["-n", "-1"], ["--top-k", "-2"]])
 def test_bad_sampling_options_are_refused(converted, args, capsys):
     with pytest.raises(SystemExit) as e:
