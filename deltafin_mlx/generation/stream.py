@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence, Union
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
-from deltafin_mlx.errors import ContextError
+from deltafin_mlx.errors import ContextError  # noqa: F401 - callers catch it from here
 from deltafin_mlx.generation.request import fit_max_tokens
 from deltafin_mlx.units import human_bytes
 from deltafin_mlx.generation.stops import StopMatcher
