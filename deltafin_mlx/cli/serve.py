@@ -44,7 +44,7 @@ import argparse
 import json
 
 from deltafin_mlx.cli.options import (Parser, add_load_options, load_options, positive,
-                                      positive_or_auto)
+                                      positive_or_auto, request_field)
 
 
 def port(text):
@@ -78,24 +78,10 @@ def json_object(text):
     return value
 
 
-def non_negative_number(text):
-    v = float(text)
-    if not (v >= 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
-    return v
-
-
 def positive_number(text):
     v = float(text)
     if not 0 < v < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
-    return v
-
-
-def fraction(text):
-    v = float(text)
-    if not 0 <= v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], not {text}")
     return v
 
 
@@ -123,13 +109,17 @@ def parser():
     p.add_argument("--max-body-bytes", type=positive, default=None,
                    help="largest request body (default: what --context can use: "
                    "context x the longest token's bytes, as JSON)")
-    p.add_argument("--max-tokens", type=positive, default=512,
+    # The defaults a request may leave out, checked by the rule its fields get.
+    p.add_argument("--max-tokens", type=request_field("max_tokens", int), default=512,
                    help="reply tokens when a request names none (cut to the context left)")
-    p.add_argument("--temp", type=non_negative_number, default=0.0,
+    p.add_argument("--temp", type=request_field("temperature"), default=0.0,
                    help="temperature when a request names none")
-    p.add_argument("--top-p", type=fraction, default=1.0, help="top_p when a request names none")
-    p.add_argument("--top-k", type=int, default=0, help="top_k when a request names none")
-    p.add_argument("--min-p", type=fraction, default=0.0, help="min_p when a request names none")
+    p.add_argument("--top-p", type=request_field("top_p"), default=1.0,
+                   help="top_p when a request names none")
+    p.add_argument("--top-k", type=request_field("top_k", int), default=0,
+                   help="top_k when a request names none (below the vocabulary)")
+    p.add_argument("--min-p", type=request_field("min_p"), default=0.0,
+                   help="min_p when a request names none")
     p.add_argument("--chat-template-args", type=json_object, default=None,
                    help="JSON object passed to the chat template, e.g. '{\"thinking\": false}'")
     p.add_argument("--prefill-step-size", type=positive, default=None,

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from deltafin_mlx.errors import UsageError
+from deltafin_mlx.errors import RequestError, UsageError
 from deltafin_mlx.server.admission import Admission, AdmissionConfig
 from deltafin_mlx.server.counters import ServerCounters
 from deltafin_mlx.server.listener import DeltafinHTTPServer
-from deltafin_mlx.generation.request import RequestLimits
+from deltafin_mlx.generation.request import GenerationRequest, RequestLimits
 from deltafin_mlx.units import human_bytes
 
 log = logging.getLogger("deltafin_mlx.server")
@@ -198,6 +198,11 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
     vocab = model_vocab(model)
     limits = RequestLimits(vocab=vocab, context=context,
                            max_text_bytes=max_text_bytes(tokenizer, vocab, context))
+    try:  # the default top_k is a request's: below the vocabulary
+        GenerationRequest.from_flags({"top_k": cfg.top_k}, limits)
+    except RequestError as e:
+        state.close()
+        raise UsageError(f"--top-k: {e}") from None
     max_body = cfg.max_body_bytes or limits.max_text_bytes * JSON_ESCAPE + BODY_SLACK
     counters = ServerCounters(model, rank)
     # Bodies held at once: the generating requests' and one more of the largest,
