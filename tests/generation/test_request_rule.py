@@ -17,7 +17,8 @@ from bench.lib.server import free_port, post, start_server, stop_server
 from deltafin_mlx.cli.batch import batch_parser
 from deltafin_mlx.cli.options import check_request_flags, sampling_of
 from deltafin_mlx.errors import ContextError, RequestError, UsageError
-from deltafin_mlx.generation.request import (GenerationRequest, RequestLimits, fit_max_tokens,
+from deltafin_mlx.generation.request import (INFORMATIONAL_FIELDS, READ_FIELDS,
+                                             GenerationRequest, RequestLimits, fit_max_tokens,
                                              prompt_tokens)
 from deltafin_mlx.generation.render import render, thinking_opened
 from deltafin_mlx.jobs.batch_lines import batch_request, read_requests
@@ -97,9 +98,18 @@ TABLE = [
      None),
     (CHAT, chat(tools="x"), "tools"),
     (CHAT, chat(adapters="/tmp"), "adapters"),
-    (CHAT, chat(stream=False), None),
+    (CHAT, chat(stream=False, stream_options={"include_usage": True}), None),
+    (CHAT, chat(draft_model="/tmp"), "draft_model"),
+    (CHAT, chat(frequency_context_size=8), None),
+    (CHAT, chat(xtc_probability=0.5, xtc_threshold=0.8), "xtc_threshold"),
 ]
-assert len(TABLE) >= 25
+
+
+def test_the_table_holds_every_field_a_request_takes_and_openais_bookkeeping():
+    used = {k for _, body, _ in TABLE for k in body}
+    every = READ_FIELDS | INFORMATIONAL_FIELDS
+    assert every <= used, every - used
+    assert {url for url, _, _ in TABLE} == {CHAT, TEXT} and len(TABLE) >= 25
 
 # Request fields a command-line flag sets (batch's parser has every one of them).
 FLAGS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
