@@ -310,6 +310,7 @@ class GenerationRequest:
             fail("stream", "must be false in a batch")
         if url is not None:
             return cls.from_openai(body, url == "/v1/chat/completions", limits)
+        check_fields(body)  # an unknown key is named before a missing prompt
         if ("prompt" in body) == ("messages" in body):
             raise RequestError('needs exactly one of "prompt" (a string) or "messages" '
                                '(a list)')

@@ -43,7 +43,7 @@ def test_batch_whose_every_line_fails_exits_1(converted, tmp_path, capsys):
                str(tmp_path / "b.jsonl"), "-n", "2", "--raw"])
     assert rc == 1
     last = last_line(capsys)
-    assert "every line failed (1 error lines in" in last and "unknown key 'question'" in last
+    assert "every line failed (1 error lines in" in last and "question: is not a field" in last
 
 
 def test_jobs_with_some_error_lines_exit_3_and_say_how_many(converted, tmp_path, capsys):
