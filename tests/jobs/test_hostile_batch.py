@@ -166,13 +166,13 @@ def test_a_prompt_too_big_for_the_context_is_refused_before_it_is_tokenized(
                 {"id": "huge-chat", "messages": [{"role": "user", "content": huge}]},
                 {"id": "ok", "prompt": "Hello"})
     seen = []  # bytes of text that reached the chat template and tokenizer
-    real = batch.chat_prompt
+    real = batch.prompt_tokens
 
-    def spy(tokenizer, msgs, **kw):
-        seen.append(text_bytes(msgs))
-        return real(tokenizer, msgs, **kw)
+    def spy(request, tokenizer, **kw):
+        seen.append(text_bytes(request.messages or request.prompt))
+        return real(request, tokenizer, **kw)
 
-    monkeypatch.setattr(batch, "chat_prompt", spy)
+    monkeypatch.setattr(batch, "prompt_tokens", spy)
     assert main(["batch", job.model, str(job.src), "-o", str(job.out), "-n", "3",
                  "--no-progress", "--context", "256"]) == 3  # some error lines
     got = {r["id"]: r for r in results(job.out)}
