@@ -51,6 +51,8 @@ PRIVATE = (
     ("mlx_lm.generate", "BatchGenerator._unprocessed_sequences"),
     ("mlx_lm.generate", "BatchGenerator._currently_processing"),
     ("mlx_lm.generate", "BatchGenerator._counters"),
+    # make_sampler's closure cells `sampling_methods` and `temp`: read by sampler_chain
+    # (checked by tests/structure/test_mlx_lm_surface.py calling it)
 )
 
 
@@ -163,3 +165,21 @@ def body_and_head(model):
     if head is None:
         head = body.embed_tokens.as_linear
     return body, head
+
+
+def sampler_chain(sampler):
+    """(filters, temperature) of a sampler mlx-lm's `make_sampler` made: the
+    filter steps it closed over, in its order, and the temperature of its final
+    draw; (None, None) for its greedy sampler. A mlx-lm release that builds its
+    sampler otherwise fails here, by name, never samples differently."""
+    from mlx_lm.sample_utils import greedy_sampler
+
+    if sampler is greedy_sampler:
+        return [], None
+    cells = dict(zip(sampler.__code__.co_freevars, (c.cell_contents for c in
+                                                    sampler.__closure__ or ())))
+    if "sampling_methods" not in cells or "temp" not in cells:
+        raise RuntimeError("mlx_lm.sample_utils.make_sampler no longer closes over "
+                           "'sampling_methods' and 'temp': generation/sampling.py's "
+                           "KeyedSampler needs updating for this mlx-lm")
+    return list(cells["sampling_methods"]), cells["temp"]

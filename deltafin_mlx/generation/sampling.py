@@ -10,6 +10,8 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from deltafin_mlx import compat
+
 
 @dataclass
 class Sampling:
@@ -75,7 +77,7 @@ class KeyedSampler:
 
     def __init__(self, sampling: Sampling, seed: int):
         self.sampling, self.seed = sampling, seed
-        self.filters, self.temp = mlx_lm_chain(sampling.sampler())
+        self.filters, self.temp = compat.sampler_chain(sampling.sampler())
         self.key = mx.random.key(seed)
 
     def restarted(self) -> "KeyedSampler":
@@ -89,21 +91,3 @@ class KeyedSampler:
             logprobs = step(logprobs)
         self.key, sub = mx.random.split(self.key)
         return mx.random.categorical(logprobs * (1.0 / self.temp), key=sub)
-
-
-def mlx_lm_chain(sampler):
-    """(filters, temperature) of a sampler mlx-lm's `make_sampler` made: the
-    filter steps it closed over, in its order, and the temperature of its final
-    draw; (None, None) for its greedy sampler. A mlx-lm release that builds its
-    sampler otherwise fails here, by name, never samples differently."""
-    from mlx_lm.sample_utils import greedy_sampler
-
-    if sampler is greedy_sampler:
-        return [], None
-    cells = dict(zip(sampler.__code__.co_freevars, (c.cell_contents for c in
-                                                    sampler.__closure__ or ())))
-    if "sampling_methods" not in cells or "temp" not in cells:
-        raise RuntimeError("mlx_lm.sample_utils.make_sampler no longer closes over "
-                           "'sampling_methods' and 'temp': generation/sampling.py's "
-                           "KeyedSampler needs updating for this mlx-lm")
-    return list(cells["sampling_methods"]), cells["temp"]

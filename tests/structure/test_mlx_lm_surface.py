@@ -24,6 +24,16 @@ def test_a_renamed_name_is_reported():
         "mlx_lm.server:APIHandler._no_such_hook", "mlx_lm.utils:_no_such_function"]
 
 
+def test_make_samplers_chain_is_readable():
+    """KeyedSampler draws mlx-lm's own filter chain with its own key: the chain is
+    read from make_sampler's closure, which a release may change."""
+    from mlx_lm.sample_utils import make_sampler
+
+    filters, temp = compat.sampler_chain(make_sampler(0.7, top_p=0.9, top_k=5))
+    assert temp == 0.7 and len(filters) == 2
+    assert compat.sampler_chain(make_sampler(0.0)) == ([], None)
+
+
 def test_only_compat_reaches_into_mlx_lm_private_names():
     """`mlx_lm.anything._private` is spelled in compat.py alone."""
     spelled = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
