@@ -265,7 +265,7 @@ def test_auto_batch_size_reserves_state_only_for_the_requests_left(converted, tm
            str(src), "-o", str(out), "--raw", "--no-progress", "--budget", "4GB"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "2 answered now" in r.stderr and "batch 2)" in r.stderr
+    assert "2 answered now" in r.stderr and "batch 2;" in r.stderr
 
 
 def read_results(path):
