@@ -5,6 +5,7 @@ in memory. Its stacked experts are read one expert at a time, experts mlx-lm
 quantized are carried over byte for byte (and can be linked), and its quantized
 trunk stays as mlx-lm made it."""
 
+import json
 import os
 import subprocess
 import sys
@@ -15,9 +16,9 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model
 
-from conftest import reference_model
+from conftest import make_source, reference_model
 from deltafin_mlx.convert.convert import ConvertOptions, convert
-from deltafin_mlx.convert.source import Source
+from deltafin_mlx.convert.source import Source, read_source
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.bank import read_layout
@@ -28,9 +29,9 @@ from deltafin_mlx.testing.mlx_lm_format import write_mlx_lm_format
 from deltafin_mlx import runtime
 
 BIN = Path(sys.executable).parent
-# qwen3_moe, and DeepSeek-V3's class (Kimi K2 is a deepseek_v3 model in mlx-lm,
-# whose format splits kv_b_proj into embed_q/unembed_out).
-ARCHS = ("qwen3_moe", "kimi_k2")
+# Every supported type (Kimi K2 is a deepseek_v3 model in mlx-lm, whose format splits
+# kv_b_proj into embed_q/unembed_out).
+ARCHS = ("qwen3_moe", "kimi_k2", "mixtral", "kimi_k3")
 
 
 def prompt(length=12, seed=0):
@@ -55,7 +56,11 @@ def mlx_lm_dirs(tmp_path_factory, sources):
 
 
 def oracle(mlx_dir):
-    """mlx-lm loading the directory fully in memory, computing in float32."""
+    """What a default conversion must equal, computing in float32: mlx-lm loading
+    the directory fully in memory; where mlx-lm left it all in float, quantized by
+    mlx-lm as the default options say (as `mlx_lm.convert -q` would)."""
+    if "quantization" not in json.loads((Path(mlx_dir) / "config.json").read_text()):
+        return reference_model(mlx_dir)
     model, _ = load_model(Path(mlx_dir))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
@@ -82,23 +87,18 @@ def assert_same_greedy(out, expected_model, steps=16):
     assert mx.array_equal(logits, ref_logits).item()  # bit-identical, not just close
 
 
+@pytest.mark.parametrize("bits", [None, 4], ids=["unquantized", "4bit"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_float_mlx_lm_directory_converts_to_mlx_lms_tokens(arch, mlx_lm_dirs, tmp_path):
-    src = mlx_lm_dirs(arch)
+def test_an_mlx_lm_directory_converts_to_mlx_lms_tokens(arch, bits, mlx_lm_dirs, tmp_path):
+    """`mlx_lm.convert` without -q (float) and with -q (4-bit affine); Kimi K3's
+    experts stay MXFP4 in both, as its release has them."""
+    src = mlx_lm_dirs(arch, bits)
     convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
     m = read_manifest(tmp_path / "out")
-    assert m.quantization["experts"] == {"mode": "affine", "bits": 4, "group_size": 64}
-    # The oracle: mlx-lm quantizing the same float directory as the options say.
-    assert_same_greedy(tmp_path / "out", reference_model(src))
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_a_4bit_mlx_lm_directory_converts_to_mlx_lms_tokens(arch, mlx_lm_dirs, tmp_path):
-    src = mlx_lm_dirs(arch, bits=4)
-    convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
-    m = read_manifest(tmp_path / "out")
-    assert m.quantization["experts"] == {"mode": "affine", "bits": 4, "group_size": 64,
-                                         "carried_over": True}
+    if arch == "kimi_k3":
+        assert m.quantization["experts"]["mode"] == "mxfp4"
+    carried = arch == "kimi_k3" or bits is not None
+    assert m.quantization["experts"].get("carried_over", False) == carried
     assert_same_greedy(tmp_path / "out", oracle(src))
 
 
@@ -188,3 +188,29 @@ def test_experts_quantized_differently_per_layer_are_refused_in_one_line(mlx_lm_
     with pytest.raises(ConvertError, match="quantized differently"):
         convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
     assert not (tmp_path / "out").exists()
+
+
+def test_conversion_memory_is_a_fraction_of_one_layers_stacked_experts(mlx_lm_dirs, tmp_path):
+    """Peak memory while converting (after a first conversion has warmed up every
+    import and allocator) stays under a quarter of one layer's stacked experts: no
+    stacked tensor is ever held whole."""
+    big = write_mlx_lm_format(
+        make_source(tmp_path / "hf", "qwen3_moe", num_layers=2, num_experts=64,
+                    hidden_size=256, moe_intermediate_size=512), tmp_path / "big")
+    saved = read_source(str(big), big, big)
+    layer_experts = sum(t.nbytes for n, t in saved.tensors.items()
+                        if n.startswith("model.layers.0.") and ".switch_mlp." in n)
+    assert layer_experts >= 48 << 20
+    code = (
+        "import resource\n"
+        "import deltafin_mlx.convert.convert as c\n"
+        f"c.convert({str(mlx_lm_dirs('qwen3_moe'))!r}, {str(tmp_path / 'warm')!r}, "
+        "c.ConvertOptions(progress=False))\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        f"c.convert({str(big)!r}, {str(tmp_path / 'out')!r}, c.ConvertOptions(progress=False))\n"
+        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        "print(base, peak)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    base, peak = map(int, p.stdout.split()[-2:])
+    assert peak - base < layer_experts // 4, (peak - base, layer_experts)
