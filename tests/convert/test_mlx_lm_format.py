@@ -17,6 +17,7 @@ import pytest
 from mlx_lm.utils import load_model
 
 from conftest import make_source, reference_model
+from deltafin_mlx.cli import convert as convert_cli
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.convert.source import Source, read_source
 from deltafin_mlx.engine.load import load
@@ -166,19 +167,36 @@ def test_linked_mlx_lm_experts_give_the_packed_conversions_tokens(mlx_lm_dirs, t
     assert_same_greedy(tmp_path / "linked", oracle(src))
 
 
-def test_an_mlx_community_repository_converts_from_the_hub_with_a_scratch_limit(
+def test_an_mlx_community_repository_converts_from_the_hub_with_a_scratch_limit_or_linked(
         mlx_lm_dirs, tmp_path):
     src = mlx_lm_dirs("qwen3_moe", bits=4)
     convert(str(src), tmp_path / "local", ConvertOptions(progress=False))
     with FakeHub() as hub:
         hub.add("mlx-community/Tiny-Qwen3-MoE-4bit", src)
-        p = subprocess.run([str(BIN / "deltafin-convert"), "mlx-community/Tiny-Qwen3-MoE-4bit",
-                            str(tmp_path / "out"), "--scratch-limit", "1GB", "--quiet"],
-                           capture_output=True, text=True, timeout=600,
-                           env={**os.environ, **hub.env(tmp_path / "hf")})
-    assert p.returncode == 0, p.stderr
-    a, b = read_manifest(tmp_path / "out"), read_manifest(tmp_path / "local")
+        env = {**os.environ, **hub.env(tmp_path / "hf")}
+        for out, how in (("scratch", ["--scratch-limit", "1GB"]), ("linked", ["--link-experts"])):
+            p = subprocess.run([str(BIN / "deltafin-convert"), "mlx-community/Tiny-Qwen3-MoE-4bit",
+                                str(tmp_path / out), *how, "--quiet"], capture_output=True,
+                               text=True, timeout=600, env=env)
+            assert p.returncode == 0, p.stderr
+    a, b = read_manifest(tmp_path / "scratch"), read_manifest(tmp_path / "local")
     assert a.files == b.files and a.checksums == b.checksums
+    linked = read_manifest(tmp_path / "linked")
+    assert all(rel.startswith("blobs/") for rel in linked.linked["files"])  # the hub cache's
+    assert not any(rel.endswith(".bank") for rel in linked.files)
+    assert_same_greedy(tmp_path / "linked", oracle(src))
+
+
+def test_stacked_experts_that_disagree_with_config_json_are_refused_in_one_line(
+        mlx_lm_dirs, copy_of, tmp_path, capsys):
+    src = copy_of(mlx_lm_dirs("qwen3_moe", bits=4))
+    config = json.loads((src / "config.json").read_text())
+    config["num_experts"] = 8  # the stacked tensors hold 16
+    (src / "config.json").write_text(json.dumps(config))
+    assert convert_cli.main([str(src), str(tmp_path / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "switch_mlp.gate_proj.weight is U32 [16," in err and "expected U32 [8," in err, err
 
 
 def test_experts_quantized_differently_per_layer_are_refused_in_one_line(mlx_lm_dirs,
