@@ -31,9 +31,10 @@ from deltafin_mlx.format.model_dir import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_S
 from deltafin_mlx.format.record import PROJECTIONS, expert_sections
 from deltafin_mlx.model.build import build_model, source_dtype
 from deltafin_mlx.model.config import ARCHITECTURES, LAYER_RE, experts_per_token
-from deltafin_mlx.model.quantization import check_quantization, expert_quantization
+from deltafin_mlx.model.quantization import (check_quantization, mlx_lm_quantization,
+                                             module_quantization)
 
-from .experts import expert_locations, expert_record, group_experts, linkable
+from .experts import linkable, open_experts
 from .linked import LinkWriter, linked_manifest_entry
 from .scratch import SCRATCH_NAME, check_scratch_limit, disk_in_use, open_hub_scratch, plan_scratch
 from .source import ConvertError, Source, free_bytes, open_source, read_source, tokenizer_files
@@ -273,23 +274,14 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
             f"unsupported architecture {model_type!r}; supported: "
             + ", ".join(f"{v} ({k})" for k, v in ARCHITECTURES.items())
         )
-    expert_quant = expert_quantization(config, options.expert_bits, options.expert_group_size)
-    if expert_quant.get("carried_over") and (options.expert_bits, options.expert_group_size) \
-            != (ConvertOptions.expert_bits, ConvertOptions.expert_group_size):
-        raise ConvertError(
-            f"--expert-bits/--expert-group-size: the experts of {src} are "
-            f"{expert_quant['mode'].upper()} and are carried over as they are (only bf16/fp16/"
-            "fp32 experts are quantized): drop the option")
-    if options.link_experts and not linkable(expert_quant):
-        raise ConvertError(
-            f"--link-experts: the experts of {src} are {expert_quant['mode']} after "
-            "quantizing them, not the source's bytes; only experts carried over byte for byte "
-            "(Kimi K3's MXFP4 ones) can be linked (convert without --link-experts)")
-    trunk_quant = (
-        {"group_size": options.group_size, "bits": options.bits, "mode": "affine"}
-        if options.bits is not None
-        else None
-    )
+    # A model mlx_lm.convert quantized keeps its quantized trunk as it is.
+    saved_quant = mlx_lm_quantization(config)
+    if saved_quant is not None:
+        trunk_quant = module_quantization(saved_quant, "")
+    elif options.bits is not None:
+        trunk_quant = {"group_size": options.group_size, "bits": options.bits, "mode": "affine"}
+    else:
+        trunk_quant = None
     dtype = source_dtype(config)
     model = build_model(config)
     paths = layer_paths(model)
@@ -310,7 +302,6 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
             units[int(m.group(1))].append(name)
         else:
             dropped.append(name)  # e.g. multi-token-prediction layers mlx-lm drops
-    experts = group_experts(source.tensors)
 
     # The record layout, from mlx-lm's own SwitchGLU shapes.
     moe_layers = {}
@@ -323,14 +314,28 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
     first_switch = get_module(model, next(iter(moe_layers.values())))
     num_experts = first_switch.gate_proj.weight.shape[0]
     shapes = {p: tuple(getattr(first_switch, p).weight.shape[1:]) for p in PROJECTIONS}
+    experts = open_experts(source, config, moe_layers, shapes, num_experts, options.expert_bits,
+                           options.expert_group_size, dtype)
+    expert_quant = experts.quant
+    if expert_quant.get("carried_over") and (options.expert_bits, options.expert_group_size) \
+            != (ConvertOptions.expert_bits, ConvertOptions.expert_group_size):
+        raise ConvertError(
+            f"--expert-bits/--expert-group-size: the experts of {src} are "
+            f"{expert_quant['mode'].upper()} and are carried over as they are (only bf16/fp16/"
+            "fp32 experts are quantized): drop the option")
+    if options.link_experts and not linkable(expert_quant):
+        raise ConvertError(
+            f"--link-experts: the experts of {src} are {expert_quant['mode']} after "
+            "quantizing them, not the source's bytes; only experts carried over byte for byte "
+            "(Kimi K3's MXFP4 ones, or those mlx-lm quantized) can be linked (convert without "
+            "--link-experts)")
     for p, (o, i) in shapes.items():
         if i % expert_quant["group_size"]:
             raise ConvertError(
                 f"expert {p} input size {i} is not a multiple of the expert group size "
                 f"{expert_quant['group_size']} (choose another --expert-group-size)"
             )
-    scales_dtype = name_of(dtype or mx.bfloat16)
-    sections = expert_sections(shapes, expert_quant, scales_dtype)
+    sections = expert_sections(shapes, expert_quant, experts.scales_dtype)
     slices = options.ranks
     if slices > 1:
         # Each rank's slice of the intermediate dimension is whole quantization
@@ -344,13 +349,6 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
             )
         sections = slice_sections(sections, slices)
     record_size = record_size_of(sections) * slices
-    for layer in moe_layers:
-        found = experts.get(layer, {})
-        if len(found) != num_experts or set(found) != set(range(num_experts)):
-            raise ConvertError(
-                f"layer {layer}: source has {len(found)} routed experts, config says {num_experts}"
-            )
-
     state = prepare_output(out, source, options)
     if state.get("finished"):
         if hub is not None:
@@ -361,7 +359,7 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
     # Disk, checked before anything is written: banks are exact; the trunk needs
     # at most its source size.
     trunk_src = {
-        u: sum(source.nbytes(n) for n in names if n not in _expert_names(experts, u))
+        u: sum(source.nbytes(n) for n in names if n not in experts.names(u))
         for u, names in units.items()
     }
     bank_bytes = {
@@ -422,7 +420,7 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
         hub.on_download = lambda n: bar.show_status(every=0.5)  # a shard takes minutes
     try:
         _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
-                       num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
+                       num_layers, num_experts, sections, trunk_quant, saved_quant,
                        dtype, state, bar, hub, scratch_plan)
     except BaseException:
         bar.close(failed=True)
@@ -436,7 +434,7 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
 
 
 def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
-                   num_layers, num_experts, sections, shapes, expert_quant, trunk_quant,
+                   num_layers, num_experts, sections, trunk_quant, saved_quant,
                    dtype, state, bar, hub=None, scratch_plan=None):
     _write_atomic_json(out / PARTIAL_NAME, state)
 
@@ -474,7 +472,7 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
         result = {"files": {}, "tensors": {}, "quantized": {}}
 
         # Trunk.
-        expert_names = _expert_names(experts, unit)
+        expert_names = experts.names(unit)
         raw = {n: source.load(n) for n in units[unit] if n not in expert_names}
         weights = model.sanitize(raw)
         if unit == "globals":
@@ -492,7 +490,8 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
             def skip(p):
                 return switch is not None and (p == switch or p.startswith(switch + "."))
 
-        params, quantized = convert_unit(model, prefix, module, weights, skip, trunk_quant, dtype)
+        params, quantized = convert_unit(model, prefix, module, weights, skip, trunk_quant, dtype,
+                                         saved_quant)
         _save_safetensors(out / rel, params)
         result["files"][rel] = (out / rel).stat().st_size
         result["checksums"] = {rel: format_checksum(file_checksum(out / rel))}
@@ -507,10 +506,8 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
             rel = f"experts/layer-{unit:05d}.links"
             writer = LinkWriter(source, unit, num_experts, sections)
             for e in range(num_experts):
-                names = experts[unit][e]
-                rec = expert_record(source, names, unit, e, shapes, expert_quant, dtype)
-                writer.add(e, rec, expert_locations(source, names))
-                bar.update(sum(source.nbytes(n) for n in names.values()))
+                writer.add(e, experts.record(unit, e), experts.locations(unit, e))
+                bar.update(experts.nbytes(unit, e))
             writer.write(out / rel)
             result["files"][rel] = (out / rel).stat().st_size
             result["checksums"][rel] = format_checksum(file_checksum(out / rel))
@@ -522,10 +519,8 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
             writer = BankWriter(tmp, unit, num_experts, sections, state["options"].get("ranks", 1))
             try:
                 for e in range(num_experts):
-                    names = experts[unit][e]
-                    rec = expert_record(source, names, unit, e, shapes, expert_quant, dtype)
-                    writer.write_record(rec)
-                    bar.update(sum(source.nbytes(n) for n in names.values()))
+                    writer.write_record(experts.record(unit, e))
+                    bar.update(experts.nbytes(unit, e))
                 writer.close()
             except BaseException:
                 writer.abort()
@@ -555,8 +550,7 @@ def _unit_source_bytes(source, trunk_src, experts, unit) -> int:
     """Source bytes a unit reads: its trunk tensors and, for a layer, its experts."""
     if unit == "globals":
         return trunk_src[unit]
-    return trunk_src[unit] + sum(
-        source.nbytes(n) for e in experts.get(unit, {}).values() for n in e.values())
+    return trunk_src[unit] + sum(source.nbytes(n) for n in experts.names(unit))
 
 
 class ConvertProgress:
@@ -638,12 +632,6 @@ def _existing_parent(p: Path) -> Path:
     while not p.exists():
         p = p.parent
     return p
-
-
-def _expert_names(experts, unit):
-    if unit == "globals":
-        return set()
-    return {n for e in experts.get(unit, {}).values() for n in e.values()}
 
 
 def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,

@@ -1,5 +1,10 @@
 """Routed experts: find them in a source checkpoint and turn each into one bank record.
 
+Two layouts: one tensor per expert and projection (Hugging Face releases, here),
+and mlx-lm's stacked experts (convert/mlx_lm_source.py); `open_experts` picks the
+one the source has. Both give, per expert, its record, the source bytes it reads and
+(for experts carried over byte for byte) where its sections lie in the source.
+
 Each expert is quantized on its own (`mx.quantize` groups run along the input axis,
 so quantizing one expert gives the same bytes as quantizing mlx-lm's stacked
 `(E, out, in)` tensor). Kimi K3's MXFP4 experts are already in MLX's `mxfp4` layout
@@ -8,7 +13,7 @@ and are carried over byte for byte.
 
 import re
 from collections import defaultdict
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -18,6 +23,9 @@ from deltafin_mlx.format.record import PROJECTIONS
 
 from deltafin_mlx.errors import ConvertError
 
+from deltafin_mlx.model.quantization import expert_quantization, mlx_lm_quantization
+
+from .mlx_lm_source import StackedExperts, is_stacked
 from .source import Source
 
 # Source names of routed experts in every supported layout:
@@ -108,11 +116,54 @@ def linkable(quant: dict) -> bool:
     return bool(quant.get("carried_over"))
 
 
-def expert_locations(source: Source, names: Dict[str, str]) -> Dict[str, str]:
-    """Record section -> the source tensor holding its bytes as they are (for a
-    linkable expert whose record `expert_record` has already checked)."""
-    out = {}
-    for proj in PROJECTIONS:
-        out[f"{proj}.weight"] = names[f"{proj}.weight_packed"]
-        out[f"{proj}.scales"] = names[f"{proj}.weight_scale"]
-    return out
+class PerExpertTensors:
+    """The routed experts of a Hugging Face release: one tensor per expert."""
+
+    def __init__(self, source: Source, switches: Dict[int, str], shapes: Dict[str, tuple],
+                 num_experts: int, quant: dict, dtype: Optional[mx.Dtype]):
+        self.source, self.shapes, self.quant, self.dtype = source, shapes, quant, dtype
+        self.scales_dtype = str(dtype or mx.bfloat16).split(".")[-1]
+        self.by_layer = group_experts(source.tensors)
+        for layer in switches:
+            found = self.by_layer.get(layer, {})
+            if len(found) != num_experts or set(found) != set(range(num_experts)):
+                raise ConvertError(f"layer {layer}: source has {len(found)} routed experts, "
+                                   f"config says {num_experts}")
+
+    def names(self, layer) -> set:
+        return {n for e in self.by_layer.get(layer, {}).values() for n in e.values()}
+
+    def nbytes(self, layer: int, expert: int) -> int:
+        return sum(self.source.nbytes(n) for n in self.by_layer[layer][expert].values())
+
+    def record(self, layer: int, expert: int) -> Dict[str, np.ndarray]:
+        return expert_record(self.source, self.by_layer[layer][expert], layer, expert,
+                             self.shapes, self.quant, self.dtype)
+
+    def locations(self, layer: int, expert: int) -> Dict[str, Tuple[str, int, int]]:
+        """Record section -> (shard, offset, length) of the source tensor holding
+        its bytes as they are (for a linkable expert, its record already checked)."""
+        names = self.by_layer[layer][expert]
+        out = {}
+        for proj in PROJECTIONS:
+            for kind, src in (("weight", "weight_packed"), ("scales", "weight_scale")):
+                t = self.source.tensors[names[f"{proj}.{src}"]]
+                out[f"{proj}.{kind}"] = (t.shard, t.offset, t.nbytes)
+        return out
+
+
+def open_experts(source: Source, config: dict, switches: Dict[int, str],
+                 shapes: Dict[str, tuple], num_experts: int, expert_bits: int,
+                 expert_group_size: int, dtype: Optional[mx.Dtype]):
+    """The source's routed experts in whichever layout it has them (`switches`:
+    MoE layer -> its SwitchGLU's path in mlx-lm's model)."""
+    if is_stacked(source, switches.values()):
+        float_quant = {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}
+        return StackedExperts(source, switches, shapes, num_experts,
+                              mlx_lm_quantization(config), float_quant, dtype)
+    if mlx_lm_quantization(config) is not None:
+        raise ConvertError("config.json has mlx-lm's quantization block but the source has "
+                           f"no stacked experts ({next(iter(switches.values()))}.gate_proj."
+                           "weight): not a directory mlx_lm.convert wrote")
+    quant = expert_quantization(config, expert_bits, expert_group_size)
+    return PerExpertTensors(source, switches, shapes, num_experts, quant, dtype)

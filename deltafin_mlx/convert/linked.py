@@ -6,7 +6,7 @@ can be linked (convert/experts.py `linkable`)."""
 
 import os
 import zlib
-from typing import Dict
+from typing import Dict, Tuple
 
 import numpy as np
 
@@ -38,18 +38,20 @@ class LinkWriter:
         """An upper bound on a table's size (for the free-space check)."""
         return (1 << 16) + num_experts * (len(sections) * ENTRY.itemsize + 4)
 
-    def add(self, expert: int, record: Dict[str, np.ndarray], locations: Dict[str, str]):
+    def add(self, expert: int, record: Dict[str, np.ndarray],
+            locations: Dict[str, Tuple[str, int, int]]):
+        """`locations`: section -> (shard, offset, length) of its bytes in the source."""
         crc = 0
         for i, s in enumerate(self.sections):
-            t = self.source.tensors[locations[s.name]]
-            if t.nbytes != s.nbytes or record[s.name].nbytes != s.nbytes:
+            shard, offset, nbytes = locations[s.name]
+            if nbytes != s.nbytes or record[s.name].nbytes != s.nbytes:
                 raise ConvertError(f"layer {self.layer} expert {expert}: {s.name} is "
-                                   f"{t.nbytes} bytes in the source, the record needs "
+                                   f"{nbytes} bytes in the source, the record needs "
                                    f"{s.nbytes}; it cannot be linked")
-            if t.shard not in self._index:
-                self._index[t.shard] = len(self.files)
-                self.files.append(source_rel(self.source, t.shard))
-            self.entries[expert, i] = (self._index[t.shard], 0, t.offset)
+            if shard not in self._index:
+                self._index[shard] = len(self.files)
+                self.files.append(source_rel(self.source, shard))
+            self.entries[expert, i] = (self._index[shard], 0, offset)
             crc = zlib.crc32(np.ascontiguousarray(record[s.name]).view(np.uint8), crc)
         self.checksums[expert] = crc & 0xFFFFFFFF
 

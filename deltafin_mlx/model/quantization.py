@@ -23,9 +23,68 @@ def check_quantization(bits, group_size: int, expert_bits: int, expert_group_siz
         raise ConvertError(f"--expert-group-size must be one of {GROUP_SIZES}")
 
 
+# The quantization modes a record can hold as mlx-lm wrote them (docs/FORMAT.md).
+CARRIED_MODES = ("affine", "mxfp4")
+
+
+def mlx_lm_quantization(config: dict):
+    """The `quantization` block mlx_lm.convert writes into config.json (a default
+    group_size/bits/mode plus per-module overrides keyed by module path), or None.
+    mlx-lm copies it to `quantization_config`, where it differs from a Hugging Face
+    block by having no `quant_method`."""
+    for c in (config, text_config(config)):
+        q = c.get("quantization")
+        if q is None:
+            q = c.get("quantization_config")
+            if not isinstance(q, dict) or "quant_method" in q:
+                continue
+        if not (isinstance(q, dict) and isinstance(q.get("bits"), int)
+                and isinstance(q.get("group_size"), int)):
+            raise ConvertError(f"config.json: quantization {str(q)[:80]} is not mlx-lm's "
+                               "(group_size and bits expected)")
+        return q
+    return None
+
+
+def module_quantization(block: dict, path: str):
+    """mlx-lm's rule for one module of a model it wrote: the per-module entry
+    where the block has one, else the block's default."""
+    own = block.get(path)
+    if isinstance(own, dict):
+        return {"group_size": own.get("group_size", block["group_size"]),
+                "bits": own.get("bits", block["bits"]), "mode": own.get("mode", "affine")}
+    return {"group_size": block["group_size"], "bits": block["bits"],
+            "mode": block.get("mode", "affine")}
+
+
+def carried_quantization(quant: dict, where: str) -> dict:
+    """Experts mlx-lm already quantized as `quant`: carried over byte for byte."""
+    mode, bits, group = quant["mode"], quant["bits"], quant["group_size"]
+    ok = {"affine": BITS + (5,), "mxfp4": (4,)}.get(mode, ())
+    if bits not in ok or (mode == "mxfp4" and group != 32) or (
+            mode == "affine" and group not in GROUP_SIZES):
+        raise ConvertError(f"{where}: experts quantized {mode} at {bits} bits, group size "
+                           f"{group}, are not supported (supported: affine 2-8 bits with "
+                           f"group size {'/'.join(map(str, GROUP_SIZES))}, mxfp4)")
+    return {"mode": mode, "bits": bits, "group_size": group, "carried_over": True}
+
+
 def expert_quantization(config: dict, expert_bits: int, expert_group_size: int) -> dict:
-    """What a source's routed experts become: K3's MXFP4 experts are carried over
-    as they are; bf16/fp16/fp32 experts are quantized (affine) with the options."""
+    """What a source's routed experts become: K3's MXFP4 experts, and experts
+    mlx-lm already quantized (its config.json block), are carried over as they are;
+    bf16/fp16/fp32 experts are quantized (affine) with the options. From
+    config.json alone: the converter checks an mlx-lm source's tensors
+    (convert/mlx_lm_source.py), which may hold its experts in float."""
+    block = mlx_lm_quantization(config)
+    if block is not None:
+        experts = {k: v for k, v in block.items() if ".switch_mlp." in k}
+        found = {tuple(sorted(module_quantization(block, k).items())) for k in experts}
+        if len(found) > 1:
+            raise ConvertError("config.json: the experts are quantized differently from "
+                               "layer to layer or projection to projection (an mlx-lm mixed "
+                               "recipe); Deltafin's records hold one quantization for all")
+        quant = dict(found.pop()) if found else module_quantization(block, "")
+        return carried_quantization(quant, "config.json")
     qc = config.get("quantization_config") or text_config(config).get("quantization_config")
     if qc:
         fmt = qc.get("format")
@@ -33,6 +92,7 @@ def expert_quantization(config: dict, expert_bits: int, expert_group_size: int) 
             return {"mode": "mxfp4", "bits": 4, "group_size": 32, "carried_over": True}
         raise ConvertError(
             f"source quantization {qc.get('quant_method')}/{fmt} is not supported "
-            "(supported: bf16/fp16/fp32 weights, or compressed-tensors mxfp4 experts)"
+            "(supported: bf16/fp16/fp32 weights, compressed-tensors mxfp4 experts, or "
+            "mlx-lm's own format as mlx_lm.convert writes it)"
         )
     return {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}

@@ -337,19 +337,19 @@ def test_rerunning_a_finished_conversion_has_nothing_to_do(tmp_path, sources, ca
 
 
 def test_resume_says_where_it_picked_up(tmp_path, sources, monkeypatch, capsys):
-    import deltafin_mlx.convert.convert as conv
+    from deltafin_mlx.convert.experts import PerExpertTensors as experts
 
-    real = conv.expert_record
+    real = experts.record
 
-    def crash_on_layer_3(*a, **k):
-        if a[2] == 3:
+    def crash_on_layer_3(self, layer, expert):
+        if layer == 3:
             raise KeyboardInterrupt
-        return real(*a, **k)
+        return real(self, layer, expert)
 
-    monkeypatch.setattr(conv, "expert_record", crash_on_layer_3)
+    monkeypatch.setattr(experts, "record", crash_on_layer_3)
     out = tmp_path / "o"
     assert convert_cli.main([str(sources("kimi_k3")), str(out), "--quiet"]) == 130
-    monkeypatch.setattr(conv, "expert_record", real)
+    monkeypatch.setattr(experts, "record", real)
     capsys.readouterr()
     assert convert_cli.main([str(sources("kimi_k3")), str(out)]) == 0
     err = capsys.readouterr().err

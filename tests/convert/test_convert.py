@@ -97,20 +97,20 @@ def test_manifest_records_quantization_of_every_tensor(converted):
 
 
 def test_interrupted_conversion_resumes_to_the_same_bytes(tmp_path, sources, converted, monkeypatch):
-    import deltafin_mlx.convert.convert as conv
+    from deltafin_mlx.convert.experts import PerExpertTensors as experts
 
     src = sources("kimi_k3")
     out = tmp_path / "out"
     calls = {"n": 0}
-    real = conv.expert_record
+    real = experts.record
 
-    def crash_on_third_layer(*a, **k):
-        if a[2] == 3:  # layer 3's experts
+    def crash_on_third_layer(self, layer, expert):
+        if layer == 3:  # layer 3's experts
             raise KeyboardInterrupt
         calls["n"] += 1
-        return real(*a, **k)
+        return real(self, layer, expert)
 
-    monkeypatch.setattr(conv, "expert_record", crash_on_third_layer)
+    monkeypatch.setattr(experts, "record", crash_on_third_layer)
     with pytest.raises(KeyboardInterrupt):
         convert(str(src), out, ConvertOptions(progress=False))
     assert not (out / MANIFEST_NAME).exists()
@@ -119,10 +119,10 @@ def test_interrupted_conversion_resumes_to_the_same_bytes(tmp_path, sources, con
     with pytest.raises(Exception, match="conversion not finished"):
         read_manifest(out)
 
-    monkeypatch.setattr(conv, "expert_record", real)
     done_before = calls["n"]
     resumed = []
-    monkeypatch.setattr(conv, "expert_record", lambda *a, **k: resumed.append(a[2]) or real(*a, **k))
+    monkeypatch.setattr(experts, "record", lambda self, layer, e: resumed.append(layer)
+                        or real(self, layer, e))
     convert(str(src), out, ConvertOptions(progress=False))
     assert set(resumed) == {3}  # finished layers were not redone
     assert done_before > 0
@@ -137,11 +137,12 @@ def test_killed_conversion_resumes(tmp_path, sources, converted):
     out = tmp_path / "out"
     code = (
         "import os, deltafin_mlx.convert.convert as c\n"
-        "real = c.expert_record\n"
-        "def f(*a, **k):\n"
-        "    if a[2] == 2 and a[3] == 5: os.kill(os.getpid(), 9)\n"
-        "    return real(*a, **k)\n"
-        "c.expert_record = f\n"
+        "from deltafin_mlx.convert.experts import PerExpertTensors as experts\n"
+        "real = experts.record\n"
+        "def f(self, layer, expert):\n"
+        "    if layer == 2 and expert == 5: os.kill(os.getpid(), 9)\n"
+        "    return real(self, layer, expert)\n"
+        "experts.record = f\n"
         f"c.convert({str(src)!r}, {str(out)!r}, c.ConvertOptions(progress=False))\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True)
