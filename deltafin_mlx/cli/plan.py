@@ -29,6 +29,7 @@ from deltafin_mlx.plan.memory import check_context, plan_memory
 from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, layer_key,
                                      measure_compute_gwps, measure_disk_gbps,
                                      measure_layer_seconds)
+from deltafin_mlx.plan.passes import pass_figures
 from deltafin_mlx.plan.scoring import scoring_plan
 from deltafin_mlx.plan.speed import project, project_prefill, project_scoring
 from deltafin_mlx.model.shard import expert_layout, sharded_inventory
@@ -234,6 +235,7 @@ def plan_from_path(args) -> dict:
         "scoring_pass_tokens": scoring.pass_tokens,
         "scoring_logit_rows": scoring.logit_rows,
         "scoring_projection": project_scoring(inv, plan, scoring.pass_tokens, disk, batched),
+        "passes": pass_figures(inv, plan, disk, batched, PROJECTED_PROMPTS),
         "disk_routes": routes.to_dict() if routes is not None else None,
     }
 
@@ -413,7 +415,7 @@ def format_plan(r: dict) -> str:
         f"{speed(p['real_routing_tokens_per_second'])} where reads overlap compute",
         f"  prefill      {r['prefill_gweights_per_second']:.3g} G weights/s in matrix products "
         f"of {PREFILL_BATCH} tokens ({r['prefill_rate_from']})",
-        f"prefill        passes of up to {r['prefill_pass']:,} tokens through each layer "
+        f"prefill        loaded, passes of up to {r['prefill_pass']:,} tokens through each layer "
         f"(attention in chunks of {r['prefill_step']}), {human_bytes(r['prefill_bytes'])} "
         "of activations beyond the working buffers; each pass reads the experts its "
         "tokens route to once",
@@ -422,14 +424,36 @@ def format_plan(r: dict) -> str:
             f"({q['passes']:,} pass{'es' if q['passes'] > 1 else ''}, "
             f"{human_bytes(q['read_bytes'])} read)" for q in r["prefill_projection"])
         + " (uniform routing, the cache's share held; longer prompts need --context)",
-        f"scoring        passes of up to {r['scoring_pass_tokens']:,} tokens (texts within an "
+        f"scoring        loaded, passes of up to {r['scoring_pass_tokens']:,} tokens (texts within an "
         f"attention chunk; no KV kept), logits in blocks of {r['scoring_logit_rows']:,} "
         f"positions: {r['scoring_projection']['tokens_per_second']:.3g} scored tok/s "
         f"({_duration(r['scoring_projection']['pass_seconds'])} and "
         f"{human_bytes(r['scoring_projection']['pass_read_bytes'])} read per pass)",
+        *_format_passes(r["passes"]),
         *_format_routes(r.get("disk_routes")),
     ]
     return "\n".join(lines)
+
+
+def _format_passes(q: dict) -> list:
+    h = human_bytes
+    trunk = ("streamed a layer at a time" if q["trunk_streamed"] else "held whole")
+    s = q["scoring"]
+    return [
+        f"pass plan      a pass gets the budget: up to {q['prefill_tokens']:,} prompt tokens "
+        f"or {q['scoring_tokens']:,} scored tokens, beside the trunk {trunk} "
+        f"({h(q['trunk_bytes'])}), one group of experts ({h(q['expert_group_bytes'])}), a "
+        f"logits block ({h(q['logits_bytes'])}) and the KV/state the prompt keeps; "
+        f"{h(q['token_bytes'])} per token",
+        f"  per pass     trunk {h(s['trunk_read_bytes'])} and experts "
+        f"{h(s['expert_read_bytes'])} read (each routed expert once, uniform routing)",
+        "  first token  " + "; ".join(
+            f"{p['prompt_tokens']:,} tokens: {_duration(p['seconds_to_first_token'])} "
+            f"({p['passes']:,} pass{'es' if p['passes'] > 1 else ''} of up to "
+            f"{p['pass_tokens']:,}, {h(p['read_bytes'])} read)" for p in q["prefill_projection"]),
+        f"  scoring      {s['tokens_per_second']:.3g} scored tok/s ({_duration(s['seconds'])} "
+        f"a pass, {'compute' if s['compute_seconds'] >= s['read_seconds'] else 'disk'} bound)",
+    ]
 
 
 def _format_routes(d):
