@@ -25,7 +25,7 @@ from deltafin_mlx.plan.footprint import inventory_from_config, inventory_from_ma
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
 from deltafin_mlx.model.config import max_context
-from deltafin_mlx.plan.memory import check_context, plan_memory
+from deltafin_mlx.plan.memory import check_context, choose_sequences, plan_memory
 from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, layer_key,
                                      measure_compute_gwps, measure_disk_gbps,
                                      measure_layer_seconds)
@@ -36,6 +36,10 @@ from deltafin_mlx.model.shard import expert_layout, sharded_inventory
 from deltafin_mlx.units import human_bytes
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+# The most sequences `--sequences auto` plans (batch caps it at the requests left):
+# state memory, not this, is the limit for any model whose state is worth planning.
+AUTO_CAP = 4096
 
 # Prompt lengths whose time to first token `plan` projects.
 PROJECTED_PROMPTS = (300, 3000, 30000)
@@ -157,7 +161,11 @@ def plan_from_path(args) -> dict:
     if ranks > 1:
         inv = sharded_inventory(inv, config, ranks, 0, layout, target)
     plan = plan_memory(inv, args.budget, context=args.context, stream_trunk=ranks == 1,
-                       sequences=getattr(args, "sequences", 1))
+                       sequences=getattr(args, "sequences", 1), max_sequences=AUTO_CAP)
+    # What `batch --batch-size auto` takes with requests enough: the sequences whose
+    # state the plan allows.
+    auto = choose_sequences(inv, plan.budget, plan.context, stream_trunk=ranks == 1,
+                            cap=AUTO_CAP)
     remeasure = getattr(args, "remeasure", False)
     disk, disk_from = _disk_rate(args.disk_gbps, bank, source, remeasure)
     compute, compute_from, layer, layer_from = decode_rates(args, inv, act, remeasure)
@@ -200,6 +208,7 @@ def plan_from_path(args) -> dict:
         "embedding_bytes": inv.embed_bytes,
         "state_bytes": plan.state_bytes,
         "sequences": plan.sequences,
+        "auto_sequences": auto,
         "sequence_recurrent_bytes": plan.sequence_recurrent_bytes,
         "sequence_kv_bytes": plan.sequence_kv_bytes,
         "working_bytes": plan.working_bytes,
@@ -389,7 +398,8 @@ def format_plan(r: dict) -> str:
         f"KV/state       {human_bytes(r['state_bytes'])} for {r['sequences']} "
         f"sequence{'s' if r['sequences'] > 1 else ''}; per sequence "
         f"{human_bytes(r['sequence_recurrent_bytes'])} recurrent + "
-        f"{human_bytes(r['sequence_kv_bytes'])} KV at {r['context']:,} tokens",
+        f"{human_bytes(r['sequence_kv_bytes'])} KV at {r['context']:,} tokens; "
+        f"batch --batch-size auto: {r['auto_sequences']:,} sequences",
         f"experts        {r['experts_total']:,} experts ({r['moe_layers']} MoE layers x "
         f"{r['experts_per_layer']}, {r['experts_per_token']} per token), "
         f"{human_bytes(r['expert_record_bytes'])} each, {human_bytes(r['expert_bytes_on_disk'])} on disk",

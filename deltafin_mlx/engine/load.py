@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from deltafin_mlx.format.bank import BankError, read_layout
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
 from deltafin_mlx.engine.chunked_attention import chunk_attention
+from deltafin_mlx.engine.wired import wire
 from deltafin_mlx.format.manifest import ModelError
 from deltafin_mlx.format.model_dir import open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
@@ -354,8 +355,10 @@ def load(
         hot = HotSet(cache, key)
         if reader_threads:  # without reader threads a read would hold up the load
             hot.preload()
-    attach(model, Runtime(model_dir, plan, store, trunk, group, hot, inventory=inventory,
-                          reader_threads=reader_threads, activation_dtype=act))
+    state = Runtime(model_dir, plan, store, trunk, group, hot, inventory=inventory,
+                    reader_threads=reader_threads, activation_dtype=act)
+    state.wired_previous = wire(plan.budget)
+    attach(model, state)
 
     tok = tokenizer if not isinstance(tokenizer, bool) else None
     if tokenizer is True:

@@ -74,3 +74,12 @@ def test_the_trunk_stays_whole_where_that_costs_a_pass_nothing(converted):
                   "--compute-gwps", "3")["passes"]
     assert not r["trunk_streamed"] and r["scoring"]["trunk_read_bytes"] == 0
     assert r["scoring_tokens"] > r["attention_step"]
+
+
+def test_k3_batch_auto_takes_the_sequences_its_state_memory_allows(k3_inventory):
+    """About 449 MB of recurrent state per sequence: at 56 GB, 47 sequences (half of
+    the memory above the floor), past mlx-lm's default batch of 32."""
+    r = plan_json(K3, "--bits", "4", "--dtype", "bfloat16", *MAC_64GB, "--sequences", "auto")
+    assert r["sequences"] == r["auto_sequences"] > 32
+    per = r["sequence_recurrent_bytes"] + r["sequence_kv_bytes"]
+    assert r["auto_sequences"] * per <= r["budget_bytes"] - r["floor_bytes"]
