@@ -35,10 +35,12 @@ class ScoringPlan:
 
 
 def scoring_allowance(plan: MemoryPlan) -> int:
-    """The working buffers' prefill share, the prefill activations beyond them, the
-    KV/state reserved for decoding, which scoring never makes, and whatever of the
-    budget the plan left unused (a cache that holds every expert)."""
-    return (WORKING_BYTES + plan.prefill_bytes + plan.state_bytes
+    """The working buffers' prefill share (less the freed buffers MLX keeps for
+    reuse, which the working buffers count: they stay in memory through a pass),
+    the prefill activations beyond them, the KV/state reserved for decoding, which
+    scoring never makes, and whatever of the budget the plan left unused (a cache
+    that holds every expert)."""
+    return (WORKING_BYTES - plan.buffer_cache_bytes + plan.prefill_bytes + plan.state_bytes
             + max(0, plan.budget - plan.used_bytes))
 
 
