@@ -425,7 +425,7 @@ def format_plan(r: dict) -> str:
         f"{speed(p['real_routing_tokens_per_second'])} where reads overlap compute",
         f"  prefill      {r['prefill_gweights_per_second']:.3g} G weights/s in matrix products "
         f"of {PREFILL_BATCH} tokens ({r['prefill_rate_from']})",
-        f"prefill        loaded, passes of up to {r['prefill_pass']:,} tokens through each layer "
+        f"prefill        passes of up to {r['prefill_pass']:,} tokens through each layer "
         f"(attention in chunks of {r['prefill_step']}), {human_bytes(r['prefill_bytes'])} "
         "of activations beyond the working buffers; each pass reads the experts its "
         "tokens route to once",
@@ -434,7 +434,7 @@ def format_plan(r: dict) -> str:
             f"({q['passes']:,} pass{'es' if q['passes'] > 1 else ''}, "
             f"{human_bytes(q['read_bytes'])} read)" for q in r["prefill_projection"])
         + " (uniform routing, the cache's share held; longer prompts need --context)",
-        f"scoring        loaded, passes of up to {r['scoring_pass_tokens']:,} tokens (texts within an "
+        f"scoring        passes of up to {r['scoring_pass_tokens']:,} tokens (texts within an "
         f"attention chunk; no KV kept), logits in blocks of {r['scoring_logit_rows']:,} "
         f"positions: {r['scoring_projection']['tokens_per_second']:.3g} scored tok/s "
         f"({_duration(r['scoring_projection']['pass_seconds'])} and "

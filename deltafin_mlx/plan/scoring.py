@@ -92,13 +92,14 @@ def long_text_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype,
                      length: int) -> int:
     """Tokens per pass of a text of `length` tokens scored across passes (jobs/
     score_sweep.run_long): the allowance less the text's whole KV/state (kept
-    across its passes), one attention chunk's activations at its length and a
+    across its passes, the KV twice as it grows), one attention chunk's activations at its length and a
     block of logits, over each token's activations; a multiple of the attention
     chunk, at least one. A text longer than this is scored across passes."""
     allowance = scoring_allowance(plan)
     step = plan.prefill_step
     recurrent, kv = sequence_state(config, length, activation_dtype)
-    room = (allowance - recurrent - kv - prefill_bytes(config, step, max(step, length),
+    # mlx-lm's KV cache grows by copying into a bigger buffer: twice the KV at peak.
+    room = (allowance - recurrent - 2 * kv - prefill_bytes(config, step, max(step, length),
                                                          activation_dtype)
             - allowance // LOGIT_SHARE)
     n = room // max(pass_bytes_per_token(config, activation_dtype), 1)
