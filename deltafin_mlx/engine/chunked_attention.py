@@ -54,7 +54,7 @@ def chunk_attention(module, step: int, linear: bool = False):
             return _by_rows(self, base, max(1, group // tokens), x, mask, *args, **kwargs)
         if tokens <= step or cache is None:
             return base.__call__(self, x, mask, cache, *args, **kwargs)
-        if self._row_tokens and x.shape[0] > 1 and x.shape[0] * step > group:
+        if self._row_tokens:  # a scoring pass: its cache never fills
             return _rows_over_chunks(self, base, step, max(1, group // step), x, mask, cache,
                                      linear, *args, **kwargs)
         outs = []
@@ -91,12 +91,12 @@ def row_tokens(model, tokens: int):
 
 def _rows_over_chunks(module, base, step: int, rows: int, x, mask, cache, linear: bool,
                       *args, **kwargs):
-    """A scoring pass of texts longer than an attention call (right-padded rows,
-    the pass's cache still empty: it keeps nothing): `rows` rows at a time, each
+    """A scoring pass of texts longer than an attention call (right-padded rows;
+    the pass keeps nothing, so its cache stays empty): `rows` rows at a time, each
     group along its texts in chunks of `step` over a copy of the empty cache of
     its own, dropped when the group is done. So a pass may hold as many rows as
-    its tokens allow (plan/scoring.py), while one attention call holds at most a
-    group's chunk."""
+    its tokens allow (plan/scoring.py) and one layer's KV of one group at a time,
+    while one attention call holds at most a group's chunk."""
     outs = []
     tokens = x.shape[1]
     for first in range(0, x.shape[0], rows):

@@ -35,7 +35,8 @@ def eight_layers(tmp_path_factory):
 
 def test_16_texts_of_70_tokens_take_one_sweep_at_40mb(eight_layers, tmp_path):
     path, src = eight_layers
-    model, tok = load(path, "40MB", warm_start=False)
+    # At 40 MB this model's cache could hold every expert: 16 slots make it read.
+    model, tok = load(path, "40MB", cache_slots=16, warm_start=False)
     sizing = Sizing(model)
     assert sizing.attention(74) < 74  # longer than one attention call: the case at hand
     rng = np.random.default_rng(3)
@@ -44,7 +45,7 @@ def test_16_texts_of_70_tokens_take_one_sweep_at_40mb(eight_layers, tmp_path):
     job.write_text("".join(json.dumps({"id": i, "tokens": t}) + "\n" for i, t in enumerate(texts)))
     s = run_job(model, tok, job, tmp_path / "out.jsonl", ScoreOptions(), show_progress=False)
     assert s["scored_texts"] == 16 and s["sweeps"] == 1, s
-    assert s["expert_bytes_read"] <= 1.10 * s["union_bytes"], s
+    assert 0 < s["expert_bytes_read"] <= 1.10 * s["union_bytes"], s
     ref = reference_model(src)
     for line in (tmp_path / "out.jsonl").read_text().splitlines():
         r = json.loads(line)
