@@ -13,6 +13,7 @@ A call of many texts without a cache (a scoring pass) is attended a group of row
 at a time instead, each group at most a chunk's tokens.
 """
 
+import copy
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -53,6 +54,9 @@ def chunk_attention(module, step: int, linear: bool = False):
             return _by_rows(self, base, max(1, group // tokens), x, mask, *args, **kwargs)
         if tokens <= step or cache is None:
             return base.__call__(self, x, mask, cache, *args, **kwargs)
+        if self._row_tokens:  # a scoring pass: its cache never fills
+            return _rows_over_chunks(self, base, step, max(1, group // step), x, mask, cache,
+                                     linear, *args, **kwargs)
         outs = []
         for start, end in chunk_bounds(tokens, step):
             out = base.__call__(self, x[:, start:end], chunk_mask(mask, start, end, tokens, linear),
@@ -83,6 +87,35 @@ def row_tokens(model, tokens: int):
     finally:
         for m in modules:
             m._row_tokens = None
+
+
+def _rows_over_chunks(module, base, step: int, rows: int, x, mask, cache, linear: bool,
+                      *args, **kwargs):
+    """A scoring pass of texts longer than an attention call (right-padded rows;
+    the pass keeps nothing, so its cache stays empty): `rows` rows at a time, each
+    group along its texts in chunks of `step` over a copy of the empty cache of
+    its own, dropped when the group is done. So a pass may hold as many rows as
+    its tokens allow (plan/scoring.py) and one layer's KV of one group at a time,
+    while one attention call holds at most a group's chunk."""
+    outs = []
+    tokens = x.shape[1]
+    for first in range(0, x.shape[0], rows):
+        part = slice(first, first + rows)
+        own = copy.deepcopy(cache)
+        pieces = []
+        for start, end in chunk_bounds(tokens, step):
+            m = chunk_mask(mask, start, end, tokens, linear)
+            if isinstance(m, mx.array) and m.ndim >= 3 and m.shape[0] == x.shape[0]:
+                m = m[part]  # a mask with a row per text
+            elif isinstance(m, mx.array) and linear and m.ndim == 2 and m.shape[0] == x.shape[0]:
+                m = m[part]
+            out = base.__call__(module, x[part, start:end], m, own, *args, **kwargs)
+            mx.eval(out, own.state)
+            pieces.append(out)
+        outs.append(mx.concatenate(pieces, axis=1))
+        del own
+        mx.clear_cache()
+    return mx.concatenate(outs, axis=0)
 
 
 def _by_rows(module, base, rows: int, x, mask, *args, **kwargs):

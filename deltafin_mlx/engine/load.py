@@ -15,6 +15,7 @@ from deltafin_mlx.format.bank import BankError, read_layout
 from deltafin_mlx.format.dtypes import mlx_dtype, to_mlx
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
 from deltafin_mlx.engine.chunked_attention import chunk_attention
+from deltafin_mlx.engine.wired import wire
 from deltafin_mlx.format.manifest import ModelError
 from deltafin_mlx.format.model_dir import open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
@@ -414,8 +415,10 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
         hot = HotSet(cache, key)
         if reader_threads:  # without reader threads a read would hold up the load
             hot.preload()
-    attach(model, Runtime(model_dir, plan, store, trunk, group, hot, inventory=inventory,
-                          reader_threads=reader_threads, activation_dtype=act))
+    state = Runtime(model_dir, plan, store, trunk, group, hot, inventory=inventory,
+                    reader_threads=reader_threads, activation_dtype=act)
+    state.wired_previous = wire(plan.budget)
+    attach(model, state)
 
     tok = o.tokenizer if not isinstance(o.tokenizer, bool) else None
     if o.tokenizer is True:

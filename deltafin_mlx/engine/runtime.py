@@ -9,6 +9,7 @@ from typing import Optional
 
 from deltafin_mlx.engine.streaming_moe import ExpertStore
 from deltafin_mlx.engine.trunk_stream import TrunkStreamer
+from deltafin_mlx.engine.wired import unwire
 from deltafin_mlx.format.model_dir import ModelDir
 from deltafin_mlx.plan.memory import MemoryPlan
 
@@ -32,6 +33,7 @@ class Runtime:
         self.reader_threads = reader_threads
         self.activation_dtype = activation_dtype  # what the plan was made for
         self._closed = False
+        self.wired_previous = None  # the wired limit load replaced (engine/wired.py)
 
     @property
     def stats(self):
@@ -61,6 +63,7 @@ class Runtime:
             self.store.close()
             if self.trunk is not None:
                 self.trunk.close()
+            unwire(self.wired_previous)
 
 
 def attach(model, state: Runtime):

@@ -17,7 +17,7 @@ by an error line; only duplicate ids stop the job before it starts.
 
 import json
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional, Union
+from typing import Callable, Iterable, Iterator, List, Optional, Union
 
 from deltafin_mlx.errors import BatchError
 from deltafin_mlx.generation.request import GenerationRequest, RequestLimits, unbounded
@@ -44,7 +44,15 @@ def read_requests(lines: Iterable[Union[str, bytes, None]],
     duplicate ids refuse the job. `spec_of` turns a line's object into the job's
     canonical spec or raises ValueError (default: a batch request's, `batch_spec`;
     a score job has its own keys)."""
-    out, seen = [], {}
+    return list(iter_requests(lines, spec_of))
+
+
+def iter_requests(lines: Iterable[Union[str, bytes, None]],
+                  spec_of: Optional[Callable[[dict], dict]] = None) -> Iterator[Request]:
+    """read_requests' Requests one at a time, holding only the ids seen (a job
+    that streams its input reads it once through this to refuse duplicates before
+    anything runs)."""
+    seen = {}
     for n, text in enumerate(lines, 1):
         if text is not None and not text.strip():
             continue
@@ -54,8 +62,7 @@ def read_requests(lines: Iterable[Union[str, bytes, None]],
                 raise BatchError(f"id {req.key} appears on lines {seen[req.key]} and {n}: ids "
                                  "must be unique (the output is matched to the input by id)")
             seen[req.key] = n
-        out.append(req)
-    return out
+        yield req
 
 
 def _read_line(n: int, text, spec_of) -> Request:

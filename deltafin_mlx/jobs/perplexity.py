@@ -177,7 +177,7 @@ def perplexity(model, tokenizer, text: str, opts: PerplexityOptions,
                "stride": opts.windows.stride, "first_scored": opts.windows.first_scored,
                "text_tokens": len(tokens), "tokens": covered, "scored_tokens": int(losses.size),
                "mean_nll": mean, "perplexity": ppl, "perplexity_se": ppl * se,
-               "sweeps": len(passes), "expert_bytes_read": sum(p.expert_bytes_read for p in passes),
+               "sweeps": sum(p.passes for p in passes), "expert_bytes_read": sum(p.expert_bytes_read for p in passes),
                "union_bytes": sum(p.union_bytes for p in passes), "seconds": seconds,
                "tokens_per_second": losses.size / seconds if seconds > 0 else 0.0,
                "passes": [(p.expert_bytes_read, p.union_bytes) for p in passes]}

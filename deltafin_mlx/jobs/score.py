@@ -22,17 +22,17 @@ from deltafin_mlx.units import count
 from deltafin_mlx.jobs.batch import Outcome, Progress, error_line
 from deltafin_mlx.jobs.job_options import check_options
 from deltafin_mlx.jobs.results_file import open_input, read_lines
-from deltafin_mlx.jobs.batch_lines import Request, read_requests
+from deltafin_mlx.jobs.batch_lines import Request, iter_requests, read_requests
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.errors import BatchError
 from deltafin_mlx.model.config import max_context
 from deltafin_mlx.model.modules import model_vocab
-from deltafin_mlx.plan.scoring import (attention_tokens, logit_rows, scoring_allowance,
-                                       scoring_pass_tokens)
+from deltafin_mlx.plan.scoring import (attention_tokens, logit_rows, long_text_tokens,
+                                       scoring_allowance, scoring_pass_tokens)
 from deltafin_mlx.jobs.score_lines import ScoreItem, prepare
 from deltafin_mlx.jobs.score_results import open_output, result_line
 from deltafin_mlx.jobs.score_packing import pack
-from deltafin_mlx.jobs.score_sweep import PassStats, Scored, run_pass
+from deltafin_mlx.jobs.score_sweep import PassStats, Scored, run_long, run_pass
 
 UNPLANNED_PASS = 8192  # tokens per pass for a model Deltafin did not load
 UNPLANNED_STEP = 512
@@ -68,7 +68,7 @@ class Totals:
         self.texts += len(results)
         self.scored_tokens += sum(s.item.scored_tokens for s in results)
         self.logprob += sum(s.logprob for s in results)
-        self.sweeps += 1
+        self.sweeps += stats.passes
         self.pass_tokens += stats.tokens
         self.expert_bytes_read += stats.expert_bytes_read
         self.union_bytes += stats.union_bytes
@@ -91,11 +91,20 @@ class Sizing:
         act = state.activation_dtype
         self._capacity = lambda longest: scoring_pass_tokens(config, plan, act, longest)
         self._attention = lambda longest: attention_tokens(config, plan, act, longest)
+        self._segment = lambda length: long_text_tokens(config, plan, act, length)
 
     def capacity(self, longest: int) -> int:
         if self.state is None:
             return max(UNPLANNED_PASS, longest)
         return self._capacity(longest)
+
+    def segment(self, length: int) -> Optional[int]:
+        """Tokens per pass where a text of `length` tokens is too long for one pass
+        (it is scored across passes, keeping its KV), else None."""
+        if self.state is None:
+            return None
+        tokens = self._segment(length)
+        return tokens if length > tokens else None
 
     def attention(self, longest: int) -> int:
         """Tokens per attention call of a pass of texts within a chunk."""
@@ -133,6 +142,21 @@ def iter_passes(model, items: Sequence[ScoreItem], opts: ScoreOptions, at_ids=No
     capacity = sizing.capacity
     if opts.max_pass_tokens:
         capacity = lambda longest: min(sizing.capacity(longest), opts.max_pass_tokens)
+    whole = []
+    for i, it in enumerate(items):
+        segment = sizing.segment(len(it.tokens))
+        cap = opts.max_pass_tokens
+        if cap and len(it.tokens) > cap:
+            segment = min(segment or cap, cap)
+        if segment is None:
+            whole.append(i)
+            continue
+        done, stats = run_long(model, it, opts.top_logprobs, sizing.rows, segment,
+                               None if at_ids is None else at_ids[i])
+        yield [done], stats
+    items = [items[i] for i in whole]
+    at_ids = None if at_ids is None else [at_ids[i] for i in whole]
+    groups = None if groups is None else [groups[i] for i in whole]
     for indices in pack([len(it.tokens) for it in items], capacity, groups):
         chosen = [items[i] for i in indices]
         longest = max(len(it.tokens) for it in chosen)
@@ -170,18 +194,45 @@ def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
     return results
 
 
-def read_job(in_path) -> List[Request]:
+def job_requests(in_path) -> Iterator[Request]:
     """IN's lines as batch reads its own (a regular file, lines bounded), each line's
-    object kept as it is: `prepare` says which cannot be scored."""
+    object kept as it is (`prepare` says which cannot be scored), read one at a
+    time: only the ids seen are held."""
     with open_input(in_path) as f:
-        return read_requests((line for _, line, _ in read_lines(f)), spec_of=dict)
+        yield from iter_requests((line for _, line, _ in read_lines(f)), spec_of=dict)
+
+
+# Texts prepared at a time: this many passes' worth of tokens (at least one text),
+# packed among themselves. What a job holds of its input is that, the ids it has
+# seen and the one line being read (at most LINE_MAX_BYTES), whatever its size.
+WINDOW_PASSES = 4
+
+
+def windows(requests: Iterator[Request], tokenizer, opts: ScoreOptions, sizing: Sizing,
+            vocab) -> Iterator[Tuple[List[ScoreItem], List[dict]]]:
+    """(items, error lines) a window at a time: texts are tokenized as they are
+    read until the window holds WINDOW_PASSES passes of tokens."""
+    bound = WINDOW_PASSES * sizing.capacity(sizing.step)
+    items, errors, tokens = [], [], 0
+    for req in requests:
+        got, bad = prepare_all([req], tokenizer, opts, sizing.limit, vocab)
+        items += got
+        errors += bad
+        tokens += sum(len(it.tokens) for it in got)
+        if tokens >= bound:
+            yield items, errors
+            items, errors, tokens = [], [], 0
+    if items or errors:
+        yield items, errors
 
 
 def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
             show_progress: Optional[bool] = None, outcome: Optional[Outcome] = None) -> dict:
     """The score job: read IN, skip what OUT already answers, score and append the
-    rest a pass at a time (counting each line in `outcome`)."""
-    requests = read_job(in_path)
+    rest a pass at a time (counting each line in `outcome`). IN is read twice,
+    a line at a time: once to count its lines and refuse duplicate ids before
+    anything runs, then to prepare and score it a window at a time (`windows`)."""
+    keys = [r.key for r in job_requests(in_path)]
     out = open_output(out_path, opts.format, opts.top_logprobs)
     try:
         note = check_options(out_path, opts.recorded(), started=bool(out.done))
@@ -191,34 +242,35 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
     if note:
         print(f"[score] {note}", file=sys.stderr)
     outcome = Outcome("score") if outcome is None else outcome
-    todo = [r for r in requests if r.key not in out.done]
+    total, skipped = len(keys), sum(1 for key in keys if key in out.done)
+    del keys
     show = sys.stderr.isatty() if show_progress is None else show_progress
-    progress = Progress(len(requests), len(requests) - len(todo), show, label="score",
-                        items="texts")
+    progress = Progress(total, skipped, show, label="score", items="texts")
     totals = Totals()
     start = time.perf_counter()
+    sizing = Sizing(model)
     try:
-        items, errors = prepare_all(todo, tokenizer, opts, Sizing(model).limit,
-                                    model_vocab(model))
-        for e in errors:
-            out.write_error(e)
-            progress.finished(e)
-            outcome.add(e)
-        totals.errors = len(errors)
-        for results, stats in iter_passes(model, items, opts):
-            out.write_pass(results)
-            totals.add(results, stats)
-            progress.tokens += sum(s.item.scored_tokens for s in results)
-            for s in results:
-                progress.finished({})
-                outcome.add({})
+        todo = (r for r in job_requests(in_path) if r.key not in out.done)
+        for items, errors in windows(todo, tokenizer, opts, sizing, model_vocab(model)):
+            for e in errors:
+                out.write_error(e)
+                progress.finished(e)
+                outcome.add(e)
+            totals.errors += len(errors)
+            for results, stats in iter_passes(model, items, opts):
+                out.write_pass(results)
+                totals.add(results, stats)
+                progress.tokens += sum(s.item.scored_tokens for s in results)
+                for s in results:
+                    progress.finished({})
+                    outcome.add({})
     finally:
         out.close()
         progress.close()
     seconds = time.perf_counter() - start
     # No tokens scored, no perplexity (not exp(0) = 1, a perfect score).
     nll = -totals.logprob / totals.scored_tokens if totals.scored_tokens else None
-    return {"texts": len(requests), "skipped": len(requests) - len(todo),
+    return {"texts": total, "skipped": skipped,
             "scored_texts": totals.texts, "errors": totals.errors,
             "scored_tokens": totals.scored_tokens, "mean_nll": nll,
             "perplexity": None if nll is None else math.exp(nll) if nll < 700 else float("inf"),

@@ -20,7 +20,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from deltafin_mlx.compat import body_and_head
-from deltafin_mlx.engine.chunked_attention import row_tokens
+from deltafin_mlx.engine.chunked_attention import chunk_bounds, row_tokens
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.jobs.score_lines import ScoreItem
 from deltafin_mlx.generation.logprobs import logprob_rows
@@ -69,11 +69,76 @@ class RouteUnion:
 
 
 @dataclass
+class Rows:
+    """Log-probabilities at a run of scored positions (score_rows), in order."""
+
+    chosen: np.ndarray  # (N,) float32: each target's log-probability
+    greedy: np.ndarray  # (N,) bool: the target was the argmax
+    top_ids: Optional[np.ndarray]  # (N, K) int64, or None without top-K
+    top_vals: Optional[np.ndarray]
+    at_vals: Optional[np.ndarray]  # (N, J) float32, or None
+
+    def scored(self, item: ScoreItem, at: int, n: int) -> Scored:
+        """`item`'s scores from its `n` rows starting at row `at`."""
+        pos = np.nonzero(item.scored)[0]
+        lp = np.full(len(item.tokens), np.nan, np.float32)
+        lp[pos] = self.chosen[at : at + n]
+        ids = vals = None
+        if self.top_ids is not None:
+            k = self.top_ids.shape[1]
+            ids = np.zeros((len(item.tokens), k), np.int64)
+            vals = np.full((len(item.tokens), k), np.nan, np.float32)
+            ids[pos], vals[pos] = self.top_ids[at : at + n], self.top_vals[at : at + n]
+        return Scored(item, lp, ids, vals, bool(self.greedy[at : at + n].all()),
+                      None if self.at_vals is None else self.at_vals[at : at + n])
+
+    @staticmethod
+    def join(parts) -> "Rows":
+        """Runs of rows one after another (runs of no rows carry no top-K arrays)."""
+        parts = [p for p in parts if p.chosen.size] or parts[:1]
+
+        def cat(name):
+            xs = [getattr(p, name) for p in parts]
+            return None if xs[0] is None else np.concatenate(xs)
+        return Rows(*(cat(n) for n in ("chosen", "greedy", "top_ids", "top_vals", "at_vals")))
+
+
+def score_rows(flat: mx.array, head, where: np.ndarray, targets: np.ndarray, top_k: int,
+               logit_rows: int, asked: Optional[np.ndarray] = None) -> Rows:
+    """The log-probabilities of `targets` given the hidden states `flat[where]`, a
+    block of `logit_rows` positions at a time through the head (the logits of a
+    block only are ever in memory); `asked`: per position, ids whose
+    log-probabilities are wanted too."""
+    at_vals = None if asked is None else np.zeros(asked.shape, np.float32)
+    chosen = np.zeros(where.size, np.float32)
+    greedy = np.zeros(where.size, bool)
+    k = max(0, int(top_k))
+    top_ids = top_vals = None
+    for s in range(0, where.size, logit_rows):
+        part = slice(s, s + logit_rows)
+        h = flat[mx.array(where[part].astype(np.uint32))]
+        out = logprob_rows(head(h), targets[part], k,
+                           at_ids=None if asked is None else asked[part])
+        chosen[part], greedy[part] = out.chosen, out.greedy
+        if asked is not None:
+            at_vals[part] = out.at_logprobs
+        if top_ids is None:  # K is at most the vocabulary
+            k = out.top_ids.shape[1]
+            top_ids = np.zeros((where.size, k), np.int64)
+            top_vals = np.zeros((where.size, k), np.float32)
+        top_ids[part], top_vals[part] = out.top_ids, out.top_logprobs
+    if not k:
+        top_ids = top_vals = None
+    return Rows(chosen, greedy, top_ids, top_vals, at_vals)
+
+
+@dataclass
 class PassStats:
     tokens: int  # rows x longest, pads included
     real_tokens: int
     expert_bytes_read: int
     union_bytes: int  # what reading each routed expert once would read
+    passes: int = 1  # a text too long for one pass is scored across several (run_long)
 
 
 def run_pass(model, items: Sequence[ScoreItem], top_k: int, logit_rows: int,
@@ -111,50 +176,64 @@ def run_pass(model, items: Sequence[ScoreItem], top_k: int, logit_rows: int,
             union.close()
     del cache
     # Position p is predicted by the hidden state at p - 1.
-    targets, where = [], []
+    where, targets = [], []
     for r, it in enumerate(items):
         pos = np.nonzero(it.scored)[0]
         where.append(r * longest + pos - 1)
         targets.append(np.asarray(it.tokens, dtype=np.int64)[pos])
-    where = np.concatenate(where) if where else np.zeros(0, np.int64)
-    targets = np.concatenate(targets) if targets else np.zeros(0, np.int64)
     asked = np.concatenate(at_ids) if at_ids is not None else None
-    at_vals = None if asked is None else np.zeros(asked.shape, np.float32)
-    flat = hidden.reshape(rows * longest, -1)
-    chosen = np.zeros(where.size, np.float32)
-    greedy = np.zeros(where.size, bool)
-    k = max(0, int(top_k))
-    top_ids = top_vals = None
-    for s in range(0, where.size, logit_rows):
-        part = slice(s, s + logit_rows)
-        h = flat[mx.array(where[part].astype(np.uint32))]
-        out = logprob_rows(head(h), targets[part], k,
-                           at_ids=None if asked is None else asked[part])
-        chosen[part], greedy[part] = out.chosen, out.greedy
-        if asked is not None:
-            at_vals[part] = out.at_logprobs
-        if top_ids is None:  # K is at most the vocabulary
-            k = out.top_ids.shape[1]
-            top_ids = np.zeros((where.size, k), np.int64)
-            top_vals = np.zeros((where.size, k), np.float32)
-        top_ids[part], top_vals[part] = out.top_ids, out.top_logprobs
-    del hidden, flat
+    rows_out = score_rows(hidden.reshape(rows * longest, -1), head, np.concatenate(where),
+                          np.concatenate(targets), top_k, logit_rows, asked)
+    del hidden
     mx.clear_cache()
     results, at = [], 0
     for it in items:
-        pos = np.nonzero(it.scored)[0]
-        n = pos.size
-        lp = np.full(len(it.tokens), np.nan, np.float32)
-        lp[pos] = chosen[at : at + n]
-        ids = vals = None
-        if k:
-            ids = np.zeros((len(it.tokens), k), np.int64)
-            vals = np.full((len(it.tokens), k), np.nan, np.float32)
-            ids[pos], vals[pos] = top_ids[at : at + n], top_vals[at : at + n]
-        results.append(Scored(it, lp, ids, vals, bool(greedy[at : at + n].all()),
-                              None if at_vals is None else at_vals[at : at + n]))
+        n = it.scored_tokens
+        results.append(rows_out.scored(it, at, n))
         at += n
     stats = PassStats(tokens=rows * longest, real_tokens=int(real.sum()),
                       expert_bytes_read=(store.bytes_read - read0) if store is not None else 0,
                       union_bytes=union.bytes() if union is not None else 0)
     return results, stats
+
+
+def run_long(model, item: ScoreItem, top_k: int, logit_rows: int, segment: int,
+             at_ids=None):
+    """(the scores of one text too long for a pass, its passes' PassStats): the text
+    goes through the model a `segment` of tokens at a time over a cache kept
+    across its passes, as a long prompt is prefilled (attention in the plan's
+    chunks within each), and each pass's positions are scored as it finishes:
+    position p by the hidden state at p - 1, so a pass [s, e) scores the positions
+    s + 1 .. e (e is the next pass's first token). Only one pass's activations and
+    the text's KV/state are held."""
+    state = find_runtime(model)
+    store = state.store if state is not None else None
+    body, head = body_and_head(model)
+    tokens = np.asarray(item.tokens, dtype=np.int64)
+    scored = np.nonzero(item.scored)[0]
+    cache = make_prompt_cache(model)
+    parts, stats = [], PassStats(0, 0, 0, 0, passes=0)
+    for start, end in chunk_bounds(len(tokens), segment):
+        union = RouteUnion(store) if store is not None else None
+        read0 = store.bytes_read if store is not None else 0
+        try:
+            hidden = body(mx.array(tokens[None, start:end].astype(np.int32)), cache)
+            mx.eval(hidden, [c.state for c in cache])
+        finally:
+            if union is not None:
+                union.close()
+        mine = (scored > start) & (scored <= end)
+        pos = scored[mine]
+        asked = None if at_ids is None else at_ids[mine]
+        parts.append(score_rows(hidden.reshape(end - start, -1), head, pos - 1 - start,
+                                tokens[pos], top_k, logit_rows, asked))
+        del hidden
+        mx.clear_cache()
+        stats.tokens += end - start
+        stats.real_tokens += end - start
+        stats.expert_bytes_read += (store.bytes_read - read0) if store is not None else 0
+        stats.union_bytes += union.bytes() if union is not None else 0
+        stats.passes += 1
+    del cache
+    mx.clear_cache()
+    return Rows.join(parts).scored(item, 0, item.scored_tokens), stats

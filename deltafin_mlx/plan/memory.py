@@ -88,8 +88,24 @@ def physical_memory() -> int:
         return 0
 
 
+def device_info() -> dict:
+    """MLX's description of the device (the seam tests stand a Mac's in through)."""
+    try:
+        return dict(mx.device_info())
+    except Exception:  # an MLX without device_info: nothing more is known
+        return {}
+
+
+def working_set() -> int:
+    """What the GPU can keep resident, where the device says (Metal's recommended
+    working set), else 0. A plan sized past it pages: peers lost 8x that way."""
+    return int(device_info().get("max_recommended_working_set_size") or 0)
+
+
 def default_budget() -> int:
-    return int(available_memory() * HEADROOM)
+    """Of the memory available now, HEADROOM; on Metal, at most its working set."""
+    budget = int(available_memory() * HEADROOM)
+    return min(budget, working_set()) if working_set() else budget
 
 
 def state_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:

@@ -28,7 +28,9 @@ from deltafin_mlx.model.quantization import expert_quantization
 from deltafin_mlx.model.shard import expert_layout, sharded_inventory
 from deltafin_mlx.plan.disk import disk_routes, itemsize_of
 from deltafin_mlx.plan.footprint import inventory_from_config, inventory_from_manifest
-from deltafin_mlx.plan.memory import check_context, default_activation_dtype, plan_memory
+from deltafin_mlx.plan.memory import (check_context, choose_sequences, default_activation_dtype,
+                                      plan_memory)
+from deltafin_mlx.plan.passes import pass_figures
 from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, layer_key,
                                      measure_compute_gwps, measure_disk_gbps,
                                      measure_layer_seconds)
@@ -39,6 +41,10 @@ from deltafin_mlx.plan.speed import project, project_prefill, project_scoring
 
 # Prompt lengths whose time to first token `plan` projects.
 PROJECTED_PROMPTS = (300, 3000, 30000)
+
+# The most sequences `--sequences auto` plans (batch caps it at the requests left):
+# state memory, not this, is the limit for any model whose state is worth planning.
+AUTO_CAP = 4096
 PREFILL_BATCH = 64  # tokens per matrix product when the prefill rate is measured
 
 # deltafin-convert's options a source is planned with, and their defaults there.
@@ -137,7 +143,11 @@ def plan_report(options: PlanOptions) -> dict:
     if ranks > 1:
         inv = sharded_inventory(inv, config, ranks, 0, layout, target)
     plan = plan_memory(inv, options.budget, context=options.context, stream_trunk=ranks == 1,
-                       sequences=options.sequences)
+                       sequences=options.sequences, max_sequences=AUTO_CAP)
+    # What `batch --batch-size auto` takes with requests enough: the sequences whose
+    # state the plan allows.
+    auto = choose_sequences(inv, plan.budget, plan.context, stream_trunk=ranks == 1,
+                            cap=AUTO_CAP)
     remeasure = options.remeasure
     disk, disk_from = disk_rate(options.disk_gbps, bank, source, remeasure)
     compute, compute_from, layer, layer_from = decode_rates(
@@ -179,6 +189,7 @@ def plan_report(options: PlanOptions) -> dict:
         "embedding_bytes": inv.embed_bytes,
         "state_bytes": plan.state_bytes,
         "sequences": plan.sequences,
+        "auto_sequences": auto,
         "sequence_recurrent_bytes": plan.sequence_recurrent_bytes,
         "sequence_kv_bytes": plan.sequence_kv_bytes,
         "working_bytes": plan.working_bytes,
@@ -214,6 +225,7 @@ def plan_report(options: PlanOptions) -> dict:
         "scoring_pass_tokens": scoring.pass_tokens,
         "scoring_logit_rows": scoring.logit_rows,
         "scoring_projection": project_scoring(inv, plan, scoring.pass_tokens, disk, batched),
+        "passes": pass_figures(inv, plan, disk, batched, PROJECTED_PROMPTS),
         "disk_routes": routes.to_dict() if routes is not None else None,
     }
 

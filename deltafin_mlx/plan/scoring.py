@@ -35,10 +35,12 @@ class ScoringPlan:
 
 
 def scoring_allowance(plan: MemoryPlan) -> int:
-    """The working buffers' prefill share, the prefill activations beyond them, the
-    KV/state reserved for decoding, which scoring never makes, and whatever of the
-    budget the plan left unused (a cache that holds every expert)."""
-    return (WORKING_BYTES + plan.prefill_bytes + plan.state_bytes
+    """The working buffers' prefill share (less the freed buffers MLX keeps for
+    reuse, which the working buffers count: they stay in memory through a pass),
+    the prefill activations beyond them, the KV/state reserved for decoding, which
+    scoring never makes, and whatever of the budget the plan left unused (a cache
+    that holds every expert)."""
+    return (WORKING_BYTES - plan.buffer_cache_bytes + plan.prefill_bytes + plan.state_bytes
             + max(0, plan.budget - plan.used_bytes))
 
 
@@ -66,23 +68,43 @@ def scoring_pass_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dty
                         longest: int = 0) -> int:
     """Tokens one scoring pass may hold (rows x the longest text, padding counted).
     Texts within one attention call (`attention_tokens`) are attended in groups of
-    rows with no cache; a pass of longer texts keeps each layer's KV
-    cache for its tokens while it goes through the layers, attention in chunks of
-    the plan's along the texts, all rows at once, so its tokens cost that cache
-    too and its rows are as many as a group's tokens hold chunks."""
+    rows with no cache; a pass of longer texts is attended a group of rows at a
+    time, each in chunks of the plan's along its texts over a cache of its own
+    (one layer's KV, dropped when the group is done), so its tokens cost that
+    layer's KV too; its rows are as many as its tokens allow, not as an attention
+    call's."""
     allowance = scoring_allowance(plan)
     step = plan.prefill_step
     group = attention_tokens(config, plan, activation_dtype, longest)
     per_token = pass_bytes_per_token(config, activation_dtype)
-    rows_limit = MAX_SCORING_PASS
     if longest > group:
+        # A group of rows keeps one layer's KV for its texts while it is attended
+        # (engine/chunked_attention), nothing after: a layer's share per token.
         recurrent, kv = sequence_state(config, longest, activation_dtype)
-        per_token += -(-(recurrent + kv) // longest)
-        rows_limit = max(1, group // step) * longest
+        layers = max(text_config(config).get("num_hidden_layers", 1), 1)
+        per_token += -(-(recurrent + kv) // (longest * layers))
     room = (allowance - prefill_bytes(config, group, max(step, longest), activation_dtype)
             - allowance // LOGIT_SHARE)
-    n = min(room // max(per_token, 1), MAX_SCORING_PASS, rows_limit)
+    n = min(room // max(per_token, 1), MAX_SCORING_PASS)
     return int(max(max(longest, step), n))
+
+
+def long_text_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype,
+                     length: int) -> int:
+    """Tokens per pass of a text of `length` tokens scored across passes (jobs/
+    score_sweep.run_long): the allowance less the text's whole KV/state (kept
+    across its passes, the KV twice as it grows), one attention chunk's
+    activations at its length and a block of logits, over each token's activations; a multiple of the attention
+    chunk, at least one. A text longer than this is scored across passes."""
+    allowance = scoring_allowance(plan)
+    step = plan.prefill_step
+    recurrent, kv = sequence_state(config, length, activation_dtype)
+    # mlx-lm's KV cache grows by copying into a bigger buffer: twice the KV at peak.
+    room = (allowance - recurrent - 2 * kv - prefill_bytes(config, step, max(step, length),
+                                                         activation_dtype)
+            - allowance // LOGIT_SHARE)
+    n = room // max(pass_bytes_per_token(config, activation_dtype), 1)
+    return int(max(step, min(n, MAX_SCORING_PASS) // step * step))
 
 
 def scoring_plan(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype) -> ScoringPlan:

@@ -13,6 +13,7 @@ import base64
 import codecs
 import json
 import shutil
+from collections import OrderedDict
 from functools import cached_property, lru_cache
 from pathlib import Path
 
@@ -20,6 +21,15 @@ import tiktoken
 from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 from deltafin_mlx.errors import TokenizerError
 from deltafin_mlx.tokenizer.encode_thread import run_on_encode_thread
+
+# A rendered conversation is encoded piece by piece (its markup, each turn's text),
+# and the same pieces come back each time the conversation is rendered again (a
+# score job's messages line renders it up to every assistant turn; a chat renders it
+# every turn), so pieces are kept encoded: each is encoded once. Pieces are exact
+# units (each is encoded on its own, memo or not). Bounded: the most recent
+# PIECE_MEMO pieces of at most PIECE_MEMO_CHARS characters.
+PIECE_MEMO = 4096
+PIECE_MEMO_CHARS = 1 << 16
 from deltafin_mlx.tokenizer.jinja import render_jinja_chat
 from deltafin_mlx.tokenizer.xtml import (
     XTML_CLOSE,
@@ -211,6 +221,7 @@ class KimiTokenizer:
 
     def __init__(self, encoding, config, name_or_path=""):
         self.encoding = encoding
+        self._pieces = OrderedDict()  # (text, allow_special) -> ids, most recent last
         self.init_kwargs = config
         self.name_or_path = str(name_or_path)
         # name -> id for every reserved id, named or not
@@ -315,14 +326,26 @@ class KimiTokenizer:
     def _encode_here(self, pieces):
         ids = []
         for text, allow_special in pieces:
+            key = (text, bool(allow_special))
+            known = self._pieces.get(key) if len(text) <= PIECE_MEMO_CHARS else None
+            if known is not None:
+                self._pieces.move_to_end(key)
+                ids += known
+                continue
+            got = []
             # The release encodes at most 400k characters per tiktoken call.
             for i in range(0, len(text), 400_000):
                 for piece in _split_long_runs(text[i : i + 400_000]):
                     if allow_special:
-                        ids += self.encoding.encode(piece, allowed_special="all")
+                        got += self.encoding.encode(piece, allowed_special="all")
                     else:
                         # Special token text is ordinary text here.
-                        ids += self.encoding.encode_ordinary(piece)
+                        got += self.encoding.encode_ordinary(piece)
+            if len(text) <= PIECE_MEMO_CHARS:
+                self._pieces[key] = got
+                if len(self._pieces) > PIECE_MEMO:
+                    self._pieces.popitem(last=False)
+            ids += got
         return ids
 
     def encode(

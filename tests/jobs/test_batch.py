@@ -322,8 +322,10 @@ def test_plan_shows_the_state_of_each_sequence(converted, capsys):
     r = json.loads(capsys.readouterr().out)
     per = r["sequence_recurrent_bytes"] + r["sequence_kv_bytes"]
     assert r["sequences"] == 3 and r["state_bytes"] == 3 * per
+    # auto: as many as the state memory allows, past mlx-lm's default batch of 32
+    assert r["auto_sequences"] > 32
     assert main(args + ["--sequences", "auto"]) == 0
-    assert "for 32 sequences; per sequence" in capsys.readouterr().out
+    assert f"for {r['auto_sequences']} sequences; per sequence" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         main(args + ["--sequences", "0"])
     assert e.value.code == 2 and "--sequences" in capsys.readouterr().err

@@ -3,19 +3,17 @@ computed by hand from CHECKPOINT.md, its floor at 4K context is at most 8 GB, an
 a converted model plans without loading its weights."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from deltafin_mlx.cli.main import main
 from deltafin_mlx import runtime
+from deltafin_mlx.testing.shared import k3_config
 
-# Kimi K3's release config.json: $DELTAFIN_K3_CONFIG, else ../shared/kimi-k3/ beside the checkout.
-K3_CONFIG = Path(os.environ.get("DELTAFIN_K3_CONFIG") or
-                 Path(__file__).resolve().parents[2].parent / "shared" / "kimi-k3" / "config.json")
+# Kimi K3's release config.json: $DELTAFIN_K3_CONFIG, else shared/kimi-k3/ above the checkout.
+K3_CONFIG = k3_config()
 GB = 1e9
 
 

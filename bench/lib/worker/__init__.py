@@ -4,6 +4,7 @@
     python -m bench.lib.worker read-mode MODEL FRACTION MODE PIPELINE TOKENS
     python -m bench.lib.worker budget-decode MODEL MODE BUDGET TOKENS
     python -m bench.lib.worker prefill-peak MODEL BUDGET TOKENS STEP
+    python -m bench.lib.worker score-peak MODEL BUDGET TOKENS
     python -m bench.lib.worker prefill-run MODEL TOKENS SLOTS DECODE [THROTTLE_FILE VALUE]
     python -m bench.lib.worker server-baseline
     python -m bench.lib.worker sampled-serve FILE serve MODEL [serve options...]
@@ -28,6 +29,7 @@ MODES = {
     "read-mode": "read_mode",
     "budget-decode": "budget_decode",
     "prefill-peak": "prefill_peak",
+    "score-peak": "score_peak",
     "prefill-run": "prefill_run",
     "server-baseline": "server_baseline",
     "sampled-serve": "sampled_serve",

@@ -1,0 +1,25 @@
+"""Where the tests find the project's shared files (Kimi K3's release config.json).
+
+A checkout's shared/ lies beside it (CI clones the repository next to a copy of
+shared/); a git worktree may sit further down (/work/wt/NAME beside /work/main),
+so every folder above the checkout is tried, nearest first.
+"""
+
+import os
+from pathlib import Path
+
+K3_ENV = "DELTAFIN_K3_CONFIG"
+
+
+def k3_config() -> Path:
+    """$DELTAFIN_K3_CONFIG, else the nearest shared/kimi-k3/config.json above the
+    checkout (a path that may not exist: the caller skips)."""
+    given = os.environ.get(K3_ENV)
+    if given:
+        return Path(given)
+    checkout = Path(__file__).resolve().parents[2]
+    for folder in checkout.parents:
+        found = folder / "shared" / "kimi-k3" / "config.json"
+        if found.exists():
+            return found
+    return checkout.parent / "shared" / "kimi-k3" / "config.json"

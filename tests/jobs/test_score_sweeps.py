@@ -1,0 +1,56 @@
+"""Many short texts share a sweep at every budget: a scoring pass holds as many rows
+as its tokens allow (plan/scoring.py), not as one attention call holds; texts longer
+than an attention call are attended a group of rows at a time, each group along its
+texts over a cache of its own (engine/chunked_attention). At 40 MB, 16 texts of
+about 70 tokens take one sweep, read each routed expert once, and score as mlx-lm's
+model does fully in memory."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import make_source, reference_model
+from deltafin_mlx.convert.convert import ConvertOptions, convert
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.engine.runtime import runtime
+from deltafin_mlx.jobs.score import ScoreOptions, Sizing, run_job
+
+
+def reference_logprobs(reference, tokens):
+    import mlx.core as mx
+
+    logits = reference(mx.array([tokens]))[0].astype(mx.float32)
+    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def eight_layers(tmp_path_factory):
+    """K3's layout with 8 layers (the issue's measurements): (model, its source)."""
+    root = tmp_path_factory.mktemp("eight_layers")
+    src = make_source(root / "src", "kimi_k3", num_layers=8)
+    convert(str(src), root / "model", ConvertOptions(progress=False))
+    return root / "model", src
+
+
+def test_16_texts_of_70_tokens_take_one_sweep_at_40mb(eight_layers, tmp_path):
+    path, src = eight_layers
+    # At 40 MB this model's cache could hold every expert: 16 slots make it read.
+    model, tok = load(path, "40MB", cache_slots=16, warm_start=False)
+    sizing = Sizing(model)
+    assert sizing.attention(74) < 74  # longer than one attention call: the case at hand
+    rng = np.random.default_rng(3)
+    texts = [rng.integers(1, 500, int(70 + rng.integers(-4, 5))).tolist() for _ in range(16)]
+    job = tmp_path / "in.jsonl"
+    job.write_text("".join(json.dumps({"id": i, "tokens": t}) + "\n" for i, t in enumerate(texts)))
+    s = run_job(model, tok, job, tmp_path / "out.jsonl", ScoreOptions(), show_progress=False)
+    assert s["scored_texts"] == 16 and s["sweeps"] == 1, s
+    assert 0 < s["expert_bytes_read"] <= 1.10 * s["union_bytes"], s
+    ref = reference_model(src)
+    for line in (tmp_path / "out.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        want = reference_logprobs(ref, r["tokens"])
+        got = np.array([np.nan if v is None else v for v in r["token_logprobs"]][1:])
+        expected = want[np.arange(len(r["tokens"]) - 1), r["tokens"][1:]]
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    runtime(model).close()
