@@ -106,7 +106,10 @@ def test_an_mlx_lm_directory_converts_to_mlx_lms_tokens(arch, bits, mlx_lm_dirs,
 def test_mlx_lms_quantized_experts_are_carried_over_byte_for_byte(mlx_lm_dirs, tmp_path):
     src = mlx_lm_dirs("qwen3_moe", bits=4)
     out = tmp_path / "out"
-    convert(str(src), out, ConvertOptions(progress=False, expert_bits=8))  # not applied
+    # Carried as saved: an expert option would not be applied, so it is refused.
+    with pytest.raises(ConvertError, match="carried over as they are"):
+        convert(str(src), out, ConvertOptions(progress=False, expert_bits=8))
+    convert(str(src), out, ConvertOptions(progress=False))
     m = read_manifest(out)
     saved = {}
     for f in src.glob("model*.safetensors"):
