@@ -20,7 +20,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 from deltafin_mlx.jobs.batch import Outcome, Progress, error_line
 from deltafin_mlx.jobs.job_options import check_options
-from deltafin_mlx.jobs.results_file import open_input, read_lines
+from deltafin_mlx.jobs.results_file import check_not_input, open_input, read_lines
 from deltafin_mlx.jobs.batch_lines import Request, read_requests
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.errors import BatchError
@@ -180,6 +180,7 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
             show_progress: Optional[bool] = None, outcome: Optional[Outcome] = None) -> dict:
     """The score job: read IN, skip what OUT already answers, score and append the
     rest a pass at a time (counting each line in `outcome`)."""
+    check_not_input(in_path, out_path)
     requests = read_job(in_path)
     out = open_output(out_path, opts.format, opts.top_logprobs)
     try:
