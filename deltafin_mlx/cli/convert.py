@@ -1,12 +1,12 @@
 """`deltafin-convert SRC OUT [options]`."""
 
-import argparse
 import signal
 import sys
 import time
 from pathlib import Path
 
 from deltafin_mlx.cli.common import HelpFormatter, add_version, printable, quiet_broken_pipe
+from deltafin_mlx.cli.options import Parser
 from deltafin_mlx.units import human_bytes, parse_size
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
 
@@ -22,7 +22,7 @@ except KeyboardInterrupt:  # Ctrl-C while MLX and mlx-lm import (seconds): one l
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = Parser(  # a usage error is one line, as deltafin-run's are
         prog="deltafin-convert",
         description="Rewrite a Hugging Face MoE checkpoint into Deltafin's streaming format.\n"
         "Supported: " + ", ".join(ARCHITECTURES.values()) + ".",

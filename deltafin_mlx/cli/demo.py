@@ -34,22 +34,26 @@ def prepare(root: Path) -> Path:
     """The converted demo model (built on first use, reused afterwards)."""
     from deltafin_mlx.convert.convert import ConvertOptions, convert
 
+    from deltafin_mlx.format import demo_marker
     from deltafin_mlx.format.manifest import MANIFEST_NAME
     from deltafin_mlx.testing.synthetic import make_checkpoint
 
-    model = root / "model"
+    model = root / demo_marker.MODEL
     if (model / MANIFEST_NAME).exists():
         print(f"[demo] the demo model, converted earlier, is in {model} "
               "('deltafin-run rm --demo' removes it)", file=sys.stderr)
         return model
-    src = root / "source"
-    if not (src / "model.safetensors.index.json").exists():
+    # Every file written here is recorded first (format/demo_marker.py): `rm --demo`
+    # deletes those and nothing else of a folder that may be any the user named.
+    root.mkdir(parents=True, exist_ok=True)
+    src = root / demo_marker.SOURCE
+    if not demo_marker.source_is_complete(root):
         print(f"[demo] writing a synthetic K3-layout checkpoint to {src}", file=sys.stderr)
-        if src.exists():
-            import shutil
-
-            shutil.rmtree(src)
-        make_checkpoint(src, "kimi_k3", seed=0, **DEMO_SHAPE)
+        work = demo_marker.start_source(root)
+        make_checkpoint(work, "kimi_k3", seed=0, **DEMO_SHAPE)
+        demo_marker.finish_source(root, work)
+    if not os.path.lexists(model):
+        demo_marker.claim_model(root)
     print(f"[demo] converting it with deltafin-convert into {model}", file=sys.stderr)
     convert(str(src), model, ConvertOptions(progress=True))
     return model
@@ -135,26 +139,3 @@ def demo_argv(command: str, argv: list) -> list:
     if command in BUDGETED and not any(a == "--budget" or a.startswith("--budget=") for a in rest):
         rest += ["--budget", str(demo_plan(model_dir, args).budget)]
     return [str(model_dir.path)] + rest
-
-
-def remove_demo(root: Path) -> int:
-    """Delete the demo's cache under `root`: its converted model (refused unless it
-    is one, format/catalog.py), its synthetic checkpoint, then `root` when empty.
-    Returns the bytes freed."""
-    import shutil
-
-    from deltafin_mlx.errors import ModelError
-    from deltafin_mlx.format.catalog import dir_bytes, remove_model_dir
-
-    freed = 0
-    if (root / "model").exists():
-        freed += remove_model_dir(root / "model")
-    src = root / "source"
-    if src.exists():
-        if src.is_symlink() or not (src / "config.json").is_file():
-            raise ModelError(f"{src}: not the demo's synthetic checkpoint; not removed")
-        freed += dir_bytes(src)
-        shutil.rmtree(src)
-    if root.is_dir() and not any(root.iterdir()):
-        root.rmdir()
-    return freed

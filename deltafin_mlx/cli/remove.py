@@ -31,9 +31,9 @@ def confirm(what: str, yes: bool) -> bool:
 
 
 def cmd_rm(argv) -> int:
-    from deltafin_mlx.cli.demo import demo_dir, remove_demo
-    from deltafin_mlx.format.catalog import dir_bytes, remove_model_dir
-    from deltafin_mlx.format.manifest import read_manifest
+    from deltafin_mlx.cli.demo import demo_dir
+    from deltafin_mlx.format.catalog import check_removable, dir_bytes, remove_model_dir
+    from deltafin_mlx.format.demo_marker import check_demo_files, remove_demo_files
     from deltafin_mlx.units import human_bytes
 
     args = rm_parser().parse_args(argv)
@@ -46,12 +46,13 @@ def cmd_rm(argv) -> int:
         if not root.exists():
             print(f"no demo cache at {root}", file=sys.stderr)
             return 0
+        check_demo_files(root)  # refuse what the demo did not write before asking
         if not confirm(f"the demo's cache {root} ({human_bytes(dir_bytes(root))})", args.yes):
             print("nothing removed", file=sys.stderr)
             return 1
-        print(f"removed {root} ({human_bytes(remove_demo(root))} freed)", file=sys.stderr)
+        print(f"removed {root} ({human_bytes(remove_demo_files(root))} freed)", file=sys.stderr)
         return 0
-    read_manifest(args.model, check_files=False)  # refuse a non-model before asking
+    check_removable(args.model)  # refuse a non-model (or a path through a link) before asking
     if not confirm(f"the model {args.model} ({human_bytes(dir_bytes(args.model))})", args.yes):
         print("nothing removed", file=sys.stderr)
         return 1
