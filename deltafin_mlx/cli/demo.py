@@ -48,8 +48,8 @@ def prepare(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     src = root / demo_marker.SOURCE
     if not demo_marker.source_is_complete(root):
-        print(f"[demo] writing a synthetic K3-layout checkpoint to {src}", file=sys.stderr)
         work = demo_marker.start_source(root)
+        print(f"[demo] writing a synthetic K3-layout checkpoint to {src}", file=sys.stderr)
         make_checkpoint(work, "kimi_k3", seed=0, **DEMO_SHAPE)
         demo_marker.finish_source(root, work)
     if not os.path.lexists(model):
