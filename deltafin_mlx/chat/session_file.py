@@ -62,17 +62,20 @@ def write_session(path: Path, cache, metadata: dict):
                           {**metadata, CHECKSUM_KEY: content_checksum(cache, metadata)})
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # mlx's failed write is a RuntimeError
-        raise SessionSaveError(f"session not saved: {save_failure(path, cache, e)}; {path} "
-                               "keeps the conversation as last saved, the chat goes on") from None
+        why = save_failure(path, cache, metadata, e)
+        raise SessionSaveError(f"session not saved: {why}; {path} keeps the conversation as "
+                               "last saved, the chat goes on") from None
     finally:
         if os.path.lexists(tmp):
             tmp.unlink()
 
 
-def save_failure(path: Path, cache, e: Exception) -> str:
+def save_failure(path: Path, cache, metadata: dict, e: Exception) -> str:
     """Why a save failed, in words: "disk full" when the filesystem has less room
-    than the cache takes (mlx's message says only that a write failed)."""
-    needed = sum(getattr(v, "nbytes", 0) for c in cache for _, v in tree_flatten(c.state))
+    than the file takes, its tensors and metadata (mlx's message says only that a
+    write failed)."""
+    needed = (sum(getattr(v, "nbytes", 0) for c in cache for _, v in tree_flatten(c.state))
+              + sum(len(str(k)) + len(str(v)) for k, v in metadata.items()))
     try:
         st = os.statvfs(path.parent if path.parent.exists() else ".")
         free = st.f_bavail * st.f_frsize
