@@ -3,6 +3,7 @@ help that shows every default, and a quiet end when the reader of stdout goes aw
 (`deltafin-run plan ... | head`), and text from files made safe for a terminal."""
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -48,6 +49,31 @@ def quiet_broken_pipe(main):
 
     return wrapper
 
+
+
+@contextlib.contextmanager
+def interrupts_in_finalizers_reach_main():
+    """A Ctrl-C that lands while a finalizer runs (tqdm's __del__, as a finished
+    progress bar is collected) cannot be raised there: Python prints it as an
+    "Exception ignored" traceback and drops it. Within this block it is kept
+    instead, and raised as the block ends, so the main code gets its
+    KeyboardInterrupt and says "interrupted" in its one line."""
+    default, caught = sys.unraisablehook, []
+
+    def hook(unraisable):
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type,
+                                                           KeyboardInterrupt):
+            caught.append(unraisable.exc_type)
+            return
+        default(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = default
+    if caught:
+        raise KeyboardInterrupt
 
 
 def printable(text: str) -> str:

@@ -5,7 +5,9 @@ import sys
 import time
 from pathlib import Path
 
-from deltafin_mlx.cli.common import HelpFormatter, add_version, printable, quiet_broken_pipe
+from deltafin_mlx.cli.common import (HelpFormatter, add_version,
+                                     interrupts_in_finalizers_reach_main, printable,
+                                     quiet_broken_pipe)
 from deltafin_mlx.cli.options import Parser
 from deltafin_mlx.units import human_bytes, parse_size
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
@@ -73,6 +75,8 @@ def main(argv=None):
     finally:
         if argv is not None:  # called in a process that goes on: Ctrl-C works again
             signal.signal(signal.SIGINT, handler)
+        else:  # the command is done: a Ctrl-C now could only break the interpreter's exit
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _main(argv):
@@ -101,7 +105,8 @@ def _main(argv):
     )
     started = time.time()
     try:
-        manifest = convert(args.src, args.out, options)
+        with interrupts_in_finalizers_reach_main():
+            manifest = convert(args.src, args.out, options)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a late Ctrl-C changes nothing
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while reporting
