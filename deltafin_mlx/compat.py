@@ -1,27 +1,96 @@
 """Every use of mlx-lm's private API, in one place.
 
 Deltafin runs mlx-lm's own model classes, generation, prompt caches and server; a
-few of the hooks it needs are not public. Each one is reached through a function
-here, so that an mlx-lm release that moves one breaks this file, not the runtime.
-`deltafin-run serve` (deltafin_mlx/server/) also subclasses mlx-lm's server
-classes: it overrides `ModelProvider._load`, `APIHandler._set_completion_headers`,
-and `ResponseGenerator._run_generate` and `_next_request` (reading its `requests`
-queue, `_stop` flag and `_generation_thread`). Checked against mlx-lm 0.32.x (pyproject.toml pins `mlx-lm>=0.32.2,<0.33`).
+few of the hooks it needs are not public. PRIVATE lists every one the code reads
+or overrides: the functions here reach the ones it calls or reads, and the server
+(server/app.py, server/handler.py, server/generation.py) and the drop-in
+(dropin/guard.py) subclass or wrap the server classes at the hooks listed.
+tests/structure/test_mlx_lm_surface.py checks each against the installed mlx-lm,
+so a release that renames one fails there, in one line naming it (`missing`).
+Importing this module imports nothing of mlx-lm: each function imports it when
+called, so the package's front door stays light. Checked against mlx-lm 0.32.x
+(pyproject.toml pins `mlx-lm>=0.32.2,<0.33`).
 """
 
-import mlx_lm.utils as _utils
-
 CHECKED_VERSIONS = ">=0.32.2,<0.33"
+
+# (module, dotted name): mlx-lm's private or undocumented names Deltafin relies on.
+# A name the class itself does not hold is an instance attribute its methods set
+# (`self.NAME = ...`), which Deltafin reads or sets.
+PRIVATE = (
+    ("mlx_lm.utils", "_get_classes"),                   # model_classes
+    ("mlx_lm.utils", "_decode_tagged_floats"),          # decode_tagged_floats
+    ("mlx_lm.server", "ResponseGenerator._tokenize"),   # server_prompt_tokens
+    ("mlx_lm.server", "ResponseGenerator._next_request"),  # wrapped: gate_server_requests;
+                                                        # overridden: server/generation.py
+    ("mlx_lm.server", "ResponseGenerator._run_generate"),  # overridden: server/generation.py
+    ("mlx_lm.server", "ResponseGenerator._generate"),   # server_generation_loop
+    ("mlx_lm.server", "ResponseGenerator._stop"),       # generation_stopping
+    ("mlx_lm.server", "ResponseGenerator._generation_thread"),  # generation_thread_alive
+    ("mlx_lm.server", "ResponseGenerator.requests"),    # its queue, fed by server/generation.py
+    ("mlx_lm.server", "ResponseGenerator.generate"),    # overridden: server/generation.py
+    ("mlx_lm.server", "ResponseGenerator.is_healthy"),  # overridden: server/generation.py
+    ("mlx_lm.server", "ModelProvider.load"),            # overridden: server/app.py
+    ("mlx_lm.server", "ModelProvider._load"),           # overridden: server/app.py
+    ("mlx_lm.server", "ModelProvider.model_key"),       # set by that _load
+    ("mlx_lm.server", "ModelProvider.processor"),
+    ("mlx_lm.server", "ModelProvider.draft_model"),
+    ("mlx_lm.server", "ModelProvider.is_batchable"),
+    ("mlx_lm.server", "APIHandler._set_completion_headers"),  # overridden: server/handler.py
+    ("mlx_lm.server", "APIHandler.handle_completion"),  # overridden/wrapped: handler, guard
+    ("mlx_lm.server", "APIHandler.validate_model_parameters"),  # wrapped: dropin/guard.py
+    ("mlx_lm.server", "APIHandler.generate_response"),  # overridden: server/handler.py
+    ("mlx_lm.server", "APIHandler.completion_usage_response"),  # overridden: server/handler.py
+    ("mlx_lm.server", "APIHandler.body"),               # read: dropin/guard.py
+    ("mlx_lm.server", "APIHandler.stream"),             # read: server/handler.py
+    ("mlx_lm.server", "APIHandler.max_tokens"),         # cut to the context: dropin/guard.py
+    ("mlx_lm.server", "APIHandler.response_generator"),
+    ("mlx_lm.server", "BatchGenerator"),                # replaced: use_server_batch_generator
+    ("mlx_lm.generate", "BatchGenerator._next"),        # overridden: server/generation.py
+    ("mlx_lm.generate", "BatchGenerator._generation_batch"),  # read there
+    ("mlx_lm.generate", "BatchGenerator._unprocessed_sequences"),
+    ("mlx_lm.generate", "BatchGenerator._currently_processing"),
+    ("mlx_lm.generate", "BatchGenerator._counters"),
+)
+
+
+def missing(names=PRIVATE) -> list:
+    """The names of `names` the installed mlx-lm lacks, as "module:dotted.name"."""
+    import importlib
+    import inspect
+
+    gone = []
+    for module, dotted in names:
+        try:
+            obj = importlib.import_module(module)
+        except ImportError:
+            gone.append(f"{module}:{dotted}")
+            continue
+        *owners, name = dotted.split(".")
+        for owner in owners:
+            obj = getattr(obj, owner, None)
+        if obj is None:
+            gone.append(f"{module}:{dotted}")
+        elif not hasattr(obj, name):
+            # an instance attribute: one of the class's methods must set it
+            source = inspect.getsource(obj) if inspect.isclass(obj) else ""
+            if f"self.{name} =" not in source and f"self.{name}: " not in source:
+                gone.append(f"{module}:{dotted}")
+    return gone
 
 
 def model_classes(config: dict):
     """(Model, ModelArgs) of the architecture config.json names (`model_type`)."""
-    return _utils._get_classes(config)
+    import mlx_lm.utils
+
+    return mlx_lm.utils._get_classes(config)
 
 
 def decode_tagged_floats(obj):
     """config.json as mlx-lm's load_config decodes it (tagged non-finite floats)."""
-    return _utils._decode_tagged_floats(obj)
+    import mlx_lm.utils
+
+    return mlx_lm.utils._decode_tagged_floats(obj)
 
 
 def server_prompt_tokens(response_generator, tokenizer, request, args):
@@ -57,10 +126,30 @@ def gate_server_requests(check):
     ResponseGenerator._next_request = next_request
 
 
+def use_server_batch_generator(cls):
+    """Make mlx_lm.server's generation loop build its batches with `cls`, a
+    BatchGenerator subclass (server/generation.py's turn_taking, which overrides
+    `_next` and reads `_generation_batch`, `_unprocessed_sequences`,
+    `_currently_processing` and `_counters`): the loop names the class that
+    mlx_lm.server imported."""
+    import mlx_lm.server as server
+
+    server.BatchGenerator = cls
+
+
 def server_generation_loop(response_generator):
     """mlx-lm's generation loop (its thread's body), run in the calling thread."""
     response_generator._generate()
 
+
+def generation_stopping(response_generator) -> bool:
+    """Whether mlx-lm's ResponseGenerator has been asked to stop (its `_stop` flag)."""
+    return response_generator._stop
+
+
+def generation_thread_alive(response_generator) -> bool:
+    """Whether mlx-lm's ResponseGenerator's generation thread is running."""
+    return response_generator._generation_thread.is_alive()
 
 
 def body_and_head(model):

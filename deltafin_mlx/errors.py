@@ -35,6 +35,10 @@ class BudgetError(DeltafinError, ValueError):
     """A memory budget or context the model cannot run in."""
 
 
+class LoadOptionError(DeltafinError, ValueError):
+    """A load option of a value `load` cannot use (engine/load.py LoadOptions)."""
+
+
 class ContextError(DeltafinError, ValueError):
     """A prompt longer than the context the memory plan was made for."""
 

@@ -40,3 +40,7 @@ def human_bytes(n: float) -> str:
         return f"{int(n)} B"
     return f"{n:.2f} {unit}" if abs(n) < 10 else f"{n:.1f} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"
 
+
+def count(n: int, noun: str, plural: str = "") -> str:
+    """`n` and the noun, singular for 1: "1 sweep", "3 sweeps", "2 passes"."""
+    return f"{n} {noun if n == 1 else (plural or noun + 's')}"

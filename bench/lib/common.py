@@ -335,14 +335,13 @@ def machine_info() -> dict:
 def demo_model(budget=None):
     """(path, budget) of the demo model (built on first use): the budget given, or
     the demo's own, which caches a quarter of its experts."""
-    import argparse
 
-    from deltafin_mlx.cli.demo import demo_dir, demo_plan, prepare
+    from deltafin_mlx.format.catalog import demo_root
     from deltafin_mlx.format.model_dir import open_model_dir
+    from deltafin_mlx.testing.demo import demo_plan, prepare
 
-    path = str(prepare(demo_dir(argparse.Namespace(demo_dir=None))))
+    path = str(prepare(demo_root()))
     if budget is None:
-        budget = demo_plan(open_model_dir(path), argparse.Namespace(budget=None,
-                                                                    reader_threads=1)).budget
+        budget = demo_plan(open_model_dir(path)).budget
     return path, budget
 

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import ArraysCache, can_trim_prompt_cache, make_prompt_
 
 from deltafin_mlx.generation.stream import (PrefillProgress, RunStats, StatsMeter, chat_prompt,
                                    common_prefix, fit_context, stream_generate)
-from deltafin_mlx.chat.context import grow
+from deltafin_mlx.chat.context import grow, shrink
 from deltafin_mlx.errors import SessionError
 from deltafin_mlx.chat.session_file import read_session, write_session
 from deltafin_mlx.engine.runtime import runtime, find_runtime
@@ -51,6 +51,7 @@ class Turn:
     tokens: List[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens run through the model for this turn
     reused: int = 0  # history tokens taken from the cache instead
+    prompt_tokens: int = 0  # the tokens this turn had to prefill (`prefilled` when done)
     finish_reason: Optional[str] = None
     stats: RunStats = field(default_factory=RunStats)
     # Interrupted before its reply began: the turn left the conversation, its tokens
@@ -91,6 +92,9 @@ class ChatSession:
         self.system = system
         self.thinking = thinking
         self.thinking_effort = thinking_effort
+        state = find_runtime(model)
+        # The context the model was first planned for: /drop plans it back there.
+        self.planned_context = state.plan.context if state is not None else None
         self.reset()
 
     def reset(self):
@@ -174,10 +178,12 @@ class ChatSession:
         prompt = self.prompt_for(text) if prompt is None else list(prompt)
         reused = self.sync(prompt)
         new = prompt[reused:]
+        state = find_runtime(self.model)
+        context_before = state.plan.context if state is not None else None
         self.model, self.growth = grow(self.model, self.reload, len(prompt) + max(max_tokens, 1),
                                        least=len(prompt) + 1)
         fit_context(self.model, len(new), max_tokens, cached=reused)  # before any change
-        turn = Turn(reused=reused)
+        turn = Turn(reused=reused, prompt_tokens=len(new))
         done = [0]
 
         def on_progress(n, total):
@@ -211,11 +217,13 @@ class ChatSession:
                     break
         except Interrupted:
             before.restore(self)
+            self._undo_growth(context_before)
             turn.prefilled, turn.finish_reason, turn.dropped = done[0], "interrupted", True
             turn.stats = meter.now(0, done[0])
             return turn
         except BaseException:
             before.restore(self)  # stopped inside a forward pass: the turn did not happen
+            self._undo_growth(context_before)
             raise
         turn.text, turn.thinking = channels.answer, channels.thinking
         reply = {"role": "assistant", "content": turn.text}
@@ -223,6 +231,13 @@ class ChatSession:
             reply["reasoning_content"] = turn.thinking
         self.messages.append(reply)
         return turn
+
+    def _undo_growth(self, context):
+        """A turn that did not happen leaves the plan as it was: a context grown
+        for it is planned back (the cache, as before the turn, is kept)."""
+        if self.growth is not None and context is not None:
+            self.model, _ = shrink(self.model, self.reload, len(self.tokens) + 1, context)
+            self.growth = None
 
     def drop_oldest(self, turns: int = 1) -> int:
         """Forget the oldest `turns` exchanges (a user message and its reply; the
@@ -238,9 +253,21 @@ class ChatSession:
                     cut += 1
                 seen += 1
         self.messages = self.messages[:head] + body[cut:]
-        self.cache = make_prompt_cache(self.model)
         self.tokens = []
+        if self.planned_context is not None:
+            self.model, self.growth = shrink(self.model, self.reload,
+                                             self.conversation_tokens()[0] + 1,
+                                             self.planned_context)
+        self.cache = make_prompt_cache(self.model)
         return cut
+
+    def conversation_tokens(self):
+        """(tokens of the conversation, how many of them the next turn prefills
+        again): after /drop the cache is empty and the whole rest is pending."""
+        if self.tokens or not any(m["role"] != "system" for m in self.messages):
+            return len(self.tokens), 0
+        n = len(self.render(self.messages, add_generation_prompt=False))
+        return n, n
 
     # Saving and restoring
 

@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from deltafin_mlx.errors import SessionError, SessionSaveError
+from deltafin_mlx.format.dtypes import to_numpy
 
 CHECKSUM_KEY = "content_crc32"
 
@@ -45,9 +46,7 @@ def content_checksum(cache, metadata: dict) -> str:
                 crc = zlib.crc32(f"{name}={json.dumps(a)};".encode(), crc)
                 continue
             crc = zlib.crc32(f"{name}:{a.dtype}{tuple(a.shape)};".encode(), crc)
-            if a.dtype == mx.bfloat16:  # numpy has no bfloat16: its bits, as uint16
-                a = a.view(mx.uint16)
-            crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1), crc)
+            crc = zlib.crc32(np.ascontiguousarray(to_numpy(a)).view(np.uint8).reshape(-1), crc)
     return f"{crc & 0xFFFFFFFF:08x}"
 
 

@@ -16,7 +16,7 @@ def batch_parser():
                '"max_tokens", "temp" (or "temperature"), "top_p", "top_k", "min_p", "seed", '
                '"stop"; or OpenAI Batch API lines ({"custom_id": ..., "body": {...}}).')
     p.add_argument("model", help="a directory written by deltafin-convert")
-    p.add_argument("input", help="JSONL requests")
+    p.add_argument("input", help="JSONL requests ('-': stdin)")
     p.add_argument("-o", "--output", required=True, help="JSONL results (appended to; '-': stdout, without resume)")
     p.add_argument("--batch-size", type=positive_or_auto, default="auto", metavar="N|auto",
                    help="sequences decoded together (default: what the budget allows, at most 32 "

@@ -67,7 +67,9 @@ def cmd_bench(argv) -> int:
               f"{1e3 * result['projected_layer_seconds']:.3g} ms per layer, measured "
               f"{result['tokens_per_second_median']:.3g}: projected/measured "
               f"{result['projected_over_measured']:.2f}; per-layer cost calibrated to "
-              f"{1e3 * result['calibrated_layer_seconds']:.3g} ms (cached: plan uses it)")
+              f"{1e3 * result['calibrated_layer_seconds']:.3g} ms from the median decode rate (cached: "
+              f"`deltafin-run plan` uses it for {result['activation_dtype']} activations on this "
+              "machine, unless given --layer-ms or --compute-gwps)")
     runtime(model).close()
     return 0
 
@@ -76,17 +78,15 @@ def projected_against_measured(model, runs, measured: float) -> dict:
     """plan's projection for this model and budget (plan/speed.py, the cached machine
     rates) next to what the runs measured, and the per-layer cost the runs imply,
     cached for the next `plan` (the term small models are dominated by)."""
-    from types import SimpleNamespace
-
-    from deltafin_mlx.cli.plan import _disk_rate, decode_rates
+    from deltafin_mlx.plan.report import decode_rates, disk_rate
     from deltafin_mlx.plan.rates import layer_key, store_rate
     from deltafin_mlx.plan.speed import layer_seconds_from_run, project
 
     state = runtime(model)
     inv, plan = state.inventory, state.plan
     bank = state.manifest.bank_path(state.manifest.moe_layers[0])
-    disk, _ = _disk_rate(None, bank, str(state.manifest.path), False)
-    compute, _, layer, _ = decode_rates(SimpleNamespace(), inv, inv.activation_dtype)
+    disk, _ = disk_rate(None, bank, str(state.manifest.path))
+    compute, _, layer, _ = decode_rates(inv, inv.activation_dtype)
     projected = project(inv, plan, disk, compute, layer)["real_routing_tokens_per_second"]
     last = runs[-1]
     stall = last.stall_seconds / max(last.tokens, 1)
@@ -97,7 +97,8 @@ def projected_against_measured(model, runs, measured: float) -> dict:
                    how=f"calibrated by deltafin-run bench on {state.manifest.path}")
     return {"projected_tokens_per_second": projected, "projected_layer_seconds": layer,
             "projected_over_measured": projected / measured if measured > 0 else None,
-            "calibrated_layer_seconds": calibrated}
+            "calibrated_layer_seconds": calibrated,
+            "activation_dtype": str(inv.activation_dtype).split(".")[-1]}
 
 
 def bench_run(model, args, i: int):

@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from deltafin_mlx.chat.session import ChatSession, session_path
 from deltafin_mlx.chat.context import status as context_status
-from deltafin_mlx.cli.options import load_model, sampling_of
+from deltafin_mlx.cli.options import load_model, refuse_without_template, sampling_of
 from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import ContextError, SessionSaveError
 from deltafin_mlx.generation.stream import PrefillProgress
@@ -18,7 +18,6 @@ from deltafin_mlx.engine.runtime import runtime
 
 
 def cmd_chat(args, model_dir=None) -> int:
-    from deltafin_mlx.cli.run import refuse_without_template
     from deltafin_mlx.engine.load import open_tokenizer
     from deltafin_mlx.format.model_dir import open_model_dir
 
@@ -43,7 +42,8 @@ def cmd_chat(args, model_dir=None) -> int:
 
 HELP = """\
 Type a message and press Enter. End a line with \\ to continue it on the next line,
-or put \"\"\" on a line of its own to start and end a block of several lines.
+or put \"\"\" on a line of its own to start and end a block of several lines; a paste
+of several lines is one message.
   /help     this help
   /reset    forget the conversation (and empty the model's cache)
   /stats    expert-cache counters so far
@@ -92,9 +92,32 @@ class StopOnSignal:
         return self.requested
 
 
+PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"  # a terminal's bracketed paste
+
+
+def bracketed_paste(tty: bool):
+    """Have a paste of several lines arrive as one message. GNU readline reads a
+    bracketed paste (the terminal's ESC[200~ ... ESC[201~) as one line when the
+    setting is on (turned on here); without readline the terminal is asked for the
+    markers and read_message joins the lines between them (True: the terminal's
+    mode was set, to be reset at the end). libedit: left as is."""
+    if not tty:
+        return False
+    try:
+        import readline
+    except ImportError:
+        sys.stdout.write("\x1b[?2004h")
+        sys.stdout.flush()
+        return True
+    if "libedit" not in (readline.__doc__ or ""):
+        readline.parse_and_bind("set enable-bracketed-paste on")
+    return False
+
+
 def read_message(prompt: str = "> ", more: str = "... ", out=None):
     """One message from the user: None at end of input (Ctrl-D, or Ctrl-C at an
-    empty prompt); "" when a Ctrl-C cleared a half-typed line."""
+    empty prompt); "" when a Ctrl-C cleared a half-typed line. A bracketed paste
+    (ESC[200~ ... ESC[201~, whatever lines it spans) is part of one message."""
     out = out or sys.stderr
     tty = sys.stdin.isatty()
     if tty:
@@ -114,6 +137,10 @@ def read_message(prompt: str = "> ", more: str = "... ", out=None):
 
     try:
         first = line(prompt)
+        if PASTE_START in first:
+            while first.count(PASTE_START) > first.count(PASTE_END):
+                first += "\n" + line("")
+            return first.replace(PASTE_START, "").replace(PASTE_END, "")
         if first.strip() == '"""':
             lines = []
             while True:
@@ -166,15 +193,18 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
     if path is not None and path.exists():
         session = ChatSession.restore(path, model, tokenizer, reload=reload, **options)
         say_growth(session)
+        used, pending = session.conversation_tokens()
+        how = f"{used} tokens, prefilled again at the next turn" if pending else \
+            f"{used} tokens, no prefill needed"
         print(f"[session] restored {sum(m['role'] != 'system' for m in session.messages)} "
-              f"messages ({len(session.tokens)} tokens, no prefill needed) from {path}",
-              file=sys.stderr)
+              f"messages ({how}) from {path}", file=sys.stderr)
     else:
         session = ChatSession(model, tokenizer, reload=reload, **options)
     if args.seed is not None:
         mx.random.seed(args.seed)
     generation = sampling_of(args).generation_kwargs()
     tty = sys.stdout.isatty()
+    marked_pastes = bracketed_paste(sys.stdin.isatty())
     print("Deltafin chat: /help for help, /reset clears the history, /quit (or Ctrl-D) ends.",
           file=sys.stderr)
     while True:
@@ -200,7 +230,7 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
                       f"{runtime(session.model).store.bytes_read / 1e6:.1f} MB read",
                       file=sys.stderr)
             elif command == "/context":
-                print(f"[{context_status(session.model, len(session.tokens)).line()}]",
+                print(f"[{context_status(session.model, *session.conversation_tokens()).line()}]",
                       file=sys.stderr)
             elif command.split()[0] == "/drop":
                 turns = command.split()[1:] or ["1"]
@@ -213,7 +243,9 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
                 dropped = session.drop_oldest(int(turns[0]))
                 save_session(session, path)
                 print(f"[dropped the oldest {dropped} messages; the next turn prefills the "
-                      "rest of the conversation again]", file=sys.stderr)
+                      f"rest of the conversation ({session.conversation_tokens()[1]:,} tokens) "
+                      "again]", file=sys.stderr)
+                say_growth(session)
             else:
                 print(f"[unknown command {command.split()[0]}: not sent; /help lists the "
                       "commands, // sends a message starting with /]", file=sys.stderr)
@@ -226,10 +258,14 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
 
         progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
         try:
-            with StopOnSignal() as stopper:
-                turn = session.ask(text, args.max_tokens, progress=progress,
-                                   stop_requested=lambda: stopper() or stop.stopped,
-                                   on_text=printer, **generation)
+            try:
+                with StopOnSignal() as stopper:
+                    turn = session.ask(text, args.max_tokens, progress=progress,
+                                       stop_requested=lambda: stopper() or stop.stopped,
+                                       on_text=printer, **generation)
+            finally:
+                if progress is not None:
+                    progress.clear()  # a prefill stopped midway leaves its line
         except ContextError:
             say_growth(session)
             st = context_status(session.model, len(session.tokens))
@@ -242,7 +278,10 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
             continue
         if turn.dropped:
             say_growth(session)
-            print(f"\n[{DROPPED}]", file=sys.stderr)
+            print(f"[interrupted before the reply began, after prefilling {turn.prefilled:,} "
+                  f"of {turn.prompt_tokens:,} tokens in {turn.stats.seconds:.1f} s: the turn "
+                  f"is dropped; the conversation, the cache and the session file are as "
+                  f"before it]", file=sys.stderr)
             continue  # nothing changed: the session file stays as it is
         printer.finish()
         say_growth(session)
@@ -252,5 +291,7 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
         print(f"[deltafin] {turn.stats.line()}; prefilled {turn.prefilled} tokens "
               f"({turn.reused} from the cache)", file=sys.stderr)
         save_session(session, path)
+    if marked_pastes:
+        sys.stdout.write("\x1b[?2004l")
     print(file=sys.stderr)
     return 0

@@ -1,9 +1,14 @@
 """What deltafin-run and deltafin-convert share as command-line tools: the version,
-help that shows every default, and a quiet end when the reader of stdout goes away
-(`deltafin-run plan ... | head`), and text from files made safe for a terminal."""
+help that shows every default, the one error policy (`guarded`), a quiet end when
+the reader of stdout goes away (`deltafin-run plan ... | head`), and text from files
+made safe for a terminal.
+
+Only the standard library is imported here: `--version` and `--help` load nothing else.
+"""
 
 import argparse
 import contextlib
+import errno
 import functools
 import os
 import sys
@@ -49,6 +54,63 @@ def quiet_broken_pipe(main):
 
     return wrapper
 
+def guarded(prog: str, body, debug: bool = False) -> int:
+    """`body()`'s exit status, under the one error policy of both commands: a Ctrl-C
+    is one line and status 130 (also while MLX and mlx-lm import, which takes
+    seconds), any other failure one line (`one_line`) and status 1 unless `debug`
+    (then the traceback). A closed stdout is left to quiet_broken_pipe."""
+    try:
+        return body()
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        raise
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # tiktoken's Rust panics are BaseExceptions, not Exceptions
+        if interrupted(e):  # a Ctrl-C a library re-raised as its own error (transformers'
+            print(f"\n{prog}: interrupted", file=sys.stderr)  # lazy imports do)
+            return 130
+        if debug:
+            raise
+        print(printable(f"{prog}: error: {one_line(e)}"), file=sys.stderr)
+        return 1
+
+
+def interrupted(e: BaseException) -> bool:
+    """Whether a Ctrl-C caused `e` (anywhere in its chain of causes)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def one_line(e: BaseException) -> str:
+    """A DeltafinError's message as it is; the system's errors with the path they
+    name (a full disk says so, and that rerunning resumes); anything else is a bug,
+    shown with its type. Only the first line of a message is kept."""
+    from deltafin_mlx.errors import DeltafinError
+
+    msg = first_line(e)
+    if isinstance(e, DeltafinError):
+        return msg
+    if isinstance(e, OSError):
+        if e.errno == errno.ENOSPC:
+            return (f"disk full while writing {e.filename or 'the output'}; free space and "
+                    "rerun the same command to resume")
+        if e.filename:
+            return f"{e.filename}: {e.strerror or msg}"
+        return e.strerror or msg
+    return f"{type(e).__name__}: {msg} (rerun with --debug for details)"
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 @contextlib.contextmanager

@@ -1,26 +1,19 @@
 """`deltafin-convert SRC OUT [options]`."""
 
+import errno
 import signal
 import sys
 import time
 from pathlib import Path
 
-from deltafin_mlx.cli.common import (HelpFormatter, add_version,
-                                     interrupts_in_finalizers_reach_main, printable,
-                                     quiet_broken_pipe)
+from deltafin_mlx.cli.common import (HelpFormatter, add_version, first_line, guarded,
+                                     interrupts_in_finalizers_reach_main, quiet_broken_pipe)
 from deltafin_mlx.cli.options import Parser
-from deltafin_mlx.units import human_bytes, parse_size
+from deltafin_mlx.errors import ConvertError, DeltafinError
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
-
-try:
-    from deltafin_mlx.model.config import ARCHITECTURES
-    from deltafin_mlx.model.quantization import BITS, GROUP_SIZES
-
-    from deltafin_mlx.convert.convert import ConvertOptions, convert
-    from deltafin_mlx.errors import DeltafinError
-except KeyboardInterrupt:  # Ctrl-C while MLX and mlx-lm import (seconds): one line
-    print("\ndeltafin-convert: interrupted", file=sys.stderr)
-    sys.exit(130)
+from deltafin_mlx.model.config import ARCHITECTURES
+from deltafin_mlx.model.quantization import BITS, GROUP_SIZES
+from deltafin_mlx.units import human_bytes, parse_size
 
 
 def build_parser():
@@ -70,8 +63,9 @@ def build_parser():
 @quiet_broken_pipe
 def main(argv=None):
     handler = signal.getsignal(signal.SIGINT)
+    given = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _main(argv)
+        return guarded("deltafin-convert", lambda: _main(given), debug="--debug" in given)
     finally:
         if argv is not None:  # called in a process that goes on: Ctrl-C works again
             signal.signal(signal.SIGINT, handler)
@@ -81,6 +75,10 @@ def main(argv=None):
 
 def _main(argv):
     args = build_parser().parse_args(argv)
+    # MLX and the model code import here (seconds), under guarded's Ctrl-C rule, and
+    # not for --help or --version.
+    from deltafin_mlx.convert.convert import ConvertOptions, convert
+
     out = Path(args.out).expanduser()
     finished_before = (not args.force and (out / MANIFEST_NAME).exists()
                        and not (out / PARTIAL_NAME).exists())
@@ -116,24 +114,17 @@ def _main(argv):
                   file=sys.stderr)
             return 130
         print("\ndeltafin-convert: interrupted after the conversion had finished", file=sys.stderr)
-    except BrokenPipeError:
-        raise  # quiet_broken_pipe ends quietly
-    except (DeltafinError, OSError) as e:
+    except OSError as e:
+        if e.errno == errno.ENOSPC and not e.filename:
+            e.filename = args.out  # guarded's line names what filled up
+        raise
+    except DeltafinError:
+        raise
+    except Exception as e:  # a source we did not foresee: still one line, naming it
         if args.debug:
             raise
-        msg = str(e) if isinstance(e, DeltafinError) else f"{e.filename or ''}: {e.strerror or e}"
-        if isinstance(e, OSError) and e.errno == 28:
-            msg = f"disk full while writing {e.filename or args.out}; free space and rerun to resume"
-        print(f"deltafin-convert: error: {printable(msg)}", file=sys.stderr)
-        return 1
-    except Exception as e:  # a source we did not foresee: still one line
-        if args.debug:
-            raise
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        print(printable(f"deltafin-convert: error: {args.src}: cannot convert "
-                        f"({type(e).__name__}: {first}) (rerun with --debug for details)"),
-              file=sys.stderr)
-        return 1
+        raise ConvertError(f"{args.src}: cannot convert ({type(e).__name__}: "
+                           f"{first_line(e)[:300]}) (rerun with --debug for details)") from e
     if finished_before:  # convert() refuses a finished OUT of another conversion
         print(f"{args.out}: already holds this conversion of {args.src} (same source and "
               "options); nothing to do", file=sys.stderr)

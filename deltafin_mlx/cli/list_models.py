@@ -1,5 +1,6 @@
 """`deltafin-run list [DIR]`: the converted models under a directory, each with
-its size on disk, architecture and floor budget (like `ollama list`)."""
+its size on disk, architecture, quantization and floor budget, in aligned columns
+(like `ollama list`)."""
 
 import json
 
@@ -17,36 +18,65 @@ def list_parser():
 
 
 def cmd_list(argv) -> int:
-    import mlx.core as mx
-
-    from deltafin_mlx.engine.load import default_activation_dtype
     from deltafin_mlx.errors import DeltafinError
-    from deltafin_mlx.format.catalog import dir_bytes, find_model_dirs
-    from deltafin_mlx.format.model_dir import open_model_dir
-    from deltafin_mlx.model.config import architecture_name
-    from deltafin_mlx.plan.floor import floor_bytes
+    from deltafin_mlx.format.catalog import find_model_dirs
     from deltafin_mlx.units import human_bytes
 
     args = list_parser().parse_args(argv)
-    found = 0
+    rows = []
     for path in find_model_dirs(args.dir):
-        found += 1
         try:
-            model_dir = open_model_dir(path)
-            m = model_dir.manifest
-            act = default_activation_dtype() or getattr(mx, m.dtype)
-            row = {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
-                   "architecture_name": architecture_name(m.model_type),
-                   "floor_bytes": floor_bytes(model_dir, act, args.context)}
+            row = model_row(path, args.context)
         except DeltafinError as e:  # one damaged model does not hide the others
             row = {"model": str(path), "error": str(e)}
         if args.json:
             print(json.dumps(row))
-        elif "error" in row:
-            print(f"{row['model']}  unusable: {row['error']}")
-        else:
-            print(f"{row['model']}  {human_bytes(row['bytes'])}  {row['architecture_name']} "
-                  f"({row['architecture']})  floor {human_bytes(row['floor_bytes'])}")
-    if not found and not args.json:
+        rows.append(row)
+    if args.json:
+        return 0
+    if not rows:
         print(f"no converted models under {args.dir}")
+        return 0
+    table = [("MODEL", "SIZE", "ARCHITECTURE", "QUANTIZATION", f"FLOOR ({args.context} tokens)")]
+    for row in rows:
+        if "error" in row:
+            table.append((row["model"], "-", "unusable: " + row["error"]))
+        else:
+            table.append((row["model"], human_bytes(row["bytes"]),
+                          f"{row['architecture_name']} ({row['architecture']})",
+                          row["quantization"], human_bytes(row["floor_bytes"])))
+    widths = [max(len(r[i]) for r in table if i < len(r) - 1) for i in range(4)]
+    for r in table:  # aligned columns; an unusable model's reason runs to the end
+        print("  ".join([c.ljust(w) for c, w in zip(r[:-1], widths)] + [r[-1]]).rstrip())
     return 0
+
+
+def model_row(path, context: int) -> dict:
+    """What `list` shows of the model in `path`. Its floor is planned from the
+    manifest, which needs MLX and mlx-lm's model code: imported here, so that a
+    directory holding no model (and `list --help`) loads neither."""
+    from deltafin_mlx.format.catalog import dir_bytes
+    from deltafin_mlx.format.model_dir import open_model_dir
+    from deltafin_mlx.model.config import architecture_name
+    from deltafin_mlx.plan.floor import floor_bytes
+    from deltafin_mlx.format.dtypes import mlx_dtype
+    from deltafin_mlx.plan.memory import default_activation_dtype
+
+    model_dir = open_model_dir(path)
+    m = model_dir.manifest
+    act = default_activation_dtype() or mlx_dtype(m.dtype)
+    return {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
+            "architecture_name": architecture_name(m.model_type),
+            "quantization": quantization_name(m.quantization),
+            "floor_bytes": floor_bytes(model_dir, act, context)}
+
+
+def quantization_name(q: dict) -> str:
+    """e.g. "trunk 4-bit, experts MXFP4", from the manifest's record of it."""
+    def one(part):
+        if not part:
+            return "16-bit"
+        return part["mode"].upper() if part.get("mode", "affine") != "affine" else \
+            f"{part['bits']}-bit/{part['group_size']}"
+
+    return f"trunk {one(q.get('trunk'))}, experts {one(q.get('experts'))}"

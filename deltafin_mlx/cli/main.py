@@ -1,32 +1,38 @@
 """`deltafin-run`: run, chat, plan, bench, describe and verify a Deltafin model,
 run batch jobs, serve it, or try the demo (the commands are listed in COMMANDS).
 
-This module only dispatches: a subcommand goes to its module's `cmd_*` (SUBCOMMANDS);
-anything else is the default path, `MODEL PROMPT`, `MODEL --chat` or `--demo`. Every
-failure is one line on stderr (one_line) unless --debug is given.
+This module only dispatches: a subcommand goes to its module's `cmd_*` (SUBCOMMANDS,
+imported only when it runs); anything else is the default path, `MODEL PROMPT`,
+`MODEL --chat` or `--demo` (MODES). Every failure is one line on stderr (cli/common.py's `guarded`) unless --debug is given.
 """
 
 import signal
 import sys
-import threading
 
-from deltafin_mlx.cli.batch import cmd_batch
-from deltafin_mlx.cli.bench import cmd_bench
-from deltafin_mlx.cli.chat import cmd_chat
-from deltafin_mlx.cli.common import add_version, printable, quiet_broken_pipe
-from deltafin_mlx.cli.demo import demo_argv, run_demo
-from deltafin_mlx.cli.info import cmd_info
-from deltafin_mlx.cli.list_models import cmd_list
-from deltafin_mlx.cli.remove import cmd_rm
-from deltafin_mlx.cli.perplexity import cmd_perplexity
-from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens, add_sampling_options,
-                                      count, positive)
-from deltafin_mlx.cli.plan import cmd_plan
-from deltafin_mlx.cli.run import cmd_run
-from deltafin_mlx.cli.score import cmd_score
-from deltafin_mlx.cli.serve import cmd_serve
-from deltafin_mlx.cli.verify import cmd_verify
-from deltafin_mlx.errors import DeltafinError, UsageError
+
+def _interrupted_while_starting(signum, frame):
+    """A Ctrl-C while this module's own imports run, before `guarded` is in place:
+    the same one line and status as later, not a traceback through the import
+    machinery (a loaded machine can take a second here)."""
+    print("\ndeltafin-run: interrupted", file=sys.stderr)
+    raise SystemExit(130)
+
+
+try:
+    _sigint = signal.signal(signal.SIGINT, _interrupted_while_starting)
+except ValueError:  # imported outside the main thread: its signals are not ours to set
+    _sigint = None
+
+import importlib  # noqa: E402
+import threading  # noqa: E402
+
+from deltafin_mlx.cli.common import add_version, guarded, quiet_broken_pipe  # noqa: E402
+from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens,  # noqa: E402
+                                      add_sampling_options, count, positive)
+from deltafin_mlx.errors import UsageError  # noqa: E402
+
+if _sigint is not None:  # imported: Ctrl-C is KeyboardInterrupt again, for guarded
+    signal.signal(signal.SIGINT, _sigint)
 
 USAGE = """deltafin-run MODEL PROMPT [options]
        deltafin-run MODEL --chat [options]
@@ -66,10 +72,29 @@ COMMANDS = """commands:
 'deltafin-run COMMAND --help' shows a command's options. MODEL is a directory
 written by deltafin-convert (convert a Hugging Face checkpoint with it first)."""
 
-# Each takes the arguments after its name.
-SUBCOMMANDS = {"plan": cmd_plan, "bench": cmd_bench, "batch": cmd_batch, "score": cmd_score,
-               "serve": cmd_serve, "info": cmd_info, "verify": cmd_verify, "list": cmd_list,
-               "rm": cmd_rm, "perplexity": cmd_perplexity}
+# Each takes the arguments after its name. A command's module is imported only when
+# it runs (as mlx-lm's cli.py does): `--help`, `--version`, `list` and `rm` load
+# neither MLX's models nor mlx-lm nor transformers.
+SUBCOMMANDS = {
+    "plan": "deltafin_mlx.cli.plan:cmd_plan",
+    "bench": "deltafin_mlx.cli.bench:cmd_bench",
+    "batch": "deltafin_mlx.cli.batch:cmd_batch",
+    "score": "deltafin_mlx.cli.score:cmd_score",
+    "perplexity": "deltafin_mlx.cli.perplexity:cmd_perplexity",
+    "serve": "deltafin_mlx.cli.serve:cmd_serve",
+    "info": "deltafin_mlx.cli.info:cmd_info",
+    "verify": "deltafin_mlx.cli.verify:cmd_verify",
+    "list": "deltafin_mlx.cli.list_models:cmd_list",
+    "rm": "deltafin_mlx.cli.remove:cmd_rm",
+}
+# The default path's modes; each takes the parsed arguments (and the opened model
+# directory, for the demo's).
+MODES = {
+    "run": "deltafin_mlx.cli.run:cmd_run",
+    "chat": "deltafin_mlx.cli.chat:cmd_chat",
+    "demo": "deltafin_mlx.cli.demo:demo_model",
+    "demo_argv": "deltafin_mlx.cli.demo:demo_argv",
+}
 # Load no model, so never run under mlx.launch: their output is not a rank's.
 NOT_DISTRIBUTED = {"plan", "list", "rm"}
 # Take --demo themselves (rm --demo removes the demo's cache).
@@ -137,6 +162,9 @@ def refuse_ignored_options(args):
                             ("--thinking-effort", args.thinking_effort)):
             if args.raw and given:
                 raise UsageError(f"{flag} goes into the chat template, which --raw leaves out")
+    if args.no_think and args.thinking_effort:
+        raise UsageError("--thinking-effort sets how long the model thinks and --no-think "
+                         "turns thinking off: give one of them")
     if args.top_logprobs and not args.json:
         raise UsageError("--top-logprobs needs --json (the distributions go in its object)")
     if args.max_tokens is None:
@@ -148,13 +176,18 @@ def run_default(argv) -> int:
     # intermixed: `MODEL --stop X PROMPT` fills both positionals
     args = run_parser().parse_intermixed_args(argv)
     refuse_ignored_options(args)
-    if args.demo:
-        return run_demo(args)
-    if args.model is None:
+    model_dir = None
+    if args.demo:  # the demo's model, then an ordinary run or chat of it
+        model_dir = command(MODES["demo"])(args)
+    elif args.model is None:
         raise UsageError("no model given (try 'deltafin-run --demo', or see --help)")
-    if args.chat:
-        return cmd_chat(args)
-    return cmd_run(args)
+    return command(MODES["chat" if args.chat else "run"])(args, model_dir)
+
+
+def command(target: str):
+    """The function "module:function" names, its module imported now."""
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 @quiet_broken_pipe
@@ -171,47 +204,22 @@ def main(argv=None):
 
 def _main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
+    return guarded("deltafin-run", lambda: dispatch(argv), debug="--debug" in argv)
+
+
+def dispatch(argv) -> int:
     name = argv[0] if argv else None
-    try:
-        if name not in NOT_DISTRIBUTED:
-            from deltafin_mlx.model.shard import quiet_other_ranks
+    asks_help = any(a in ("-h", "--help", "--version") for a in argv)
+    if name not in NOT_DISTRIBUTED and not asks_help:
+        from deltafin_mlx.model.shard import quiet_other_ranks
 
-            quiet_other_ranks()  # under mlx.launch: one output, from rank 0
-        if name in SUBCOMMANDS:
-            rest = argv[1:]
-            if "--demo" in rest and name not in OWN_DEMO:  # `deltafin-run plan --demo`: the demo model is MODEL
-                rest = demo_argv(name, rest)
-            return SUBCOMMANDS[name](rest)
-        return run_default(argv)
-    except KeyboardInterrupt:
-        print("\ndeltafin-run: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        raise  # stdout closed early (`| head`): quiet_broken_pipe ends quietly
-    except (SystemExit, GeneratorExit):
-        raise
-    except BaseException as e:  # every failure is one line unless --debug (tiktoken's
-        if debug:                 # Rust panics are BaseExceptions, not Exceptions)
-            raise
-        print(f"deltafin-run: error: {one_line(e)}", file=sys.stderr)
-        return 1
-
-
-def one_line(e: BaseException) -> str:
-    """A DeltafinError's message as it is; anything else is a bug (or the system's
-    error), shown with its type. Control characters are shown escaped: messages
-    name paths and values that came from strangers (a model directory's name)."""
-    return printable(_message(e))
-
-
-def _message(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, DeltafinError):
-        return msg
-    if isinstance(e, OSError) and e.filename:
-        return f"{e.filename}: {e.strerror}"
-    return f"{type(e).__name__}: {msg} (rerun with --debug for details)"
+        quiet_other_ranks()  # under mlx.launch: one output, from rank 0
+    if name in SUBCOMMANDS:
+        rest = argv[1:]
+        if "--demo" in rest and name not in OWN_DEMO:  # `deltafin-run plan --demo`: the demo model is MODEL
+            rest = command(MODES["demo_argv"])(name, rest)
+        return command(SUBCOMMANDS[name])(rest)
+    return run_default(argv)
 
 
 if __name__ == "__main__":

@@ -129,14 +129,36 @@ def sampling_of(args):
                     frequency_penalty=args.frequency_penalty, penalty_context=args.penalty_context)
 
 
+def refuse_without_template(tokenizer, args):
+    """Options that go into a chat template do nothing for a model without one
+    (a run and a chat alike)."""
+    from deltafin_mlx.errors import UsageError
+
+    if getattr(tokenizer, "has_chat_template", False):
+        return
+    for flag, given in (("--system", args.system), ("--thinking-effort", args.thinking_effort),
+                        ("--no-think", args.no_think)):
+        if given:
+            raise UsageError(f"{flag} goes into a chat template and this model has none "
+                             "(its prompts are passed as they are)")
+
+
+def load_options(args, **extra):
+    """The LoadOptions that add_load_options' options describe (and --context where
+    the command has one), with `extra` (LoadOptions fields) over them."""
+    from deltafin_mlx.engine.load import LoadOptions
+
+    flags = dict(memory_budget=args.budget, reader_threads=args.reader_threads,
+                 lookahead=not args.no_lookahead, verify=args.verify, read_mode=args.read_mode,
+                 warm_start=not args.no_warm_start, progress=sys.stderr.isatty())
+    if getattr(args, "context", None) is not None:
+        flags["context"] = args.context
+    return LoadOptions.of(**{**flags, **extra})
+
+
 def load_model(args, model_dir=None, **extra):
     """The model `args` names (or `model_dir`, already opened), loaded with
-    add_load_options' options (and --context where the command has one); `extra`
-    goes to `load` as is."""
+    `load_options(args, **extra)`."""
     from deltafin_mlx.engine.load import load
 
-    if getattr(args, "context", None) is not None:
-        extra.setdefault("context", args.context)
-    return load(model_dir or args.model, memory_budget=args.budget, reader_threads=args.reader_threads,
-                lookahead=not args.no_lookahead, verify=args.verify, read_mode=args.read_mode,
-                warm_start=not args.no_warm_start, progress=sys.stderr.isatty(), **extra)
+    return load(model_dir or args.model, options=load_options(args, **extra))

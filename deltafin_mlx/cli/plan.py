@@ -1,62 +1,16 @@
 """`deltafin-run plan`: the memory plan and a projected speed, without loading weights.
 
 Works on a converted model, or on a source `config.json` plus the conversion options
-(plan Kimi K3 before downloading 1.4 TB). The projection is plan/speed.py's cost
-model; the disk and compute rates are measured once per machine and cached
-(plan/rates.py), or given with --disk-gbps / --compute-gwps.
+(plan Kimi K3 before downloading 1.4 TB). The report is plan/report.py's; this
+module parses the options and formats it (or prints it as JSON).
 """
 
 import json
-import os
-import tempfile
-from pathlib import Path
 
-import mlx.core as mx
-
+from deltafin_mlx.format.dtypes import FLOATS
 from deltafin_mlx.cli.options import Parser, positive, positive_or_auto
-from fnmatch import fnmatch
-
-from deltafin_mlx.format.hub import (SOURCE_PATTERNS, HubError, fetch_config, list_repo,
-                                     looks_like_hub_id)
-from deltafin_mlx.model.build import source_dtype
-from deltafin_mlx.model.quantization import expert_quantization
-from deltafin_mlx.plan.disk import disk_routes, itemsize_of
-from deltafin_mlx.plan.footprint import inventory_from_config, inventory_from_manifest
-from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
-from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
-from deltafin_mlx.model.config import max_context
-from deltafin_mlx.plan.memory import check_context, plan_memory
-from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, layer_key,
-                                     measure_compute_gwps, measure_disk_gbps,
-                                     measure_layer_seconds)
-from deltafin_mlx.plan.scoring import scoring_plan
-from deltafin_mlx.plan.speed import project, project_prefill, project_scoring
-from deltafin_mlx.model.shard import expert_layout, sharded_inventory
+from deltafin_mlx.plan.report import PREFILL_BATCH, PlanOptions, plan_report
 from deltafin_mlx.units import human_bytes
-
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-
-# Prompt lengths whose time to first token `plan` projects.
-PROJECTED_PROMPTS = (300, 3000, 30000)
-PREFILL_BATCH = 64  # tokens per matrix product when the prefill rate is measured
-
-# deltafin-convert's options a source is planned with, and their defaults there.
-CONVERSION_OPTIONS = {"bits": 4, "group_size": 64, "expert_bits": 4, "expert_group_size": 64}
-
-
-def _config_path(target: Path, name: str, revision=None) -> Path:
-    """The config.json to plan: a file, a source directory's, or a hub repo's."""
-    if target.exists():
-        if revision is not None:
-            raise ModelError(f"--revision {revision}: {name} is a local path, not a hub id")
-        return target / "config.json" if target.is_dir() else target
-    if looks_like_hub_id(name):
-        try:
-            # The hub cache's snapshot files link into its blobs/ folder.
-            return fetch_config(name, revision).resolve()
-        except HubError as e:
-            raise ModelError(str(e)) from None
-    raise ModelError(f"{target}: no such model directory or config.json")
 
 
 def plan_parser():
@@ -91,7 +45,7 @@ def plan_parser():
     p.add_argument("--remeasure", action="store_true",
                    help="measure the disk, compute and per-layer rates again instead of using "
                    "cached ones")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    p.add_argument("--dtype", choices=FLOATS, default=None,
                    help="activation dtype to plan for (default: float32 on CPU; the model's "
                    "dtype on GPU — plan an Apple GPU with bfloat16)")
     p.add_argument("--revision", default=None,
@@ -105,218 +59,9 @@ def plan_parser():
 
 def cmd_plan(argv) -> int:
     args = plan_parser().parse_args(argv)
-    report = plan_from_path(args)
+    report = plan_report(PlanOptions.of(args))
     print(json.dumps(report, indent=1) if args.json else format_plan(report))
     return 0
-
-
-def plan_from_path(args) -> dict:
-    target = Path(args.model).expanduser()
-    act = DTYPES[args.dtype] if getattr(args, "dtype", None) else (
-        mx.float32 if mx.default_device() == mx.cpu else None)
-    given = {k: getattr(args, k, None) for k in CONVERSION_OPTIONS}
-    bank = None
-    routes = None  # a converted model has taken its route
-    if target.is_dir() and (target / MANIFEST_NAME).exists():
-        if getattr(args, "revision", None) is not None:
-            raise ModelError(f"--revision {args.revision}: {target} is a converted model, "
-                             "not a hub id")
-        model_dir = open_model_dir(target)
-        manifest, config = model_dir.manifest, model_dir.config
-        named = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
-        if named:
-            q = manifest.quantization
-            raise ModelError(
-                f"{' '.join(named)}: {target} is already converted (trunk "
-                + (f"{q['trunk']['bits']}-bit" if q.get("trunk") else "unquantized")
-                + f", experts {q['experts']['mode']} {q['experts']['bits']}-bit); these options "
-                "plan a source: pass its config.json or hub id instead")
-        check_context(args.context, config)
-        act = act or getattr(mx, manifest.dtype)
-        inv = inventory_from_manifest(manifest, config, act)
-        layout = expert_layout(manifest)
-        bank = None if manifest.linked else manifest.bank_path(manifest.moe_layers[0])
-        source = str(target)
-    else:
-        config_path = _config_path(target, args.model, getattr(args, "revision", None))
-        config = read_source_config(config_path)
-        check_context(args.context, config)
-        opts = {k: CONVERSION_OPTIONS[k] if v is None else v for k, v in given.items()}
-        act = act or mx.bfloat16
-        inv = inventory_from_config(config, act, bits=opts["bits"] or None,
-                                    group_size=opts["group_size"],
-                                    expert_bits=opts["expert_bits"],
-                                    expert_group_size=opts["expert_group_size"])
-        layout = None  # as deltafin-convert --ranks N would write it
-        source = args.model if not target.exists() else str(config_path)
-        routes = _disk_routes(inv, config, opts, target, args.model,
-                              getattr(args, "revision", None))
-    ranks = getattr(args, "ranks", 1)
-    whole = inv
-    if ranks > 1:
-        inv = sharded_inventory(inv, config, ranks, 0, layout, target)
-    plan = plan_memory(inv, args.budget, context=args.context, stream_trunk=ranks == 1,
-                       sequences=getattr(args, "sequences", 1))
-    remeasure = getattr(args, "remeasure", False)
-    disk, disk_from = _disk_rate(args.disk_gbps, bank, source, remeasure)
-    compute, compute_from, layer, layer_from = decode_rates(args, inv, act, remeasure)
-    mode, group = matvec_kind(inv)
-    if args.prefill_gwps:
-        batched, batched_from = args.prefill_gwps, "given"
-    elif args.compute_gwps:  # a machine described by hand: its matvec rate, unless told more
-        batched, batched_from = args.compute_gwps, "--compute-gwps (no --prefill-gwps given)"
-    else:
-        batched, entry = cached_rate(
-            compute_key(mode, 4, group, act, PREFILL_BATCH),
-            lambda: measure_compute_gwps(mode, group_size=group, act=act, batch=PREFILL_BATCH,
-                                         dim=2048),
-            remeasure)
-        batched_from = _rate_origin(entry)
-    streamed = [int(k) for k in plan.streamed]
-    from deltafin_mlx.plan.slots import max_slots, pool_chunks, pool_limit
-
-    chunk = max_slots(inv.sections, act)
-    limit = pool_limit(len(inv.moe_layers), inv.experts_per_token, inv.num_experts, chunk)
-    scoring = scoring_plan(inv.config, plan, act)
-    return {
-        "model": source,
-        "ranks": ranks,  # every figure below is per rank
-        "whole_trunk_bytes": whole.trunk_bytes,
-        "whole_expert_record_bytes": whole.record_size,
-        "model_type": inv.model_type,
-        "activation_dtype": str(act).split(".")[-1],
-        "budget_bytes": plan.budget,
-        "context": plan.context,
-        "max_context": max_context(inv.config),
-        "floor_bytes": plan.floor,
-        "floor_parts": plan.floor_parts,
-        "trunk_bytes": inv.trunk_bytes,
-        "resident_trunk_bytes": plan.resident_bytes,
-        "pinned_layers": sorted(int(k) for k in plan.pinned if k != "globals"),
-        "streamed_layers": streamed,
-        "stream_buffer_bytes": plan.ring_bytes,
-        "embedding_on_demand": plan.embed_on_demand,
-        "embedding_bytes": inv.embed_bytes,
-        "state_bytes": plan.state_bytes,
-        "sequences": plan.sequences,
-        "sequence_recurrent_bytes": plan.sequence_recurrent_bytes,
-        "sequence_kv_bytes": plan.sequence_kv_bytes,
-        "working_bytes": plan.working_bytes,
-        "buffer_cache_bytes": plan.buffer_cache_bytes,
-        "expert_record_bytes": inv.record_size,
-        "expert_slot_bytes": plan.slot_bytes,
-        "experts_per_layer": inv.num_experts,
-        "experts_per_token": inv.experts_per_token,
-        "moe_layers": len(inv.moe_layers),
-        "experts_total": inv.num_experts * len(inv.moe_layers),
-        "expert_bytes_on_disk": inv.expert_disk_bytes,
-        "expert_cache_slots": plan.slots,
-        "expert_cache_bytes": plan.cache_bytes,
-        "expert_cache_fraction": plan.cache_fraction,
-        "expert_cache_arrays": len(pool_chunks(plan.slots, len(inv.moe_layers),
-                                               inv.experts_per_token, inv.num_experts, chunk)),
-        "expert_slots_per_array": chunk,
-        "expert_pool_limit_slots": limit,
-        "disk_gbps": disk,
-        "disk_rate_from": disk_from,
-        "compute_gweights_per_second": compute,
-        "compute_rate_from": compute_from,
-        "prefill_gweights_per_second": batched,
-        "prefill_rate_from": batched_from,
-        "layer_seconds": layer,
-        "layer_rate_from": layer_from,
-        "projection": project(inv, plan, disk, compute, layer),
-        "prefill_step": plan.prefill_step,
-        "prefill_pass": plan.prefill_pass,
-        "prefill_bytes": plan.prefill_bytes,
-        "prefill_projection": [project_prefill(inv, plan, n, disk, batched)
-                               for n in PROJECTED_PROMPTS],
-        "scoring_pass_tokens": scoring.pass_tokens,
-        "scoring_logit_rows": scoring.logit_rows,
-        "scoring_projection": project_scoring(inv, plan, scoring.pass_tokens, disk, batched),
-        "disk_routes": routes.to_dict() if routes is not None else None,
-    }
-
-
-def _disk_routes(inv, config, opts, target: Path, name: str, revision):
-    """The disk per route for a source: file sizes from the hub's listing or the
-    local directory where there are any, else estimated from config.json."""
-    quant = expert_quantization(config, opts["expert_bits"], opts["expert_group_size"])
-    shards, small = None, 0
-    if target.exists():
-        folder = target if target.is_dir() else target.parent
-        files = [p for p in folder.iterdir() if p.is_file()]
-        found = {p.name: p.stat().st_size for p in files if p.name.endswith(".safetensors")}
-        if found:
-            shards = found
-            small = sum(p.stat().st_size for p in files if p.name not in found)
-    else:
-        try:
-            listed = list_repo(name, revision)
-        except HubError as e:
-            raise ModelError(str(e)) from None
-        if listed is not None:
-            shards = {n: f.size for n, f in listed.files.items() if n.endswith(".safetensors")}
-            small = sum(f.size for n, f in listed.files.items()
-                        if n not in shards and any(fnmatch(n, p) for p in SOURCE_PATTERNS))
-    return disk_routes(inv, quant, shards or None, small,
-                       itemsize_of(str(source_dtype(config) or "bfloat16").split(".")[-1]))
-
-
-def matvec_kind(inv):
-    """(quantization mode, group size) of the experts' matvecs, as measured."""
-    mode = "mxfp4" if inv.sections[0].dtype == "uint32" and any(
-        s.dtype == "uint8" for s in inv.sections) else "affine"
-    return mode, 32 if mode == "mxfp4" else 64
-
-
-def decode_rates(args, inv, act, remeasure=False):
-    """(matvec G weights/s, where from, per-layer seconds, where from): given with
-    --compute-gwps / --layer-ms, else cached (measured once; bench calibrates the
-    per-layer cost)."""
-    mode, group = matvec_kind(inv)
-    if getattr(args, "compute_gwps", None):
-        compute, compute_from = args.compute_gwps, "given"
-    else:
-        compute, entry = cached_rate(
-            compute_key(mode, 4, group, act),
-            lambda: measure_compute_gwps(mode, group_size=group, act=act), remeasure)
-        compute_from = _rate_origin(entry)
-    layer_ms = getattr(args, "layer_ms", None)
-    if layer_ms is not None:
-        layer, layer_from = layer_ms / 1e3, "given"
-    elif getattr(args, "compute_gwps", None):
-        layer, layer_from = 0.0, "not counted for a machine described by hand (give --layer-ms)"
-    else:
-        layer, entry = cached_rate(layer_key(act), lambda: measure_layer_seconds(act), remeasure)
-        layer_from = _rate_origin(entry) + (f", {entry['how']}" if entry.get("how") else
-                                            ", a microbenchmark: run bench to calibrate it")
-    return compute, compute_from, layer, layer_from
-
-
-def _disk_rate(given, bank, source, remeasure):
-    """(GB/s, where it came from): given, or measured on the disk the model is on
-    (its bank when big enough to measure, else a scratch file beside it) and cached."""
-    if given:
-        return given, "given"
-    if bank is not None and os.path.getsize(bank) > 64 << 20:
-        path, scratch_dir = bank, None
-    else:
-        here = Path(source) if bank is not None else None
-        scratch_dir = str(here) if here is not None and os.access(here, os.W_OK) else None
-        path = None
-    where = path or scratch_dir or tempfile.gettempdir()
-    value, entry = cached_rate(disk_key(where),
-                               lambda: measure_disk_gbps(path, scratch_dir=scratch_dir), remeasure)
-    return value, _rate_origin(entry)
-
-
-def _rate_origin(entry: dict) -> str:
-    if entry["cached"]:
-        return f"measured {entry['measured']}, cached in {entry['file']}"
-    return f"measured now, cached in {entry['file']}"
-
-
 
 
 def _ranges(xs):
@@ -361,7 +106,7 @@ def speed(tokens_per_second: float) -> str:
 
 def speed_range(low: float, high: float) -> str:
     if high < 1:
-        return f"{1 / low:.3g}-{1 / high:.3g} s/token"
+        return f"{1 / high:.3g}-{1 / low:.3g} s/token"  # ascending, as every range
     return f"{speed(low)}-{high:.3g} tok/s" if low < 1 else f"{low:.3g}-{high:.3g} tok/s"
 
 

@@ -3,6 +3,7 @@ directory deltafin-convert wrote, nothing else: format/catalog.py), or the demo'
 cache, after a confirmation or with --yes."""
 
 import sys
+from pathlib import Path
 
 from deltafin_mlx.cli.options import Parser
 from deltafin_mlx.errors import UsageError
@@ -31,9 +32,10 @@ def confirm(what: str, yes: bool) -> bool:
 
 
 def cmd_rm(argv) -> int:
-    from deltafin_mlx.cli.demo import demo_dir
-    from deltafin_mlx.format.catalog import check_removable, dir_bytes, remove_model_dir
+    from deltafin_mlx.format.catalog import (check_removable, demo_root, dir_bytes,
+                                             remove_model_dir)
     from deltafin_mlx.format.demo_marker import check_demo_files, remove_demo_files
+    from deltafin_mlx.format.manifest import MANIFEST_NAME, is_hf_checkpoint
     from deltafin_mlx.units import human_bytes
 
     args = rm_parser().parse_args(argv)
@@ -42,7 +44,7 @@ def cmd_rm(argv) -> int:
     if args.demo_dir and not args.demo:
         raise UsageError("--demo-dir only applies with --demo")
     if args.demo:
-        root = demo_dir(args)
+        root = demo_root(args.demo_dir)
         if not root.exists():
             print(f"no demo cache at {root}", file=sys.stderr)
             return 0
@@ -52,6 +54,11 @@ def cmd_rm(argv) -> int:
             return 1
         print(f"removed {root} ({human_bytes(remove_demo_files(root))} freed)", file=sys.stderr)
         return 0
+    if is_hf_checkpoint(Path(args.model)) and \
+            not (Path(args.model) / MANIFEST_NAME).exists():
+        raise UsageError(f"{args.model}: a Hugging Face checkpoint, not a Deltafin model; rm "
+                         "removes only what deltafin-convert wrote (delete a checkpoint "
+                         "yourself)")
     check_removable(args.model)  # refuse a non-model (or a path through a link) before asking
     if not confirm(f"the model {args.model} ({human_bytes(dir_bytes(args.model))})", args.yes):
         print("nothing removed", file=sys.stderr)

@@ -4,7 +4,7 @@ JSON object with --json), the run's counters on stderr."""
 import json
 import sys
 
-from deltafin_mlx.cli.options import load_model, sampling_of
+from deltafin_mlx.cli.options import load_model, refuse_without_template, sampling_of
 from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import UsageError
 from deltafin_mlx.generation.stops import StopMatcher
@@ -58,17 +58,6 @@ def open_model(args, text, model_dir=None):
     return model, tokenizer, prompt
 
 
-def refuse_without_template(tokenizer, args):
-    """Options that go into a chat template do nothing for a model without one."""
-    if getattr(tokenizer, "has_chat_template", False):
-        return
-    for flag, given in (("--system", args.system), ("--thinking-effort", args.thinking_effort),
-                        ("--no-think", args.no_think)):
-        if given:
-            raise UsageError(f"{flag} goes into a chat template and this model has none "
-                             "(its prompts are passed as they are)")
-
-
 def make_prompt(tokenizer, text, args):
     """The prompt's tokens: `text` as the user's message (after --system's) in the
     model's chat template, or as it is with --raw."""
@@ -96,9 +85,16 @@ def generate_reply(model, tokenizer, prompt, args, echo=True, top=None):
     meter = StatsMeter(model)
     stats, tokens, reason = meter.now(0, len(prompt)), [], None
     progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
+    prefilled = [0]
+
+    def on_progress(done, total):
+        prefilled[0] = done
+        if progress is not None:
+            progress(done, total)
+
     try:
         for r in stream_generate(model, tokenizer, prompt, args.max_tokens, seed=args.seed,
-                                 prompt_progress_callback=progress,
+                                 prompt_progress_callback=on_progress,
                                  **sampling_of(args).generation_kwargs()):
             tokens.append(r.token)
             if top is not None:
@@ -111,8 +107,11 @@ def generate_reply(model, tokenizer, prompt, args, echo=True, top=None):
                 break
     except KeyboardInterrupt:  # the stats so far are still shown
         reason = "interrupted"
-        if not tokens:
-            stats = meter.now(0, len(prompt))
+        if not tokens:  # stopped in the prefill: what it did
+            stats = meter.now(0, prefilled[0])
+    finally:
+        if progress is not None:
+            progress.clear()  # the next note starts on a line of its own
     printer.finish()
     return stop.text, channels.thinking, tokens, stats, reason
 

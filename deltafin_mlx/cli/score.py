@@ -16,7 +16,7 @@ def score_parser():
                '{"id": ..., "text": "..."}, {"id": ..., "prompt": "...", "completion": "..."} '
                'or {"id": ..., "messages": [...]} (the assistant turns are scored).')
     p.add_argument("model", help="a directory written by deltafin-convert")
-    p.add_argument("input", help="JSONL texts")
+    p.add_argument("input", help="JSONL texts ('-': stdin)")
     p.add_argument("-o", "--output", required=True,
                    help="JSONL results, or with --format safetensors the JSONL index of the "
                    "shards written beside it (appended)")

@@ -43,7 +43,8 @@ names before any Deltafin code runs: use it for trusted clients only.
 import argparse
 import json
 
-from deltafin_mlx.cli.options import Parser, add_load_options, positive, positive_or_auto
+from deltafin_mlx.cli.options import (Parser, add_load_options, load_options, positive,
+                                      positive_or_auto)
 
 
 def port(text):
@@ -132,8 +133,8 @@ def parser():
     p.add_argument("--chat-template-args", type=json_object, default=None,
                    help="JSON object passed to the chat template, e.g. '{\"thinking\": false}'")
     p.add_argument("--prefill-step-size", type=positive, default=None,
-                   help="prompt tokens per pass (default: the memory plan's pass, shared by "
-                   "the prompts prefilled together)")
+                   help="prompt tokens per pass (default: the memory plan's pass; prompts are "
+                   "prefilled one at a time, in the order they arrive)")
     p.add_argument("--prompt-cache-size", type=positive, default=10,
                    help="earlier prompts whose KV cache is kept for reuse")
     p.add_argument("--prompt-cache-bytes", type=cache_bytes, default=None,
@@ -164,18 +165,15 @@ def cmd_serve(argv) -> int:
     if args.top_k < 0:
         raise UsageError(f"--top-k must be 0 or more, not {args.top_k}")
     rc = serve(ServeConfig(
-        model=args.model, host=args.host, port=args.port, budget=args.budget,
-        context=args.context, sequences=args.sequences, queue=args.queue,
+        model=args.model, host=args.host, port=args.port,
+        load=load_options(args, sequences=args.sequences), queue=args.queue,
         queue_seconds=args.queue_seconds, max_body_bytes=args.max_body_bytes,
         max_connections=args.max_connections, header_timeout=args.header_timeout,
-        reader_threads=args.reader_threads, verify=args.verify, read_mode=args.read_mode,
-        lookahead=not args.no_lookahead, warm_start=not args.no_warm_start,
         prefill_step_size=args.prefill_step_size, prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes, max_tokens=args.max_tokens,
         temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         chat_template_args=args.chat_template_args,
-        allowed_origins=tuple(args.allowed_origins.split(",")), log_level=args.log_level,
-        progress=sys.stderr.isatty()))
+        allowed_origins=tuple(args.allowed_origins.split(",")), log_level=args.log_level))
     # Exit without the interpreter's finalization. The generation thread ran
     # mx.compile'd code (mlx-lm's samplers); after Python has joined it, its C++
     # thread-local compile cache is freed, which takes the GIL; once finalization has

@@ -22,6 +22,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from deltafin_mlx._version import __version__ as deltafin_version
+from deltafin_mlx.format.dtypes import name_of
 from deltafin_mlx.format.bank import BankWriter, bank_header_size, record_size_of, slice_sections
 from deltafin_mlx.format.integrity import MANIFEST_MAX_BYTES, file_checksum, format_checksum
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
@@ -104,7 +105,7 @@ def _tensor_info(name, a, rel, quantized):
     module = name.rsplit(".", 1)[0]
     return {
         "file": rel,
-        "dtype": str(a.dtype).split(".")[-1],
+        "dtype": name_of(a.dtype),
         "shape": list(a.shape),
         "quantization": quantized.get(module),
     }
@@ -273,6 +274,12 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
             + ", ".join(f"{v} ({k})" for k, v in ARCHITECTURES.items())
         )
     expert_quant = expert_quantization(config, options.expert_bits, options.expert_group_size)
+    if expert_quant.get("carried_over") and (options.expert_bits, options.expert_group_size) \
+            != (ConvertOptions.expert_bits, ConvertOptions.expert_group_size):
+        raise ConvertError(
+            f"--expert-bits/--expert-group-size: the experts of {src} are "
+            f"{expert_quant['mode'].upper()} and are carried over as they are (only bf16/fp16/"
+            "fp32 experts are quantized): drop the option")
     if options.link_experts and not linkable(expert_quant):
         raise ConvertError(
             f"--link-experts: the experts of {src} are {expert_quant['mode']} after "
@@ -322,7 +329,7 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
                 f"expert {p} input size {i} is not a multiple of the expert group size "
                 f"{expert_quant['group_size']} (choose another --expert-group-size)"
             )
-    scales_dtype = str(dtype or mx.bfloat16).split(".")[-1]
+    scales_dtype = name_of(dtype or mx.bfloat16)
     sections = expert_sections(shapes, expert_quant, scales_dtype)
     slices = options.ranks
     if slices > 1:
@@ -572,7 +579,10 @@ class ConvertProgress:
         )
 
     def update(self, nbytes: int):
-        self.bar.update(nbytes)
+        if self.bar.n + nbytes >= self.bar.total:  # complete: close() draws the last line
+            self.bar.n += nbytes
+        else:
+            self.bar.update(nbytes)
 
     def redo(self, unit, note: str):
         """A unit counted as done at the start turned out stale: it is converted again."""
@@ -594,13 +604,15 @@ class ConvertProgress:
         self._shown = now
         rate = self.finished / max(now - self.start, 1e-9)
         extra = f", {self.status()}" if self.status else ""
-        self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}", refresh=True)
+        self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}",
+                                 refresh=self.bar.n < self.bar.total)
 
     def close(self, failed: bool = False):
         if failed:
             self.bar.leave = False  # the error line follows, alone
         else:
-            self.bar.set_description("converted")
+            # No refresh here: close() draws the bar once more, its last line.
+            self.bar.set_description("converted", refresh=False)
         self.bar.close()
 
 
@@ -680,7 +692,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
     manifest = Manifest(
         path=out,
         model_type=config["model_type"],
-        dtype=str(dtype).split(".")[-1] if dtype is not None else "float32",
+        dtype=name_of(dtype) if dtype is not None else "float32",
         num_layers=num_layers,
         quantization={"trunk": trunk_quant, "experts": expert_quant},
         trunk_files={

@@ -13,6 +13,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
+from deltafin_mlx.format.dtypes import to_numpy
 from deltafin_mlx.format.record import PROJECTIONS
 
 from deltafin_mlx.errors import ConvertError
@@ -51,12 +52,6 @@ def group_experts(names) -> Dict[int, Dict[int, Dict[str, str]]]:
     return out
 
 
-def _to_numpy(a: mx.array) -> np.ndarray:
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    return np.asarray(a)
-
-
 def expert_record(
     source: Source,
     names: Dict[str, str],
@@ -80,8 +75,8 @@ def expert_record(
             _check(source, packed_name, ("U8",), (out_dim, in_dim // 2))
             _check(source, scale_name, ("U8",), (out_dim, in_dim // 32))
             packed = source.load(packed_name)
-            out[f"{proj}.weight"] = _to_numpy(packed.view(mx.uint32))
-            out[f"{proj}.scales"] = _to_numpy(source.load(scale_name))
+            out[f"{proj}.weight"] = to_numpy(packed.view(mx.uint32))
+            out[f"{proj}.scales"] = to_numpy(source.load(scale_name))
         else:
             w_name = names.get(f"{proj}.weight", names.get(f"{proj}.weight_packed"))
             if w_name is None:
@@ -91,10 +86,10 @@ def expert_record(
             if dtype is not None:
                 w = w.astype(dtype)
             q = mx.quantize(w, quant["group_size"], quant["bits"], mode=quant["mode"])
-            out[f"{proj}.weight"] = _to_numpy(q[0])
-            out[f"{proj}.scales"] = _to_numpy(q[1])
+            out[f"{proj}.weight"] = to_numpy(q[0])
+            out[f"{proj}.scales"] = to_numpy(q[1])
             if len(q) > 2:
-                out[f"{proj}.biases"] = _to_numpy(q[2])
+                out[f"{proj}.biases"] = to_numpy(q[2])
     return out
 
 

@@ -17,7 +17,6 @@ so a rerun re-downloads at most the shard that was in flight.
 import fnmatch
 import os
 import shutil
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,9 @@ from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.hub import SOURCE_PATTERNS, download_to, fetch_range, list_repo
 from deltafin_mlx.units import human_bytes
 
-from .source import MAX_HEADER_BYTES, parse_safetensors_header
+from deltafin_mlx.format.safetensors import header_length
+
+from .source import parse_safetensors_header, read_safetensors_header
 
 SCRATCH_NAME = "deltafin.scratch"
 
@@ -86,22 +87,14 @@ class HubScratch:
         if shard not in self._headers:
             size = self.shard_sizes[shard]
             where = f"{self.repo}/{shard}"
-            if (self.dir / shard).is_file():  # already here (a resumed run)
-                head = (self.dir / shard).open("rb").read(8)
+            if self.present(shard):  # already here (a resumed run)
+                header = read_safetensors_header(self.dir / shard)
             else:
                 head = fetch_range(self.repo, self.commit, shard, 0, 8)
-            if len(head) < 8:
-                raise ConvertError(f"{where}: truncated safetensors file ({size} bytes)")
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen > min(size - 8, MAX_HEADER_BYTES):
-                raise ConvertError(f"{where}: corrupt safetensors header (length {hlen})")
-            if (self.dir / shard).is_file():
-                with open(self.dir / shard, "rb") as f:
-                    f.seek(8)
-                    raw = f.read(hlen)
-            else:
-                raw = fetch_range(self.repo, self.commit, shard, 8, hlen)
-            self._headers[shard] = (parse_safetensors_header(where, raw, size), size)
+                n = header_length(where, head, size, ConvertError)
+                header = parse_safetensors_header(
+                    where, fetch_range(self.repo, self.commit, shard, 8, n), size)
+            self._headers[shard] = (header, size)
         return self._headers[shard]
 
     def present(self, shard: str) -> bool:

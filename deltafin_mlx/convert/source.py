@@ -8,7 +8,6 @@ reported in one line instead of failing half-way through.
 import hashlib
 import json
 import os
-import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ import mlx.core as mx
 from deltafin_mlx.format.hub import cache_root, download_snapshot, looks_like_hub_id, sha256_file
 from deltafin_mlx.format.manifest import MANIFEST_NAME
 from deltafin_mlx.errors import ConvertError
-from deltafin_mlx.format.dtypes import ITEMSIZE, SAFETENSORS
+from deltafin_mlx.format.safetensors import parse_header, read_header
 from deltafin_mlx.model.config import text_config
 
 
@@ -42,8 +41,8 @@ class TensorInfo:
     shard: str
     dtype: str  # safetensors name, e.g. "BF16"
     shape: Tuple[int, ...]
-    offset: int = 0  # where its bytes start in the shard file
-    nbytes: int = 0
+    offset: int  # where its bytes start in the shard file
+    nbytes: int
 
 
 @dataclass
@@ -115,14 +114,9 @@ class Source:
         return h.hexdigest()
 
     def nbytes(self, name: str) -> int:
-        t = self.tensors[name]
-        n = ITEMSIZE[SAFETENSORS[t.dtype]]
-        for s in t.shape:
-            n *= s
-        return n
+        return self.tensors[name].nbytes
 
 
-MAX_HEADER_BYTES = 1 << 28
 MAX_JSON_BYTES = 64 << 20  # config.json, the index
 
 
@@ -158,74 +152,19 @@ def _int(v) -> bool:
 
 
 def read_safetensors_header(path: Path) -> Dict[str, TensorInfo]:
-    """Parse and check one shard's header against the file size: every entry well
-    typed, every tensor's bytes inside the file and no two tensors' bytes overlapping."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ConvertError(f"{path}: truncated safetensors file ({size} bytes)")
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen > min(size - 8, MAX_HEADER_BYTES):
-                raise ConvertError(f"{path}: corrupt safetensors header (length {hlen})")
-            raw = f.read(hlen)
-    except OSError as e:
-        raise ConvertError(f"{path}: cannot read ({e.strerror})") from None
-    return parse_safetensors_header(path, raw, size)
+    """One local shard's tensors, its header checked (format/safetensors.py)."""
+    return _tensor_infos(path, read_header(path, ConvertError))
 
 
 def parse_safetensors_header(path, raw: bytes, size: int) -> Dict[str, TensorInfo]:
     """A shard's header JSON (`raw`, after its 8-byte length) checked against the
     shard's `size`; `path` names it (a local file, or a hub file read by range)."""
-    path = Path(path)
-    hlen = len(raw)
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not an object")
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ConvertError(f"{path}: corrupt safetensors header ({type(e).__name__}: "
-                           f"{str(e)[:200]})") from None
-    data_start = 8 + hlen
-    out = {}
-    spans = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(entry, dict):
-            raise ConvertError(f"{path}: corrupt safetensors header entry {name!r:.200}")
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if (not isinstance(dtype, str) or not isinstance(shape, list)
-                or not all(_int(x) for x in shape) or not isinstance(offsets, list)
-                or len(offsets) != 2 or not all(_int(x) for x in offsets)):
-            raise ConvertError(f"{path}: corrupt safetensors header entry {name!r:.200}")
-        if dtype not in SAFETENSORS:
-            raise ConvertError(f"{path}: tensor {name} has unsupported dtype {dtype:.40}")
-        shape = tuple(shape)
-        nbytes = ITEMSIZE[SAFETENSORS[dtype]]
-        for s in shape:
-            if s < 0:
-                raise ConvertError(f"{path}: tensor {name} has a negative dimension")
-            nbytes *= s
-        start, end = offsets
-        if start < 0 or end - start != nbytes:
-            raise ConvertError(
-                f"{path}: tensor {name} spans {end - start} bytes, its shape needs {nbytes}"
-            )
-        if data_start + end > size:
-            raise ConvertError(
-                f"{path}: truncated safetensors file ({size} bytes, "
-                f"its header needs {data_start + end})"
-            )
-        spans.append((start, end, name))
-        out[name] = TensorInfo(path.name, dtype, shape, data_start + start, nbytes)
-    spans.sort()
-    for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
-        if s1 < e0 and e1 > s1:
-            raise ConvertError(f"{path}: tensors {n0} and {n1} overlap in the file "
-                               f"(bytes {s1}..{min(e0, e1)})")
-    return out
+    return _tensor_infos(path, parse_header(path, raw, size, ConvertError))
+
+
+def _tensor_infos(path, entries) -> Dict[str, TensorInfo]:
+    name = Path(path).name
+    return {k: TensorInfo(name, e.dtype, e.shape, e.offset, e.nbytes) for k, e in entries.items()}
 
 
 def resolve_source(src: str, revision: Optional[str] = None,

@@ -1,7 +1,7 @@
 """Deltafin's request checks inside plain `mlx_lm.server --trust-remote-code`
-serving a Deltafin model through the drop-in (mlx_lm_shim.py), as far as they
-can reach there. When mlx-lm imports the drop-in inside mlx_lm.server (as its
-model starts loading), `install_checks` wraps mlx-lm's APIHandler so that every
+serving a Deltafin model through the drop-in (dropin/shim.py), as far as they
+can reach there. When mlx-lm builds the drop-in's model classes inside
+mlx_lm.server (as its model starts loading), `install_checks` wraps mlx-lm's APIHandler so that every
 request is checked first by
 server/schema.py (token ids in the vocabulary: mlx-lm would index past the
 logits, a segfault; stop strings, top_k, empty prompts, content other than text,
@@ -59,7 +59,8 @@ def _limits_of(model, tokenizer):
 
 def install_checks():
     """Wrap mlx_lm.server's APIHandler (once), if mlx_lm.server is running: called
-    when the drop-in is imported, which mlx-lm does as its model starts loading."""
+    (shim.patch_mlx_lm) when mlx-lm builds the drop-in's model classes, as its
+    model starts loading."""
     server = sys.modules.get("mlx_lm.server")
     if server is None or getattr(server.APIHandler, "_deltafin_guard", False):
         return

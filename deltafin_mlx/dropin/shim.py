@@ -5,9 +5,14 @@ deltafin-convert writes `deltafin_model.py` into the model directory and names i
 as `model_file` in config.json; mlx-lm imports it (with --trust-remote-code) and
 builds its `Model`, which loads the directory with `deltafin_mlx.load` and holds the
 streaming model as `_inner` (an underscore attribute, so mlx-lm's strict weight
-loading sees no parameters to fill). Importing it also teaches mlx-lm's tokenizer
-loading to use Deltafin's tokenizer for Deltafin directories (K3 ships no
-tokenizer.json, only a tiktoken vocabulary).
+loading sees no parameters to fill).
+
+Importing this module changes nothing in mlx-lm. Building the classes does
+(`patch_mlx_lm`, once per process, as mlx-lm loads a Deltafin directory and before
+it loads its tokenizer): mlx-lm's tokenizer loading then uses Deltafin's tokenizer
+for Deltafin directories (K3 ships no tokenizer.json, only a tiktoken vocabulary)
+and every other directory's as before, and inside mlx_lm.server Deltafin's request
+checks are installed.
 
 Under `mlx.launch` with more than one rank, the model is sharded (tensor parallel,
 see model/shard.py) and its loading waits for mlx-lm's `shard(group)` call (mlx_lm.server's
@@ -20,7 +25,7 @@ state it must hold — mlx_lm.server decodes at most that many together.
 
 From the model's side the drop-in refuses what it can see: token ids outside the
 vocabulary (at the embedding) and a call longer than the planned context. Inside
-mlx_lm.server it also installs Deltafin's request checks (server/mlx_lm_guard.py:
+mlx_lm.server it also installs Deltafin's request checks (dropin/guard.py:
 logit_bias ids, every value's type and range, content other than text, prompts
 beyond the context) and fits mlx-lm's batching to the plan; what
 it cannot do there is listed in that module and in `deltafin-run serve --help`.
@@ -36,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.nn as nn
-import mlx_lm.utils as mlx_lm_utils
 from mlx_lm.models.base import BaseModelArgs
 
 from deltafin_mlx.format.manifest import MANIFEST_NAME
@@ -44,7 +48,10 @@ from deltafin_mlx.format.manifest import MANIFEST_NAME
 
 
 def make_classes(path: Path):
+    """mlx-lm's (Model, ModelArgs) for the Deltafin directory `path`; mlx-lm is
+    taught Deltafin's directories first (patch_mlx_lm)."""
     path = Path(path)
+    patch_mlx_lm()
 
     @dataclass
     class ModelArgs(BaseModelArgs):
@@ -126,7 +133,7 @@ def load_for_mlx_lm(path: Path, group=None):
     from inside mlx-lm's CLI."""
     import sys
 
-    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.engine.load import LoadOptions, load
     from deltafin_mlx.errors import BudgetError, ModelError
 
     seqs = os.environ.get("DELTAFIN_SEQUENCES") or "1"
@@ -140,9 +147,10 @@ def load_for_mlx_lm(path: Path, group=None):
               file=sys.stderr)
         raise SystemExit(1)
     try:
-        model, _ = load(path, memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
-                        tokenizer=False, group=group, context=int(context),
-                        sequences=seqs if seqs == "auto" else int(seqs))
+        options = LoadOptions(memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
+                              tokenizer=False, group=group, context=int(context),
+                              sequences=seqs if seqs == "auto" else int(seqs))
+        model, _ = load(path, options=options)
     except BudgetError as e:
         print(f"deltafin: error: DELTAFIN_BUDGET={os.environ.get('DELTAFIN_BUDGET', '')!r:.60}: "
               f"{e}", file=sys.stderr)
@@ -156,10 +164,30 @@ def load_for_mlx_lm(path: Path, group=None):
     return model
 
 
-_mlx_lm_load_tokenizer = mlx_lm_utils.load_tokenizer
+# mlx-lm's own load_tokenizer, kept when patch_mlx_lm replaces it.
+_mlx_lm_load_tokenizer = None
+
+
+def patch_mlx_lm():
+    """Teach mlx-lm Deltafin's directories, once per process: its `load_tokenizer`
+    opens Deltafin's tokenizer for them, and inside mlx_lm.server Deltafin's request
+    checks wrap its handler (dropin/guard.py). Called as mlx-lm builds a Deltafin
+    model (make_classes), never at import: a process that imports Deltafin but
+    never loads one through mlx-lm keeps mlx-lm as it is."""
+    global _mlx_lm_load_tokenizer
+    import mlx_lm.utils
+
+    if mlx_lm.utils.load_tokenizer is not load_tokenizer:
+        _mlx_lm_load_tokenizer = mlx_lm.utils.load_tokenizer
+        mlx_lm.utils.load_tokenizer = load_tokenizer
+    from deltafin_mlx.dropin.guard import install_checks
+
+    install_checks()  # inside mlx_lm.server: its checks are in place before the model is
 
 
 def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
+    """mlx_lm.utils.load_tokenizer, once patch_mlx_lm has run: Deltafin's tokenizer
+    for a Deltafin directory, mlx-lm's own for any other."""
     p = Path(model_path)
     if os.path.lexists(p / MANIFEST_NAME):
         import sys
@@ -173,17 +201,3 @@ def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
             print(f"deltafin: error: {e}", file=sys.stderr)
             raise SystemExit(1) from None
     return _mlx_lm_load_tokenizer(model_path, tokenizer_config_extra, eos_token_ids)
-
-
-mlx_lm_utils.load_tokenizer = load_tokenizer
-
-
-def _install_server_checks():
-    # mlx-lm imports this module as its model starts loading: inside mlx_lm.server
-    # Deltafin's request checks are in place before the model is.
-    from deltafin_mlx.dropin.guard import install_checks
-
-    install_checks()
-
-
-_install_server_checks()

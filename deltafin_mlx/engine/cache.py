@@ -24,7 +24,8 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
 from deltafin_mlx.format.bank import ALIGN, BankLayout
 from deltafin_mlx.engine.policy import ExpertPool
-from deltafin_mlx.plan.slots import MAX_ELEMENTS, max_slots, pool_chunks, slot_dtype
+from deltafin_mlx.format.dtypes import in_memory, to_numpy
+from deltafin_mlx.plan.slots import MAX_ELEMENTS, max_slots, pool_chunks
 from deltafin_mlx.engine.reader import BankFile, ReadCancelled, ReadJob, Reader
 
 
@@ -43,13 +44,6 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
-def np_view(a: mx.array) -> np.ndarray:
-    """A writable numpy view of an evaluated MLX array (bf16 as uint16)."""
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    return np.asarray(a)
-
-
 def alloc_aligned(shape, dtype: mx.Dtype) -> mx.array:
     """An MLX array whose data starts 4096-aligned (O_DIRECT reads land in it).
 
@@ -61,7 +55,7 @@ def alloc_aligned(shape, dtype: mx.Dtype) -> mx.array:
         raise ValueError(f"slot array of {n} elements exceeds MLX's limit of {MAX_ELEMENTS}")
     raw = mx.zeros((n + ALIGN // dtype.size,), dtype=dtype)
     mx.eval(raw)
-    off = (-np_view(raw).ctypes.data) % ALIGN
+    off = (-to_numpy(raw).ctypes.data) % ALIGN
     if off % dtype.size:  # never seen: MLX buffers are at least 8-aligned
         arr = mx.zeros(shape, dtype=dtype)  # reads then go through the staging buffer
     else:
@@ -119,10 +113,10 @@ class ExpertCache:
                                   limit)
         self.chunk_arrays, self.chunk_views = [], []
         for _, size in self.chunks:
-            arrays = {s.name: alloc_aligned((size, *s.shape), slot_dtype(s.dtype, activation_dtype))
+            arrays = {s.name: alloc_aligned((size, *s.shape), in_memory(s.dtype, activation_dtype))
                       for s in layout.held_sections}  # a rank's slice under tensor parallelism
             self.chunk_arrays.append(arrays)
-            self.chunk_views.append({name: np_view(a) for name, a in arrays.items()})
+            self.chunk_views.append({name: to_numpy(a) for name, a in arrays.items()})
         # With one chunk (every pool up to 27 GB of K3 experts) these are the pool.
         self.arrays, self.views = self.chunk_arrays[0], self.chunk_views[0]
         self._chunk_of_slot = np.repeat(np.arange(len(self.chunks)),

@@ -1,6 +1,8 @@
 """`deltafin_mlx.load`: build mlx-lm's own model for a converted directory, with the
 trunk resident and every MoE layer's experts streamed through the cache."""
 
+from dataclasses import dataclass, fields, replace
+from difflib import get_close_matches
 from functools import partial
 from pathlib import Path
 from typing import Optional, Tuple
@@ -10,6 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from deltafin_mlx.format.bank import BankError, read_layout
+from deltafin_mlx.format.dtypes import mlx_dtype, to_mlx
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
 from deltafin_mlx.engine.chunked_attention import chunk_attention
 from deltafin_mlx.format.manifest import ModelError
@@ -18,7 +21,7 @@ from deltafin_mlx.model.build import build_model, quantize_like_config
 from deltafin_mlx.model.config import text_config
 from deltafin_mlx.model.modules import find_path, get_module, layer_paths, set_module
 from deltafin_mlx.plan.footprint import inventory_from_manifest
-from deltafin_mlx.plan.memory import MAX_SEQUENCES, plan_memory
+from deltafin_mlx.plan.memory import MAX_SEQUENCES, default_activation_dtype, plan_memory
 from deltafin_mlx.engine.linked_reader import LinkedSources
 from deltafin_mlx.engine.reader import Reader, open_bank
 from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
@@ -27,15 +30,11 @@ from deltafin_mlx.engine.hot_set import HotSet, hot_key
 from deltafin_mlx.engine.streaming_moe import ExpertStore, StreamingSwitchGLU, tap_moe_input
 from deltafin_mlx.engine.runtime import Runtime, attach
 from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
-from deltafin_mlx.errors import TokenIdError
+from deltafin_mlx.engine.reader import RECORD_CHECKS
+from deltafin_mlx.errors import LoadOptionError, TokenIdError
+from deltafin_mlx.units import parse_size
 
 READ_MODES = ("direct", "mmap")
-
-
-def default_activation_dtype() -> mx.Dtype:
-    # MLX's CPU backend is far faster (and more accurate) in float32; Apple GPUs
-    # run the model's own dtype.
-    return mx.float32 if mx.default_device() == mx.cpu else None
 
 
 def check_against_manifest(model: nn.Module, config: dict, manifest, switches: dict):
@@ -163,33 +162,23 @@ def load_trunk(model: nn.Module, manifest, dtype: Optional[mx.Dtype], skip=lambd
     mx.eval([v for _, v in params])
 
 
-def load(
-    path,
-    memory_budget=None,
-    *,
-    activation_dtype: Optional[mx.Dtype] = "auto",
-    reader_threads: int = 1,
-    lookahead: bool = True,
-    pipeline="auto",
-    verify: bool = False,
-    record_checks: str = "first",
-    read_mode: str = "direct",
-    context: int = 4096,
-    cache_slots: Optional[int] = None,
-    stream_trunk: bool = True,
-    tokenizer=True,
-    progress: bool = False,
-    sequences=1,
-    max_sequences: int = MAX_SEQUENCES,
-    group="auto",
-    warm_start: bool = True,
-) -> Tuple[nn.Module, object]:
-    """Load a Deltafin model directory (a path, or a ModelDir already opened with
-    `open_model_dir`). Returns (model, tokenizer).
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How `load` builds the runtime: every option in one place, each value checked
+    once, here, when the options are made (LoadOptionError naming the option, or
+    BudgetError for a budget that is not a size). The command line
+    (cli/options.py), the server, the mlx-lm drop-in and the bench workers build one
+    and pass it; `load(path, **kwargs)` builds one from its keyword arguments.
 
     memory_budget: bytes or a string like "8GB" for trunk + KV/state + expert cache
-        + working buffers; default: from available memory (cgroup-aware), with headroom.
-    activation_dtype: float32 on MLX's CPU backend, the model's dtype on GPU.
+        + working buffers (kept as bytes); None: from available memory
+        (cgroup-aware), with headroom.
+    activation_dtype: "auto" (float32 on MLX's CPU backend, the model's dtype on
+        GPU), None (the model's dtype) or an mx.Dtype.
     reader_threads: background threads reading experts (0: read in the caller).
     lookahead: queue the next MoE layer's predicted experts as speculative reads.
     pipeline: compute resident experts while missing ones are read ("auto": on
@@ -199,13 +188,14 @@ def load(
     record_checks: without `verify`, when a record's CRC-32 is checked: "first"
         (its first read in this process), "every" read, or "off" (benchmarks).
     read_mode: "direct" (O_DIRECT / F_NOCACHE) or "mmap".
+    context: tokens of KV cache and recurrent state to reserve in the budget
+        (prompt + generated tokens); beyond the model's max_position_embeddings is
+        refused (plan/memory.py check_context, the one context rule). Prompts
+        longer than this are refused, never overrun silently.
     cache_slots: cap on the expert cache's slots, shared by all MoE layers
         (tests and benchmarks).
     stream_trunk: allow the plan to stream trunk layers and embedding rows when
         the budget is below the whole trunk.
-    context: tokens of KV cache and recurrent state to reserve in the budget
-        (prompt + generated tokens); beyond the model's max_position_embeddings is
-        refused. Prompts longer than this are refused, never overrun silently.
     tokenizer: True to load the model's tokenizer, False for none, or a tokenizer
         already loaded (e.g. with `open_tokenizer`, to size `context` to a prompt).
     progress: show a progress bar while experts are loaded (when they all fit).
@@ -221,13 +211,81 @@ def load(
         background at the next load, behind every demand read (engine/hot_set.py).
         Nothing to do when every expert fits.
     """
-    if read_mode not in READ_MODES:
-        raise ValueError(f"read_mode must be one of {READ_MODES}")
-    if reader_threads < 0:
-        raise ValueError("reader_threads must be >= 0")
+
+    memory_budget: object = None
+    activation_dtype: object = "auto"
+    reader_threads: int = 1
+    lookahead: bool = True
+    pipeline: object = "auto"
+    verify: bool = False
+    record_checks: str = "first"
+    read_mode: str = "direct"
+    context: int = 4096
+    cache_slots: Optional[int] = None
+    stream_trunk: bool = True
+    tokenizer: object = True
+    progress: bool = False
+    sequences: object = 1
+    max_sequences: int = MAX_SEQUENCES
+    group: object = "auto"
+    warm_start: bool = True
+
+    @classmethod
+    def of(cls, options: Optional["LoadOptions"] = None, **changes) -> "LoadOptions":
+        """`options` (default: the defaults) with `changes`; an unknown name is a
+        TypeError naming it, as a function's unknown keyword argument is."""
+        names = {f.name for f in fields(cls)}
+        for name in changes:
+            if name not in names:
+                close = get_close_matches(name, names, 1)
+                raise TypeError(f"load() has no option {name!r}"
+                                + (f" (did you mean {close[0]!r}?)" if close else ""))
+        return replace(options or cls(), **changes)
+
+    def __post_init__(self):
+        def need(ok: bool, name: str, what: str):
+            if not ok:
+                raise LoadOptionError(f"load option {name} must be {what}, "
+                                      f"not {getattr(self, name)!r:.60}")
+
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
+        for name in ("lookahead", "verify", "stream_trunk", "progress", "warm_start"):
+            need(isinstance(getattr(self, name), bool), name, "True or False")
+        dt = self.activation_dtype  # an mx.Dtype compared with None raises TypeError
+        need(dt is None or isinstance(dt, mx.Dtype) or isinstance(dt, str) and dt == "auto",
+             "activation_dtype", "'auto', None or an mx.Dtype")
+        need(_int(self.reader_threads) and self.reader_threads >= 0, "reader_threads",
+             "0 or more")
+        need(isinstance(self.pipeline, bool) or self.pipeline == "auto", "pipeline",
+             "True, False or 'auto'")
+        need(self.record_checks in RECORD_CHECKS, "record_checks", f"one of {RECORD_CHECKS}")
+        need(self.read_mode in READ_MODES, "read_mode", f"one of {READ_MODES}")
+        need(self.cache_slots is None or (_int(self.cache_slots) and self.cache_slots >= 1),
+             "cache_slots", "None or 1 or more")
+        need(_int(self.sequences) and self.sequences >= 1 or self.sequences == "auto",
+             "sequences", "1 or more, or 'auto'")
+        need(_int(self.max_sequences) and self.max_sequences >= 1, "max_sequences", "1 or more")
+        need(self.group is None or isinstance(self.group, str) and self.group == "auto"
+             or hasattr(self.group, "rank"), "group", "'auto', None or an mx.distributed.Group")
+
+
+def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
+         **kwargs) -> Tuple[nn.Module, object]:
+    """Load a Deltafin model directory (a path, or a ModelDir already opened with
+    `open_model_dir`). Returns (model, tokenizer).
+
+    The options are a LoadOptions (its docstring says what each does), or its
+    fields as keyword arguments (`load(path, "8GB", context=8192)`), or both: the
+    keyword arguments then change `options`.
+    """
+    if memory_budget is not None:
+        kwargs["memory_budget"] = memory_budget
+    o = LoadOptions.of(options, **kwargs)
+    reader_threads, verify, stream_trunk = o.reader_threads, o.verify, o.stream_trunk
     model_dir = open_model_dir(path)
     path, manifest, config = model_dir.path, model_dir.manifest, model_dir.config
-    group = detect_group(group)
+    group = detect_group(o.group)
     ranks, rank = (group.size(), group.rank()) if group is not None else (1, 0)
     if group is not None:
         check_same_model(manifest, group)
@@ -236,9 +294,10 @@ def load(
         from deltafin_mlx.format.integrity import bank_files, check_all_files
 
         check_all_files(manifest, skip=bank_files(manifest))
+    activation_dtype = o.activation_dtype
     if activation_dtype == "auto":
         activation_dtype = default_activation_dtype()
-    act = activation_dtype or getattr(mx, manifest.dtype, mx.bfloat16)
+    act = activation_dtype or mlx_dtype(manifest.dtype)
     inventory = inventory_from_manifest(manifest, config, act)
     if group is not None:
         # Streamed trunk layers would need sliced reads of their own: a rank
@@ -246,10 +305,10 @@ def load(
         inventory = sharded_inventory(inventory, config, ranks, rank, expert_layout(manifest),
                                       manifest.path)
         stream_trunk = False
-    plan = plan_memory(inventory, memory_budget, context=context,
-                       reader_threads=reader_threads, max_slots=cache_slots,
-                       stream_trunk=stream_trunk, sequences=sequences,
-                       max_sequences=max_sequences)
+    plan = plan_memory(inventory, o.memory_budget, context=o.context,
+                       reader_threads=reader_threads, max_slots=o.cache_slots,
+                       stream_trunk=stream_trunk, sequences=o.sequences,
+                       max_sequences=o.max_sequences)
     mx.set_cache_limit(plan.buffer_cache_bytes)
 
     # Banks (or linked sources) are checked before anything big is allocated.
@@ -259,7 +318,7 @@ def load(
         if ranks > 1:
             raise ModelError(f"{path}: linked experts are read whole from the source: run "
                              "them in one process (convert without --link-experts for ranks)")
-        linked = LinkedSources(manifest, read_mode)
+        linked = LinkedSources(manifest, o.read_mode)
     for layer in manifest.moe_layers if linked is None else ():
         entry = manifest.experts["layers"][str(layer)]
         try:
@@ -291,19 +350,20 @@ def load(
     switches = switch_shapes(model, manifest)
     stats = CacheStats()
     if linked is None:
-        banks = {layer: open_bank(manifest.bank_path(layer), layouts[layer], read_mode)
+        banks = {layer: open_bank(manifest.bank_path(layer), layouts[layer], o.read_mode)
                  for layer in manifest.moe_layers}
     reader = Reader(read_size, threads=reader_threads,
-                    checks="every" if verify else record_checks,
+                    checks="every" if verify else o.record_checks,
                     staging_bytes=max(b.staging_bytes for b in banks.values()))
     quant = manifest.quantization["experts"]
     cache = ExpertCache(banks, plan.slots, manifest.experts["num_experts"],
                         manifest.experts["experts_per_token"], act, reader, stats)
+    pipeline = o.pipeline
     if pipeline == "auto":
         # Exact on MLX's CPU backend (a pair's result does not depend on the rest
         # of the call); on a GPU, kernels chosen by batch size could differ.
         pipeline = mx.default_device() == mx.cpu
-    store = ExpertStore(cache, reader, stats, manifest.experts["experts_per_token"], lookahead,
+    store = ExpertStore(cache, reader, stats, manifest.experts["experts_per_token"], o.lookahead,
                         pipeline)
     store.pass_piece_tokens = plan.prefill_step
     for layer in manifest.moe_layers:
@@ -345,11 +405,11 @@ def load(
             chunk_attention(layer.self_attn, plan.prefill_step,
                             linear=bool(getattr(layer, "is_linear", False)))
     if plan.slots >= plan.num_experts * plan.moe_layers:
-        cache.preload_all(_progress("loading experts") if progress else None)
+        cache.preload_all(_progress("loading experts") if o.progress else None)
     model.eval()
     guard_token_ids(model)
     hot = None
-    key = hot_key(manifest, act, rank, ranks) if warm_start and not cache.all_resident else None
+    key = hot_key(manifest, act, rank, ranks) if o.warm_start and not cache.all_resident else None
     if key is not None:
         hot = HotSet(cache, key)
         if reader_threads:  # without reader threads a read would hold up the load
@@ -357,8 +417,8 @@ def load(
     attach(model, Runtime(model_dir, plan, store, trunk, group, hot, inventory=inventory,
                           reader_threads=reader_threads, activation_dtype=act))
 
-    tok = tokenizer if not isinstance(tokenizer, bool) else None
-    if tokenizer is True:
+    tok = o.tokenizer if not isinstance(o.tokenizer, bool) else None
+    if o.tokenizer is True:
         tok = open_tokenizer(model_dir)
     return model, tok
 
@@ -445,9 +505,8 @@ def _gather_linked(manifest) -> list:
             for e in range(bank.layout.num_experts):
                 bank.read_into(e, {k: v[e] for k, v in stacked.items()}, staging, True)
             for s in bank.layout.sections:
-                a = mx.array(stacked[s.name])
                 weights.append((f"{manifest.switch_path(layer)}.{s.name}",
-                                a.view(mx.bfloat16) if s.dtype == "bfloat16" else a))
+                                to_mlx(stacked[s.name], s.dtype)))
     finally:
         sources.close()
     return weights
@@ -475,10 +534,7 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
         experts = [layout.split_record(records[e]) for e in range(layout.num_experts)]
         for s in layout.held_sections:
             arr = np.stack([np.ascontiguousarray(x[s.name]) for x in experts])
-            a = mx.array(arr)
-            if s.dtype == "bfloat16":
-                a = a.view(mx.bfloat16)
-            weights.append((f"{manifest.switch_path(layer)}.{s.name}", a))
+            weights.append((f"{manifest.switch_path(layer)}.{s.name}", to_mlx(arr, s.dtype)))
     for rel in sorted(set(manifest.trunk_files.values())):
         weights.extend(mx.load(str(path / rel)).items())
     model.load_weights(weights, strict=True)

@@ -32,6 +32,7 @@ import numpy as np
 
 from deltafin_mlx.format.aligned import aligned_empty
 from deltafin_mlx.format.bank import ALIGN, BankLayout
+from deltafin_mlx.format.dtypes import NUMPY, widen
 from deltafin_mlx.errors import ReadError
 
 F_NOCACHE = 48  # macOS fcntl
@@ -230,8 +231,6 @@ def _direct_scatter_ok(layout: BankLayout, targets: Dict[str, np.ndarray]) -> bo
 
 
 def _disk_dtype(section):
-    from deltafin_mlx.format.dtypes import NUMPY
-
     return np.dtype(NUMPY[section.dtype])
 
 
@@ -329,8 +328,5 @@ def copy_section(dst: np.ndarray, src: np.ndarray):
     """A section's bytes as read (its disk dtype) into its slot view."""
     if dst.dtype == src.dtype:
         dst[...] = src
-    elif src.dtype == np.uint16 and dst.dtype == np.float32:
-        # bfloat16 -> float32 is exact: the bf16 bits are the top half of the f32.
-        dst.view(np.uint32)[...] = src.astype(np.uint32) << 16
     else:
-        dst[...] = src.astype(dst.dtype)
+        widen(dst, src)

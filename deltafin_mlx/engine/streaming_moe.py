@@ -35,7 +35,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from deltafin_mlx.engine.cache import CacheStats, ExpertCache, np_view
+from deltafin_mlx.engine.cache import CacheStats, ExpertCache
+from deltafin_mlx.format.dtypes import to_numpy
 from deltafin_mlx.engine.reader import Reader
 
 
@@ -342,8 +343,8 @@ class StreamingSwitchGLU(nn.Module):
                 if out is None:
                     out = mx.zeros((flat.size, y.shape[-1]), dtype=y.dtype)
                     mx.eval(out)
-                    out_np = np_view(out)
-                out_np[part] = np_view(y)
+                    out_np = to_numpy(out)
+                out_np[part] = to_numpy(y)
         if prefill:
             # A pass allocates arrays of many sizes; MLX keeps freed ones for reuse,
             # which at a pass's sizes would hold memory the plan does not count.

@@ -12,9 +12,7 @@ The embedding table can instead stay on disk: each call reads only the rows of t
 tokens it embeds and dequantizes them exactly as mlx-lm's QuantizedEmbedding does.
 """
 
-import json
 import os
-import struct
 import threading
 import time
 from collections import defaultdict
@@ -26,53 +24,23 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from deltafin_mlx.engine.cache import np_view
-from deltafin_mlx.format import dtypes
-from deltafin_mlx.format.dtypes import FLOATS, NUMPY, SAFETENSORS
+from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, in_memory, name_of, to_mlx, to_numpy, widen
 from deltafin_mlx.model.modules import get_module
-from deltafin_mlx.errors import TrunkReadError
+from deltafin_mlx.errors import ModelError, TrunkReadError
+from deltafin_mlx.format.safetensors import read_header
 
 
 def safetensors_index(path) -> Dict[str, tuple]:
-    """name -> (dtype name, shape, absolute offset, nbytes) for one trunk file.
-
-    The header is checked, since reads go where it says: well-typed entries of
-    known dtypes, each tensor's bytes exactly its shape's, inside the file and not
-    overlapping another's. A damaged header is a ModelError naming the file."""
-    from deltafin_mlx.errors import ModelError
-
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError(f"header length {n} in a {size}-byte file")
-            header = json.loads(f.read(n))
-        if not isinstance(header, dict):
-            raise ValueError("the header is not an object")
-        out, spans = {}, []
-        for name, e in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = e["data_offsets"]
-            shape = tuple(e["shape"])
-            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                       for x in (start, end, *shape)):
-                raise ValueError(f"entry {name} is not well typed")
-            dtype = SAFETENSORS.get(e["dtype"])
-            if dtype not in NUMPY:
-                raise KeyError(e["dtype"])
-            if end - start != dtypes.nbytes(dtype, shape) or 8 + n + end > size:
-                raise ValueError(f"tensor {name}'s bytes do not fit its shape or the file")
-            spans.append((start, end, name))
-            out[name] = (dtype, shape, 8 + n + start, end - start)
-        spans.sort()
-        for (_, e0, a), (s1, _, b) in zip(spans, spans[1:]):
-            if s1 < e0:
-                raise ValueError(f"tensors {a} and {b} overlap")
-    except (OSError, ValueError, KeyError, TypeError, RecursionError, struct.error) as e:
-        raise ModelError(f"{path}: corrupt trunk file header ({type(e).__name__}: "
-                         f"{str(e)[:200]})") from None
+    """name -> (dtype name, shape, absolute offset, nbytes) for one trunk file, its
+    header checked (format/safetensors.py: reads go where it says); a damaged header,
+    or a dtype the streamer does not read, is a ModelError naming the file."""
+    out = {}
+    for name, e in read_header(path, ModelError).items():
+        dtype = SAFETENSORS[e.dtype]
+        if dtype not in NUMPY:
+            raise ModelError(f"{path}: tensor {name:.200} is {e.dtype}, a dtype the trunk "
+                             "streamer does not read")
+        out[name] = (dtype, e.shape, e.offset, e.nbytes)
     return out
 
 
@@ -88,19 +56,8 @@ def _read_into(fd: int, path, dst: np.ndarray, disk_dtype: str, offset: int, nby
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
     if direct:
         return
-    src = target.view(NUMPY[disk_dtype]).reshape(dst.shape)
-    if disk_dtype == "bfloat16" and dst.dtype == np.float32:
-        dst.view(np.uint32)[...] = src.astype(np.uint32) << 16  # exact
-    else:
-        dst[...] = src.astype(dst.dtype)
+    widen(dst, target.view(NUMPY[disk_dtype]).reshape(dst.shape))
 
-
-
-def _dtype_in_memory(disk_dtype: str, act) -> mx.Dtype:
-    """As the resident path holds it: floats cast to `act` (None: kept as stored)."""
-    if act is not None and disk_dtype in FLOATS:
-        return act
-    return getattr(mx, disk_dtype)
 
 
 class Buffer:
@@ -110,10 +67,10 @@ class Buffer:
         self.arrays = {}
         self.views = {}
         for rel, (dtype, shape) in template.items():
-            a = mx.zeros(shape, dtype=_dtype_in_memory(dtype, act))
+            a = mx.zeros(shape, dtype=in_memory(dtype, act))
             mx.eval(a)
             self.arrays[rel] = a
-            self.views[rel] = np_view(a)
+            self.views[rel] = to_numpy(a)
         self.holds = None  # the layer whose weights are in it
         self.future = None  # its read in flight
         self.last_user = None  # the layer that computed with it last
@@ -269,8 +226,6 @@ class RowEmbedding(nn.Module):
         self._act = act
         self._num_rows = self._parts["weight"][1][0]
         if tuple(self._parts["weight"][1]) != tuple(original.weight.shape):
-            from deltafin_mlx.format.manifest import ModelError
-
             raise ModelError(f"{path}: {prefix}.weight is {self._parts['weight'][1]} in the "
                              f"file, {tuple(original.weight.shape)} in the model")
         self._fd = os.open(self._path, os.O_RDONLY)
@@ -284,14 +239,12 @@ class RowEmbedding(nn.Module):
     def _rows(self, part: str, ids: np.ndarray) -> mx.array:
         dtype, shape, offset, nbytes = self._parts[part]
         row = nbytes // shape[0]
-        dst_dtype = _dtype_in_memory(dtype, self._act)
-        out = np.empty((len(ids), *shape[1:]), dtype=np.uint16 if dst_dtype == mx.bfloat16
-                       else np.dtype(str(dst_dtype).split(".")[-1]))
+        dst_dtype = name_of(in_memory(dtype, self._act))
+        out = np.empty((len(ids), *shape[1:]), dtype=NUMPY[dst_dtype])
         for j, t in enumerate(ids):
             _read_into(self._fd, self._path, out[j], dtype, offset + int(t) * row, row,
                        self._scratch)
-        a = mx.array(out)
-        return a.view(mx.bfloat16) if dst_dtype == mx.bfloat16 else a
+        return to_mlx(out, dst_dtype)
 
     def __call__(self, x: mx.array) -> mx.array:
         mx.eval(x)

@@ -93,3 +93,12 @@ def dir_bytes(path) -> int:
             if not os.path.islink(full):
                 total += os.path.getsize(full)
     return total
+
+
+def demo_root(where=None) -> Path:
+    """Where `deltafin-run --demo` keeps its synthetic checkpoint (`source/`) and the
+    model converted from it (`model/`): `where`, or ~/.cache/deltafin/demo."""
+    if where:
+        return Path(where).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "deltafin" / "demo"

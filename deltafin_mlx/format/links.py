@@ -28,12 +28,12 @@ import numpy as np
 
 from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.bank import Section, _is_int
+from deltafin_mlx.format.safetensors import read_header_bytes
 
 MAGIC = b"DFLINK\x00\x01"
 LINKED_VERSION = 3
 # One table entry per (expert, section): file index, reserved, offset in the file.
 ENTRY = np.dtype([("file", "<u4"), ("reserved", "<u4"), ("offset", "<u8")])
-MAX_HEADER_BYTES = 1 << 28  # a safetensors header, as the converter bounds it
 
 
 def _align8(n: int) -> int:
@@ -42,13 +42,10 @@ def _align8(n: int) -> int:
 
 def source_fingerprint(path) -> dict:
     """What a linked source file must still be: size, mtime and its header's hash."""
+    raw, _ = read_header_bytes(path, ModelError)
     st = os.stat(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        (hlen,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
-        header = f.read(min(hlen, MAX_HEADER_BYTES))
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "header_sha256": hashlib.sha256(head + header).hexdigest()}
+            "header_sha256": hashlib.sha256(raw).hexdigest()}
 
 
 def write_links(path, layer: int, section_names: Sequence[str], files: Sequence[str],
@@ -197,7 +194,11 @@ def check_linked_file(root: str, rel: str, recorded: dict) -> Path:
         raise ModelError(f"{shown}: linked source file is {st.st_size} bytes, "
                          f"{recorded.get('size')} at conversion (truncated or changed; "
                          "convert again)")
-    now = source_fingerprint(real)
+    try:
+        now = source_fingerprint(real)
+    except ModelError as e:  # its header no longer reads: changed too
+        raise ModelError(f"{e} (the linked source file changed since the conversion; "
+                         "convert again)") from None
     if now != {k: recorded.get(k) for k in now}:
         raise ModelError(f"{shown}: linked source file changed since the conversion (its "
                          "mtime or header differs; convert again)")

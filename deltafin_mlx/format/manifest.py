@@ -107,6 +107,11 @@ class Manifest:
         os.replace(tmp, self.path / MANIFEST_NAME)
 
 
+def is_hf_checkpoint(path: Path) -> bool:
+    """A Hugging Face checkpoint's directory (config.json and safetensors shards)."""
+    return (path / "config.json").exists() and any(path.glob("*.safetensors"))
+
+
 def read_manifest(path, check_files: bool = True) -> Manifest:
     """The manifest of the model directory `path`, its fields checked; with
     `check_files`, also every file it lists (inside the directory, a regular file
@@ -130,7 +135,7 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
             raise ModelError(
                 f"{path}: conversion not finished (rerun deltafin-convert to resume it)"
             )
-        if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        if is_hf_checkpoint(path):
             raise ModelError(
                 f"{path}: a Hugging Face checkpoint, not yet converted; convert it first: "
                 f"deltafin-convert {path} {path}-deltafin"

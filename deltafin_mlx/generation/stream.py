@@ -68,11 +68,17 @@ class RunStats:
         return d
 
     def line(self) -> str:
+        if self.tokens:
+            prompt = (f"{self.tokens} tokens in {self.seconds:.2f} s (decode "
+                      f"{self.decode_tokens_per_second:.2f} tok/s); prompt {self.prompt_tokens} "
+                      f"tokens, first token after {self.first_token_seconds:.2f} s "
+                      f"(prefill {self.prefill_tokens_per_second:.1f} tok/s)")
+        else:  # stopped in the prefill: what it did
+            rate = self.prompt_tokens / self.seconds if self.seconds > 0 else 0.0
+            prompt = (f"no token generated: stopped in the prefill after {self.prompt_tokens} "
+                      f"prompt tokens in {self.seconds:.2f} s ({rate:.1f} tok/s)")
         return (
-            f"{self.tokens} tokens in {self.seconds:.2f} s (decode "
-            f"{self.decode_tokens_per_second:.2f} tok/s); prompt {self.prompt_tokens} tokens, "
-            f"first token after {self.first_token_seconds:.2f} s "
-            f"(prefill {self.prefill_tokens_per_second:.1f} tok/s); "
+            f"{prompt}; "
             f"experts: {self.hits} hits, {self.misses} misses ({self.hit_rate:.0%} hit rate), "
             f"{self.bytes_read / 1e6:.1f} MB read, stalled on reads {self.stall_share:.0%} of the time; "
             f"peak memory {human_bytes(self.peak_mlx_bytes)} MLX, {human_bytes(self.peak_rss_bytes)} RSS"
@@ -176,11 +182,17 @@ class PrefillProgress:
             self.start = time.perf_counter()
         self.done, self.total = done, total
         if done >= total:
-            if self.shown:
-                self.stream.write("\r\033[K")
-                self.stream.flush()
+            self.clear()
             return
         self._show(done, "")
+
+    def clear(self):
+        """Erase the progress line, if one is shown (a prefill stopped midway
+        leaves it), so the next note starts on a clean line."""
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.shown = False
 
     def layer(self, finished: int, layers: int):
         """`finished` of the model's `layers` MoE layers are done with the pass."""

@@ -526,5 +526,7 @@ def summary_line(s: dict) -> str:
     per = s["expert_bytes_read"] / s["tokens"] / 1e6 if s["tokens"] else 0.0
     return (f"{s['requests']} requests: {s['answered']} answered now ({s['errors']} errors), "
             f"{s['skipped']} already answered; {s['tokens']} tokens in {s['seconds']:.1f} s "
-            f"({s['tokens_per_second']:.2f} tok/s aggregate, batch {s['batch_size']}); "
+            f"({s['tokens_per_second']:.2f} tok/s aggregate, batch {s['batch_size']}; a "
+            "result's stats.tokens_per_second is its own tokens over its own time, shared "
+            "with the requests decoded beside it); "
             f"experts read {s['expert_bytes_read'] / 1e6:.1f} MB ({per:.2f} MB per token)")

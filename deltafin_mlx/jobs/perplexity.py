@@ -37,6 +37,7 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
+from deltafin_mlx.units import count
 from deltafin_mlx.errors import BatchError
 from deltafin_mlx.jobs.batch import Progress
 from deltafin_mlx.jobs.batch_lines import Request
@@ -263,7 +264,7 @@ def summary_lines(s: dict) -> List[str]:
     lines = [f"{s['windows']} windows of {s['context']} tokens ({stride}; scored from position "
              f"{s['first_scored']}), {s['tokens']} of the text's {s['text_tokens']} tokens, "
              f"{s['scored_tokens']} scored: perplexity {s['perplexity']:.4f} ± "
-             f"{s['perplexity_se']:.4f} (mean NLL {s['mean_nll']:.4f}); {s['sweeps']} sweeps, "
+             f"{s['perplexity_se']:.4f} (mean NLL {s['mean_nll']:.4f}); {count(s['sweeps'], 'sweep')}, "
              f"experts read {s['expert_bytes_read'] / 1e6:.1f} MB (union bound "
              f"{s['union_bytes'] / 1e6:.1f} MB); {s['tokens_per_second']:.1f} tok/s in "
              f"{s['seconds']:.1f} s"]

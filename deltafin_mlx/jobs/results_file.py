@@ -11,6 +11,7 @@ both answer everything: the second is refused while the first holds its lock.
 
 import errno
 import fcntl
+import io
 import json
 import os
 import stat
@@ -24,6 +25,7 @@ from deltafin_mlx.format.integrity import file_kind
 # --logprobs, a number per token, so a long reply stays well below this.
 LINE_MAX_BYTES = 64 << 20
 STDOUT = "-"
+STDIN = "-"
 
 
 def _open_regular(path, flags: int, what: str) -> int:
@@ -44,7 +46,9 @@ def _open_regular(path, flags: int, what: str) -> int:
 def check_regular(path, what: str, missing_ok: bool = False):
     """Refuse early (before a model loads) a `path` that is not a regular file: a
     FIFO, device or directory would block or never end. `missing_ok`: an output
-    not made yet."""
+    not made yet. `-` (stdin, for an input) is read as it comes."""
+    if path == STDIN and what == "input":
+        return
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -101,7 +105,10 @@ def read_lines(f, limit: Optional[int] = None) -> Iterator[Tuple[int, Optional[b
 
 
 def open_input(path):
-    """The input as a binary file (a regular file only)."""
+    """The input as a binary file: a regular file, or for `-` all of stdin, read
+    at once (a job reads its input once, before it starts)."""
+    if path == STDIN:
+        return io.BytesIO(sys.stdin.buffer.read())
     return os.fdopen(_open_regular(path, os.O_RDONLY, "input"), "rb")
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 
+from deltafin_mlx.units import count
 from deltafin_mlx.jobs.batch import Outcome, Progress, error_line
 from deltafin_mlx.jobs.job_options import check_options
 from deltafin_mlx.jobs.results_file import check_not_input, open_input, read_lines
@@ -231,9 +232,10 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
 def summary_line(s: dict) -> str:
     scores = (f"mean NLL {s['mean_nll']:.4f}, perplexity {s['perplexity']:.3f}"
               if s["scored_tokens"] else "no perplexity")
-    return (f"{s['texts']} texts: {s['scored_texts']} scored now ({s['errors']} errors), "
+    return (f"{count(s['texts'], 'text')}: {s['scored_texts']} scored now "
+            f"({count(s['errors'], 'error')}), "
             f"{s['skipped']} already answered; {s['scored_tokens']} tokens scored, "
             f"{scores}; "
-            f"{s['sweeps']} sweeps; experts read {s['expert_bytes_read'] / 1e6:.1f} MB "
+            f"{count(s['sweeps'], 'sweep')}; experts read {s['expert_bytes_read'] / 1e6:.1f} MB "
             f"(union bound {s['union_bytes'] / 1e6:.1f} MB); "
             f"{s['tokens_per_second']:.1f} tok/s in {s['seconds']:.1f} s")

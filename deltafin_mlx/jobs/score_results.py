@@ -32,6 +32,7 @@ import numpy as np
 
 from deltafin_mlx.jobs.results_file import Results, read_lines, write_failed
 from deltafin_mlx.errors import BatchError
+from deltafin_mlx.format.dtypes import SAFETENSORS_CODE
 from deltafin_mlx.generation.logprobs import top_pairs
 from deltafin_mlx.jobs.score_sweep import Scored
 
@@ -70,8 +71,6 @@ class JsonlOutput:
         self.out.close()
 
 
-_SAFETENSORS_DTYPES = {np.dtype(np.int32): "I32", np.dtype(np.float16): "F16",
-                       np.dtype(np.float32): "F32"}
 # What marks a shard as written by a score job, and for which index (its name and
 # the index file's identity): only such a shard, named by no index line, is deleted.
 SHARD_KIND = "deltafin score shard"
@@ -86,7 +85,7 @@ def _write_tensors(fd: int, tensors: dict, metadata: dict = None):
     for name, a in tensors.items():
         a = np.ascontiguousarray(a)
         data = a.tobytes()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[a.dtype], "shape": list(a.shape),
+        header[name] = {"dtype": SAFETENSORS_CODE[a.dtype.name], "shape": list(a.shape),
                         "data_offsets": [offset, offset + len(data)]}
         offset += len(data)
         blobs.append(data)

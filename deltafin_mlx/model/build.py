@@ -12,7 +12,7 @@ import mlx.nn as nn
 
 from deltafin_mlx.compat import model_classes
 from deltafin_mlx.errors import ModelError
-from deltafin_mlx.format.dtypes import FLOATS
+from deltafin_mlx.format.dtypes import FLOATS, mlx_dtype
 from deltafin_mlx.model.config import text_config
 
 def build_model(config: dict, where="config.json") -> nn.Module:
@@ -28,7 +28,7 @@ def build_model(config: dict, where="config.json") -> nn.Module:
 def source_dtype(config: dict) -> Optional[mx.Dtype]:
     """The dtype mlx_lm.convert casts floating weights to (None: leave as is)."""
     dtype = config.get("torch_dtype") or text_config(config).get("dtype")
-    return getattr(mx, dtype) if dtype in FLOATS else None
+    return mlx_dtype(dtype) if dtype in FLOATS else None
 
 
 def quantize_like_config(model: nn.Module, config: dict):

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 from deltafin_mlx.format.bank import Section, record_size_of
-from deltafin_mlx.format.dtypes import FLOATS, ITEMSIZE
+from deltafin_mlx.format.dtypes import FLOATS, ITEMSIZE, name_of
 from deltafin_mlx.plan.slots import slot_bytes
 from deltafin_mlx.format.record import PROJECTIONS, expert_sections
 from deltafin_mlx.model.build import build_model, quantize_like_mlx_lm, source_dtype
@@ -178,7 +178,7 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
             continue
         m = LAYER_RE.search(name)
         key = m.group(1) if m else "globals"
-        d = str(a.dtype).split(".")[-1]
+        d = name_of(a.dtype)
         by_unit.setdefault(key, []).append((name, d, tuple(a.shape),
                                             quantized.get(name.rsplit(".", 1)[0])))
         if "embed_tokens" in name:
@@ -187,7 +187,7 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     quant = expert_quantization(config, expert_bits, expert_group_size)
     first = get_module(model, next(iter(switches.values())))
     shapes = {p: tuple(getattr(first, p).weight.shape[1:]) for p in PROJECTIONS}
-    sections = expert_sections(shapes, quant, str(dtype or mx.bfloat16).split(".")[-1])
+    sections = expert_sections(shapes, quant, name_of(dtype or mx.bfloat16))
     return Inventory(
         model_type=config.get("model_type", "?"),
         config=config,

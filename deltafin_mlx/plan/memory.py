@@ -33,6 +33,15 @@ WORKING_BYTES = 16 << 20  # activations, router outputs and read bookkeeping of 
 # quarter of the working buffers holds a decode step's (docs/PERFORMANCE.md,
 # "Serving memory").
 BUFFER_CACHE_SHARE = 4
+
+
+def default_activation_dtype():
+    """The activation dtype a model is planned and run in unless told: float32 on
+    MLX's CPU backend (far faster there, and more accurate); None on a GPU, where
+    the model's own dtype is used."""
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
 HEADROOM = 0.85  # of available memory, for the default budget
 RING = 2  # buffers per streamed layer shape: one in use, one being read
 PREFILL_STEPS = (512, 256, 128, 64, 32, 16)  # prompt tokens per forward pass, largest first

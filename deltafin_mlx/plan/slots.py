@@ -10,24 +10,16 @@ import mlx.core as mx
 import numpy as np
 
 from deltafin_mlx.format.bank import ALIGN
-from deltafin_mlx.format.dtypes import FLOATS
+from deltafin_mlx.format.dtypes import in_memory
 
 # MLX array dimensions are int32: no axis, including the flat one an aligned
 # allocation slices, may hold 2**31 elements or more.
 MAX_ELEMENTS = 2**31 - 1 - ALIGN
 
 
-def slot_dtype(disk_dtype: str, activation_dtype: mx.Dtype) -> mx.Dtype:
-    """Scales/biases are held in the activation dtype when they are floats: with
-    bf16 scales and f32 activations gather_qmm would convert every slot per call."""
-    if disk_dtype in FLOATS:
-        return activation_dtype
-    return getattr(mx, disk_dtype)
-
-
 def slot_bytes(sections, activation_dtype: mx.Dtype) -> int:
     """Memory one slot takes (scales may be wider in memory than on disk)."""
-    return sum(int(np.prod(s.shape)) * slot_dtype(s.dtype, activation_dtype).size
+    return sum(int(np.prod(s.shape)) * in_memory(s.dtype, activation_dtype).size
                for s in sections)
 
 

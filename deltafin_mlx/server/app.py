@@ -40,9 +40,9 @@ class ServeConfig:
     model: str
     host: str = "127.0.0.1"
     port: int = 8080
-    budget: Optional[str] = None
-    context: int = 4096
-    sequences: object = "auto"  # requests generating together, or "auto" (the planner's)
+    # How the model loads (engine/load.py LoadOptions; None: its defaults). Its
+    # `context` is each request's, its `sequences` the requests generating together.
+    load: object = None
     queue: int = 64  # requests waiting for a place; beyond, 503
     queue_seconds: float = 300.0  # the longest a request waits for a place
     max_body_bytes: Optional[int] = None  # default: what the context can use
@@ -50,11 +50,6 @@ class ServeConfig:
     header_timeout: float = 10.0  # a request's line and headers take at most this, in all
     max_connections: int = 256  # open at once; beyond, a new one is 503 and closed
     backlog: int = 128
-    reader_threads: int = 1
-    verify: bool = False
-    read_mode: str = "direct"
-    lookahead: bool = True
-    warm_start: bool = True
     prefill_step_size: Optional[int] = None  # default: the plan's pass
     prompt_cache_size: int = 10
     prompt_cache_bytes: Optional[int] = None  # default: the plan's state bytes
@@ -66,7 +61,6 @@ class ServeConfig:
     chat_template_args: Optional[dict] = None
     allowed_origins: tuple = ("*",)
     log_level: str = "INFO"
-    progress: bool = False
 
 
 @dataclass
@@ -102,11 +96,18 @@ def bind(host: str, port: int, backlog: int, max_connections: int = 256) -> Delt
 
 
 def mlx_lm_args(cfg: ServeConfig, plan, sequences: int) -> argparse.Namespace:
-    """The options mlx-lm's server classes read, for this plan."""
-    from deltafin_mlx.jobs.batch import PREFILL_BATCH
+    """The options mlx-lm's server classes read, for this plan.
 
-    prompts_together = min(sequences, PREFILL_BATCH)
-    step = cfg.prefill_step_size or max(1, plan.prefill_pass // prompts_together)
+    Prompts are admitted one at a time, in the order they arrived
+    (`prompt_concurrency` 1): mlx-lm's batch generator prefills the prompts it
+    admits together in lockstep, so four prompts that arrive together would each
+    get their first token only once all four were prefilled. One at a time, the
+    first client's first token comes after its own prefill, the prompts after it
+    are prefilled a pass at a time between the decode steps of those already
+    generating, and each prompt is prefilled exactly as it would be alone (one
+    sequence, the plan's whole pass per step: no padding, no shared steps)."""
+    prompts_together = 1
+    step = cfg.prefill_step_size or plan.prefill_pass
     return argparse.Namespace(
         model=cfg.model, adapter_path=None, draft_model=None, num_draft_tokens=3,
         trust_remote_code=False, chat_template="", use_default_chat_template=False,
@@ -143,9 +144,25 @@ def tune_malloc(arenas: int = 2, mmap_threshold: int = 256 << 10, trim_threshold
         pass
 
 
+class PerRequestLog(logging.Filter):
+    """One log line per request (counters.request_line): mlx-lm's server logs
+    each prefill chunk's progress and its prompt cache's sizes for every request
+    (four lines) on the root logger; unless the log level is DEBUG those are
+    dropped."""
+
+    CHATTER = ("Prompt processing progress:", "Prompt Cache:", "- assistant:", "- user:",
+               "- system:")
+
+    def filter(self, record):
+        return (logging.getLogger().getEffectiveLevel() <= logging.DEBUG
+                or record.name != "root"
+                or not str(record.msg).startswith(self.CHATTER))
+
+
 def serve(cfg: ServeConfig) -> int:
     logging.basicConfig(level=getattr(logging, cfg.log_level),
                         format="%(asctime)s - %(levelname)s - %(message)s")
+    logging.getLogger().addFilter(PerRequestLog())
     tune_malloc()  # before any handler thread exists
     from deltafin_mlx.model.shard import detect_group
 
@@ -164,23 +181,22 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
     import mlx_lm.server as server
     from mlx_lm.models.cache import make_prompt_cache
 
-    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.engine.load import LoadOptions, load
     from deltafin_mlx.engine.runtime import runtime
-    from deltafin_mlx.server.generation import resilient_generator_class
+    from deltafin_mlx import compat
+    from deltafin_mlx.server.generation import resilient_generator_class, turn_taking
     from deltafin_mlx.server.handler import make_handler
     from deltafin_mlx.model.modules import model_vocab
     from deltafin_mlx.tokenizer.text_bound import max_text_bytes
 
-    model, tokenizer = load(cfg.model, memory_budget=cfg.budget, context=cfg.context,
-                            sequences=cfg.sequences, reader_threads=cfg.reader_threads,
-                            verify=cfg.verify, read_mode=cfg.read_mode,
-                            lookahead=cfg.lookahead, warm_start=cfg.warm_start,
-                            progress=cfg.progress)
+    options = cfg.load or LoadOptions(sequences="auto")
+    context = options.context
+    model, tokenizer = load(cfg.model, options=options)
     state = runtime(model)
     plan = state.plan
     vocab = model_vocab(model)
-    limits = RequestLimits(vocab=vocab, context=cfg.context,
-                           max_text_bytes=max_text_bytes(tokenizer, vocab, cfg.context))
+    limits = RequestLimits(vocab=vocab, context=context,
+                           max_text_bytes=max_text_bytes(tokenizer, vocab, context))
     max_body = cfg.max_body_bytes or limits.max_text_bytes * JSON_ESCAPE + BODY_SLACK
     counters = ServerCounters(model, rank)
     # Bodies held at once: the generating requests' and one more of the largest,
@@ -201,6 +217,8 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
             if self.model is None:
                 self._load("default_model")
             return self.model, self.tokenizer
+
+    compat.use_server_batch_generator(turn_taking(server.BatchGenerator))
 
     def restarted():
         counters.generation_restarts += 1
@@ -224,7 +242,7 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
         log.info("deltafin-run serve: %s on http://%s:%d, budget %s, context %d tokens, "
                  "%d request%s at once (%d more may wait), %d expert slots (%.0f%% of the "
                  "experts), bodies up to %s", cfg.model, cfg.host, cfg.port,
-                 human_bytes(plan.budget), cfg.context, plan.sequences,
+                 human_bytes(plan.budget), context, plan.sequences,
                  "s" * (plan.sequences != 1), cfg.queue, plan.slots,
                  100 * plan.cache_fraction, human_bytes(max_body))
         try:

@@ -33,6 +33,7 @@ class RequestMeter:
     started: float = field(default_factory=time.perf_counter)
     experts_before: dict = field(default_factory=dict)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, taken from the prompt cache
     reply_tokens: int = 0
     first_token: float = 0.0  # seconds after `started`
     peers: int = 0  # most other requests running at once
@@ -123,7 +124,8 @@ def request_line(meter: RequestMeter, outcome: str, experts_after: dict) -> str:
     rate = (meter.reply_tokens - 1) / decode if meter.reply_tokens > 1 and decode > 0 else 0.0
     shared = f" (shared with {meter.peers} other request{'s' * (meter.peers != 1)})" \
         if meter.peers else ""
-    return (f"[deltafin] {meter.name} {outcome}: {meter.prompt_tokens} prompt + "
+    cached = f" ({meter.cached_tokens} from the prompt cache)" if meter.cached_tokens else ""
+    return (f"[deltafin] {meter.name} {outcome}: {meter.prompt_tokens} prompt{cached} + "
             f"{meter.reply_tokens} reply tokens in {total:.2f} s (first token "
             f"{meter.first_token:.2f} s, {rate:.1f} tok/s); experts {hits} hits, {misses} "
             f"misses, {human_bytes(read)} read{shared}")

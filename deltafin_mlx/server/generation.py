@@ -6,15 +6,37 @@ restart.
 
 The requests a loop had taken are known by their response queues: a request
 still waiting in the queue is served by the next loop as if nothing happened.
+
+It also splits a chat prompt at the end of the chat template's preamble when the
+conversation has no system message of its own (K3's template opens every
+conversation with a ~345-token system message of its own): mlx-lm's prompt cache
+keeps the state at the end of a prompt's first segment, so every new conversation
+starts from the cached preamble instead of prefilling it again. A prompt is always
+prefilled in the same segments, cached or not, so a reply is the same either way.
+
+`turn_taking` makes mlx-lm's batch generator alternate between a decode step and a
+prefill pass when it has both to do: mlx-lm runs a pass of the next prompt in the
+same call as the decode step and hands the step's tokens to the server only after
+it, so each client already generating would wait a whole pass per token, and a
+client whose prompt was just prefilled would wait one more for its first token.
 """
 
+import json
 import logging
 import threading
+import time
 from queue import Empty, Queue
 
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
+from mlx_lm.server import CompletionRequest
+
 from deltafin_mlx import compat
+from deltafin_mlx.generation.stream import common_prefix
 
 log = logging.getLogger("deltafin_mlx.server")
+
+PREAMBLES = 16  # preambles kept (one per set of template arguments and tools)
 
 
 class GenerationFailed(RuntimeError):
@@ -29,10 +51,11 @@ def resilient_generator_class(base):
             self._taken = set()
             self._taken_lock = threading.Lock()
             self._on_restart = on_restart
+            self._preambles = {}  # (template arguments, tools) -> the preamble's tokens
             super().__init__(model_provider, prompt_cache)
 
         def _run_generate(self):
-            while not self._stop:
+            while not compat.generation_stopping(self):
                 try:
                     compat.server_generation_loop(self)
                     return
@@ -47,6 +70,29 @@ def resilient_generator_class(base):
                         q.put(error)
                     if self._on_restart is not None:
                         self._on_restart()
+
+        def _tokenize(self, tokenizer, request, args):
+            prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+            if request.request_type == "chat" and vision is None and types[0] == "user":
+                n = common_prefix(self._preamble(tokenizer, request, args), segments[0])
+                if 0 < n < len(segments[0]):
+                    segments = [segments[0][:n], segments[0][n:], *segments[1:]]
+                    types = ["system", *types]
+            return prompt, segments, types, state, vision
+
+        def _preamble(self, tokenizer, request, args):
+            """What the template puts before a conversation's first user message
+            and its text: the template rendered for one empty user message."""
+            key = json.dumps([args.chat_template_kwargs, request.tools], sort_keys=True,
+                             default=str)
+            if key not in self._preambles:
+                empty = CompletionRequest("chat", "", [{"role": "user", "content": ""}],
+                                          request.tools, request.role_mapping)
+                prompt = super()._tokenize(tokenizer, empty, args)[0]
+                if len(self._preambles) >= PREAMBLES:
+                    self._preambles.clear()
+                self._preambles[key] = prompt
+            return self._preambles[key]
 
         def _next_request(self, timeout=None):
             request = super()._next_request(timeout)
@@ -91,11 +137,54 @@ def resilient_generator_class(base):
                 try:
                     return response_queue.get(timeout=1.0)
                 except Empty:
-                    if not self._generation_thread.is_alive():
+                    if not compat.generation_thread_alive(self):
                         raise GenerationFailed("the generation thread has stopped") from None
 
         @property
         def is_healthy(self):
-            return self._generation_thread.is_alive()
+            return compat.generation_thread_alive(self)
 
     return ResilientGenerator
+
+
+def turn_taking(base):
+    """A subclass of mlx-lm's BatchGenerator (`base`) whose `next()` does either one
+    decode step of the sequences generating or one prefill pass of the prompt being
+    admitted, in turns, when there are both; so a decode step's tokens reach their
+    clients before the next pass runs. The arithmetic is mlx-lm's own, in the same
+    order for each sequence."""
+
+    class TurnTakingBatchGenerator(base):
+        _decode_next = True  # after a prefill pass: its first token goes out at once
+
+        def _next(self):
+            generating = self._generation_batch
+            prefilling = bool(self._unprocessed_sequences or self._currently_processing)
+            full = not self._currently_processing and \
+                len(generating) >= self.completion_batch_size
+            if not len(generating) or not prefilling or full:
+                self._decode_next = True
+                return super()._next()
+            if self._decode_next:  # a decode step alone: mlx-lm's first half
+                self._decode_next = False
+                tic = time.perf_counter()
+                responses = generating.next()
+                self._counters.decode_time += time.perf_counter() - tic
+                self._counters.generation_tokens += len(responses)
+                self._counters.generation_steps += 1
+                if self._counters.generation_steps % 512 == 0:
+                    mx.clear_cache()
+                return [], responses
+            # A prefill pass alone: mlx-lm's step with the generating sequences set
+            # aside; a prompt that finishes joins them.
+            self._decode_next = True
+            self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
+            try:
+                prompt_responses, _ = super()._next()
+            finally:
+                joined, self._generation_batch = self._generation_batch, generating
+                if len(joined):
+                    generating.extend(joined)
+            return prompt_responses, []
+
+    return TurnTakingBatchGenerator

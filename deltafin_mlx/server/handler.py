@@ -502,6 +502,8 @@ class _Watched:
             raise
         holder["ctx"] = ctx
         meter = getattr(handler, "_meter", None)
+        if meter is not None:
+            meter.cached_tokens = max(ctx.prompt_cache_count, 0)
 
         def watched():
             for r in responses:

@@ -14,10 +14,11 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
+from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, nbytes
+
 # Rows of a tensor generated at once: bounds memory for huge embeddings.
 _CHUNK_ELEMENTS = 1 << 22
 
-_ITEMSIZE = {"BF16": 2, "F32": 4, "U8": 1}
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+        return nbytes(SAFETENSORS[self.dtype], self.shape)
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -55,7 +56,7 @@ def _tensor_chunks(t: Tensor, seed: int):
         x = t.init(rng, shape, t.dtype)
         if t.dtype == "BF16" and x.dtype == np.float32:
             x = _bf16_bits(x)
-        want = {"BF16": np.uint16, "F32": np.float32, "U8": np.uint8}[t.dtype]
+        want = NUMPY[SAFETENSORS[t.dtype]]
         if x.dtype != want or x.shape != shape:
             raise TypeError(f"{t.name}: init gave {x.dtype}{x.shape} for {t.dtype}")
         yield np.ascontiguousarray(x)

@@ -247,7 +247,7 @@ def test_plan_rates_are_measured_once_then_cached(converted, tmp_path, monkeypat
     """The measurements themselves are tested in test_plan.py; here, how often they run."""
     import itertools
 
-    import deltafin_mlx.cli.plan as plan
+    import deltafin_mlx.plan.report as plan
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     rates = itertools.count(1)
@@ -470,6 +470,8 @@ NOT_RUN = {
     "mlx_lm.server": "a server runs until stopped (tests/test_cli.py serves requests)",
     "deltafin-run serve": "a server runs until stopped (tests/test_server_*.py serve requests)",
     "curl -s localhost:8080": "requests to that server (tests/test_server_endpoints.py sends them)",
+    "pip install -q \".[eval]\"": "the test extra already holds lm-eval",
+    "deltafin-lm-eval": "its tasks download datasets (tests/jobs/test_lm_eval.py runs a local task)",
 }
 
 
@@ -483,6 +485,7 @@ def test_readme_examples_run_verbatim(tmp_path, sources):
     fake_hub_cache(hf, "moonshotai/Kimi-K3", sources("kimi_k3"))
     shutil.copytree(sources("qwen3_moe"), work / "Qwen3-30B-A3B")
     (work / "prompt.txt").write_text("Why is the sky blue?")
+    (work / "wiki.test.raw").write_text("The sky is blue because air scatters short waves. " * 40)
     (work / "prompts.jsonl").write_text('{"id": "q1", "prompt": "Why is the sky blue?"}\n'
                                         '{"id": 2, "prompt": "Hi", "max_tokens": 4}\n')
     for name in ("texts.jsonl", "corpus.jsonl"):  # score's inputs

@@ -25,7 +25,7 @@ def run_json(capsys, *args):
 @pytest.fixture(autouse=True)
 def no_disk_measurement(monkeypatch):
     """bench's projection needs a disk rate: a fixed one here, not a scratch file's."""
-    import deltafin_mlx.cli.plan as plan_cli
+    import deltafin_mlx.plan.report as plan_cli
 
     monkeypatch.setattr(plan_cli, "measure_disk_gbps", lambda *a, **k: 2.0)
 
@@ -87,7 +87,7 @@ def test_bench_reserves_what_its_runs_need_or_the_context_given(converted, capsy
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    from deltafin_mlx.cli.demo import prepare
+    from deltafin_mlx.testing.demo import prepare
 
     root = tmp_path_factory.mktemp("demo")
     return root, prepare(root)
@@ -202,7 +202,7 @@ def test_list_shows_every_model_under_a_directory_with_size_architecture_and_flo
     capsys.readouterr()
     assert main(["list", str(tmp_path / "models")]) == 0
     out = capsys.readouterr().out
-    assert "Kimi K3 (kimi_k3)" in out and "floor " in out and len(out.splitlines()) == 2
+    assert "Kimi K3 (kimi_k3)" in out and "FLOOR" in out and len(out.splitlines()) == 3  # a header
 
 
 def run_json_lines(capsys, *args):
@@ -234,7 +234,7 @@ def test_rm_removes_only_a_converted_model_and_asks_first(converted, copy_of, tm
 
 
 def test_rm_demo_cleans_the_demos_cache(tmp_path, capsys):
-    from deltafin_mlx.cli.demo import prepare
+    from deltafin_mlx.testing.demo import prepare
 
     root = tmp_path / "demo"
     prepare(root)

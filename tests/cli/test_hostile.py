@@ -167,7 +167,7 @@ def test_a_damaged_trunk_header_read_by_the_streamer_is_one_line(converted, copy
     path = copy_of(converted("kimi_k3"))
     rel = read_manifest(path, check_files=False).trunk_files["globals"]
     _overwrite(path / rel, 60, b"\xff\xfe")  # inside the JSON header
-    with pytest.raises(ModelError, match=rf"{rel}: corrupt trunk file header|unreadable trunk"):
+    with pytest.raises(ModelError, match=rf"{rel}: corrupt safetensors header|unreadable trunk"):
         load(path, memory_budget="18200000", **LOAD)
 
 

@@ -210,7 +210,7 @@ def decode(argv=None):
     ap.add_argument("--cache-slots", type=int, help="cap on the expert cache's slots")
     ap.add_argument("--lookahead", type=int, default=1)
     ap.add_argument("--pipeline", choices=("default", "on", "off"), default="default",
-                    help="load(pipeline=...) where the runtime has that option")
+                    help="LoadOptions.pipeline ('default': its own, 'auto')")
     ap.add_argument("--throttle", nargs=2, metavar=("FILE", "VALUE"),
                     help="write VALUE into FILE (a blkio throttle) when timing starts")
     ap.add_argument("--trace-out",
@@ -229,7 +229,7 @@ def decode(argv=None):
     base = proc_status()
     prof = Profiler()
     prof.install()
-    from deltafin_mlx.engine.load import load, load_resident
+    from deltafin_mlx.engine.load import LoadOptions, load, load_resident
 
     phase("loading")
     t0 = time.perf_counter()
@@ -240,24 +240,15 @@ def decode(argv=None):
     if args.mode == "resident":
         model = load_resident(args.model)
     else:
-        extra = {}
-        if args.pipeline != "default":
-            import inspect
-
-            if "pipeline" not in inspect.signature(load).parameters:
-                raise SystemExit("this runtime's load() has no pipeline option")
-            extra["pipeline"] = args.pipeline == "on"
-        if args.cache_slots:
-            extra["cache_slots"] = args.cache_slots
-        import inspect
-
-        if "warm_start" in inspect.signature(load).parameters:
-            # Every configuration starts cold, as before warm restarts existed: a hot
-            # set left by the previous configuration would favour whichever runs next.
-            extra["warm_start"] = False
-        model, _ = load(args.model, memory_budget=args.budget, tokenizer=False,
-                        reader_threads=args.reader_threads, lookahead=bool(args.lookahead),
-                        **extra)
+        # Every configuration starts cold (warm_start=False), as before warm restarts
+        # existed: a hot set left by the previous configuration would favour
+        # whichever runs next.
+        options = LoadOptions(memory_budget=args.budget, tokenizer=False,
+                              reader_threads=args.reader_threads,
+                              lookahead=bool(args.lookahead), cache_slots=args.cache_slots or None,
+                              pipeline="auto" if args.pipeline == "default"
+                              else args.pipeline == "on", warm_start=False)
+        model, _ = load(args.model, options=options)
         plan = runtime(model).plan
         pd = {k: getattr(plan, k) for k in ("budget", "trunk_bytes", "state_bytes",
                                             "working_bytes", "slot_bytes", "moe_layers",

@@ -1,0 +1,37 @@
+"""`deltafin-run serve` writes one log line per request: mlx-lm's per-chunk
+"Prompt processing progress" lines and its per-request prompt cache sizes are
+not in the log (`--log-level DEBUG` keeps them)."""
+
+import pytest
+
+from bench.lib.server import free_port, post, start_server, stop_server
+
+TEXT = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def served_log(converted, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    # A small pass: the prompt below takes several prefill chunks.
+    proc = start_server(converted("kimi_k3"), port, "40MB", log, server="deltafin",
+                        context=1024, extra=["--prefill-step-size", "16"])
+    try:
+        for i in range(3):
+            status, _ = post(port, TEXT, {"prompt": f"Request {i}: " + "tell me more " * 20,
+                                          "max_tokens": 3, "temperature": 0.0})
+            assert status == 200
+    finally:
+        stop_server(proc)
+    return log.read_text()
+
+
+def test_each_request_is_one_line(served_log):
+    lines = [line for line in served_log.splitlines() if "[deltafin] " + TEXT in line]
+    assert len(lines) == 3, served_log
+    assert all(" ok: " in line and "prompt" in line for line in lines)
+
+
+def test_mlx_lms_progress_and_cache_lines_are_not_logged(served_log):
+    assert "Prompt processing progress" not in served_log
+    assert "Prompt Cache:" not in served_log
