@@ -64,7 +64,7 @@ def check_regular(path, what: str, missing_ok: bool = False):
 def check_not_input(in_path, out_path):
     """Refuse an output that is the input itself (the same file under any name): its
     lines would all read as answered and nothing would be done."""
-    if out_path == STDOUT:
+    if out_path == STDOUT or in_path == STDIN:
         return
     try:
         same = os.path.samefile(in_path, out_path)

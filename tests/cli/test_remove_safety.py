@@ -41,7 +41,7 @@ def tree(folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """A demo folder as `deltafin-run --demo` leaves it (built once, copied per test)."""
-    from deltafin_mlx.cli.demo import prepare
+    from deltafin_mlx.testing.demo import prepare
 
     root = tmp_path_factory.mktemp("demo") / "demo"
     prepare(root)
