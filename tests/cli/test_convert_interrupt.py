@@ -22,7 +22,8 @@ def test_a_ctrl_c_in_a_finalizer_as_the_conversion_ends_is_one_line(sources, tmp
     program = (
         "import os, signal, sys\n"
         "import deltafin_mlx.cli.convert as c\n"
-        "real = c.convert\n"
+        "import deltafin_mlx.convert.convert as library\n"
+        "real = library.convert\n"
         "class Bar:\n"
         "    def __del__(self):\n"
         "        os.kill(os.getpid(), signal.SIGINT)\n"
@@ -31,7 +32,7 @@ def test_a_ctrl_c_in_a_finalizer_as_the_conversion_ends_is_one_line(sources, tmp
         "    m = real(*a, **k)\n"
         "    Bar()\n"
         "    return m\n"
-        "c.convert = convert\n"
+        "library.convert = convert  # what the command imports when it runs\n"
         "sys.argv = ['deltafin-convert', sys.argv[1], sys.argv[2]]\n"
         "sys.exit(c.main())\n")
     out = tmp_path / "out"
