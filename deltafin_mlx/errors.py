@@ -59,6 +59,10 @@ class SessionError(DeltafinError, ValueError):
     """A chat session file that cannot be restored."""
 
 
+class SessionSaveError(SessionError):
+    """A chat session that could not be saved (a full disk): the chat goes on."""
+
+
 class BatchError(DeltafinError, ValueError):
     """A batch job that cannot start."""
 

@@ -11,6 +11,7 @@ opened non-blocking and must be a regular file before mlx reads it, so a FIFO na
 as the session is refused, not waited on.
 """
 
+import errno
 import json
 import os
 import stat
@@ -23,7 +24,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from deltafin_mlx.errors import SessionError
+from deltafin_mlx.errors import SessionError, SessionSaveError
 from deltafin_mlx.format.dtypes import to_numpy
 
 CHECKSUM_KEY = "content_crc32"
@@ -52,16 +53,37 @@ def content_checksum(cache, metadata: dict) -> str:
 def write_session(path: Path, cache, metadata: dict):
     """Save `cache` with `metadata` (and the content's checksum) atomically: a
     temporary file beside `path`, renamed over it when complete."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
     mx.eval([c.state for c in cache])
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_prompt_cache(str(tmp), cache,
                           {**metadata, CHECKSUM_KEY: content_checksum(cache, metadata)})
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # mlx's failed write is a RuntimeError
+        why = save_failure(path, cache, metadata, e)
+        raise SessionSaveError(f"session not saved: {why}; {path} keeps the conversation as "
+                               "last saved, the chat goes on") from None
     finally:
-        if tmp.exists():
+        if os.path.lexists(tmp):
             tmp.unlink()
+
+
+def save_failure(path: Path, cache, metadata: dict, e: Exception) -> str:
+    """Why a save failed, in words: "disk full" when the filesystem has less room
+    than the file takes, its tensors and metadata (mlx's message says only that a
+    write failed)."""
+    needed = (sum(getattr(v, "nbytes", 0) for c in cache for _, v in tree_flatten(c.state))
+              + sum(len(str(k)) + len(str(v)) for k, v in metadata.items()))
+    try:
+        st = os.statvfs(path.parent if path.parent.exists() else ".")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+            free is not None and free < needed):
+        return f"disk full ({free or 0:,} bytes free beside {path.name})"
+    return (getattr(e, "strerror", None) or str(e).strip().splitlines()[0])[:200]
 
 
 def read_session(path: Path, format: str, version: int) -> Tuple[list, dict]:

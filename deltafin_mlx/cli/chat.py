@@ -1,6 +1,7 @@
 """`deltafin-run MODEL --chat`: a conversation at the terminal, one turn a message,
 the model's cache kept between turns (and in a session file with --session)."""
 
+import re
 import signal
 import sys
 
@@ -11,7 +12,7 @@ from deltafin_mlx.chat.context import status as context_status
 from deltafin_mlx.cli.options import (check_request_flags, load_model, refuse_without_template,
                                       sampling_of)
 from deltafin_mlx.cli.reply import ReplyPrinter
-from deltafin_mlx.errors import ContextError
+from deltafin_mlx.errors import ContextError, SessionSaveError
 from deltafin_mlx.generation.stream import PrefillProgress
 from deltafin_mlx.generation.stops import StopMatcher
 from deltafin_mlx.engine.runtime import runtime
@@ -173,6 +174,17 @@ def say_growth(session):
         session.growth = None
 
 
+def save_session(session, path):
+    """Save after a change (with --session); a save that fails (a full disk) is one
+    line and the chat goes on: the file keeps the last state that was saved."""
+    if path is None:
+        return
+    try:
+        session.save(path)
+    except SessionSaveError as e:
+        print(f"[{e}]", file=sys.stderr)
+
+
 def run_chat(model, tokenizer, args, reload=None) -> int:
     """The interactive loop; `args` as `deltafin-run` parses them; `reload(context)`
     loads the model for a larger context (ChatSession's)."""
@@ -211,8 +223,7 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
                 print(HELP, file=sys.stderr)
             elif command == "/reset":
                 session.reset()
-                if path is not None:
-                    session.save(path)
+                save_session(session, path)
                 print("[history cleared]", file=sys.stderr)
             elif command == "/stats":
                 s = runtime(session.model).stats
@@ -225,13 +236,14 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
                       file=sys.stderr)
             elif command.split()[0] == "/drop":
                 turns = command.split()[1:] or ["1"]
-                if len(turns) != 1 or not turns[0].isdigit() or int(turns[0]) < 1:
+                # ASCII digits only ("²" is a digit to str.isdigit, not to int), and
+                # few enough for int() (a 5,000-digit number is refused by it).
+                if len(turns) != 1 or not re.fullmatch(r"0*[1-9][0-9]{0,8}", turns[0]):
                     print("[/drop N: N is how many of the oldest exchanges to forget, 1 or more]",
                           file=sys.stderr)
                     continue
                 dropped = session.drop_oldest(int(turns[0]))
-                if path is not None:
-                    session.save(path)
+                save_session(session, path)
                 print(f"[dropped the oldest {dropped} messages; the next turn prefills the "
                       f"rest of the conversation ({session.conversation_tokens()[1]:,} tokens) "
                       "again]", file=sys.stderr)
@@ -280,8 +292,7 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
                   "history as a finished turn]", file=sys.stderr)
         print(f"[deltafin] {turn.stats.line()}; prefilled {turn.prefilled} tokens "
               f"({turn.reused} from the cache)", file=sys.stderr)
-        if path is not None:
-            session.save(path)
+        save_session(session, path)
     if marked_pastes:
         sys.stdout.write("\x1b[?2004l")
     print(file=sys.stderr)

@@ -7,6 +7,7 @@ Only the standard library is imported here: `--version` and `--help` load nothin
 """
 
 import argparse
+import contextlib
 import errno
 import functools
 import os
@@ -110,6 +111,31 @@ def one_line(e: BaseException) -> str:
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def interrupts_in_finalizers_reach_main():
+    """A Ctrl-C that lands while a finalizer runs (tqdm's __del__, as a finished
+    progress bar is collected) cannot be raised there: Python prints it as an
+    "Exception ignored" traceback and drops it. Within this block it is kept
+    instead, and raised as the block ends, so the main code gets its
+    KeyboardInterrupt and says "interrupted" in its one line."""
+    default, caught = sys.unraisablehook, []
+
+    def hook(unraisable):
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type,
+                                                           KeyboardInterrupt):
+            caught.append(unraisable.exc_type)
+            return
+        default(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = default
+    if caught:
+        raise KeyboardInterrupt
 
 
 def printable(text: str) -> str:

@@ -1,6 +1,5 @@
 """`deltafin-convert SRC OUT [options]`."""
 
-import argparse
 import errno
 import signal
 import sys
@@ -8,7 +7,8 @@ import time
 from pathlib import Path
 
 from deltafin_mlx.cli.common import (HelpFormatter, add_version, first_line, guarded,
-                                     quiet_broken_pipe)
+                                     interrupts_in_finalizers_reach_main, quiet_broken_pipe)
+from deltafin_mlx.cli.options import Parser
 from deltafin_mlx.errors import ConvertError, DeltafinError
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
 from deltafin_mlx.model.config import ARCHITECTURES
@@ -17,7 +17,7 @@ from deltafin_mlx.units import human_bytes, parse_size
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = Parser(  # a usage error is one line, as deltafin-run's are
         prog="deltafin-convert",
         description="Rewrite a Hugging Face MoE checkpoint into Deltafin's streaming format.\n"
         "Supported: " + ", ".join(ARCHITECTURES.values()) + ".",
@@ -69,6 +69,8 @@ def main(argv=None):
     finally:
         if argv is not None:  # called in a process that goes on: Ctrl-C works again
             signal.signal(signal.SIGINT, handler)
+        else:  # the command is done: a Ctrl-C now could only break the interpreter's exit
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _main(argv):
@@ -101,7 +103,8 @@ def _main(argv):
     )
     started = time.time()
     try:
-        manifest = convert(args.src, args.out, options)
+        with interrupts_in_finalizers_reach_main():
+            manifest = convert(args.src, args.out, options)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a late Ctrl-C changes nothing
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while reporting

@@ -32,8 +32,10 @@ def confirm(what: str, yes: bool) -> bool:
 
 
 def cmd_rm(argv) -> int:
-    from deltafin_mlx.format.catalog import demo_root, dir_bytes, remove_demo, remove_model_dir
-    from deltafin_mlx.format.manifest import MANIFEST_NAME, is_hf_checkpoint, read_manifest
+    from deltafin_mlx.format.catalog import (check_removable, demo_root, dir_bytes,
+                                             remove_model_dir)
+    from deltafin_mlx.format.demo_marker import check_demo_files, remove_demo_files
+    from deltafin_mlx.format.manifest import MANIFEST_NAME, is_hf_checkpoint
     from deltafin_mlx.units import human_bytes
 
     args = rm_parser().parse_args(argv)
@@ -46,17 +48,18 @@ def cmd_rm(argv) -> int:
         if not root.exists():
             print(f"no demo cache at {root}", file=sys.stderr)
             return 0
+        check_demo_files(root)  # refuse what the demo did not write before asking
         if not confirm(f"the demo's cache {root} ({human_bytes(dir_bytes(root))})", args.yes):
             print("nothing removed", file=sys.stderr)
             return 1
-        print(f"removed {root} ({human_bytes(remove_demo(root))} freed)", file=sys.stderr)
+        print(f"removed {root} ({human_bytes(remove_demo_files(root))} freed)", file=sys.stderr)
         return 0
     if is_hf_checkpoint(Path(args.model)) and \
             not (Path(args.model) / MANIFEST_NAME).exists():
         raise UsageError(f"{args.model}: a Hugging Face checkpoint, not a Deltafin model; rm "
                          "removes only what deltafin-convert wrote (delete a checkpoint "
                          "yourself)")
-    read_manifest(args.model, check_files=False)  # refuse a non-model before asking
+    check_removable(args.model)  # refuse a non-model (or a path through a link) before asking
     if not confirm(f"the model {args.model} ({human_bytes(dir_bytes(args.model))})", args.yes):
         print("nothing removed", file=sys.stderr)
         return 1

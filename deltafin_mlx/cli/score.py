@@ -41,7 +41,7 @@ def score_parser():
 
 
 def cmd_score(argv) -> int:
-    from deltafin_mlx.jobs.results_file import check_regular
+    from deltafin_mlx.jobs.results_file import check_not_input, check_regular
     from deltafin_mlx.jobs.batch import Outcome
     from deltafin_mlx.jobs.job_options import check_options
     from deltafin_mlx.jobs.score import ScoreOptions, run_job, summary_line
@@ -49,6 +49,7 @@ def cmd_score(argv) -> int:
     args = score_parser().parse_args(argv)
     check_regular(args.input, "input")  # before the model loads, not after
     check_regular(args.output, "output", missing_ok=True)
+    check_not_input(args.input, args.output)
     opts = ScoreOptions(top_logprobs=args.top_logprobs, thinking=not args.no_think,
                         format=args.format, max_pass_tokens=args.pass_tokens,
                         content_only=args.content_only)

@@ -45,8 +45,10 @@ def cmd_verify(argv) -> int:
                           "files_checked": report.files_checked,
                           "records_checked": report.records_checked,
                           "bytes_checked": report.bytes_checked,
-                          "problems": report.problems}))
+                          "problems": report.problems, "dangerous": report.dangers}))
     else:
+        for danger in report.dangers:
+            print(f"deltafin-run verify: DANGEROUS: {printable(danger)}", file=sys.stderr)
         for problem in report.problems:
             print(f"deltafin-run verify: damaged: {printable(problem)}", file=sys.stderr)
         summary = (f"{report.files_checked} files, {report.records_checked} expert records "
@@ -54,6 +56,6 @@ def cmd_verify(argv) -> int:
         if report.ok:
             print(f"{printable(str(report.path))}: OK: {summary}")
         else:
-            print(f"{printable(str(report.path))}: {len(report.problems)} problem(s) found; {summary}",
-                  file=sys.stderr)
+            print(f"{printable(str(report.path))}: {len(report.problems) + len(report.dangers)} "
+                  f"problem(s) found; {summary}", file=sys.stderr)
     return 0 if report.ok else 1

@@ -52,19 +52,33 @@ def foreign_files(path: Path, listed) -> List[str]:
     return sorted(out)
 
 
-def remove_model_dir(path) -> int:
-    """Delete the converted model at `path`; returns the bytes freed. Refused
-    (ModelError) unless `path` is a real directory (not a symlink) whose manifest
-    reads and which holds nothing but what that manifest lists."""
-    path = Path(path).expanduser()
+def check_removable(path) -> Path:
+    """The model directory `path` as an absolute path, if `rm` may delete it: a
+    path that means one directory (no symlink in it after which a `..` would
+    climb somewhere else: `B/experts/..` with B/experts a link is not B), itself
+    not a symlink, whose manifest reads and which holds nothing but what that
+    manifest lists. ModelError saying which fails otherwise."""
+    given = Path(path).expanduser()
+    path = Path(os.path.abspath(given))  # `.` and `x/..` as the directory they name
+    if ".." in given.parts and os.path.realpath(given) != os.path.realpath(path):
+        raise ModelError(f"{given}: resolves to {os.path.realpath(given)}, not "
+                         f"{os.path.realpath(path)} (a '..' after a symlink); give the "
+                         "model directory's own path")
     if path.is_symlink():
-        raise ModelError(f"{path}: a symlink; remove the link, or give its target")
+        raise ModelError(f"{given}: a symlink; remove the link, or give its target")
     manifest = read_manifest(path, check_files=False)
     foreign = foreign_files(path, manifest.files)
     if foreign:
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        raise ModelError(f"{path}: holds files deltafin-convert did not write ("
+        raise ModelError(f"{given}: holds files deltafin-convert did not write ("
                          f"{', '.join(foreign[:3])}{more}); not removed")
+    return path
+
+
+def remove_model_dir(path) -> int:
+    """Delete the converted model at `path` (checked by check_removable first);
+    returns the bytes freed."""
+    path = check_removable(path)
     freed = dir_bytes(path)
     shutil.rmtree(path)
     return freed
@@ -88,21 +102,3 @@ def demo_root(where=None) -> Path:
         return Path(where).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "deltafin" / "demo"
-
-
-def remove_demo(root: Path) -> int:
-    """Delete the demo's cache under `root`: its converted model (refused unless it
-    is one, remove_model_dir), its synthetic checkpoint, then `root` when empty.
-    Returns the bytes freed."""
-    freed = 0
-    if (root / "model").exists():
-        freed += remove_model_dir(root / "model")
-    src = root / "source"
-    if src.exists():
-        if src.is_symlink() or not (src / "config.json").is_file():
-            raise ModelError(f"{src}: not the demo's synthetic checkpoint; not removed")
-        freed += dir_bytes(src)
-        shutil.rmtree(src)
-    if root.is_dir() and not any(root.iterdir()):
-        root.rmdir()
-    return freed

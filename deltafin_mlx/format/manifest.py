@@ -338,6 +338,8 @@ def _check_linked(linked):
     _need(isinstance(linked, dict) and isinstance(linked.get("root"), str)
           and os.path.isabs(linked["root"]) and isinstance(linked.get("files"), dict)
           and linked["files"], "experts.linked must name an absolute root and its files")
+    _need("\x00" not in linked["root"],  # no path holds one: os calls refuse it
+          f"experts.linked root {linked['root']!r:.200} holds a NUL byte, so it names no folder")
     for rel, rec in linked["files"].items():
         if (not isinstance(rel, str) or not rel or "\x00" in rel or os.path.isabs(rel)
                 or ".." in Path(rel).parts):

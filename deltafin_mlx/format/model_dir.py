@@ -9,9 +9,10 @@ directory again. The tokenizer is loaded only when asked for
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from deltafin_mlx.compat import decode_tagged_floats
 from deltafin_mlx.errors import ModelError
@@ -88,6 +89,49 @@ def read_config(path: Path, manifest: Manifest) -> dict:
         if isinstance(generation, dict) and generation.get("eos_token_id"):
             config["eos_token_id"] = generation["eos_token_id"]
     return config
+
+
+def code_outside(path) -> List[str]:
+    """What config.json names as code to execute that lies outside the model
+    directory at `path`: its "model_file" (mlx-lm executes it with
+    --trust-remote-code, before any Deltafin code runs, so no check of ours can stop
+    it) and its "auto_map" modules (transformers' remote code: a module resolving
+    outside, or `repo--module.Class`, code from another hub repository). One line
+    each; [] for a config.json that cannot be read (the other checks say why)."""
+    try:
+        config = json.loads(read_inside(path, "config.json", CONFIG_MAX_BYTES))
+    except (ModelError, ValueError, RecursionError):
+        return []
+    if not isinstance(config, dict):
+        return []
+    root = os.path.realpath(path)
+
+    def outside(rel) -> bool:
+        try:
+            real = os.path.realpath(os.path.join(root, rel))
+        except (TypeError, ValueError):
+            return True
+        return os.path.commonpath([root, real]) != root
+
+    found = []
+    named = config.get("model_file")
+    if named is not None and (not isinstance(named, str) or outside(named)):
+        found.append(f'config.json: "model_file" names {named!r:.200}, outside the model '
+                     "directory: mlx-lm executes it (--trust-remote-code) before any Deltafin "
+                     "code runs; do not load this model with mlx-lm")
+    auto = config.get("auto_map")
+    refs = []
+    if isinstance(auto, dict):
+        for v in auto.values():
+            refs += [r for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
+    for ref in refs:
+        if "--" in ref:
+            found.append(f'config.json: "auto_map" names {ref!r:.200}, code from another hub '
+                         "repository: transformers would execute it with trust_remote_code")
+        elif outside(ref.rsplit(".", 1)[0] + ".py"):
+            found.append(f'config.json: "auto_map" names {ref!r:.200}, a module outside the '
+                         "model directory: transformers would execute it with trust_remote_code")
+    return found
 
 
 def _check_model_file(config: dict, cpath: Path, manifest: Manifest):

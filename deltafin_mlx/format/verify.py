@@ -7,7 +7,9 @@ every command reads it with (format/model_dir.py; else the check stops: the
 directory itself is hostile or edited); each file has its recorded size and its
 recorded whole-file CRC-32;
 every bank header matches the manifest, and every expert record the CRC-32 its bank
-header holds for it. Each problem names the file (and the record); checking goes on
+header holds for it; config.json names no code outside the directory for mlx-lm or
+transformers to execute (a danger, reported as such: no check can stop mlx-lm
+executing it). Each problem names the file (and the record); checking goes on
 past a damaged file, so one run lists all the damage.
 """
 
@@ -21,7 +23,7 @@ from deltafin_mlx.format.bank import BankError, read_layout
 from deltafin_mlx.format.integrity import (CHUNK, check_file, file_checksum, parse_checksum,
                                           resolve_inside)
 from deltafin_mlx.format.manifest import read_manifest
-from deltafin_mlx.format.model_dir import read_config
+from deltafin_mlx.format.model_dir import code_outside, read_config
 from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.links import check_linked_sources, read_links
 
@@ -33,10 +35,11 @@ class VerifyReport:
     records_checked: int = 0
     bytes_checked: int = 0
     problems: List[str] = field(default_factory=list)
+    dangers: List[str] = field(default_factory=list)  # code config.json names outside
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.dangers
 
 
 def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
@@ -49,7 +52,13 @@ def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) ->
     m = read_manifest(path, check_files=False)
     report = VerifyReport(path)
     real = {rel: resolve_inside(m.path, rel) for rel in m.files}  # raises on escapes
-    _check_config(m)
+    report.dangers = code_outside(m.path)
+    try:
+        _check_config(m)
+    except ModelError as e:
+        if not report.dangers:
+            raise
+        report.problems.append(str(e))  # the dangers are what to say first
 
     sound = []
     for rel, size in sorted(m.files.items()):

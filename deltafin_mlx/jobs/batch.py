@@ -28,8 +28,8 @@ from typing import Iterator, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from deltafin_mlx.jobs.results_file import (STDOUT, Results, open_input, read_lines,
-                                            result_key)
+from deltafin_mlx.jobs.results_file import (STDOUT, Results, check_not_input, open_input,
+                                            read_lines, result_key)
 from deltafin_mlx.jobs.batch_lines import Request, batch_request, read_requests
 from deltafin_mlx.jobs.job_options import check_options
 from deltafin_mlx.errors import DeltafinError
@@ -438,6 +438,7 @@ class Job:
 def open_job(in_path, out_path, options: Optional[dict] = None) -> Job:
     """Read IN, lock OUT (`-`: stdout, no resume), find what it already answers and
     check `options` ({flag: value}) against the ones OUT was written with."""
+    check_not_input(in_path, out_path)
     with open_input(in_path) as f:
         requests = read_requests(line for _, line, _ in read_lines(f))
     results = Results(out_path)

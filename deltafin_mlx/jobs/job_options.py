@@ -12,10 +12,12 @@ so) and gets its record from that run. stdout (`-o -`) has no resume, so no reco
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
 from deltafin_mlx.errors import BatchError
+from deltafin_mlx.jobs.results_file import write_failed
 
 SUFFIX = ".options.json"
 
@@ -64,10 +66,18 @@ def check_options(out_path, options: dict, started: bool) -> Optional[str]:
 
 
 def _write(path: Path, options: dict):
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(options, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """The record, written whole: a temporary file of this process's own (removed
+    if the write fails), renamed over `path`."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(options, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise write_failed(path, e) from None
+        raise

@@ -9,6 +9,7 @@ files (a FIFO would block, /dev/zero never end, /dev/full never hold a result);
 both answer everything: the second is refused while the first holds its lock.
 """
 
+import errno
 import fcntl
 import io
 import json
@@ -58,6 +59,29 @@ def check_regular(path, what: str, missing_ok: bool = False):
         raise BatchError(f"{path}: cannot open the {what} ({e.strerror or e})") from None
     if not stat.S_ISREG(mode):
         raise BatchError(f"{path}: the {what} must be a regular file (this is {file_kind(mode)})")
+
+
+def check_not_input(in_path, out_path):
+    """Refuse an output that is the input itself (the same file under any name): its
+    lines would all read as answered and nothing would be done."""
+    if out_path == STDOUT or in_path == STDIN:
+        return
+    try:
+        same = os.path.samefile(in_path, out_path)
+    except (OSError, ValueError):
+        return  # an output not made yet (or unreadable: the open says so)
+    if same:
+        raise BatchError(f"{out_path}: this is the input file {in_path}; results are "
+                         "appended to the output, so give another output file")
+
+
+def write_failed(path, e: OSError) -> BatchError:
+    """A failed write as one line naming the file it was for: "disk full" when that
+    is why (a rerun resumes where the job stopped)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return BatchError(f"{path}: disk full, no space left to write it; free space and "
+                          "rerun to resume")
+    return BatchError(f"{path}: cannot write ({e.strerror or e}); rerun to resume")
 
 
 def read_lines(f, limit: Optional[int] = None) -> Iterator[Tuple[int, Optional[bytes], bool]]:
@@ -149,11 +173,21 @@ class Results:
             data = (json.dumps(result, ensure_ascii=False) + "\n").encode("utf-8")
         except UnicodeEncodeError:  # a string UTF-8 cannot hold: JSON's escapes can
             data = (json.dumps(result) + "\n").encode("ascii")
+        end = os.lseek(self.fd, 0, os.SEEK_END) if self.resumable else None
         view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view):]
-        if self.resumable:
-            os.fsync(self.fd)
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+            if self.resumable:
+                os.fsync(self.fd)
+        except OSError as e:
+            if not self.resumable:
+                raise
+            try:  # no cut line left behind: the output ends with its last whole result
+                os.ftruncate(self.fd, end)
+            except OSError:
+                pass  # the next scan truncates it
+            raise write_failed(self.path, e) from None
 
     def close(self):
         if self.resumable and self.fd >= 0:

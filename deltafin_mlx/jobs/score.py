@@ -21,7 +21,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 from deltafin_mlx.units import count
 from deltafin_mlx.jobs.batch import Outcome, Progress, error_line
 from deltafin_mlx.jobs.job_options import check_options
-from deltafin_mlx.jobs.results_file import open_input, read_lines
+from deltafin_mlx.jobs.results_file import check_not_input, open_input, read_lines
 from deltafin_mlx.jobs.batch_lines import Request, iter_requests, read_requests
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.errors import BatchError
@@ -232,6 +232,7 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
     rest a pass at a time (counting each line in `outcome`). IN is read twice,
     a line at a time: once to count its lines and refuse duplicate ids before
     anything runs, then to prepare and score it a window at a time (`windows`)."""
+    check_not_input(in_path, out_path)
     keys = [r.key for r in job_requests(in_path)]
     out = open_output(out_path, opts.format, opts.top_logprobs)
     try:

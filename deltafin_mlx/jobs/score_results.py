@@ -8,11 +8,12 @@ null where not scored), logprob (the sum), scored_tokens, greedy.
 Safetensors (`--format safetensors`, docs/FORMAT.md): each pass is one shard of
 rows, one row per token of its texts, `tokens` (int32), `token_logprobs` (float16,
 NaN where not scored) and with K > 0 `top_ids` (int32, T x K) and `top_logprobs`
-(float16, T x K); a shard is written whole under a temporary name, fsynced, renamed
-and its directory fsynced, and only then are its texts' lines appended to the index
-(OUT itself): {"id", "shard", "offset", "length", "logprob", "scored_tokens",
-"greedy"}. A kill leaves at worst a shard no index line names, which the next run
-deletes before scoring those texts again.
+(float16, T x K); a shard is created under a name no file has (never overwriting
+anything), written whole, fsynced with its directory, and only then are its texts'
+lines appended to the index (OUT itself): {"id", "shard", "offset", "length",
+"logprob", "scored_tokens", "greedy"}. A kill leaves at worst a shard no index line
+names, which the next run deletes (it can tell its own: ShardOutput) before scoring
+those texts again; no other file beside OUT is ever deleted or written.
 
 Either way a rerun skips the ids OUT already answers (batch_io.Results.scan: a
 last line without its newline, all a kill mid-write can leave, is truncated away), and
@@ -22,12 +23,14 @@ error lines ({"id", "line", "error"}) answer their ids too.
 import json
 import os
 import re
+import stat
+import tempfile
 from pathlib import Path
 from typing import List
 
 import numpy as np
 
-from deltafin_mlx.jobs.results_file import Results, read_lines
+from deltafin_mlx.jobs.results_file import Results, read_lines, write_failed
 from deltafin_mlx.errors import BatchError
 from deltafin_mlx.format.dtypes import SAFETENSORS_CODE
 from deltafin_mlx.generation.logprobs import top_pairs
@@ -68,10 +71,14 @@ class JsonlOutput:
         self.out.close()
 
 
-def write_safetensors(path: Path, tensors: dict, metadata: dict = None):
-    """A safetensors file written whole: temporary name, fsync, rename, fsync of
-    the directory (so a file under its final name is always complete);
-    `metadata`: strings for its header's __metadata__."""
+# What marks a shard as written by a score job, and for which index (its name and
+# the index file's identity): only such a shard, named by no index line, is deleted.
+SHARD_KIND = "deltafin score shard"
+HEADER_MAX_BYTES = 1 << 20
+
+
+def _write_tensors(fd: int, tensors: dict, metadata: dict = None):
+    """The safetensors bytes of `tensors` written to `fd`, then fsynced."""
     header, offset, blobs = {}, 0, []
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -84,55 +91,130 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict = None):
         blobs.append(data)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with os.fdopen(os.dup(fd), "wb") as f:
         f.write(len(head).to_bytes(8, "little") + head)
         for data in blobs:
             f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+
+
+def _fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
+def _write_file(fd: int, path: Path, tensors: dict, metadata: dict = None):
+    """Write `tensors` to `fd`, a file this process just created at `path`; a
+    failed write removes that file (and only it: it is ours) and, for an OSError,
+    says which file in one line ("disk full" when that is why)."""
+    try:
+        _write_tensors(fd, tensors, metadata)
+    except BaseException as e:
+        os.unlink(path)
+        if isinstance(e, OSError):
+            raise write_failed(path, e) from None
+        raise
+    finally:
+        os.close(fd)
+
+
+def _create_written(path: Path, tensors: dict, metadata: dict = None):
+    """A new safetensors file at `path`, which must not exist (O_EXCL: nothing is
+    ever overwritten; FileExistsError otherwise)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                 0o644)
+    _write_file(fd, path, tensors, metadata)
+
+
+def write_safetensors(path: Path, tensors: dict, metadata: dict = None):
+    """A safetensors file written whole at `path`, a file the user named: a
+    temporary file of its own beside it (removed if the write fails), fsynced,
+    renamed over `path`, the directory fsynced (so a file under its final name is
+    always complete); `metadata`: strings for its header's __metadata__."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    _write_file(fd, Path(tmp), tensors, metadata)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _shard_header_metadata(path: Path) -> dict:
+    """The __metadata__ of the safetensors file at `path` ({} for anything that is
+    not a regular file with a readable header)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return {}
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        if not 0 < n <= HEADER_MAX_BYTES:
+            return {}
+        meta = json.loads(os.pread(fd, n, 8)).get("__metadata__")
+        return meta if isinstance(meta, dict) else {}
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return {}
+    finally:
+        os.close(fd)
+
+
 class ShardOutput:
-    """Shards named OUT's stem + `.NNNNN.safetensors`, beside the index OUT."""
+    """Shards named after the whole name of the index OUT (`OUT.NNNNN.safetensors`),
+    beside it. A shard is created, never overwritten (O_EXCL: a number already
+    taken, by anyone, is skipped), and records in its header which index it was
+    written for (its name and the index file's device and inode). The files left
+    by a kill between a shard and its index lines, and those only, are deleted at
+    the next run: a name no index line gives, whose header names this index."""
 
     def __init__(self, index_path, top_k: int):
         self.index = Path(index_path)
         self.top_k = top_k
         self.out = Results(self.index)
-        self.done = self.out.scan()  # every line a result (else refused), a cut last one gone
-        named = set()
-        with open(self.index, "rb") as f:
-            for _, raw, _ in read_lines(f):
-                if raw and raw.strip():
-                    shard = json.loads(raw).get("shard")
-                    if shard is not None:
-                        named.add(shard)
-        self.pattern = re.compile(re.escape(self.index.stem) + r"\.(\d{5})\.safetensors")
+        try:
+            self.done = self.out.scan()  # every line a result (else refused), a cut last one gone
+            named = self._named_shards()
+        except BaseException:
+            self.out.close()
+            raise
+        st = os.fstat(self.out.fd)
+        self.owner = {"kind": SHARD_KIND, "index": self.index.name,
+                      "index_file": f"{st.st_dev}:{st.st_ino}"}
+        pattern = re.compile(re.escape(self.index.name) + r"\.(\d{5})\.safetensors")
         numbers = [-1]
         for p in self.index.parent.iterdir():
-            m = self.pattern.fullmatch(p.name)
+            m = pattern.fullmatch(p.name)
             if m is None:
                 continue
-            if p.name not in named:
-                p.unlink()  # written, never indexed: its texts are scored again
-            else:
-                numbers.append(int(m.group(1)))
+            numbers.append(int(m.group(1)))  # taken, whoever wrote it: never reused
+            if p.name not in named and _shard_header_metadata(p) == self.owner:
+                p.unlink()  # ours, written and never indexed: its texts are scored again
         self.next = max(numbers) + 1
+
+    def _named_shards(self) -> set:
+        named = set()
+        with open(self.index, "rb") as f:
+            for n, raw, _ in read_lines(f):
+                if raw and raw.strip():
+                    shard = json.loads(raw).get("shard")
+                    if shard is not None and not isinstance(shard, str):
+                        raise BatchError(f"{self.index}: line {n}: \"shard\" must be a file "
+                                         "name (a string); not appending to it (use another "
+                                         "output file)")
+                    named.add(shard)
+        return named
 
     def write_pass(self, results: List[Scored]):
         if not results:
             return
-        name = f"{self.index.stem}.{self.next:05d}.safetensors"
-        if self.next > 99999:
-            raise BatchError(f"{self.index}: 100,000 shards already; use another output file")
-        self.next += 1
         tensors = {
             "tokens": np.concatenate([np.asarray(s.item.tokens, np.int32) for s in results]),
             "token_logprobs": np.concatenate([s.token_logprobs for s in results]).astype(np.float16),
@@ -141,7 +223,17 @@ class ShardOutput:
             tensors["top_ids"] = np.concatenate([s.top_ids for s in results]).astype(np.int32)
             tensors["top_logprobs"] = np.concatenate(
                 [s.top_logprobs for s in results]).astype(np.float16)
-        write_safetensors(self.index.parent / name, tensors)
+        while True:
+            if self.next > 99999:
+                raise BatchError(f"{self.index}: 100,000 shards already; use another output file")
+            name = f"{self.index.name}.{self.next:05d}.safetensors"
+            self.next += 1
+            try:
+                _create_written(self.index.parent / name, tensors, self.owner)
+                break
+            except FileExistsError:
+                continue  # someone else's file: left as it is, the next number tried
+        _fsync_dir(self.index.parent)
         offset = 0
         for s in results:
             n = len(s.item.tokens)

@@ -10,6 +10,7 @@ again and replaces the entry.
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +19,9 @@ from typing import Callable, Tuple
 import mlx.core as mx
 import numpy as np
 
+from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.aligned import aligned_empty
+from deltafin_mlx.format.integrity import read_inside
 
 
 def cache_dir() -> Path:
@@ -44,30 +47,66 @@ def compute_key(mode: str, bits: int, group_size: int, dtype, batch: int = 1) ->
             + (f":batch{batch}" if batch > 1 else ""))
 
 
-def _read() -> dict:
-    try:
-        d = json.loads(rates_file().read_text())
-        return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
+# The cache holds a few dozen entries; anything larger is not one Deltafin wrote.
+RATES_MAX_BYTES = 1 << 20
+# What a measured rate can be, by the key's kind: disk GB/s, compute G weights/s,
+# seconds a layer costs a decode step. A value outside is not a measurement (an
+# edit, a corrupted file) and would project nonsense: it is measured again.
+PLAUSIBLE = {"disk": (1e-4, 1e4), "compute": (1e-4, 1e7), "layer": (1e-8, 10.0)}
+_warned = set()
+
+
+def _say_ignored(why: str):
+    """One line per reason and process: the cache is ignored and rates measured again."""
+    if why not in _warned:
+        _warned.add(why)
+        print(f"[deltafin] {rates_file()}: {why}; measuring again", file=sys.stderr)
+
+
+def _read(quiet: bool = False) -> dict:
+    """The cached entries: {} when there is no cache, or one that is not a regular
+    file of at most RATES_MAX_BYTES holding a JSON object (read as the hot-set files
+    are: opened non-blocking, bounded, so a FIFO, /dev/zero or a huge file cannot
+    hang or exhaust memory); `quiet`: without the line saying it is ignored."""
+    if not os.path.lexists(rates_file()):
         return {}
+    try:
+        raw = read_inside(cache_dir(), rates_file().name, RATES_MAX_BYTES,
+                          inside="the cache directory")
+        d = json.loads(raw)
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
+        return d
+    except (ModelError, ValueError, RecursionError, UnicodeDecodeError) as e:
+        if not quiet:
+            detail = str(e).replace(f"{rates_file()}: ", "").splitlines()[0][:200]
+            _say_ignored(f"ignored ({detail})")
+        return {}
+
+
+def _plausible(key: str, value) -> bool:
+    low, high = PLAUSIBLE.get(key.split(":")[0], (0.0, 1e30))
+    # Compared, never converted: 10**400 has no float, NaN fails every comparison.
+    return type(value) in (int, float) and low <= value <= high
 
 
 def cached_rate(key: str, measure: Callable[[], float], remeasure: bool = False
                 ) -> Tuple[float, dict]:
     """(rate, entry): the cached value for `key`, or `measure()` stored for next time.
     entry says where it came from: {"value", "measured" (UTC time), "cached": bool}."""
-    entries = _read()
-    entry = entries.get(key)
-    if not remeasure and isinstance(entry, dict) and isinstance(entry.get("value"), (int, float)) \
-            and entry["value"] > 0:
-        return float(entry["value"]), {**entry, "cached": True, "file": str(rates_file())}
+    entry = _read().get(key)
+    if not remeasure and isinstance(entry, dict) and "value" in entry:
+        if _plausible(key, entry["value"]):
+            return float(entry["value"]), {**entry, "cached": True, "file": str(rates_file())}
+        _say_ignored(f"the cached rate {key.split(':')[0]} "
+                     f"{str(entry['value'])[:30]} is not a plausible measurement")
     return store_rate(key, measure())
 
 
 def store_rate(key: str, value: float, how: str = None) -> Tuple[float, dict]:
     """Cache `value` under `key` (`how`: what measured it, when not the rate's own
     microbenchmark, e.g. a bench run); returns it with its entry as cached_rate does."""
-    entries = _read()
+    entries = _read(quiet=True)
     entry = {"value": value, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if how:
         entry["how"] = how

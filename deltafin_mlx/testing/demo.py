@@ -4,6 +4,7 @@ converted with deltafin-convert, and a memory plan that holds only a quarter of
 its experts, so most of them stream from disk. Used by `deltafin-run --demo`
 (cli/demo.py), the tests and bench. Where it lives: format/catalog.py's demo_root."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -22,23 +23,27 @@ CACHE_FRACTION = 0.25
 def prepare(root: Path) -> Path:
     """The converted demo model under `root` (built on first use, reused afterwards)."""
     from deltafin_mlx.convert.convert import ConvertOptions, convert
+    from deltafin_mlx.format import demo_marker
     from deltafin_mlx.format.manifest import MANIFEST_NAME
     from deltafin_mlx.testing.synthetic import make_checkpoint
 
     root = Path(root)
-    model = root / "model"
+    model = root / demo_marker.MODEL
     if (model / MANIFEST_NAME).exists():
         print(f"[demo] the demo model, converted earlier, is in {model} "
               "('deltafin-run rm --demo' removes it)", file=sys.stderr)
         return model
-    src = root / "source"
-    if not (src / "model.safetensors.index.json").exists():
+    # Every file written here is recorded first (format/demo_marker.py): `rm --demo`
+    # deletes those and nothing else of a folder that may be any the user named.
+    root.mkdir(parents=True, exist_ok=True)
+    src = root / demo_marker.SOURCE
+    if not demo_marker.source_is_complete(root):
+        work = demo_marker.start_source(root)
         print(f"[demo] writing a synthetic K3-layout checkpoint to {src}", file=sys.stderr)
-        if src.exists():
-            import shutil
-
-            shutil.rmtree(src)
-        make_checkpoint(src, "kimi_k3", seed=0, **DEMO_SHAPE)
+        make_checkpoint(work, "kimi_k3", seed=0, **DEMO_SHAPE)
+        demo_marker.finish_source(root, work)
+    if not os.path.lexists(model):
+        demo_marker.claim_model(root)
     print(f"[demo] converting it with deltafin-convert into {model}", file=sys.stderr)
     convert(str(src), model, ConvertOptions(progress=True))
     return model

@@ -1,0 +1,82 @@
+"""Chat commands and session saves never end a chat: `/drop` with anything but a
+plain number (a superscript digit, 5,000 digits) prints its usage and the chat goes
+on; a session that cannot be saved (a full disk) is one line naming the file and
+the disk, the file keeps the conversation as last saved, and the chat goes on."""
+
+import errno
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+USAGE = "[/drop N: N is how many of the oldest exchanges to forget, 1 or more]"
+
+
+def chat(model, stdin: str, *more):
+    return subprocess.run([str(BIN / "deltafin-run"), str(model), "--chat", "-n", "3",
+                           "--budget", "200MB", "--no-warm-start", *map(str, more)],
+                          input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def replies(err: str) -> int:
+    """How many turns were answered (each ends with its stats line)."""
+    return sum(l.lstrip("> ").startswith("[deltafin] ") and "prefilled" in l
+               for l in err.splitlines())
+
+
+@pytest.mark.parametrize("arg", ["²", "1" * 5000, "٣", "-1", "0", "1 2"])
+def test_drop_with_anything_but_a_number_prints_its_usage_and_goes_on(converted, arg):
+    r = chat(converted("kimi_k3"), f"Hello\n/drop {arg}\nAgain\n/quit\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert USAGE in r.stderr and replies(r.stderr) == 2, r.stderr
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 4 MiB tmpfs of the test's own (skipped where mounting is not permitted)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {(p.stderr or p.stdout).strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill(fs: Path):
+    """Take every free byte of `fs`."""
+    with open(fs / "filler", "ab", buffering=0) as f:
+        for size in (1 << 20, 1 << 16, 4096, 1):
+            while True:
+                try:
+                    if f.write(b"\xee" * size) != size:
+                        break
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    break
+
+
+def test_a_session_on_a_full_disk_says_so_keeps_the_file_and_the_chat_goes_on(
+        converted, small_fs):
+    model = converted("kimi_k3")
+    session = small_fs / "talk.safetensors"
+    r = chat(model, "Hello\n/quit\n", "--session", session)
+    assert r.returncode == 0 and session.is_file(), r.stderr
+    saved = hashlib.sha256(session.read_bytes()).hexdigest()
+    fill(small_fs)
+    r = chat(model, "Again\n/drop 1\nMore\n/quit\n", "--session", session)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert replies(r.stderr) == 2, r.stderr
+    said = [l for l in r.stderr.splitlines() if "not saved" in l]
+    assert len(said) == 3, r.stderr  # after each turn and the /drop
+    assert all("disk full" in l and str(session) in l for l in said), said
+    assert hashlib.sha256(session.read_bytes()).hexdigest() == saved
+    assert sorted(p.name for p in small_fs.iterdir()) == ["filler", "talk.safetensors"]

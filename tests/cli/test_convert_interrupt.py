@@ -1,0 +1,69 @@
+"""A Ctrl-C right as deltafin-convert finishes prints no KeyboardInterrupt
+traceback: one landing in a finalizer (tqdm's __del__, as the finished progress
+bar is collected), which Python would print as "Exception ignored" and drop, is
+raised in the main code, which says in one line that the conversion had finished;
+the model is whole."""
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
+
+BIN = Path(sys.executable).parent
+
+
+def test_a_ctrl_c_in_a_finalizer_as_the_conversion_ends_is_one_line(sources, tmp_path):
+    """Deterministic: an object collected inside the conversion's last step gets
+    the SIGINT while its __del__ runs."""
+    program = (
+        "import os, signal, sys\n"
+        "import deltafin_mlx.cli.convert as c\n"
+        "import deltafin_mlx.convert.convert as library\n"
+        "real = library.convert\n"
+        "class Bar:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        sum(range(1000))  # the handler runs here, inside the finalizer\n"
+        "def convert(*a, **k):\n"
+        "    m = real(*a, **k)\n"
+        "    Bar()\n"
+        "    return m\n"
+        "library.convert = convert  # what the command imports when it runs\n"
+        "sys.argv = ['deltafin-convert', sys.argv[1], sys.argv[2]]\n"
+        "sys.exit(c.main())\n")
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-c", program, str(sources("mixtral")), str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
+    assert "interrupted after the conversion had finished" in p.stderr
+    read_manifest(out)
+
+
+# Delays after the manifest appears: the last writes, the progress bar's close and
+# collection, the result line, the interpreter's exit.
+DELAYS = [0, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.03, 0.1, 0.3]
+
+
+def test_ctrl_c_at_points_around_the_end_of_a_conversion_is_never_a_traceback(sources,
+                                                                               tmp_path):
+    src = sources("kimi_k3")
+    for delay in DELAYS:
+        out = tmp_path / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        p = subprocess.Popen([str(BIN / "deltafin-convert"), str(src), str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while not (out / MANIFEST_NAME).exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.0002)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, (delay, err)
+        assert p.returncode in (0, 130), (delay, p.returncode, err)
+        if p.returncode == 0:
+            read_manifest(out)
