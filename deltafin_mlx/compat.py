@@ -20,6 +20,7 @@ CHECKED_VERSIONS = ">=0.32.2,<0.33"
 PRIVATE = (
     ("mlx_lm.utils", "_get_classes"),                   # model_classes
     ("mlx_lm.utils", "_decode_tagged_floats"),          # decode_tagged_floats
+    ("mlx_lm.utils", "_FLOAT_TAG_KEY"),                 # its tag: FLOAT_TAG
     ("mlx_lm.server", "ResponseGenerator._tokenize"),   # server_prompt_tokens
     ("mlx_lm.server", "ResponseGenerator._next_request"),  # wrapped: gate_server_requests;
                                                         # overridden: server/generation.py
@@ -88,8 +89,16 @@ def model_classes(config: dict):
     return mlx_lm.utils._get_classes(config)
 
 
-def decode_tagged_floats(obj):
-    """config.json as mlx-lm's load_config decodes it (tagged non-finite floats)."""
+FLOAT_TAG = "__float__"  # mlx_lm.utils._FLOAT_TAG_KEY (checked by the surface test)
+
+
+def decode_tagged_floats(obj, raw: bytes = None):
+    """config.json as mlx-lm's load_config decodes it (tagged non-finite floats).
+    A config whose text `raw` holds no tag is returned as it is without importing
+    mlx-lm, whose package imports its generation code and transformers: `list` and
+    `plan` of a converted model stay light."""
+    if raw is not None and FLOAT_TAG.encode() not in raw:
+        return obj
     import mlx_lm.utils
 
     return mlx_lm.utils._decode_tagged_floats(obj)

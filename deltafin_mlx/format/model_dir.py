@@ -62,7 +62,7 @@ def read_source_config(path: Path) -> dict:
 
 def _parse_config(raw: bytes, where: Path) -> dict:
     try:
-        config = decode_tagged_floats(json.loads(raw))
+        config = decode_tagged_floats(json.loads(raw), raw)
         if not isinstance(config, dict):
             raise ValueError("not a JSON object")
     except (ValueError, RecursionError, TypeError) as e:

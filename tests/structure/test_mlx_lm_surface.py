@@ -34,6 +34,13 @@ def test_make_samplers_chain_is_readable():
     assert compat.sampler_chain(make_sampler(0.0)) == ([], None)
 
 
+def test_the_float_tag_is_mlx_lms():
+    import mlx_lm.utils
+
+    assert compat.FLOAT_TAG == mlx_lm.utils._FLOAT_TAG_KEY
+    assert compat.decode_tagged_floats({"a": {"__float__": "NaN"}}, b'"__float__"')["a"] != 0
+
+
 def test_only_compat_reaches_into_mlx_lm_private_names():
     """`mlx_lm.anything._private` is spelled in compat.py alone."""
     spelled = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
