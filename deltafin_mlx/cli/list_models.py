@@ -10,7 +10,8 @@ from deltafin_mlx.cli.options import Parser, positive
 def list_parser():
     p = Parser(prog="deltafin-run list", description="List the converted models under a "
                "directory: size on disk, architecture, the smallest budget each runs in.")
-    p.add_argument("dir", nargs="?", default=".", help="where to look (4 levels down)")
+    p.add_argument("dir", nargs="?", default=None,
+                   help="where to look (4 levels down); without it, here and the demo's model")
     p.add_argument("--context", type=positive, default=4096, help="the context the floor is for")
     p.add_argument("--json", action="store_true", help="one JSON object per model, a line each")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -19,12 +20,11 @@ def list_parser():
 
 def cmd_list(argv) -> int:
     from deltafin_mlx.errors import DeltafinError
-    from deltafin_mlx.format.catalog import find_model_dirs
     from deltafin_mlx.units import human_bytes
 
     args = list_parser().parse_args(argv)
     rows = []
-    for path in find_model_dirs(args.dir):
+    for path in model_dirs(args.dir):
         try:
             row = model_row(path, args.context)
         except DeltafinError as e:  # one damaged model does not hide the others
@@ -35,7 +35,7 @@ def cmd_list(argv) -> int:
     if args.json:
         return 0
     if not rows:
-        print(f"no converted models under {args.dir}")
+        print(f"no converted models under {args.dir or '.'}")
         return 0
     table = [("MODEL", "SIZE", "ARCHITECTURE", "QUANTIZATION", f"FLOOR ({args.context} tokens)")]
     for row in rows:
@@ -49,6 +49,21 @@ def cmd_list(argv) -> int:
     for r in table:  # aligned columns; an unusable model's reason runs to the end
         print("  ".join([c.ljust(w) for c, w in zip(r[:-1], widths)] + [r[-1]]).rstrip())
     return 0
+
+
+def model_dirs(where):
+    """The model directories under `where`; with no `where`, those under the
+    working directory and the demo's model (`deltafin-run --demo` keeps it in the
+    cache, where no one would look)."""
+    from deltafin_mlx.format.catalog import demo_root, find_model_dirs
+    from deltafin_mlx.format.manifest import MANIFEST_NAME
+
+    found = list(find_model_dirs(where or "."))
+    demo = demo_root() / "model"
+    if where is None and (demo / MANIFEST_NAME).is_file() and \
+            demo.resolve() not in {p.resolve() for p in found}:
+        found.append(demo)
+    return found
 
 
 def model_row(path, context: int) -> dict:

@@ -5,6 +5,7 @@ ranges read low to high with singular nouns, the converter's bar ends once, and
 the batch and bench summaries say what their figures are."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,21 @@ def test_list_has_a_quantization_column_and_aligned_columns(converted, tmp_path)
     for column in ("SIZE", "ARCHITECTURE", "QUANTIZATION", "FLOOR"):
         at = header.index(column)
         assert all(row[at - 2: at] == "  " and row[at] != " " for row in rows), out.stdout
+
+
+def test_list_without_a_folder_shows_the_demo_too(converted, tmp_path):
+    import shutil
+
+    shutil.copytree(converted("qwen3_moe"), tmp_path / "here" / "mine")
+    shutil.copytree(converted("kimi_k3"), tmp_path / "cache" / "deltafin" / "demo" / "model")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    out = subprocess.run([str(BIN / "deltafin-run"), "list"], cwd=tmp_path / "here", env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = out.stdout.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["mine", str(tmp_path / "cache" / "deltafin" / "demo" / "model")]
+    given = run("deltafin-run", "list", tmp_path / "here")  # a folder named: that folder only
+    assert len(given.stdout.splitlines()) == 2, given.stdout
 
 
 def test_rm_of_a_hugging_face_folder_says_what_it_is(sources):
