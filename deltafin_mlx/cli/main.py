@@ -28,7 +28,8 @@ import threading  # noqa: E402
 
 from deltafin_mlx.cli.common import add_version, guarded, quiet_broken_pipe  # noqa: E402
 from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens,  # noqa: E402
-                                      add_sampling_options, count, positive)
+                                      add_sampling_options, positive,
+                                      request_field)
 from deltafin_mlx.errors import UsageError  # noqa: E402
 
 if _sigint is not None:  # imported: Ctrl-C is KeyboardInterrupt again, for guarded
@@ -110,7 +111,7 @@ def run_parser():
     add_max_tokens(p, None, "tokens to generate (default: 256; 64 with --demo)")
     add_sampling_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    p.add_argument("--top-logprobs", type=count, default=0, metavar="K",
+    p.add_argument("--top-logprobs", type=request_field("top_logprobs", int), default=0, metavar="K",
                    help="with --json: the K likeliest tokens at each generated position, as "
                    "[id, logprob] pairs best first")
     p.add_argument("--chat", action="store_true", help="interactive chat")
