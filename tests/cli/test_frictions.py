@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import deltafin_mlx
-from conftest import make_source
+from helpers import make_source
 from deltafin_mlx.cli import convert as convert_cli
 from deltafin_mlx.format.bank import read_layout
 from deltafin_mlx.cli.main import main

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import deltafin_mlx
-from conftest import make_source
+from helpers import make_source
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx import runtime
 from deltafin_mlx.errors import ConvertError, ModelError
