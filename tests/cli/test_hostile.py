@@ -304,7 +304,7 @@ def test_a_jinja_template_that_never_ends_is_stopped(monkeypatch):
     start = time.monotonic()
     with pytest.raises(TemplateLimit, match="ran over"):
         render_jinja_chat(loop, [{"role": "user", "content": "x"}])
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # 10**10 iterations unstopped: hours
     with pytest.raises(TemplateLimit, match="repeats a value"):
         render_jinja_chat('{{ "a" * 10000000000 }}', [])
     with pytest.raises(TemplateLimit):
