@@ -186,7 +186,7 @@ def post(port, path, body):
 
 @pytest.fixture
 def server(converted, tmp_path):
-    from bench.lib.server import free_port as port_of, start_server
+    from deltafin_mlx.testing.server import free_port as port_of, start_server
 
     port = port_of()
     proc = start_server(converted("kimi_k3"), port, "200MB", tmp_path / "server.log")

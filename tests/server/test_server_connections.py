@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from bench.lib.server import free_port, get, post, start_server, stop_server
+from deltafin_mlx.testing.server import free_port, get, post, start_server, stop_server
 
 CONTEXT = 512
 MAX_CONNECTIONS = 8

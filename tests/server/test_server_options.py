@@ -14,7 +14,7 @@ from queue import Queue
 
 import pytest
 
-from bench.lib.server import free_port, get, post, start_server, stop_server
+from deltafin_mlx.testing.server import free_port, get, post, start_server, stop_server
 
 BIN = Path(sys.executable).parent
 
