@@ -66,3 +66,28 @@ def copy_of(tmp_path):
         return dst
 
     return copy
+
+
+# End-to-end tests, marked `e2e` here in one table rather than by decorators spread
+# over the files: whole commands in fresh processes (the README verbatim, the demo, a
+# server under load, mlx.launch ranks, hub conversions, Ctrl-C loops) and any test that
+# takes more than a few seconds alone. `pytest -m "not e2e"` is the fast run for edits;
+# the full run (no -m) is what CI and a release run. Patterns are fnmatch patterns over
+# node ids (file::test[params]); a file's pattern marks every test in it.
+E2E = [
+    "tests/model/test_distributed.py::*",         # mlx.launch, two ranks per test
+    "tests/server/test_server_load.py::*",        # bench's stress harness, 12-24 clients
+    "tests/server/test_stalled_bodies.py::*",     # 70 stalled bodies beside timed requests
+    "tests/cli/test_frictions.py::test_readme_examples_run_verbatim",
+    "tests/cli/test_frictions.py::test_demo_*",
+    "tests/cli/test_cli.py::test_demo_builds_converts_and_streams",
+    "tests/convert/test_hub.py::test_convert_a_hub_id_*",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    import fnmatch
+
+    for item in items:
+        if any(fnmatch.fnmatchcase(item.nodeid, p) for p in E2E):
+            item.add_marker(pytest.mark.e2e)
