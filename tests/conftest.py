@@ -69,19 +69,70 @@ def copy_of(tmp_path):
 
 
 # End-to-end tests, marked `e2e` here in one table rather than by decorators spread
-# over the files: whole commands in fresh processes (the README verbatim, the demo, a
-# server under load, mlx.launch ranks, hub conversions, Ctrl-C loops) and any test that
-# takes more than a few seconds alone. `pytest -m "not e2e"` is the fast run for edits;
-# the full run (no -m) is what CI and a release run. Patterns are fnmatch patterns over
-# node ids (file::test[params]); a file's pattern marks every test in it.
+# over the files. They run whole commands in fresh processes (each pays the runtime's
+# imports, a second of CPU, before it does anything), start servers or mlx.launch ranks,
+# convert from a hub, loop over kill points or fuzz cases: the README verbatim, the
+# demo, servers under load, Ctrl-C and SIGKILL loops, and any test that takes more than
+# a few seconds alone. `pytest -m "not e2e"` is the fast run for edits (every stage is
+# still covered in-process); the full run (no -m) is what CI and a release run.
+# Entries are fnmatch patterns over node ids without their [parameters]; `file::*`
+# marks a whole file.
 E2E = [
-    "tests/model/test_distributed.py::*",         # mlx.launch, two ranks per test
-    "tests/server/test_server_load.py::*",        # bench's stress harness, 12-24 clients
-    "tests/server/test_stalled_bodies.py::*",     # 70 stalled bodies beside timed requests
+    # whole files: ranks, load, hub conversions, mlx_lm.server through the drop-in
+    "tests/model/test_distributed.py::*",
+    "tests/server/test_server_load.py::*",
+    "tests/server/test_stalled_bodies.py::*",
+    "tests/convert/test_hub.py::*",
+    "tests/convert/test_hub_downloads.py::*",
+    "tests/convert/test_hub_scratch.py::*",
+    "tests/dropin/*::*",
+    # the README and the demo
     "tests/cli/test_frictions.py::test_readme_examples_run_verbatim",
     "tests/cli/test_frictions.py::test_demo_*",
+    "tests/cli/test_frictions_round3.py::test_*demo*",
     "tests/cli/test_cli.py::test_demo_builds_converts_and_streams",
-    "tests/convert/test_hub.py::test_convert_a_hub_id_*",
+    # Ctrl-C, SIGKILL and kill-and-resume loops; fuzzing
+    "tests/*::test_ctrl_c_*",
+    "tests/*::test_*killed*",
+    "tests/cli/test_reliability.py::test_sigkill_*",
+    "tests/cli/test_reliability.py::test_fuzzed_*",
+    "tests/cli/test_reliability.py::test_random_byte_damage_to_the_manifest",
+    "tests/cli/test_reliability.py::test_disk_full_mid_conversion_is_one_line_and_resumable",
+    "tests/cli/test_reliability.py::test_too_little_space_up_front_*",
+    "tests/convert/test_convert.py::test_killed_conversion_resumes",
+    "tests/convert/test_convert.py::test_peak_memory_is_bounded_by_the_largest_layer",
+    "tests/convert/test_synthetic.py::test_memory_stays_bounded",
+    # deltafin-run, deltafin-convert or a server as a process, a few seconds each
+    "tests/cli/test_cli.py::test_run_streams_text_and_ends_with_one_stats_line",
+    "tests/cli/test_cli.py::test_json_output_has_text_tokens_and_stats",
+    "tests/cli/test_cli.py::test_prompt_from_stdin_equals_prompt_argument",
+    "tests/cli/test_cli.py::test_stop_string_ends_the_text_before_it",
+    "tests/cli/test_cli.py::test_chat_keeps_history_and_answers_commands",
+    "tests/cli/test_cli.py::test_bench_subcommand_reports_tokens_per_second",
+    "tests/cli/test_cli.py::test_trace_routing_writes_one_line_per_token",
+    "tests/cli/test_cli.py::test_bad_input_is_one_line_and_a_non_zero_exit",
+    "tests/cli/test_cli.py::test_mlx_lm_generate_runs_a_converted_directory",
+    "tests/cli/test_cli.py::test_*serve*",
+    "tests/cli/test_frictions.py::test_verify_names_every_damaged_file_and_record",
+    "tests/cli/test_frictions.py::test_load_and_the_cli_expand_a_tilde",
+    "tests/cli/test_frictions.py::test_output_into_a_closed_pipe_ends_quietly",
+    "tests/cli/test_hostile.py::test_oddly_*",
+    "tests/cli/test_hostile.py::test_out_*",
+    "tests/cli/test_hostile.py::test_src_inside_out_is_refused_even_with_force",
+    "tests/cli/test_hostile.py::test_emptied_special_token_resealed_is_one_line_not_a_hang",
+    "tests/chat/test_chat.py::test_cli_chat_commands_multiline_and_a_resumed_session",
+    "tests/convert/test_linked.py::test_a_linked_source_*",
+    "tests/convert/test_linked.py::test_linked_experts_*",
+    "tests/engine/test_prefill_memory.py::*",
+    "tests/engine/test_runtime.py::test_peak_memory_stays_within_budget_when_experts_are_4x_the_budget",
+    "tests/generation/test_stats.py::*",
+    "tests/jobs/test_score.py::test_cli_*",
+    "tests/jobs/test_score.py::test_run_json_top_logprobs",
+    "tests/server/test_server_options.py::test_requests_beyond_the_places_*",
+    "tests/server/test_server_options.py::test_a_port_in_use_*",
+    "tests/server/test_server_options.py::test_a_config_naming_another_model_file_*",
+    "tests/server/test_server_requests.py::test_after_every_hostile_request_*",
+    "tests/tokenizer/test_tokenizer.py::test_encoding_from_hundreds_of_threads_keeps_memory_flat",
 ]
 
 
@@ -89,5 +140,6 @@ def pytest_collection_modifyitems(config, items):
     import fnmatch
 
     for item in items:
-        if any(fnmatch.fnmatchcase(item.nodeid, p) for p in E2E):
+        node = item.nodeid.split("[", 1)[0]
+        if any(fnmatch.fnmatchcase(node, p) for p in E2E):
             item.add_marker(pytest.mark.e2e)
