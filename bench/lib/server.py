@@ -16,13 +16,13 @@ def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, e
                  env=None, samples=None, prefix=()):
     """deltafin_mlx.testing.server.start_server; `samples`: a file for `deltafin-run
     serve`'s memory samples (bench/lib/worker/sampled_serve.py)."""
-    launcher = None
-    if samples is not None:
-        def launcher(serve):
-            return (worker.command("sampled-serve", samples, *serve),
-                    {"PYTHONPATH": worker.environment()["PYTHONPATH"]})
+    def sampled(serve):
+        return (worker.command("sampled-serve", samples, *serve),
+                {"PYTHONPATH": worker.environment()["PYTHONPATH"]})
+
     return _server.start_server(model, port, budget, log_path, server=server, context=context,
-                                extra=extra, env=env, prefix=prefix, launcher=launcher)
+                                extra=extra, env=env, prefix=prefix,
+                                launcher=sampled if samples is not None else None)
 
 
 def peak_rss(pid) -> int:

@@ -4,17 +4,14 @@
 import json
 import os
 import subprocess
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 import deltafin_mlx
 from deltafin_mlx.errors import HubError, TokenizerError, TrunkReadError
 from deltafin_mlx import runtime
-
-BIN = Path(sys.executable).parent
+from helpers import BIN
 
 
 def run(args, stdin=None, env=None, timeout=300):

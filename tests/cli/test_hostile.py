@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,8 +32,8 @@ from deltafin_mlx.format.verify import verify_model
 from test_reliability import no_hang
 
 from deltafin_mlx import runtime
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 LOAD = dict(tokenizer=False, cache_slots=4, reader_threads=0, lookahead=False)
 
 

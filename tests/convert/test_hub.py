@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,8 +13,8 @@ import pytest
 
 from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
 from deltafin_mlx.testing.fake_hub import FakeHub
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 PLAN_RATES = ["--disk-gbps", "2", "--compute-gwps", "3"]
 
 

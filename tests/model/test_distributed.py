@@ -31,10 +31,10 @@ from deltafin_mlx.format.manifest import ModelError, read_manifest
 from deltafin_mlx.plan.memory import plan_memory
 from deltafin_mlx.model.shard import check_divisible, expert_layout, sharded_inventory
 from deltafin_mlx import runtime
+from helpers import BIN
 
 HERE = Path(__file__).parent
 WORKER = HERE / "dist_worker.py"
-BIN = Path(sys.executable).parent
 LAUNCH = BIN / "mlx.launch"
 STEPS = 8
 # Architectures whose mlx-lm model class has shard() in mlx-lm 0.32.2 (Mixtral's has none).

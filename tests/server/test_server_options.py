@@ -6,17 +6,14 @@ and a failure inside the generation loop fails only the requests it held."""
 import json
 import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from queue import Queue
 
 import pytest
 
 from deltafin_mlx.testing.server import free_port, get, post, start_server, stop_server
-
-BIN = Path(sys.executable).parent
+from helpers import BIN
 
 
 def serve(*args, timeout=60):
