@@ -244,7 +244,7 @@ def analyze(scale: dict, disk: dict):
             if "plan" in ok[0]:
                 p = ok[0]["plan"]
                 row["budget"] = ok[0]["budget"]
-                row["slots"] = p.get("slots", p.get("slots_per_layer"))
+                row["slots"] = p.get("slots")
                 row["cache_fraction"] = p.get("cache_fraction")
                 row["peak_rss_over_budget"] = summary([r["peak_rss"] / r["budget"] for r in ok])
                 for k in ("hit_rate", "precision", "recall", "stall_share",

@@ -1,60 +1,14 @@
 """Shared fixtures: tiny generated source checkpoints, their conversions, and the
-oracle — the same source quantized by mlx-lm itself and run fully in memory."""
+oracle — the same source quantized by mlx-lm itself and run fully in memory
+(helpers.py makes them; tests that call them directly import helpers)."""
 
 import shutil
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
-from mlx.utils import tree_map_with_path
-from mlx_lm.utils import load_model, quantize_model
 
 from deltafin_mlx.convert.convert import ConvertOptions, convert
-from deltafin_mlx.testing.synthetic import make_checkpoint
-
-# Affine fixtures use widths that every group size divides, so mlx-lm quantizes
-# exactly the modules Deltafin does.
-FIXTURE_OVERRIDES = {
-    "kimi_k3": {},
-    "kimi_k2": {"moe_intermediate_size": 128},
-    "qwen3_moe": {"moe_intermediate_size": 128},
-    "mixtral": {"moe_intermediate_size": 128},
-}
-
-
-def make_source(path, arch, **overrides):
-    return make_checkpoint(path, arch, seed=0, **{**FIXTURE_OVERRIDES[arch], **overrides})
-
-
-def reference_model(src, trunk_bits=4, group_size=64, expert_bits=4, expert_group_size=64):
-    """What `mlx_lm.convert -q` makes of `src`, loaded fully in memory at float32:
-    load lazily, cast to the config dtype, quantize with the model's own predicate
-    (and the expert settings for switch_mlp), exactly as mlx_lm.convert does."""
-    model, config = load_model(Path(src), lazy=True)
-    dtype = config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
-    cast = getattr(model, "cast_predicate", lambda _: True)
-    dt = getattr(mx, dtype)
-    model.update(
-        tree_map_with_path(
-            lambda k, v: v.astype(dt) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
-            model.parameters(),
-        )
-    )
-    own = getattr(model, "quant_predicate", None)
-
-    def predicate(path, module):
-        if "switch_mlp" in path:
-            return {"group_size": expert_group_size, "bits": expert_bits, "mode": "affine"}
-        if trunk_bits is None:
-            return False
-        return own(path, module) if own else True
-
-    model, _ = quantize_model(
-        model, config, group_size, trunk_bits or 4, quant_predicate=predicate
-    )
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
+from helpers import make_source, reference_model
 
 
 @pytest.fixture(autouse=True)
@@ -112,3 +66,99 @@ def copy_of(tmp_path):
         return dst
 
     return copy
+
+
+# End-to-end tests, marked `e2e` here in one table rather than by decorators spread
+# over the files. They run whole commands in fresh processes (each pays the runtime's
+# imports, a second of CPU, before it does anything), start servers or mlx.launch ranks,
+# convert from a hub, loop over kill points or fuzz cases: the README verbatim, the
+# demo, servers under load, Ctrl-C and SIGKILL loops, and any test that takes more than
+# a few seconds alone. `pytest -m "not e2e"` is the fast run for edits (every stage is
+# still covered in-process); the full run (no -m) is what CI and a release run.
+# Entries are fnmatch patterns over node ids without their [parameters]; `file::*`
+# marks a whole file.
+E2E = [
+    # whole files: ranks, load, hub conversions, mlx_lm.server through the drop-in
+    "tests/model/test_distributed.py::*",
+    "tests/server/test_server_load.py::*",
+    "tests/server/test_stalled_bodies.py::*",
+    "tests/convert/test_hub.py::*",
+    "tests/convert/test_hub_downloads.py::*",
+    "tests/convert/test_hub_scratch.py::*",
+    "tests/dropin/*::*",
+    # the README and the demo
+    "tests/cli/test_frictions.py::test_readme_examples_run_verbatim",
+    "tests/cli/test_frictions.py::test_demo_*",
+    "tests/cli/test_frictions_round3.py::test_*demo*",
+    "tests/cli/test_cli.py::test_demo_builds_converts_and_streams",
+    # Ctrl-C, SIGKILL and kill-and-resume loops; fuzzing
+    "tests/*::test_ctrl_c_*",
+    "tests/*::test_*killed*",
+    "tests/cli/test_reliability.py::test_sigkill_*",
+    "tests/cli/test_reliability.py::test_fuzzed_*",
+    "tests/cli/test_reliability.py::test_random_byte_damage_to_the_manifest",
+    "tests/cli/test_reliability.py::test_disk_full_mid_conversion_is_one_line_and_resumable",
+    "tests/cli/test_reliability.py::test_too_little_space_up_front_*",
+    "tests/convert/test_convert.py::test_killed_conversion_resumes",
+    "tests/convert/test_convert.py::test_peak_memory_is_bounded_by_the_largest_layer",
+    "tests/convert/test_synthetic.py::test_memory_stays_bounded",
+    # deltafin-run, deltafin-convert or a server as a process, a few seconds each
+    "tests/cli/test_cli.py::test_run_streams_text_and_ends_with_one_stats_line",
+    "tests/cli/test_cli.py::test_json_output_has_text_tokens_and_stats",
+    "tests/cli/test_cli.py::test_prompt_from_stdin_equals_prompt_argument",
+    "tests/cli/test_cli.py::test_stop_string_ends_the_text_before_it",
+    "tests/cli/test_cli.py::test_chat_keeps_history_and_answers_commands",
+    "tests/cli/test_cli.py::test_bench_subcommand_reports_tokens_per_second",
+    "tests/cli/test_cli.py::test_trace_routing_writes_one_line_per_token",
+    "tests/cli/test_cli.py::test_bad_input_is_one_line_and_a_non_zero_exit",
+    "tests/cli/test_cli.py::test_mlx_lm_generate_runs_a_converted_directory",
+    "tests/cli/test_cli.py::test_*serve*",
+    "tests/cli/test_frictions.py::test_verify_names_every_damaged_file_and_record",
+    "tests/cli/test_frictions.py::test_load_and_the_cli_expand_a_tilde",
+    "tests/cli/test_frictions.py::test_output_into_a_closed_pipe_ends_quietly",
+    "tests/cli/test_hostile.py::test_oddly_*",
+    "tests/cli/test_hostile.py::test_out_*",
+    "tests/cli/test_hostile.py::test_src_inside_out_is_refused_even_with_force",
+    "tests/cli/test_hostile.py::test_emptied_special_token_resealed_is_one_line_not_a_hang",
+    "tests/chat/test_chat.py::test_cli_chat_commands_multiline_and_a_resumed_session",
+    "tests/convert/test_linked.py::test_a_linked_source_*",
+    "tests/convert/test_linked.py::test_linked_experts_*",
+    "tests/engine/test_prefill_memory.py::*",
+    "tests/engine/test_runtime.py::test_peak_memory_stays_within_budget_when_experts_are_4x_the_budget",
+    "tests/generation/test_stats.py::*",
+    "tests/jobs/test_score.py::test_cli_*",
+    "tests/jobs/test_score.py::test_run_json_top_logprobs",
+    "tests/server/test_server_options.py::test_requests_beyond_the_places_*",
+    "tests/server/test_server_options.py::test_a_port_in_use_*",
+    "tests/server/test_server_options.py::test_a_config_naming_another_model_file_*",
+    "tests/server/test_server_requests.py::test_after_every_hostile_request_*",
+    "tests/tokenizer/test_tokenizer.py::test_encoding_from_hundreds_of_threads_keeps_memory_flat",
+    "tests/cli/test_cli.py::test_sampling_options_are_reproducible_with_a_seed",
+    "tests/cli/test_cli.py::test_no_think_changes_the_prompt",
+    "tests/cli/test_frictions.py::test_plan_takes_a_hub_id_fetching_only_its_config",
+    "tests/cli/test_frictions.py::test_stop_before_the_prompt_takes_one_value_and_repeats",
+    "tests/cli/test_frictions_round3.py::test_bench_*",
+    "tests/cli/test_frictions_round3.py::test_penalties_in_run_chat_and_batch_give_mlx_lm_s_tokens",
+    "tests/jobs/test_score.py::test_fifo_or_directory_input_and_output_are_one_line_errors",
+    # in one process, but sweeps of several seconds each (measured: CPU time above ~3.5 s
+    # on a loaded 2-core machine); the fast run keeps one exactness check per stage
+    "tests/chat/test_chat_context.py::test_the_context_grows_in_steps_*",
+    "tests/chat/test_chat_context.py::test_at_the_terminal_the_context_grows_*",
+    "tests/engine/test_prefill_pass.py::test_greedy_tokens_and_logits_equal_mlx_lm_prefilling_*",
+    "tests/engine/test_prefill_pass.py::test_a_batch_of_long_prompts_equals_each_prompt_alone",
+    "tests/engine/test_runtime.py::test_mlx_keeps_freed_buffers_only_within_the_working_buffers",
+    "tests/jobs/test_batch.py::test_greedy_batch_equals_each_prompt_run_alone",
+    "tests/jobs/test_batch.py::test_experts_are_read_once_per_step_for_the_whole_batch",
+    "tests/jobs/test_lm_eval.py::test_loglikelihoods_equal_deltafin_score_for_the_same_strings",
+    "tests/jobs/test_perplexity.py::test_perplexity_equals_the_same_windows_scored_through_jsonl",
+    "tests/jobs/test_score.py::test_texts_longer_than_an_attention_group_are_exact_too",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    import fnmatch
+
+    for item in items:
+        node = item.nodeid.split("[", 1)[0]
+        if any(fnmatch.fnmatchcase(node, p) for p in E2E):
+            item.add_marker(pytest.mark.e2e)

@@ -1,121 +1,28 @@
-"""A server on a free loopback port, and what its clients and meters need:
-start and stop it, send a chat request, read its peak memory and the baseline
-that peak is compared with. Only loopback addresses are used."""
+"""Serving benchmarks' harness: the test fixtures' server and clients
+(deltafin_mlx/testing/server.py) plus what the meters need: a server whose memory is
+sampled, its peak, and the baseline that peak is compared with."""
 
-import json
-import os
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 from bench.lib import worker
+from deltafin_mlx.testing import server as _server
+from deltafin_mlx.testing.server import chat, expected_reply, free_port, get, post, stop_server
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_server(proc):
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+__all__ = ["baseline_rss", "chat", "expected_reply", "free_port", "get", "peak_rss", "post",
+           "start_server", "stop_server"]
 
 
 def start_server(model, port, budget, log_path, server="mlx_lm", context=4096, extra=(),
                  env=None, samples=None, prefix=()):
-    """The server logs every request: to a file (a pipe nobody drains would fill
-    up and block the server). `env`: more environment (DELTAFIN_CONTEXT, ...).
-    `samples`: a file for `deltafin-run serve`'s memory samples
-    (bench/lib/worker/sampled_serve.py). `prefix`: a command that execs the
-    server's command line (its arguments)."""
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "DELTAFIN_BUDGET": budget, **(env or {})}
-    log = open(log_path, "w")
-    if server == "deltafin":
-        serve = ["serve", str(model), "--budget", budget, "--context", str(context),
-                 "--host", "127.0.0.1", "--port", str(port)]
-        cmd = [str(bin_dir / "deltafin-run"), *serve]
-        if samples is not None:
-            cmd = worker.command("sampled-serve", samples, *serve)
-            env["PYTHONPATH"] = worker.environment()["PYTHONPATH"]
-    else:
-        cmd = [str(bin_dir / "mlx_lm.server"), "--model", str(model), "--trust-remote-code",
-               "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen([*prefix, *cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited: " + Path(log_path).read_text()[-2000:])
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server did not come up in 180 s")
+    """deltafin_mlx.testing.server.start_server; `samples`: a file for `deltafin-run
+    serve`'s memory samples (bench/lib/worker/sampled_serve.py)."""
+    def sampled(serve):
+        return (worker.command("sampled-serve", samples, *serve),
+                {"PYTHONPATH": worker.environment()["PYTHONPATH"]})
 
-
-def chat(port, prompt, max_tokens, stream, timeout=120):
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": stream}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read().decode()
-    if not stream:
-        msg = json.loads(raw)["choices"][0]["message"]
-        return (msg.get("reasoning") or msg.get("reasoning_content") or "") + (msg.get("content") or "")
-    text = ""
-    for line in raw.splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            delta = json.loads(line[6:])["choices"][0].get("delta", {})
-            text += (delta.get("reasoning") or delta.get("reasoning_content") or "") + (
-                delta.get("content") or "")
-    return text
-
-
-def post(port, path, body, raw=None, timeout=60):
-    """POST a JSON body (or `raw` bytes) on loopback: (status, parsed JSON reply)."""
-    import urllib.error
-
-    data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data,
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-def get(port, path, timeout=30):
-    """GET on loopback: (status, body bytes)."""
-    import urllib.error
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def expected_reply(model, prompt, n) -> str:
-    """What `deltafin-run MODEL PROMPT -n N` answers (greedy), its thinking then its
-    answer: a server's reply to the same chat prompt (reasoning then content) must
-    equal it."""
-    out = subprocess.run([str(Path(sys.executable).parent / "deltafin-run"), str(model), prompt,
-                          "-n", str(n), "--json"], capture_output=True, text=True, timeout=120)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
-    reply = json.loads(out.stdout)
-    return (reply.get("thinking") or "") + reply["text"]
+    return _server.start_server(model, port, budget, log_path, server=server, context=context,
+                                extra=extra, env=env, prefix=prefix,
+                                launcher=sampled if samples is not None else None)
 
 
 def peak_rss(pid) -> int:

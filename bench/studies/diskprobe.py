@@ -18,13 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-ALIGN = 4096
+from deltafin_mlx.format.aligned import aligned_empty
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    off = (-raw.ctypes.data) % ALIGN
-    buf = raw[off : off + nbytes]
+    buf = aligned_empty(nbytes)
     buf[::4096] = 0  # touch every page once, outside the timed reads
     return buf
 

@@ -8,12 +8,10 @@ VmHWM against a process that only imported the server (the baseline).
 """
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 from bench.lib import server as ss
@@ -27,16 +25,8 @@ def main():
     a, extra = p.parse_known_args()
     port = ss.free_port()
     log = Path(tempfile.mkdtemp(prefix="deltafin-serve-mem-")) / "server.log"
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "deltafin-run"), "serve", a.model,
-                             "--budget", a.budget, "--host", "127.0.0.1", "--port", str(port),
-                             *extra], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    proc = ss.start_server(a.model, port, a.budget, log, server="deltafin", extra=extra)
     try:
-        for _ in range(360):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
         start = time.time()
         try:
             reply = f"{len(ss.chat(port, 'stream ' * a.words, 4, False))} characters"
@@ -45,8 +35,7 @@ def main():
         seconds = time.time() - start
         peak = ss.peak_rss(proc.pid)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        ss.stop_server(proc)
     base = ss.baseline_rss()
     print(f"{reply}; {seconds:.1f} s; peak {peak >> 20} MiB, baseline {base >> 20} MiB, "
           f"+{(peak - base) >> 20} MiB over the baseline at budget {a.budget}")

@@ -10,12 +10,11 @@ import re
 import select
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from mlx_lm.models.cache import load_prompt_cache
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 LINE = " ".join(["The quick brown fox jumps over the lazy dog."] * 40)  # < a tty's 4096-byte line
 
 

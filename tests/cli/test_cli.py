@@ -4,17 +4,14 @@
 import json
 import os
 import subprocess
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 import deltafin_mlx
 from deltafin_mlx.errors import HubError, TokenizerError, TrunkReadError
 from deltafin_mlx import runtime
-
-BIN = Path(sys.executable).parent
+from helpers import BIN
 
 
 def run(args, stdin=None, env=None, timeout=300):
@@ -186,7 +183,7 @@ def post(port, path, body):
 
 @pytest.fixture
 def server(converted, tmp_path):
-    from bench.lib.server import free_port as port_of, start_server
+    from deltafin_mlx.testing.server import free_port as port_of, start_server
 
     port = port_of()
     proc = start_server(converted("kimi_k3"), port, "200MB", tmp_path / "server.log")

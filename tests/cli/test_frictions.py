@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 import deltafin_mlx
-from conftest import make_source
+from helpers import make_source
 from deltafin_mlx.cli import convert as convert_cli
 from deltafin_mlx.format.bank import read_layout
 from deltafin_mlx.cli.main import main
 from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
 from deltafin_mlx import runtime
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
 FAKE_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

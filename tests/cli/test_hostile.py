@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,8 +32,8 @@ from deltafin_mlx.format.verify import verify_model
 from test_reliability import no_hang
 
 from deltafin_mlx import runtime
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 LOAD = dict(tokenizer=False, cache_slots=4, reader_threads=0, lookahead=False)
 
 
@@ -304,7 +303,7 @@ def test_a_jinja_template_that_never_ends_is_stopped(monkeypatch):
     start = time.monotonic()
     with pytest.raises(TemplateLimit, match="ran over"):
         render_jinja_chat(loop, [{"role": "user", "content": "x"}])
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # 10**10 iterations unstopped: hours
     with pytest.raises(TemplateLimit, match="repeats a value"):
         render_jinja_chat('{{ "a" * 10000000000 }}', [])
     with pytest.raises(TemplateLimit):

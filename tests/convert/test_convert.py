@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import make_source, reference_model
+from helpers import make_source, reference_model
 from deltafin_mlx.cli import convert as cli
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.format.bank import read_layout

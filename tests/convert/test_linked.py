@@ -8,21 +8,20 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import deltafin_mlx
-from conftest import make_source
+from helpers import make_source
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx import runtime
 from deltafin_mlx.errors import ConvertError, ModelError
 from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
 from deltafin_mlx.format.verify import verify_model
 from deltafin_mlx.testing.fake_hub import FakeHub
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 BUDGET = "40MB"  # holds a fraction of the fixture's experts: they stream
 
 

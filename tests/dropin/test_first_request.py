@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.lib.server import free_port, get, post, stop_server
+from deltafin_mlx.testing.server import free_port, get, post, stop_server
 
 HOSTILE = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4,
            "temperature": 0.0, "logit_bias": {"100000000": 5}}

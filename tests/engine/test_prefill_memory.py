@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from bench.lib import worker
-from conftest import make_source
+from helpers import make_source
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 
 PROMPT_TOKENS = 3000

@@ -153,7 +153,7 @@ def test_progress_shows_the_pass_and_the_layer_it_is_at(converted):
 def many_experts(tmp_path_factory):
     """K3's layout with many experts per layer for the experts a token uses, as K3
     has (896 for 16): the prompt's last token then adds little to what it reads."""
-    from conftest import make_source
+    from helpers import make_source
     from deltafin_mlx.convert.convert import ConvertOptions, convert
 
     root = tmp_path_factory.mktemp("many_experts")

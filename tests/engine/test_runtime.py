@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import make_source
+from helpers import make_source
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.format.bank import read_layout
 from deltafin_mlx.engine.cache import ExpertCache

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_config
 
-from conftest import make_source, reference_model
+from helpers import make_source, reference_model
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.plan.footprint import inventory_from_manifest
 from deltafin_mlx.engine.load import load

@@ -1,4 +1,4 @@
-"""One rank of tests/test_distributed.py, started by mlx.launch.
+"""One rank of tests/model/test_distributed.py, started by mlx.launch.
 
     dist_worker.py tokens OUT STEPS SLOTS|- BUDGET|- NAME=MODEL,SOURCE ...
         for each model: greedy tokens of Deltafin sharded over the launch's ranks,
@@ -37,7 +37,7 @@ def main():
     result = {"rank": rank, "size": group.size()}
     try:
         if mode == "tokens":
-            from conftest import reference_model
+            from helpers import reference_model
 
             steps, slots, budget = int(sys.argv[3]), sys.argv[4], sys.argv[5]
             for item in sys.argv[6:]:

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import make_source
+from helpers import make_source
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.format.bank import read_layout
 from deltafin_mlx.plan.footprint import inventory_from_manifest
@@ -31,10 +31,10 @@ from deltafin_mlx.format.manifest import ModelError, read_manifest
 from deltafin_mlx.plan.memory import plan_memory
 from deltafin_mlx.model.shard import check_divisible, expert_layout, sharded_inventory
 from deltafin_mlx import runtime
+from helpers import BIN
 
 HERE = Path(__file__).parent
 WORKER = HERE / "dist_worker.py"
-BIN = Path(sys.executable).parent
 LAUNCH = BIN / "mlx.launch"
 STEPS = 8
 # Architectures whose mlx-lm model class has shard() in mlx-lm 0.32.2 (Mixtral's has none).
@@ -67,7 +67,9 @@ def launch():
         out = Path(args[1])
         out.mkdir(parents=True, exist_ok=True)
         cmd = [str(LAUNCH), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
-               "--starting-port", str(_free_port()), "--python", sys.executable, "--",
+               "--starting-port", str(_free_port()), "--python", sys.executable,
+               # the worker runs outside pytest: tests/ on its path for helpers.py
+               "--env", f"PYTHONPATH={HERE.parent}", "--",
                str(WORKER), *map(str, args)]
         start = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,

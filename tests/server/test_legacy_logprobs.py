@@ -6,7 +6,7 @@ keeps every alternative with its id, best first."""
 
 import pytest
 
-from bench.lib.server import free_port, post, start_server, stop_server
+from deltafin_mlx.testing.server import free_port, post, start_server, stop_server
 
 CONTEXT = 512
 TOP = 10

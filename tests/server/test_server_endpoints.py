@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from bench.lib.server import free_port, get, post, start_server, stop_server
+from deltafin_mlx.testing.server import free_port, get, post, start_server, stop_server
 
 CONTEXT = 512
 

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from bench.lib.server import expected_reply, free_port, get, post, start_server, stop_server
+from deltafin_mlx.testing.server import expected_reply, free_port, get, post, start_server, stop_server
 
 CONTEXT = 512
 CHAT = "/v1/chat/completions"

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from bench.lib.server import chat, free_port, get, post, start_server, stop_server
+from deltafin_mlx.testing.server import chat, free_port, get, post, start_server, stop_server
 
 CONTEXT = 512
 STALLED = 70

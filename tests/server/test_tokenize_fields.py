@@ -4,7 +4,7 @@ dropping it; their own fields are still answered."""
 
 import pytest
 
-from bench.lib.server import free_port, post, start_server, stop_server
+from deltafin_mlx.testing.server import free_port, post, start_server, stop_server
 
 
 @pytest.fixture(scope="module")

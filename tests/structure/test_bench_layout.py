@@ -66,3 +66,14 @@ def test_every_study_is_a_module_of_bench_studies():
 def test_each_entry_point_imports_cleanly_and_has_a_main(name):
     module = importlib.import_module(name)
     assert callable(getattr(module, "main", None))
+
+
+def test_the_decode_profiler_finds_every_runtime_method_it_times():
+    """A renamed reader or cache method fails here, not as a profile of zero time."""
+    import importlib
+
+    from bench.lib.worker.decode import Profiler, _has_path
+
+    missing = [f"{m}.{name}" for m, names in Profiler.HOOKS.items() for name in names
+               if not _has_path(importlib.import_module(m), name)]
+    assert missing == []

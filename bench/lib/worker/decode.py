@@ -69,8 +69,16 @@ def thread_cpu() -> dict:
     return out
 
 
+def _has_path(obj, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
 class Profiler:
-    """Wraps mx.eval and, best effort, the runtime's reader and cache methods."""
+    """Wraps mx.eval and the runtime's reader and cache methods (HOOKS)."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -96,37 +104,39 @@ class Profiler:
         wrapped.__wrapped__ = fn
         return wrapped
 
+    # What the profile times, by module and name. A hook that is gone (a method renamed
+    # or moved) fails the run loudly: a silently skipped hook reads as zero time spent.
+    HOOKS = {"deltafin_mlx.engine.reader": ["read_record"],
+             "deltafin_mlx.engine.cache": ["ExpertCache.request", "ExpertCache.prefetch",
+                                           "ExpertCache._retire_speculation", "ExpertCache.wait"]}
+
     def install(self):
+        import importlib
+
         mx.eval = self.wrap("runtime_eval", self.orig_eval)
         self.hooked.append("mlx.core.eval")
-        try:
-            import deltafin_mlx.engine.reader as rd
+        missing = [f"{m}.{name}" for m, names in self.HOOKS.items() for name in names
+                   if not _has_path(importlib.import_module(m), name)]
+        if missing:
+            raise SystemExit(f"bench profiler: hooks no longer in the runtime: {', '.join(missing)}"
+                             " (update Profiler.HOOKS in bench/lib/worker/decode.py)")
+        import deltafin_mlx.engine.cache as dc
+        import deltafin_mlx.engine.reader as rd
 
-            if hasattr(rd, "read_record"):
-                inner = self.wrap("reader_busy", rd.read_record)
-                tids = self.reader_tids
+        inner = self.wrap("reader_busy", rd.read_record)
+        tids = self.reader_tids
 
-                def read_record(*a, **k):
-                    tids.add(threading.get_native_id())
-                    return inner(*a, **k)
+        def read_record(*a, **k):
+            tids.add(threading.get_native_id())
+            return inner(*a, **k)
 
-                rd.read_record = read_record
-                self.hooked.append("reader.read_record")
-        except ImportError:
-            pass
-        try:
-            import deltafin_mlx.engine.cache as dc
-
-            for cls_name in ("ExpertCache", "LayerCache"):
-                cls = getattr(dc, cls_name, None)
-                if cls is None:
-                    continue
-                for meth in ("request", "prefetch", "_retire_speculation", "wait"):
-                    if hasattr(cls, meth):
-                        setattr(cls, meth, self.wrap(f"cache.{meth}", getattr(cls, meth)))
-                        self.hooked.append(f"{cls_name}.{meth}")
-        except ImportError:
-            pass
+        rd.read_record = read_record
+        self.hooked.append("reader.read_record")
+        for name in self.HOOKS["deltafin_mlx.engine.cache"]:
+            cls_name, meth = name.split(".")
+            cls = getattr(dc, cls_name)
+            setattr(cls, meth, self.wrap(f"cache.{meth}", getattr(cls, meth)))
+            self.hooked.append(name)
 
     def snapshot(self):
         with self.lock:
@@ -250,17 +260,14 @@ def decode(argv=None):
                               else args.pipeline == "on", warm_start=False)
         model, _ = load(args.model, options=options)
         plan = runtime(model).plan
-        pd = {k: getattr(plan, k) for k in ("budget", "trunk_bytes", "state_bytes",
-                                            "working_bytes", "slot_bytes", "moe_layers",
-                                            "experts_per_token", "num_experts") if hasattr(plan, k)}
-        for k in ("slots", "slots_per_layer", "floor", "cache_bytes", "cache_fraction"):
-            if hasattr(plan, k):
-                pd[k] = getattr(plan, k)
-        result["plan"] = pd
+        result["plan"] = {k: getattr(plan, k) for k in (
+            "budget", "resident_bytes", "state_bytes", "working_bytes", "slot_bytes",
+            "moe_layers", "experts_per_token", "num_experts", "slots", "floor", "cache_bytes",
+            "cache_fraction")}
         store = runtime(model).store
         # Only when asked: a routing callback may take the runtime off a fast path
         # (e.g. the all-resident one), so timed full-budget runs go without it.
-        if (args.routing or args.trace_out) and hasattr(store, "on_route"):
+        if args.routing or args.trace_out:
             routing = Routing()
             store.on_route = routing
     result["load_s"] = time.perf_counter() - t0
