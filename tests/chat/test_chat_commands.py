@@ -6,12 +6,11 @@ the disk, the file keeps the conversation as last saved, and the chat goes on.""
 import errno
 import hashlib
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 USAGE = "[/drop N: N is how many of the oldest exchanges to forget, 1 or more]"
 
 

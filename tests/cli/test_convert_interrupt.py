@@ -9,11 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 
 
 def test_a_ctrl_c_in_a_finalizer_as_the_conversion_ends_is_one_line(sources, tmp_path):

@@ -2,12 +2,10 @@
 then where the help is, exit status 2; never the whole usage block."""
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 
 
 @pytest.mark.parametrize("args, named", [

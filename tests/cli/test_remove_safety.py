@@ -6,17 +6,15 @@ reads (a '..' after a symlink) and takes `.` as the directory it is, before
 deleting anything."""
 
 import hashlib
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from deltafin_mlx.format.manifest import MANIFEST_NAME
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 
 
 def rm(*args, cwd=None):

@@ -7,15 +7,14 @@ the batch and bench summaries say what their figures are."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from deltafin_mlx.cli.plan import speed_range
 from deltafin_mlx.generation.stream import RunStats
 from deltafin_mlx.jobs.batch import summary_line as batch_summary
 from deltafin_mlx.units import count
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 
 
 def run(*args, stdin=None, timeout=300):

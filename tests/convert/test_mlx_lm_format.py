@@ -28,8 +28,8 @@ from deltafin_mlx.testing.decode import greedy
 from deltafin_mlx.testing.fake_hub import FakeHub
 from deltafin_mlx.testing.mlx_lm_format import write_mlx_lm_format
 from deltafin_mlx import runtime
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 # Every supported type (Kimi K2 is a deepseek_v3 model in mlx-lm, whose format splits
 # kv_b_proj into embed_q/unembed_out).
 ARCHS = ("qwen3_moe", "kimi_k2", "mixtral", "kimi_k3")

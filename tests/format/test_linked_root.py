@@ -4,15 +4,13 @@ of Python's "embedded null byte"."""
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.format.manifest import MANIFEST_NAME
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,11 @@ repository), exits 1, and the README says so where the drop-in is introduced."""
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 

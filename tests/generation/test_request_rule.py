@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from bench.lib.server import chat as chat_reply
-from bench.lib.server import free_port, post, start_server, stop_server
+from deltafin_mlx.testing.server import chat as chat_reply
+from deltafin_mlx.testing.server import free_port, post, start_server, stop_server
 from deltafin_mlx.cli.batch import batch_parser
 from deltafin_mlx.cli.options import check_request_flags, sampling_of
 from deltafin_mlx.errors import ContextError, RequestError, UsageError

@@ -10,13 +10,12 @@ import errno
 import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.numpy import load_file
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 TEXTS = ["the experts stream from disk", "every token routes to a few experts",
          "a budget holds the trunk", "def route(x): return x"]
 

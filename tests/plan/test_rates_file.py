@@ -8,12 +8,11 @@ and `plan` goes on as on a machine with no cache."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import BIN
 
-BIN = Path(sys.executable).parent
 # Every rate but the matvec's given: the compute rate is the one read from the cache.
 GIVEN = ["--disk-gbps", "2", "--prefill-gwps", "3", "--layer-ms", "1"]
 

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from bench.lib.server import free_port, post, start_server, stop_server
+from deltafin_mlx.testing.server import free_port, post, start_server, stop_server
 
 TEXT = "/v1/completions"
 CLIENTS = 4

@@ -6,7 +6,7 @@ message. The reply is the one `deltafin-run` gives the same prompt alone."""
 
 import pytest
 
-from bench.lib.server import expected_reply, free_port, post, start_server, stop_server
+from deltafin_mlx.testing.server import expected_reply, free_port, post, start_server, stop_server
 
 CHAT = "/v1/chat/completions"
 

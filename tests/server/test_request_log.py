@@ -4,7 +4,7 @@ not in the log (`--log-level DEBUG` keeps them)."""
 
 import pytest
 
-from bench.lib.server import free_port, post, start_server, stop_server
+from deltafin_mlx.testing.server import free_port, post, start_server, stop_server
 
 TEXT = "/v1/completions"
 
