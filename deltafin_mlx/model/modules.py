@@ -1,7 +1,6 @@
 """Finding and replacing modules inside an mlx-lm model by their parameter paths."""
 
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU
 
 
 def get_module(model: nn.Module, path: str):
@@ -32,6 +31,10 @@ def layer_paths(model: nn.Module) -> list:
 
 def switch_path(layer: nn.Module):
     """The path of the layer's routed-expert SwitchGLU within it, or None."""
+    # Imported here: importing any of mlx-lm imports its generation code and
+    # transformers, which `list` and `plan` of a converted model never need.
+    from mlx_lm.models.switch_layers import SwitchGLU
+
     for path, module in layer.named_modules():
         if isinstance(module, SwitchGLU):
             return path

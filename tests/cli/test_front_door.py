@@ -1,5 +1,5 @@
 """The front door is lazy: `import deltafin_mlx`, `deltafin-run --version`, `--help`,
-`list` of a directory without models and `rm --help` load neither mlx-lm (whose
+`list` (of models too: their floors are planned from the manifest) and `rm --help` load neither mlx-lm (whose
 package import pulls in its generation code and transformers) nor MLX's runtime,
 and the converter's process imports no module of the runtime above it.
 
@@ -47,6 +47,17 @@ def test_commands_that_load_no_model_import_neither_mlx_lm_nor_transformers(argv
     found, p = modules_after(f"from deltafin_mlx.cli.main import main\nsys.exit(main({argv!r}))",
                              tmp_path)
     assert p.returncode == 0, p.stderr
+    assert of(found, HEAVY) == []
+
+
+def test_list_of_converted_models_imports_neither_mlx_lm_nor_transformers(converted, tmp_path):
+    import shutil
+
+    shutil.copytree(converted("qwen3_moe"), tmp_path / "models" / "qwen3")
+    argv = ["list", str(tmp_path / "models")]
+    found, p = modules_after(f"from deltafin_mlx.cli.main import main\nsys.exit(main({argv!r}))",
+                             tmp_path)
+    assert p.returncode == 0 and "qwen3" in p.stdout, p.stderr
     assert of(found, HEAVY) == []
 
 
