@@ -11,11 +11,12 @@ both answer everything: the second is refused while the first holds its lock.
 
 import errno
 import fcntl
-import io
 import json
 import os
+import shutil
 import stat
 import sys
+import tempfile
 from typing import Iterator, Optional, Set, Tuple
 
 from deltafin_mlx.errors import BatchError
@@ -104,11 +105,23 @@ def read_lines(f, limit: Optional[int] = None) -> Iterator[Tuple[int, Optional[b
         yield n, raw[:-1] if complete else raw, complete
 
 
+_stdin_copy = None
+
+
 def open_input(path):
-    """The input as a binary file: a regular file, or for `-` all of stdin, read
-    at once (a job reads its input once, before it starts)."""
+    """The input as a binary file, from its start: a regular file, or for `-`
+    stdin, copied once to an unnamed temporary file (a job reads its input more
+    than once: counting and checking its ids, then preparing it a window at a
+    time; a pipe can be read once, and holding it in memory would not be bounded)."""
+    global _stdin_copy
     if path == STDIN:
-        return io.BytesIO(sys.stdin.buffer.read())
+        if _stdin_copy is None:
+            _stdin_copy = tempfile.TemporaryFile()
+            shutil.copyfileobj(sys.stdin.buffer, _stdin_copy)
+            _stdin_copy.flush()
+        f = os.fdopen(os.dup(_stdin_copy.fileno()), "rb")  # shares the offset: rewind
+        f.seek(0)
+        return f
     return os.fdopen(_open_regular(path, os.O_RDONLY, "input"), "rb")
 
 

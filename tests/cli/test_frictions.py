@@ -227,7 +227,10 @@ def test_plan_floor_parts_add_up_and_every_size_is_in_a_fitting_unit(converted, 
 
 
 def test_k3_floor_parts_add_up_in_the_budget_error(capsys):
-    from test_plan import EXPERT, K3_CONFIG, STATE_4K
+    from deltafin_mlx.testing.shared import k3_config
+    from helpers import EXPERT, STATE_4K
+
+    K3_CONFIG = k3_config()
 
     if not K3_CONFIG.exists():
         pytest.skip(f"{K3_CONFIG} not present (set DELTAFIN_K3_CONFIG)")

@@ -376,9 +376,14 @@ def test_a_config_naming_another_model_file_is_refused_by_every_command(
     config["model_file"] = named
     (path / "config.json").write_text(json.dumps(config))
     reseal(path, "config.json")
-    for command in (["verify", path], ["info", path], [path, "hi", "-n", "1"]):
+    for command in (["info", path], [path, "hi", "-n", "1"]):
         code, line = run_main(capsys, *command)
         assert code == 1 and '"model_file"' in line and "config.json" in line, (command, line)
+    # verify: one line; for code outside the directory, a report whose first line
+    # names the danger (tests/format/test_model_file_danger.py)
+    code = cli.main(["verify", str(path)])
+    first = capsys.readouterr().err.splitlines()[0]
+    assert code == 1 and '"model_file"' in first and "config.json" in first, first
 
 
 def test_rerunning_the_converter_over_a_config_naming_another_model_file_is_refused(

@@ -11,6 +11,7 @@ import pytest
 from deltafin_mlx.cli.main import main
 from deltafin_mlx import runtime
 from deltafin_mlx.testing.shared import k3_config
+from helpers import EXPERT, STATE_4K  # noqa: F401 (K3's facts)
 
 # Kimi K3's release config.json: $DELTAFIN_K3_CONFIG, else shared/kimi-k3/ above the checkout.
 K3_CONFIG = k3_config()
@@ -46,8 +47,6 @@ MOE = (q8(896, 7168) + 4 * 896  # router (8 bits, as mlx-lm quantizes it), score
        + q4(3584, 7168) + q4(7168, 3584) + bf16(3584)  # latent down, up, norm
        + 2 * q4(6144, 7168) + q4(7168, 6144))  # shared experts
 DENSE = 2 * q4(33792, 7168) + q4(7168, 33792)
-EXPERT = 17_547_264  # "One expert is 17,547,264 bytes on disk."
-STATE_4K = 69 * (96 * 128 * 128 * 4 + 3 * 3 * 12288 * 2) + 24 * 4096 * (512 + 64) * 2
 
 
 def plan_json(*args):
