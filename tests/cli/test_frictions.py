@@ -486,6 +486,10 @@ def test_readme_examples_run_verbatim(tmp_path, sources):
     home, work, hf = tmp_path / "home", tmp_path / "work", tmp_path / "hf"
     home.mkdir(), work.mkdir()
     fake_hub_cache(hf, "moonshotai/Kimi-K3", sources("kimi_k3"))
+    from deltafin_mlx.testing.mlx_lm_format import write_mlx_lm_format
+
+    fake_hub_cache(hf, "mlx-community/Qwen3-30B-A3B-4bit",
+                   write_mlx_lm_format(sources("qwen3_moe"), tmp_path / "mlx-community", bits=4))
     shutil.copytree(sources("qwen3_moe"), work / "Qwen3-30B-A3B")
     (work / "prompt.txt").write_text("Why is the sky blue?")
     (work / "wiki.test.raw").write_text("The sky is blue because air scatters short waves. " * 40)

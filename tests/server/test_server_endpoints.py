@@ -96,7 +96,7 @@ def test_each_request_logs_one_line_with_its_tokens_times_and_reads(serve):
                                         "max_tokens": 2})
     time.sleep(0.2)
     lines = [l for l in log.read_text().splitlines() if "[deltafin] /v1/chat/completions ok" in l]
-    assert lines and re.search(r"\d+ prompt \+ 2 reply tokens in [\d.]+ s \(first token "
+    assert lines and re.search(r"\d+ prompt (\(\d+ from the prompt cache\) )?\+ 2 reply tokens in [\d.]+ s \(first token "
                                r"[\d.]+ s, [\d.]+ tok/s\); experts \d+ hits, \d+ misses, "
                                r"[\d.]+ [KMG]?B read", lines[-1]), lines[-1]
     (start,) = [l for l in log.read_text().splitlines() if "deltafin-run serve:" in l]
