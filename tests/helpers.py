@@ -3,7 +3,10 @@ pytest puts tests/ on the import path (pyproject.toml), and tests/model/dist_wor
 which mlx.launch starts outside pytest, gets it through PYTHONPATH. Fixtures live in
 conftest.py; what a test or a worker calls directly lives here."""
 
+import errno
+import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -62,3 +65,40 @@ def reference_model(src, trunk_bits=4, group_size=64, expert_bits=4, expert_grou
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
+
+
+@contextmanager
+def small_filesystem(tmp_path: Path, size: str):
+    """A tmpfs of `size` ("4m") of the test's own at tmp_path/fs, for disk-full cases
+    (the test is skipped where mounting is not permitted)."""
+    import pytest
+
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {(p.stderr or p.stdout).strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill(fs: Path) -> Path:
+    """Take every free byte of the filesystem `fs`; returns the filler file (delete
+    it to free them)."""
+    filler = fs / "filler"
+    with open(filler, "ab", buffering=0) as f:
+        for size in (1 << 20, 1 << 16, 4096, 1):
+            block = b"\xee" * size
+            while True:
+                try:
+                    if f.write(block) != size:
+                        break
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    break
+    return filler

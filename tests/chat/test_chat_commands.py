@@ -3,13 +3,11 @@ plain number (a superscript digit, 5,000 digits) prints its usage and the chat g
 on; a session that cannot be saved (a full disk) is one line naming the file and
 the disk, the file keeps the conversation as last saved, and the chat goes on."""
 
-import errno
 import hashlib
 import subprocess
-from pathlib import Path
 
 import pytest
-from helpers import BIN
+from helpers import BIN, fill, small_filesystem
 
 USAGE = "[/drop N: N is how many of the oldest exchanges to forget, 1 or more]"
 
@@ -35,32 +33,8 @@ def test_drop_with_anything_but_a_number_prints_its_usage_and_goes_on(converted,
 
 @pytest.fixture
 def small_fs(tmp_path):
-    """A 4 MiB tmpfs of the test's own (skipped where mounting is not permitted)."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {(p.stderr or p.stdout).strip()}")
-    try:
+    with small_filesystem(tmp_path, "4m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def fill(fs: Path):
-    """Take every free byte of `fs`."""
-    with open(fs / "filler", "ab", buffering=0) as f:
-        for size in (1 << 20, 1 << 16, 4096, 1):
-            while True:
-                try:
-                    if f.write(b"\xee" * size) != size:
-                        break
-                except OSError as e:
-                    if e.errno != errno.ENOSPC:
-                        raise
-                    break
 
 
 def test_a_session_on_a_full_disk_says_so_keeps_the_file_and_the_chat_goes_on(

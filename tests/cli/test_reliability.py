@@ -38,6 +38,7 @@ from deltafin_mlx.plan.memory import BudgetError
 from deltafin_mlx.engine.reader import ReadError, open_bank, read_record
 from deltafin_mlx.format.aligned import aligned_empty
 from deltafin_mlx.testing.decode import greedy
+from helpers import fill, small_filesystem
 
 from deltafin_mlx import runtime
 
@@ -765,35 +766,8 @@ def test_sigkill_before_the_first_state_file_or_after_the_manifest_resumes(
 
 @pytest.fixture
 def small_fs(tmp_path):
-    """A 24 MiB tmpfs of its own (skipped where mounting is not permitted)."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {(p.stderr or p.stdout).strip()}")
-    try:
+    with small_filesystem(tmp_path, "24m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def fill(fs: Path) -> Path:
-    """Take every free byte of `fs`; returns the filler file (delete it to free)."""
-    filler = fs / "filler"
-    with open(filler, "ab", buffering=0) as f:
-        for chunk in (1 << 20, 1 << 16, 4096, 1):
-            block = b"\xee" * chunk
-            while True:
-                try:
-                    if f.write(block) != chunk:
-                        break
-                except OSError as e:
-                    if e.errno != errno.ENOSPC:
-                        raise
-                    break
-    return filler
 
 
 def fill_on_call(monkeypatch, owner, name, nth, fs, state, dest_in=None):

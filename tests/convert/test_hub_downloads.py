@@ -12,7 +12,6 @@ while a shard downloads: each failure is one line saying what happened, never
 - a full disk is "disk full", naming the path that could not be written (a small
   tmpfs of the test's own: skipped where mounting one is not permitted)."""
 
-import errno
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import pytest
 
 from deltafin_mlx.convert.scratch import SCRATCH_NAME
 from deltafin_mlx.testing.fake_hub import ENDLESS_BYTES, FakeHub
+from helpers import fill, small_filesystem
 
 CONVERT = Path(sys.executable).parent / "deltafin-convert"
 REPO = "someone/k3"
@@ -46,36 +46,8 @@ def one_line(code, err):
 
 @pytest.fixture
 def small_fs(tmp_path):
-    """A tmpfs of its own (skipped where mounting is not permitted); the test sizes
-    it with `mount -o remount,size=...` where it needs to."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {(p.stderr or p.stdout).strip()}")
-    try:
+    with small_filesystem(tmp_path, "16m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def fill(fs: Path) -> Path:
-    """Take every free byte of `fs`; returns the filler file."""
-    filler = fs / "filler"
-    with open(filler, "ab", buffering=0) as f:
-        for size in (1 << 20, 1 << 16, 4096, 1):
-            block = b"\xee" * size
-            while True:
-                try:
-                    if f.write(block) != size:
-                        break
-                except OSError as e:
-                    if e.errno != errno.ENOSPC:
-                        raise
-                    break
-    return filler
 
 
 @pytest.mark.parametrize("scratch", [True, False], ids=["scratch-limit", "snapshot"])

@@ -6,7 +6,6 @@ names (what a kill leaves) is deleted. An output that is the input is refused; a
 index whose "shard" is not a name, and a full disk, are one line naming the file,
 with nothing half-written left behind."""
 
-import errno
 import hashlib
 import json
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.numpy import load_file
-from helpers import BIN
+from helpers import BIN, fill, small_filesystem
 
 TEXTS = ["the experts stream from disk", "every token routes to a few experts",
          "a budget holds the trunk", "def route(x): return x"]
@@ -165,35 +164,8 @@ def test_an_index_line_whose_shard_is_not_a_name_is_one_line(converted, tmp_path
 
 @pytest.fixture
 def small_fs(tmp_path):
-    """A 4 MiB tmpfs of the test's own (skipped where mounting is not permitted)."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {(p.stderr or p.stdout).strip()}")
-    try:
+    with small_filesystem(tmp_path, "4m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def fill(fs: Path) -> Path:
-    """Take every free byte of `fs`; returns the filler file."""
-    filler = fs / "filler"
-    with open(filler, "ab", buffering=0) as f:
-        for size in (1 << 20, 1 << 16, 4096, 1):
-            block = b"\xee" * size
-            while True:
-                try:
-                    if f.write(block) != size:
-                        break
-                except OSError as e:
-                    if e.errno != errno.ENOSPC:
-                        raise
-                    break
-    return filler
 
 
 @pytest.mark.parametrize("cmd, fmt", [("score", "jsonl"), ("score", "safetensors"),
