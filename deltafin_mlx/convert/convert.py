@@ -277,6 +277,10 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
     # A model mlx_lm.convert quantized keeps its quantized trunk as it is.
     saved_quant = mlx_lm_quantization(config)
     if saved_quant is not None:
+        if (options.bits, options.group_size) != (ConvertOptions.bits, ConvertOptions.group_size):
+            raise ConvertError(
+                f"--bits/--group-size/--no-trunk-quant: {src} was quantized by mlx-lm and its "
+                "trunk is kept as it was saved: drop the option")
         trunk_quant = module_quantization(saved_quant, "")
     elif options.bits is not None:
         trunk_quant = {"group_size": options.group_size, "bits": options.bits, "mode": "affine"}

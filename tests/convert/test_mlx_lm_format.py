@@ -132,7 +132,9 @@ def test_a_quantized_trunk_stays_as_mlx_lm_saved_it(tmp_path):
     hf = make_source(tmp_path / "hf", "kimi_k2", qk_nope_head_dim=64, kv_lora_rank=64)
     src = write_mlx_lm_format(hf, tmp_path / "mlx", bits=4)
     out = tmp_path / "out"
-    convert(str(src), out, ConvertOptions(progress=False, bits=8))  # not applied
+    with pytest.raises(ConvertError, match="kept as it was saved"):  # it would not apply
+        convert(str(src), out, ConvertOptions(progress=False, bits=8))
+    convert(str(src), out, ConvertOptions(progress=False))
     saved = {}
     for f in src.glob("model*.safetensors"):
         saved.update(mx.load(str(f)))
