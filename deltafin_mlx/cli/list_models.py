@@ -71,6 +71,7 @@ def model_row(path, context: int) -> dict:
     manifest, which needs MLX and mlx-lm's model code: imported here, so that a
     directory holding no model (and `list --help`) loads neither."""
     from deltafin_mlx.format.catalog import dir_bytes
+    from deltafin_mlx.format.links import check_linked_sources
     from deltafin_mlx.format.model_dir import open_model_dir
     from deltafin_mlx.model.config import architecture_name
     from deltafin_mlx.plan.floor import floor_bytes
@@ -79,6 +80,8 @@ def model_row(path, context: int) -> dict:
 
     model_dir = open_model_dir(path)
     m = model_dir.manifest
+    if m.linked:  # experts read from a source that may have gone since (rm --demo)
+        check_linked_sources(m.linked)
     act = default_activation_dtype() or mlx_dtype(m.dtype)
     return {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
             "architecture_name": architecture_name(m.model_type),

@@ -71,6 +71,19 @@ def test_list_without_a_folder_shows_the_demo_too(converted, tmp_path):
     assert len(given.stdout.splitlines()) == 2, given.stdout
 
 
+def test_list_shows_a_model_whose_linked_source_is_gone_as_unusable(sources, tmp_path):
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(sources("kimi_k3"), source)
+    out = run("deltafin-convert", source, tmp_path / "models" / "linked", "--link-experts")
+    assert out.returncode == 0, out.stderr
+    assert "unusable" not in run("deltafin-run", "list", tmp_path / "models").stdout
+    shutil.rmtree(source)  # as `rm --demo` removes the demo's source
+    listed = run("deltafin-run", "list", tmp_path / "models").stdout
+    assert "unusable" in listed and "gone" in listed, listed
+
+
 def test_rm_of_a_hugging_face_folder_says_what_it_is(sources):
     err = one_line_error(run("deltafin-run", "rm", sources("kimi_k3"), "--yes"))
     assert "a Hugging Face checkpoint, not a Deltafin model" in err
