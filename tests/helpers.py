@@ -18,10 +18,6 @@ from deltafin_mlx.testing.synthetic import make_checkpoint
 # The installed commands (deltafin-run, deltafin-convert) beside the running python.
 BIN = Path(sys.executable).parent
 
-# Kimi K3's facts from ../shared/kimi-k3/CHECKPOINT.md, which plan tests check against.
-EXPERT = 17_547_264  # "One expert is 17,547,264 bytes on disk."
-STATE_4K = 69 * (96 * 128 * 128 * 4 + 3 * 3 * 12288 * 2) + 24 * 4096 * (512 + 64) * 2
-
 # Affine fixtures use widths that every group size divides, so mlx-lm quantizes
 # exactly the modules Deltafin does.
 FIXTURE_OVERRIDES = {

@@ -227,8 +227,7 @@ def test_plan_floor_parts_add_up_and_every_size_is_in_a_fitting_unit(converted, 
 
 
 def test_k3_floor_parts_add_up_in_the_budget_error(capsys):
-    from deltafin_mlx.testing.shared import k3_config
-    from helpers import EXPERT, STATE_4K
+    from deltafin_mlx.testing.shared import EXPERT, STATE_4K, k3_config
 
     K3_CONFIG = k3_config()
 

@@ -10,8 +10,7 @@ import pytest
 
 from deltafin_mlx.cli.main import main
 from deltafin_mlx import runtime
-from deltafin_mlx.testing.shared import k3_config
-from helpers import EXPERT, STATE_4K  # noqa: F401 (K3's facts)
+from deltafin_mlx.testing.shared import EXPERT, STATE_4K, k3_config
 
 # Kimi K3's release config.json: $DELTAFIN_K3_CONFIG, else shared/kimi-k3/ above the checkout.
 K3_CONFIG = k3_config()

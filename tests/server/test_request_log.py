@@ -2,6 +2,8 @@
 "Prompt processing progress" lines and its per-request prompt cache sizes are
 not in the log (`--log-level DEBUG` keeps them)."""
 
+import time
+
 import pytest
 
 from deltafin_mlx.testing.server import free_port, post, start_server, stop_server
@@ -21,6 +23,10 @@ def served_log(converted, tmp_path_factory):
             status, _ = post(port, TEXT, {"prompt": f"Request {i}: " + "tell me more " * 20,
                                           "max_tokens": 3, "temperature": 0.0})
             assert status == 200
+        # A request's line is written as its reply ends: wait for the last one.
+        deadline = time.monotonic() + 60
+        while log.read_text().count("[deltafin] " + TEXT) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         stop_server(proc)
     return log.read_text()
