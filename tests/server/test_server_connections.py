@@ -131,7 +131,9 @@ def test_a_reset_is_still_seen_on_descriptors_past_1024(serve):
 
 def test_connections_beyond_the_cap_get_503_at_once_and_threads_stay_bounded(serve):
     port, proc, _ = serve
-    time.sleep(0.3)  # earlier tests' connections have closed
+    deadline = time.monotonic() + 60  # earlier tests' connections have closed
+    while metric(port, "deltafin_connections_open") > 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
     base, refused = threads(proc.pid), metric(port, "deltafin_connections_refused_total")
     fds = len(open_fds(proc.pid))
     idle = idle_connections(port, MAX_CONNECTIONS + 4)  # 4 beyond the cap: refused
