@@ -275,6 +275,18 @@ def switch_modules(model: nn.Module) -> List[str]:
     return [name for name, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))]
 
 
+def roll_experts(params):
+    """A switch module's parameters with its experts moved one place along axis 0."""
+    from mlx.utils import tree_map
+
+    return tree_map(lambda a: mx.roll(a, 1, axis=0), params)
+
+
+def vocab(directory) -> int:
+    cfg = json.loads((Path(directory) / "config.json").read_text())
+    return cfg.get("text_config", cfg).get("vocab_size") or cfg["vocab_size"]
+
+
 def build(cfg: dict, seed: int = 0, expert_scale: float = 2.0):
     """mlx-lm's model of `cfg` with random weights in which the experts decide."""
     from deltafin_mlx.compat import model_classes
