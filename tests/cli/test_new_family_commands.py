@@ -38,8 +38,15 @@ def test_plan_sizes_the_new_family_before_and_after_conversion(family, capsys):
     for model in (src / "config.json", out):
         assert main(["plan", str(model), "--budget", "50MB", "--json"]) == 0
         plans.append(json.loads(capsys.readouterr().out))
+    before, after = plans
     for plan in plans:
-        assert plan, plan
+        assert plan["model_type"] == FAMILY
+        assert (plan["experts_per_layer"], plan["experts_per_token"], plan["moe_layers"]) == \
+            (zoo.NUM_EXPERTS, 2, 2)
+    # Sized from config.json alone, as the conversion then lays it out.
+    for key in ("whole_expert_record_bytes", "expert_bytes_on_disk", "whole_trunk_bytes",
+                "floor_bytes"):
+        assert before[key] == after[key], key
     assert main(["plan", str(out), "--budget", "50MB"]) == 0
     assert "experts" in capsys.readouterr().out
 
