@@ -122,7 +122,7 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
         config=config,
         units=_build(by_unit, act),
         embed_bytes=embed,
-        embed_tied=tied_embeddings(config),
+        embed_tied=embeddings_tied(config, manifest.tensors),
         moe_layers=manifest.moe_layers,
         num_experts=manifest.experts["num_experts"],
         experts_per_token=manifest.experts["experts_per_token"],
@@ -131,6 +131,13 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
         expert_weights=_expert_weights(sections, quant),
         activation_dtype=act,
     )
+
+
+def embeddings_tied(config: dict, names) -> bool:
+    """The embedding table is also the output head: config.json says so, or the
+    model has no head of its own (lfm2_moe ties whatever its config says)."""
+    return tied_embeddings(config) or not any(n.startswith("lm_head.") or ".lm_head." in n
+                                              for n in names)
 
 
 def _expert_weights(sections: List[Section], quant: dict) -> int:
@@ -193,7 +200,7 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
         config=config,
         units=_build(by_unit, act),
         embed_bytes=embed,
-        embed_tied=tied_embeddings(config),
+        embed_tied=embeddings_tied(config, dict(tree_flatten(model.parameters()))),
         moe_layers=sorted(switches),
         num_experts=next(iter(linears.values()))[0],
         experts_per_token=experts_per_token(config),
