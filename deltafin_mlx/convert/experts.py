@@ -87,11 +87,11 @@ def _arg_holders(model) -> list:
 
 
 @contextmanager
-def _counts(model, experts: Tuple[int, int], layers: Optional[int]):
-    """The model's arguments say `experts[1]` experts where they said `experts[0]`
+def _counts(holders: list, experts: Tuple[int, int], layers: Optional[int]):
+    """The arguments `holders` (`_arg_holders`) say `experts[1]` experts where they said `experts[0]`
     (and, with `layers`, that many layers) while sanitize runs; restored after."""
     changed = []
-    for holder in _arg_holders(model):
+    for holder in holders:
         for name in EXPERT_COUNT_FIELDS + (LAYER_COUNT_FIELDS if layers else ()):
             get = holder.get if isinstance(holder, dict) else lambda n: getattr(holder, n, None)
             old = get(name)
@@ -135,6 +135,7 @@ class SanitizedExperts:
                  num_experts: int, float_quant: dict, block: Optional[dict],
                  dtype: Optional[mx.Dtype], model_type: str):
         self.source, self.model, self.switches = source, model, switches
+        self._holders = _arg_holders(model)
         self.num_experts, self.dtype, self.model_type = num_experts, dtype, model_type
         self.linears = {}  # linear -> (out, in, has bias), from the built module
         for name, (e, o, i, b) in switch_linears(get_module(model, switches[
@@ -164,7 +165,7 @@ class SanitizedExperts:
         with `rename`, has them named as layer 0 of a one-layer model)."""
         if rename is not None:
             weights = {n.replace(rename[0], rename[1], 1): v for n, v in weights.items()}
-        with _counts(self.model, (self.num_experts, count), 1 if rename else None):
+        with _counts(self._holders, (self.num_experts, count), 1 if rename else None):
             out = self.model.sanitize(dict(weights))
         if rename is not None:
             out = {n.replace(rename[1], rename[0], 1): v for n, v in out.items()}

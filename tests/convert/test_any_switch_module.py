@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_map_with_path
 from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
 from deltafin_mlx import runtime
