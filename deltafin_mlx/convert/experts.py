@@ -39,6 +39,7 @@ import numpy as np
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, name_of, to_numpy
 from deltafin_mlx.format.record import KINDS, expert_sections, linear_quant, record_linears
+from deltafin_mlx.model.build import expert_recipe
 from deltafin_mlx.model.config import LAYER_RE
 from deltafin_mlx.model.modules import get_module, switch_linears
 from deltafin_mlx.model.quantization import carried_quantization, module_quantization
@@ -343,7 +344,8 @@ class SanitizedExperts:
         first = specs[next(iter(specs))]
         biased = {n: (o, i, f"{n}.bias" in first) for n, (o, i, _) in self.linears.items()}
         if carried == {False}:
-            quants = {n: self._recipe(n, float_quant) for n in self.linears}
+            sp = self.switches[next(iter(self.switches))]
+            quants = {n: expert_recipe(self.model, sp, n, float_quant) for n in self.linears}
         else:
             quants = {n: carried_quantization(dict(next(iter(per_linear[n]))),
                                               "the source's experts") for n in self.linears}
@@ -372,18 +374,6 @@ class SanitizedExperts:
                                    f"{spec.get(bad, 'missing')}, their record needs "
                                    f"{want.get(bad, 'none')}")
         return quant, sections
-
-    def _recipe(self, name: str, float_quant: dict) -> dict:
-        """How mlx_lm.convert quantizes float experts' linear `name`: the options,
-        unless the model's own quant_predicate gives it other settings."""
-        predicate = getattr(self.model, "quant_predicate", None)
-        sp = self.switches[next(iter(self.switches))]
-        module = get_module(self.model, f"{sp}.{name}")
-        says = predicate(f"{sp}.{name}", module) if predicate is not None else True
-        if says is False:
-            raise ConvertError(f"mlx-lm's {self.model_type} recipe keeps {sp}.{name} in float; "
-                               "Deltafin's expert records are quantized")
-        return {**float_quant, **(says if isinstance(says, dict) else {})}
 
     def _saved_quant(self, block, path, spec, name) -> dict:
         """How experts the source holds quantized were quantized: mlx-lm's
