@@ -24,9 +24,9 @@ from deltafin_mlx.testing.decode import greedy
 
 TYPES = zoo.moe_types()
 
-# mlx-lm 0.32.2's models/ folder: 54 modules that build on switch_layers, and six
+# mlx-lm 0.32.2's models/ folder: 53 modules that build on switch_layers, and seven
 # MODEL_REMAPPING aliases of them (kimi_k2, joyai_llm_flash, minimax_m2, phi-msft,
-# llava, deepseek_v41_text, gemma4_unified count among the 60).
+# llava, deepseek_v41_text, gemma4_unified).
 EXPECTED_TYPES = 60
 
 # The types no test here can run, each with why (at most three, none a family the
