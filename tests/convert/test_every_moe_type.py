@@ -52,6 +52,7 @@ NAMED_FAMILIES = {
 
 def test_the_enumeration_finds_every_moe_type_of_mlx_lm():
     assert len(TYPES) == EXPECTED_TYPES, TYPES
+    assert set(zoo.OVERRIDES) <= set(TYPES), "a config for a type mlx-lm no longer has"
     assert NAMED_FAMILIES <= set(TYPES)
     assert set(CANNOT_PASS) <= set(TYPES) and len(CANNOT_PASS) <= 3
     assert not set(CANNOT_PASS) & NAMED_FAMILIES
