@@ -54,6 +54,13 @@ CONFIGS = {
     "granitemoe": {"intermediate_size": 64, "num_local_experts": 8, "logits_scaling": 2.0,
                    "attention_multiplier": 0.25, "embedding_multiplier": 4.0,
                    "residual_multiplier": 0.5, "attention_bias": False},
+    "qwen3_next": {"intermediate_size": 128, "num_experts": 8, "moe_intermediate_size": 64,
+                   "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1,
+                   "mlp_only_layers": [], "linear_num_value_heads": 4,
+                   "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                   "partial_rotary_factor": 0.5, "full_attention_interval": 2,
+                   "num_hidden_layers": 4},
     "nemotron_h": {"intermediate_size": 128, "moe_intermediate_size": 64,
                    "n_routed_experts": 8, "n_shared_experts": 1,
                    "moe_shared_expert_intermediate_size": 64, "n_group": 1, "topk_group": 1,
@@ -217,12 +224,14 @@ def test_tensor_parallel_records_of_other_expert_modules_are_refused_in_one_line
                     ConvertOptions(progress=False, ranks=2))
 
 
-def save_one_tensor_per_expert(model_type: str, out: Path) -> Path:
+def save_one_tensor_per_expert(model_type: str, out: Path, release=lambda n, a: a) -> Path:
     """A Hugging Face release's layout: each expert's projections as tensors of
-    their own (`...experts.<e>.gate_proj.weight`), which mlx-lm's sanitize stacks."""
+    their own (`...experts.<e>.gate_proj.weight`), which mlx-lm's sanitize stacks;
+    `release` undoes what else sanitize converts."""
     model, config = tiny_model(model_type)
     weights = {}
     for name, a in tree_flatten(model.parameters()):
+        a = release(name, a)
         if ".switch_mlp." in name:
             for e in range(a.shape[0]):
                 weights[name.replace(".switch_mlp.", f".experts.{e}.")] = a[e]
@@ -232,6 +241,23 @@ def save_one_tensor_per_expert(model_type: str, out: Path) -> Path:
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     save_config(config, out / "config.json")
     return out
+
+
+def test_the_trunk_is_sanitized_as_within_the_whole_checkpoint(tmp_path):
+    """Qwen3-Next's sanitize shifts its norms by one and turns its conv weights only
+    when it sees routed experts in the checkpoint: each layer's trunk (and the final
+    norm, with no experts of its own) is converted as loading the whole release."""
+    norms = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+             "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+
+    def release(name, a):
+        if name.endswith(norms) and a.ndim == 1:
+            return a - 1.0
+        return a.moveaxis(1, 2) if "conv1d.weight" in name else a
+
+    src = save_one_tensor_per_expert("qwen3_next", tmp_path / "src", release)
+    convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
+    assert_streams_mlx_lms_tokens(tmp_path / "out", src)
 
 
 @pytest.mark.parametrize("model_type,bits", [("qwen3_moe", None), ("olmoe", None),
