@@ -390,6 +390,27 @@ class SanitizedExperts:
 
     # -- what the converter asks ---------------------------------------------------------
 
+    def sanitize_trunk(self, raw: Dict[str, mx.array], unit) -> Dict[str, mx.array]:
+        """mlx-lm's sanitize of a unit's trunk tensors as it would be within the whole
+        checkpoint. Some classes decide from the experts' names whether a checkpoint
+        needs converting at all (qwen3_next shifts its norms by one only when it sees
+        `mlp.experts.0.up_proj.weight`), so sanitize also sees lazy placeholders of
+        this layer's and the first MoE layer's expert tensors, never evaluated; what it
+        makes of them is dropped. A class that cannot take them so (one that converts
+        every layer at once) gets the unit's tensors alone, as it then needs nothing
+        more."""
+        first = next(iter(self.layers))
+        context = self.names(unit) | self.names(first)
+        holders = {n: _placeholder(self.source.tensors[n]) for n in context}
+        try:
+            out = self.model.sanitize({**holders, **raw})
+        except Exception:
+            return self.model.sanitize(raw)
+        passed = {id(v) for v in holders.values()}
+        switches = tuple(sp + "." for sp in self.switches.values())
+        return {n: v for n, v in out.items()
+                if id(v) not in passed and not n.startswith(switches)}
+
     def names(self, layer) -> set:
         found = self.layers.get(layer)
         return set() if found is None else self.names_in(found)

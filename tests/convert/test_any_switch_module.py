@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_map_with_path
+from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
 from deltafin_mlx import runtime
@@ -54,6 +54,13 @@ CONFIGS = {
     "granitemoe": {"intermediate_size": 64, "num_local_experts": 8, "logits_scaling": 2.0,
                    "attention_multiplier": 0.25, "embedding_multiplier": 4.0,
                    "residual_multiplier": 0.5, "attention_bias": False},
+    "qwen3_next": {"intermediate_size": 128, "num_experts": 8, "moe_intermediate_size": 64,
+                   "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1,
+                   "mlp_only_layers": [], "linear_num_value_heads": 4,
+                   "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                   "partial_rotary_factor": 0.5, "full_attention_interval": 2,
+                   "num_hidden_layers": 4},
     "nemotron_h": {"intermediate_size": 128, "moe_intermediate_size": 64,
                    "n_routed_experts": 8, "n_shared_experts": 1,
                    "moe_shared_expert_intermediate_size": 64, "n_group": 1, "topk_group": 1,
@@ -215,3 +222,71 @@ def test_tensor_parallel_records_of_other_expert_modules_are_refused_in_one_line
         with pytest.raises(ConvertError, match="--ranks 2: tensor parallelism splits SwitchGLU"):
             convert(str(src), tmp_path / f"{model_type}-out",
                     ConvertOptions(progress=False, ranks=2))
+
+
+def save_one_tensor_per_expert(model_type: str, out: Path, release=lambda n, a: a) -> Path:
+    """A Hugging Face release's layout: each expert's projections as tensors of
+    their own (`...experts.<e>.gate_proj.weight`), which mlx-lm's sanitize stacks;
+    `release` undoes what else sanitize converts."""
+    model, config = tiny_model(model_type)
+    weights = {}
+    for name, a in tree_flatten(model.parameters()):
+        a = release(name, a)
+        if ".switch_mlp." in name:
+            for e in range(a.shape[0]):
+                weights[name.replace(".switch_mlp.", f".experts.{e}.")] = a[e]
+        else:
+            weights[name] = a
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    save_config(config, out / "config.json")
+    return out
+
+
+def test_the_trunk_is_sanitized_as_within_the_whole_checkpoint(tmp_path):
+    """Qwen3-Next's sanitize shifts its norms by one and turns its conv weights only
+    when it sees routed experts in the checkpoint: each layer's trunk (and the final
+    norm, with no experts of its own) is converted as loading the whole release."""
+    norms = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+             "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+
+    def release(name, a):
+        if name.endswith(norms) and a.ndim == 1:
+            return a - 1.0
+        return a.moveaxis(1, 2) if "conv1d.weight" in name else a
+
+    src = save_one_tensor_per_expert("qwen3_next", tmp_path / "src", release)
+    convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
+    assert_streams_mlx_lms_tokens(tmp_path / "out", src)
+
+
+@pytest.mark.parametrize("model_type,bits", [("qwen3_moe", None), ("olmoe", None),
+                                             ("gpt_oss", 4)])
+def test_experts_converted_in_groups_are_the_records_of_a_whole_layer(
+        model_type, bits, tmp_path, monkeypatch):
+    """Groups of 3 of 8 experts (3, 3, 2: sanitize runs with the group's count) give
+    the very bytes converting the layer's experts at once gives, from one tensor per
+    expert and from mlx-lm's stacked tensors alike."""
+    import deltafin_mlx.convert.experts as experts
+
+    src = (save_one_tensor_per_expert(model_type, tmp_path / "src") if bits is None
+           else save_as_mlx_lm_convert(model_type, tmp_path / "src", bits))
+    convert(str(src), tmp_path / "whole", ConvertOptions(progress=False))
+    m = read_manifest(tmp_path / "whole")
+    saved = read_source(str(src), src, src).tensors
+    sp = m.switch_path(m.moe_layers[0])
+    stem = sp.rpartition(".")[0]
+    one = sum(t.nbytes for n, t in saved.items() if n.startswith(f"{stem}.experts.0.")) + sum(
+        t.nbytes for n, t in saved.items() if n.startswith(sp + ".")) // 8
+    monkeypatch.setattr(experts, "GROUP_BYTES", 3 * one)
+    groups = []
+    real = experts.SanitizedExperts._convert_group
+    monkeypatch.setattr(experts.SanitizedExperts, "_convert_group",
+                        lambda self, layer, e0, e1: groups.append((e0, e1))
+                        or real(self, layer, e0, e1))
+    convert(str(src), tmp_path / "grouped", ConvertOptions(progress=False))
+    assert groups[:3] == [(0, 3), (3, 6), (6, 8)]
+    for layer in m.moe_layers:
+        rel = m.experts["layers"][str(layer)]["bank"]
+        assert (tmp_path / "grouped" / rel).read_bytes() == (tmp_path / "whole" / rel).read_bytes()
+    assert_streams_mlx_lms_tokens(tmp_path / "grouped", src)
