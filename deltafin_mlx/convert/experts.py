@@ -172,7 +172,9 @@ class SanitizedExperts:
             out = {n.replace(rename[1], rename[0], 1): v for n, v in out.items()}
         return out
 
-    def _dry(self, names, count: int, rename, rows: Optional[int] = None):
+    def _dry(self, names, count: int, rename, rows: Optional[Dict[str, int]] = None):
+        """Placeholders of `names` (never evaluated; `rows`: a first axis of that many
+        for those named) and what sanitize makes of them."""
         weights = {}
         for n in names:
             t = self.source.tensors[n]
