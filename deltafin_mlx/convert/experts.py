@@ -358,8 +358,9 @@ class SanitizedExperts:
         if own:
             quant["linears"] = own
         if carried == {False}:
+            # Quantizing gives scales in the weights' dtype: the cast one, else the saved.
             cast = name_of(self.dtype) if self.dtype is not None else None
-            scales = cast or "bfloat16"
+            scales = cast or first[f"{name}.weight"][0]
             bias = cast or next((first[f"{n}.bias"][0] for n in biased if f"{n}.bias" in first),
                                 scales)
             return quant, expert_sections(biased, quant, scales, bias)
