@@ -208,6 +208,14 @@ def pass_bytes_per_token(config: dict, activation_dtype: mx.Dtype) -> int:
     return size * (3 * k * hidden + (8 + blocks) * hidden + 3 * shared) + 2 * 4 * experts
 
 
+def pass_pool_slots(cache_slots: int, k: int) -> int:
+    """The slots a pass reads its experts into while the cache has given its own
+    back: PASS_GROUPS groups of one token's experts where the cache had room for
+    them, else one (the floor's), never more than the cache had."""
+    groups = PASS_GROUPS if cache_slots >= PASS_GROUPS * k else 1
+    return max(1, min(groups * k, cache_slots))
+
+
 def pass_tokens(config: dict, step: int, context: int, activation_dtype: mx.Dtype,
                 allowance: int) -> int:
     """Prompt tokens per prefill pass: as many as the allowance holds beside one
@@ -401,7 +409,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     # holds, so it gives its slots back (engine/pass_pool.py) and the pass has them
     # but for its own groups of experts. A cache of every expert stays. A prefill
     # pass also has whatever of the budget is left unused.
-    pass_slots = 0 if slots >= all_experts else int(max(1, min(PASS_GROUPS * k, slots)))
+    pass_slots = 0 if slots >= all_experts else pass_pool_slots(int(slots), k)
     released = (int(slots) - pass_slots) * one if pass_slots else 0
     unused = max(0, budget - (fixed + res + ring + int(slots) * one))
     passing = pass_tokens(inv.config, step, context, inv.activation_dtype,

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 from deltafin_mlx.model.config import text_config
 from deltafin_mlx.plan.footprint import Inventory
-from deltafin_mlx.plan.memory import (PASS_GROUPS, MemoryPlan, _trunk_layout, pass_bytes_per_token,
-                                      prefill_bytes, sequence_state, streamable_units)
+from deltafin_mlx.plan.memory import (MemoryPlan, _trunk_layout, pass_bytes_per_token,
+                                      pass_pool_slots, prefill_bytes, sequence_state,
+                                      streamable_units)
 from deltafin_mlx.plan.speed import distinct_experts, weights_per_token
 
 MAX_PASS_TOKENS = 65536  # past this a pass's bookkeeping outweighs a sweep saved
@@ -85,7 +86,8 @@ def pass_plan(inv: Inventory, plan: MemoryPlan) -> PassPlan:
     res, ring, read = _trunk_layout(inv, set(streamable_units(inv)), on_demand)
     whole = sum(u.memory_bytes for u in inv.units.values()) - (inv.embed_bytes if on_demand else 0)
     fixed = plan.working_bytes + prefill_bytes(inv.config, plan.prefill_step, plan.context, act)
-    common = dict(budget=plan.budget, expert_group_bytes=PASS_GROUPS * k * one,
+    group = max(k, pass_pool_slots(plan.slots, k)) * one  # the engine's pass pool
+    common = dict(budget=plan.budget, expert_group_bytes=group,
                   logits_bytes=LOGIT_ROWS * LOGIT_COPIES * 4 * vocab, fixed_bytes=fixed,
                   token_bytes=pass_bytes_per_token(inv.config, act), step=plan.prefill_step)
     streamed = PassPlan(trunk_streamed=bool(read), trunk_bytes=res + ring,
