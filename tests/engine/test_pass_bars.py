@@ -90,3 +90,26 @@ def test_a_long_text_at_40mb_stays_within_the_budget_and_scores_as_at_a_large_on
     assert large["passes"] == 1
     got, want = np.load(tmp_path / "small.npy"), np.load(tmp_path / "large.npy")
     np.testing.assert_allclose(got[1:], want[1:], atol=1e-4)
+
+
+# What a score job holds of its input beside the budget: the window of prepared
+# texts (jobs/score.py WINDOW_PASSES passes' tokens, each text with its parsed line),
+# the ids it has seen, one line. Measured: see the test.
+READER_BOUND = 8_000_000
+
+
+def test_a_scoring_job_of_40000_short_texts_stays_within_the_budget_and_a_bounded_reader(
+        converted, tmp_path):
+    rng = np.random.default_rng(0)
+    src = tmp_path / "in.jsonl"
+    with open(src, "w") as f:
+        for i in range(40_000):
+            f.write(json.dumps({"id": i, "tokens": rng.integers(1, 900, rng.integers(2, 5))
+                                .tolist()}) + "\n")
+    r = measure("score-job", converted("kimi_k3"), BUDGET, src, tmp_path / "out.jsonl")
+    assert r["summary"]["scored_texts"] == 40_000 and r["budget"] == BUDGET
+    assert r["over_baseline"] <= BUDGET + READER_BOUND, r["over_baseline"]
+    # Results are on disk as each pass finishes, not at the end.
+    written = r["written_after_each_pass"]
+    assert len(written) > 1 and written == sorted(written) and written[0] < 40_000
+    assert written[-1] == 40_000
