@@ -368,6 +368,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
                         pipeline)
     store.pass_piece_tokens = plan.prefill_step
     store.pass_slots = plan.pass_slots
+    store.release_above = plan.pass_kept_tokens
     activations = {}
     store.make_inner = lambda layer, arrays, slots: switch_over_slots(
         arrays, slots, quant, activations[layer])

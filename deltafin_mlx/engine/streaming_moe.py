@@ -70,18 +70,22 @@ class ExpertStore:
         self.make_inner = None  # (layer, slot arrays, slots) -> mlx-lm's SwitchGLU over them
         self.switches: Dict[int, "StreamingSwitchGLU"] = {}  # layer -> its streaming module
         self.pass_slots = 0  # the pass pool's slots; 0: passes run in the cache's slots
+        self.release_above = 0  # a pass of more tokens than this gives the cache back
         self.pass_pool: Optional[PassPool] = None  # while a pass runs
 
     @property
     def bytes_read(self) -> int:
         return self.reader.bytes_read
 
-    def begin_pass(self):
-        """A pass starts: the cache gives its slot arrays back (each streaming
-        module drops its computation over them) and the pass reads into a pool of
-        `pass_slots`. Nothing to do while a pass runs, or where the cache holds
-        every expert (the pass then reads nothing)."""
-        if self.pass_pool is not None or not self.pass_slots or self.cache.all_resident:
+    def begin_pass(self, tokens: int):
+        """A pass of `tokens` tokens (pads included) starts: the cache gives its
+        slot arrays back (each streaming module drops its computation over them)
+        and the pass reads into a pool of `pass_slots`. Nothing to do while a pass
+        runs, where the cache holds every expert (the pass then reads nothing), or
+        for a pass the plan's allowance holds beside the cache (`release_above`:
+        the cache's experts then serve it and the decoding after it)."""
+        if (self.pass_pool is not None or not self.pass_slots or self.cache.all_resident
+                or tokens <= self.release_above):
             return
         self.cache.release()
         for switch in self.switches.values():
@@ -243,7 +247,7 @@ class StreamingSwitchGLU(nn.Module):
             indices.shape[-1], 1)
         long_call = per_sequence > 1
         if long_call:
-            store.begin_pass()
+            store.begin_pass(indices.size // max(indices.shape[-1], 1))
         elif store.pass_pool is not None:
             store.end_pass()
         if cache.all_resident and store.on_route is None and not long_call:

@@ -275,6 +275,9 @@ class MemoryPlan:
     # expert and a pass reads nothing), and the cache bytes the pass gets beyond them.
     pass_slots: int = 0
     pass_released_bytes: int = 0
+    # Tokens a pass holds beside the cache: a call of no more keeps the cache (its
+    # experts serve the pass and decoding after it, a warm start's among them).
+    pass_kept_tokens: int = PREFILL_STEPS[-1]
 
     @property
     def cache_bytes(self) -> int:
@@ -412,6 +415,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     pass_slots = 0 if slots >= all_experts else pass_pool_slots(int(slots), k)
     released = (int(slots) - pass_slots) * one if pass_slots else 0
     unused = max(0, budget - (fixed + res + ring + int(slots) * one))
+    kept = passing
     passing = pass_tokens(inv.config, step, context, inv.activation_dtype,
                           allowance + released + unused)
     return MemoryPlan(
@@ -422,7 +426,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         moe_layers=len(inv.moe_layers), streamed_read_bytes=read, floor_parts=floor_parts,
         sequences=sequences, sequence_recurrent_bytes=recurrent, sequence_kv_bytes=kv,
         prefill_step=step, prefill_bytes=extra, prefill_pass=passing,
-        pass_slots=pass_slots, pass_released_bytes=released,
+        pass_slots=pass_slots, pass_released_bytes=released, pass_kept_tokens=kept,
     )
 
 
