@@ -139,8 +139,8 @@ class ExpertCache:
         """Give the slot arrays' memory back for a pass (plan/passes.py: during a
         pass each expert is read once whatever the cache holds, so its memory is
         worth more as pass tokens): every read in flight is waited out or dropped,
-        the pool starts empty, and nothing holds the arrays but whoever still
-        references them (the streaming modules drop theirs, engine/streaming_moe)."""
+        the pool starts empty and the arrays are dropped (the streaming modules
+        drop their computations over them: ExpertStore.begin_pass)."""
         self.cancel_warm()
         self.drain()
         self.pool = ExpertPool(self.capacity, self.num_experts, self.layers,
