@@ -1,8 +1,8 @@
 """Passes at the pass plan's size (issue 31): while a pass runs the expert cache gives
 its slot arrays back and the pass reads into a pool of its own groups of experts
 (engine/pass_pool.py), so the memory plan gives a pass the cache's slots beside its
-prefill allowance and whatever of the budget is unused (plan/memory.py
-`pass_released_bytes`). Decoding takes the cache back, empty.
+prefill allowance (plan/memory.py `pass_released_bytes`; a pass that fits beside the
+cache keeps it). Decoding takes the cache back, empty.
 
 Measured in fresh processes (tests/peak_worker.py): peak RSS over the interpreter's
 baseline, as tests/engine/test_prefill_memory.py measures it."""
