@@ -172,6 +172,10 @@ E2E = [
     # on a new family
     "tests/convert/test_every_moe_type.py::test_every_moe_type_streams_to_mlx_lms_tokens",
     "tests/cli/test_new_family_commands.py::*",
+    # issue 31's measured bars, in fresh processes (at full size, DELTAFIN_FULL_BARS=1,
+    # the 20,000-token text takes ~20 min at 40 MB on a loaded 2-core machine)
+    "tests/engine/test_pass_bars.py::test_a_long_text_*",
+    "tests/engine/test_pass_bars.py::test_a_scoring_job_*",
 ]
 
 

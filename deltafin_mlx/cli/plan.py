@@ -186,7 +186,7 @@ def _format_passes(q: dict) -> list:
     return [
         f"pass plan      a pass gets the budget: up to {q['prefill_tokens']:,} prompt tokens "
         f"or {q['scoring_tokens']:,} scored tokens, beside the trunk {trunk} "
-        f"({h(q['trunk_bytes'])}), one group of experts ({h(q['expert_group_bytes'])}), a "
+        f"({h(q['trunk_bytes'])}), its groups of experts ({h(q['expert_group_bytes'])}), a "
         f"logits block ({h(q['logits_bytes'])}) and the KV/state the prompt keeps; "
         f"{h(q['token_bytes'])} per token",
         f"  per pass     trunk {h(s['trunk_read_bytes'])} and experts "

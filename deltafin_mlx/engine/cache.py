@@ -112,18 +112,14 @@ class ExpertCache:
         self.warm_issued = 0
         self.slot_maps = {}
 
+        self.experts_per_token = experts_per_token
+        self.activation_dtype = activation_dtype
+        self.released = False  # the slot arrays given back for a pass (`release`)
         layout: BankLayout = banks[self.layers[0]].layout
         limit = max_slots(layout.held_sections, activation_dtype)
         self.chunks = pool_chunks(capacity, len(self.layers), experts_per_token, num_experts,
                                   limit)
-        self.chunk_arrays, self.chunk_views = [], []
-        for _, size in self.chunks:
-            arrays = {s.name: alloc_aligned((size, *s.shape), in_memory(s.dtype, activation_dtype))
-                      for s in layout.held_sections}  # a rank's slice under tensor parallelism
-            self.chunk_arrays.append(arrays)
-            self.chunk_views.append({name: to_numpy(a) for name, a in arrays.items()})
-        # With one chunk (every pool up to 27 GB of K3 experts) these are the pool.
-        self.arrays, self.views = self.chunk_arrays[0], self.chunk_views[0]
+        self._allocate()
         self._chunk_of_slot = np.repeat(np.arange(len(self.chunks)),
                                         [size for _, size in self.chunks])
         self.layer_chunk = {}  # layer -> its chunk, when there are several
@@ -131,6 +127,41 @@ class ExpertCache:
             for layer in self.layers:
                 first = self.pool.offset[layer]
                 self.layer_chunk[layer] = int(self._chunk_of_slot[first])
+
+    def _allocate(self):
+        layout: BankLayout = self.banks[self.layers[0]].layout
+        self.chunk_arrays, self.chunk_views = [], []
+        for _, size in self.chunks:
+            arrays = {s.name: alloc_aligned((size, *s.shape),
+                                            in_memory(s.dtype, self.activation_dtype))
+                      for s in layout.held_sections}  # a rank's slice under tensor parallelism
+            self.chunk_arrays.append(arrays)
+            self.chunk_views.append({name: to_numpy(a) for name, a in arrays.items()})
+        # With one chunk (every pool up to 27 GB of K3 experts) these are the pool.
+        self.arrays, self.views = self.chunk_arrays[0], self.chunk_views[0]
+
+    def release(self):
+        """Give the slot arrays' memory back for a pass (plan/passes.py: during a
+        pass each expert is read once whatever the cache holds, so its memory is
+        worth more as pass tokens): every read in flight is waited out or dropped,
+        the pool starts empty and the arrays are dropped (the streaming modules
+        drop their computations over them: ExpertStore.begin_pass)."""
+        self.cancel_warm()
+        self.drain()
+        self.pool = ExpertPool(self.capacity, self.num_experts, self.layers,
+                               self.experts_per_token)
+        self.slot_key = [None] * self.capacity
+        self.fresh_speculative.clear()
+        self.warming.clear()
+        self._warm_order.clear()
+        self.chunk_arrays = self.chunk_views = []
+        self.arrays = self.views = None
+        self.released = True
+
+    def restore(self):
+        """The slot arrays again, empty, after a pass (`release`)."""
+        self._allocate()
+        self.released = False
 
     def arrays_of(self, layer: int):
         """(slot arrays, slots) of the chunk holding `layer`'s experts."""

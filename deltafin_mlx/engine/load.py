@@ -373,11 +373,18 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     store = ExpertStore(cache, reader, stats, manifest.experts["experts_per_token"], o.lookahead,
                         pipeline)
     store.pass_piece_tokens = plan.prefill_step
+    store.pass_slots = plan.pass_slots
+    store.release_above = plan.pass_kept_tokens
+    originals = {}  # layer -> mlx-lm's own expert module, whose class and settings run
+    store.make_inner = lambda layer, arrays, slots: switch_over_slots(
+        arrays, slots, quant, originals[layer])
     for layer in manifest.moe_layers:
         sp = manifest.switch_path(layer)
         original = get_module(model, sp)
-        inner = switch_over_slots(*cache.arrays_of(layer), quant, original)
+        originals[layer] = original
+        inner = store.make_inner(layer, *cache.arrays_of(layer))
         streaming = StreamingSwitchGLU(layer, store, inner)
+        store.switches[layer] = streaming
         set_module(model, sp, streaming)
         moe = get_module(model, sp.rpartition(".")[0])
         store.moe_blocks[layer] = moe

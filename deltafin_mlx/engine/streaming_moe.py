@@ -37,8 +37,9 @@ import mlx.nn as nn
 import numpy as np
 
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache
+from deltafin_mlx.engine.pass_pool import PassPool
 from deltafin_mlx.format.dtypes import to_numpy
-from deltafin_mlx.engine.reader import Reader
+from deltafin_mlx.engine.reader import Reader, ReadJob
 
 
 class ExpertStore:
@@ -66,10 +67,46 @@ class ExpertStore:
         # is read for them) and their expert outputs are zeros; causal attention
         # keeps them out of every real token's result.
         self.token_mask = None
+        # Passes with the cache given back (engine/pass_pool.py): set by `load`.
+        self.make_inner = None  # (layer, slot arrays, slots) -> mlx-lm's SwitchGLU over them
+        self.switches: Dict[int, "StreamingSwitchGLU"] = {}  # layer -> its streaming module
+        self.pass_slots = 0  # the pass pool's slots; 0: passes run in the cache's slots
+        self.release_above = 0  # a pass of more tokens than this gives the cache back
+        self.pass_pool: Optional[PassPool] = None  # while a pass runs
 
     @property
     def bytes_read(self) -> int:
         return self.reader.bytes_read
+
+    def begin_pass(self, tokens: int):
+        """A pass of `tokens` tokens (pads included) starts: the cache gives its
+        slot arrays back (each streaming module drops its computation over them)
+        and the pass reads into a pool of `pass_slots`. Nothing to do while a pass
+        runs, where the cache holds every expert (the pass then reads nothing), or
+        for a pass the plan's allowance holds beside the cache (`release_above`:
+        the cache's experts then serve it and the decoding after it)."""
+        if (self.pass_pool is not None or not self.pass_slots or self.cache.all_resident
+                or tokens <= self.release_above):
+            return
+        self.cache.release()
+        for switch in self.switches.values():
+            switch._inner = None
+        mx.clear_cache()  # the freed arrays leave MLX's buffer cache too
+        layout = self.cache.banks[self.layers[0]].layout
+        self.pass_pool = PassPool(layout.held_sections, self.pass_slots,
+                                  self.cache.activation_dtype, self.make_inner)
+
+    def end_pass(self):
+        """Decoding resumes: the pass pool goes and the cache has its slots again,
+        empty."""
+        if self.pass_pool is None:
+            return
+        self.pass_pool = None
+        mx.clear_cache()
+        self.cache.restore()
+        for layer, switch in self.switches.items():
+            switch._inner = self.make_inner(layer, *self.cache.arrays_of(layer))
+
 
     def close(self):
         self.cache.drain()
@@ -210,6 +247,10 @@ class StreamingSwitchGLU(nn.Module):
         per_sequence = indices.shape[-2] if indices.ndim >= 3 else indices.size // max(
             indices.shape[-1], 1)
         long_call = per_sequence > 1
+        if long_call:
+            store.begin_pass(indices.size // max(indices.shape[-1], 1))
+        elif store.pass_pool is not None:
+            store.end_pass()
         if cache.all_resident and store.on_route is None and not long_call:
             # Every expert is in memory: map ids to slots lazily, like mlx-lm
             # would index its stacked tensor, with no evaluation here.
@@ -238,6 +279,8 @@ class StreamingSwitchGLU(nn.Module):
         if store.on_route is not None:
             store.on_route(layer, routed)
 
+        if store.pass_pool is not None:
+            return self._pass(x, idx, needed, real)
         room = cache.pool.capacity_of(layer)
         if long_call or needed.size > room:
             return self._grouped(cache, x, idx, needed, tokens, room, prefill=long_call,
@@ -262,12 +305,14 @@ class StreamingSwitchGLU(nn.Module):
         emap[group] = cache.slots_of(self._layer, group)
         return emap
 
-    def _pair_outputs(self, xs, flat, k, emap, pairs) -> mx.array:
+    def _pair_outputs(self, xs, flat, k, emap, pairs, inner=None) -> mx.array:
         """mlx-lm's SwitchGLU on the (token, expert) pairs `pairs` (flat indices
-        into the call's routing): one row per pair."""
+        into the call's routing): one row per pair; `inner`: over the pass pool's
+        slots instead of the cache's."""
         slots = mx.array(emap[flat[pairs]].astype(np.uint32)).reshape(1, -1, 1)
         rows = mx.array((pairs // k).astype(np.uint32))
-        return self._inner(xs[rows][None], slots).reshape(len(pairs), -1)  # (1, P, 1, D)
+        inner = self._inner if inner is None else inner
+        return inner(xs[rows][None], slots).reshape(len(pairs), -1)  # (1, P, 1, D)
 
     def _pairs(self, cache: ExpertCache, xs, flat, k, group):
         """The pairs whose expert is in `group`, and their outputs."""
@@ -353,6 +398,68 @@ class StreamingSwitchGLU(nn.Module):
             if self._store.on_pass_layer is not None:
                 self._store.on_pass_layer(self._store.layers.index(layer) + 1,
                                           len(self._store.layers))
+        return out.reshape(*lead, k, -1)
+
+
+    def _pass(self, x, idx, needed, real):
+        """A pass's MoE layer with the cache given back (ExpertStore.begin_pass):
+        each expert its real tokens route to is read once into the pass pool, half
+        of the pool at a time, the next half's reads running while this half's
+        pairs compute (in pieces of an attention chunk's pairs, into one output
+        buffer). Each pair's arithmetic is the same as in one call, so the result
+        is too. Pads (`real` False) get no pairs: their outputs stay zeros."""
+        store, layer, k = self._store, self._layer, idx.shape[-1]
+        pool, bank, stats = store.pass_pool, store.cache.banks[layer], store.stats
+        lead, flat = idx.shape[:-1], idx.reshape(-1)
+        xs = x.reshape(-1, x.shape[-1])
+        real_pairs = None if real is None else np.repeat(real.reshape(-1), k)
+        half = max(1, pool.slots // 2)
+        groups = [needed[s : s + half] for s in range(0, needed.size, half)]
+        inner = pool.inner(layer)
+
+        def read(i):  # group i into its half of the pool (the only half with one slot)
+            first = (i % 2) * half if pool.slots >= 2 * half else 0
+            stats.misses += groups[i].size
+            return [store.reader.submit(ReadJob(bank, int(e), pool.targets(first + j), False))
+                    for j, e in enumerate(groups[i])], first
+
+        def wait(jobs):
+            start = time.perf_counter()
+            for job in jobs:
+                job.done.wait()
+            stats.stall_seconds += time.perf_counter() - start
+            for job in jobs:
+                if job.error is not None:
+                    raise job.error
+
+        piece = store.pass_piece_tokens * k
+        out = out_np = None
+        jobs, first = read(0)
+        double = pool.slots >= 2 * half
+        for i, group in enumerate(groups):
+            wait(jobs)
+            emap = np.zeros(store.cache.num_experts, dtype=np.int64)
+            emap[group] = first + np.arange(group.size)
+            if double and i + 1 < len(groups):  # the next group's reads, behind this one's pairs
+                jobs, first = read(i + 1)
+            chosen = np.isin(flat, group)
+            pairs = np.nonzero(chosen if real_pairs is None else chosen & real_pairs)[0]
+            for s in range(0, pairs.size, piece):
+                part = pairs[s : s + piece]
+                y = self._pair_outputs(xs, flat, k, emap, part, inner)
+                mx.eval(y)
+                if out is None:
+                    out = mx.zeros((flat.size, y.shape[-1]), dtype=y.dtype)
+                    mx.eval(out)
+                    out_np = to_numpy(out)
+                out_np[part] = to_numpy(y)
+            if not double and i + 1 < len(groups):
+                jobs, first = read(i + 1)
+        if out is None:  # no real token in the call: every output is a pad's zeros
+            out = mx.zeros((flat.size, x.shape[-1]), dtype=x.dtype)
+        mx.clear_cache()  # as `_grouped`: a pass's many array sizes are not kept for reuse
+        if store.on_pass_layer is not None:
+            store.on_pass_layer(store.layers.index(layer) + 1, len(store.layers))
         return out.reshape(*lead, k, -1)
 
 

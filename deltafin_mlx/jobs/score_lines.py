@@ -64,6 +64,9 @@ def _messages(tokenizer, msgs, thinking: bool, content_only: bool = False):
         raise ValueError('"messages" has no assistant turn to score')
     if not getattr(tokenizer, "has_chat_template", False):
         raise ValueError('"messages" need a chat template, which this tokenizer has none of')
+    rendered = getattr(tokenizer, "render_turns", lambda *a, **k: None)(msgs, thinking=thinking)
+    if rendered is not None:
+        return _turns_of_one_render(tokenizer, msgs, turns, rendered, thinking, content_only)
     tokens = _render(tokenizer, msgs, False, thinking)
     scored = np.zeros(len(tokens), dtype=bool)
     for i in turns:
@@ -77,6 +80,29 @@ def _messages(tokenizer, msgs, thinking: bool, content_only: bool = False):
             empty = _render(tokenizer, msgs[:i] + [{**msgs[i], "content": ""}], False, thinking)
             start = max(start, common_prefix(upto, empty))
             end -= common_prefix(upto[::-1], empty[::-1])
+        scored[start:end] = True
+    if not scored.any():
+        raise ValueError("the assistant turns have no content tokens to score")
+    return tokens, scored
+
+
+def _turns_of_one_render(tokenizer, msgs, turns, rendered, thinking: bool, content_only: bool):
+    """`_messages`'s tokens and mask from one render that says where each message
+    starts (KimiTokenizer.render_turns), in time linear in the conversation: the
+    conversation up to message i is its tokens before `at[i]`, so a turn starts
+    where the generation prompt after them stops matching and ends at `at[i + 1]`;
+    with `content_only`, the turn alone rendered with no content (an assistant
+    turn renders the same whatever comes before it) trims what it shares."""
+    tokens, at, gen = rendered
+    scored = np.zeros(len(tokens), dtype=bool)
+    for i in turns:
+        start = at[i] + common_prefix(tokens[at[i] : at[i] + len(gen)], gen)
+        end = at[i + 1]
+        if content_only:
+            alone, a, _ = tokenizer.render_turns([{**msgs[i], "content": ""}], thinking=thinking)
+            empty, turn = alone[a[0] :], tokens[at[i] : end]
+            start = max(start, at[i] + common_prefix(turn, empty))
+            end -= common_prefix(turn[::-1], empty[::-1])
         scored[start:end] = True
     if not scored.any():
         raise ValueError("the assistant turns have no content tokens to score")

@@ -46,7 +46,12 @@ HEADROOM = 0.85  # of available memory, for the default budget
 RING = 2  # buffers per streamed layer shape: one in use, one being read
 PREFILL_STEPS = (512, 256, 128, 64, 32, 16)  # prompt tokens per forward pass, largest first
 PREFILL_SHARE = 16  # up to 1/16 of the budget may hold a prefill chunk's activations
-MAX_PASS = 8192  # prompt tokens one prefill pass may take through the layers
+MAX_PASS = 65536  # prompt tokens one prefill pass may take: past this its bookkeeping
+# outweighs a sweep saved (plan/passes.py's cap too)
+# During a pass the expert cache gives its slots back and the pass reads into this
+# many groups of one token's experts: one computing, the next being read
+# (engine/pass_pool.py).
+PASS_GROUPS = 2
 
 
 
@@ -203,6 +208,14 @@ def pass_bytes_per_token(config: dict, activation_dtype: mx.Dtype) -> int:
     return size * (3 * k * hidden + (8 + blocks) * hidden + 3 * shared) + 2 * 4 * experts
 
 
+def pass_pool_slots(cache_slots: int, k: int) -> int:
+    """The slots a pass reads its experts into while the cache has given its own
+    back: PASS_GROUPS groups of one token's experts where the cache had room for
+    them, else one (the floor's), never more than the cache had."""
+    groups = PASS_GROUPS if cache_slots >= PASS_GROUPS * k else 1
+    return max(1, min(groups * k, cache_slots))
+
+
 def pass_tokens(config: dict, step: int, context: int, activation_dtype: mx.Dtype,
                 allowance: int) -> int:
     """Prompt tokens per prefill pass: as many as the allowance holds beside one
@@ -258,6 +271,13 @@ class MemoryPlan:
     sequences: int = 1  # sequences decoded together; state_bytes covers all of them
     sequence_recurrent_bytes: int = 0  # one sequence's recurrent state
     sequence_kv_bytes: int = 0  # one sequence's KV cache at `context`
+    # A pass's expert slots while the cache is given back (0: the cache holds every
+    # expert and a pass reads nothing), and the cache bytes the pass gets beyond them.
+    pass_slots: int = 0
+    pass_released_bytes: int = 0
+    # Tokens a pass holds beside the cache: a call of no more keeps the cache (its
+    # experts serve the pass and decoding after it, a warm start's among them).
+    pass_kept_tokens: int = PREFILL_STEPS[-1]
 
     @property
     def cache_bytes(self) -> int:
@@ -388,6 +408,15 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
             embed_on_demand = False
             res += inv.embed_bytes
     pinned = [key for key in inv.units if key not in set(streamed)]
+    # The cache is decode's: during a pass each expert is read once whatever it
+    # holds, so it gives its slots back (engine/pass_pool.py) and the pass has them
+    # but for its own groups of experts. A cache of every expert stays. (Giving a
+    # prefill pass the unused budget too overran: 53 MB at 40 MB, K3 layout, passes
+    # of 2,136 tokens; the activations per token are underestimated.)
+    pass_slots = 0 if slots >= all_experts else pass_pool_slots(int(slots), k)
+    released = (int(slots) - pass_slots) * one if pass_slots else 0
+    kept = passing
+    passing = pass_tokens(inv.config, step, context, inv.activation_dtype, allowance + released)
     return MemoryPlan(
         budget=budget, context=context, state_bytes=state, working_bytes=working,
         pinned=pinned, streamed=streamed, ring_bytes=ring, embed_on_demand=embed_on_demand,
@@ -396,6 +425,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         moe_layers=len(inv.moe_layers), streamed_read_bytes=read, floor_parts=floor_parts,
         sequences=sequences, sequence_recurrent_bytes=recurrent, sequence_kv_bytes=kv,
         prefill_step=step, prefill_bytes=extra, prefill_pass=passing,
+        pass_slots=pass_slots, pass_released_bytes=released, pass_kept_tokens=kept,
     )
 
 

@@ -9,18 +9,20 @@ except what the pass itself needs resident:
 * the trunk, streamed one layer at a time (the memory plan's floor: the resident
   units and the buffers streamed layers pass through, read ahead of their use),
   unless holding it whole costs the pass no tokens;
-* one group of experts: one token's (`experts_per_token` slots), the experts a
-  layer's computation goes through at a time;
+* its groups of experts (PASS_GROUPS of one token's, `experts_per_token` slots
+  each: one computing while the next is read, engine/pass_pool.py);
 * one block of logits and its log-softmax (`LOGIT_ROWS` positions);
 * the KV/state the prompt keeps (for a prefill: the prompt's, for decoding after
   it; for a scoring pass: each layer's KV for the pass's tokens);
 * the working buffers and one attention chunk's activations;
 * and each token's activations between layers (`pass_bytes_per_token`).
 
-The expert cache is decode's: a prefill fills it at its end with what the last
-positions used. The figures are what a pass is sized to; engine/ still runs a
-loaded model's passes within the memory plan's allowance, beside the cache and the
-pinned trunk (docs/PERFORMANCE.md, "Pass plan").
+The expert cache is decode's: it gives its slots back while a pass runs and decode's
+first token reads what it routes to. The figures are what a pass is sized to; a
+loaded model runs its passes in the memory plan's prefill allowance plus the cache's
+slots (plan/memory.py `pass_released_bytes`), beside the trunk as the memory plan
+pins it (streaming it through a pass is not done yet: docs/PERFORMANCE.md, "Pass
+plan").
 """
 
 from dataclasses import dataclass
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 from deltafin_mlx.model.config import text_config
 from deltafin_mlx.plan.footprint import Inventory
 from deltafin_mlx.plan.memory import (MemoryPlan, _trunk_layout, pass_bytes_per_token,
-                                      prefill_bytes, sequence_state, streamable_units)
+                                      pass_pool_slots, prefill_bytes, sequence_state,
+                                      streamable_units)
 from deltafin_mlx.plan.speed import distinct_experts, weights_per_token
 
 MAX_PASS_TOKENS = 65536  # past this a pass's bookkeeping outweighs a sweep saved
@@ -42,7 +45,7 @@ class PassPlan:
     trunk_streamed: bool  # the trunk goes through a pass a layer at a time
     trunk_bytes: int  # what the trunk holds during a pass (resident units + buffers)
     trunk_read_bytes: int  # trunk bytes read per pass
-    expert_group_bytes: int  # one group of experts
+    expert_group_bytes: int  # the groups of experts a pass reads into
     logits_bytes: int  # one block of logits
     fixed_bytes: int  # working buffers and one attention chunk's activations
     token_bytes: int  # each token's activations between layers
@@ -83,7 +86,8 @@ def pass_plan(inv: Inventory, plan: MemoryPlan) -> PassPlan:
     res, ring, read = _trunk_layout(inv, set(streamable_units(inv)), on_demand)
     whole = sum(u.memory_bytes for u in inv.units.values()) - (inv.embed_bytes if on_demand else 0)
     fixed = plan.working_bytes + prefill_bytes(inv.config, plan.prefill_step, plan.context, act)
-    common = dict(budget=plan.budget, expert_group_bytes=k * one,
+    group = max(k, pass_pool_slots(plan.slots, k)) * one  # the engine's pass pool
+    common = dict(budget=plan.budget, expert_group_bytes=group,
                   logits_bytes=LOGIT_ROWS * LOGIT_COPIES * 4 * vocab, fixed_bytes=fixed,
                   token_bytes=pass_bytes_per_token(inv.config, act), step=plan.prefill_step)
     streamed = PassPlan(trunk_streamed=bool(read), trunk_bytes=res + ring,

@@ -38,10 +38,11 @@ def scoring_allowance(plan: MemoryPlan) -> int:
     """The working buffers' prefill share (less the freed buffers MLX keeps for
     reuse, which the working buffers count: they stay in memory through a pass),
     the prefill activations beyond them, the KV/state reserved for decoding, which
-    scoring never makes, and whatever of the budget the plan left unused (a cache
-    that holds every expert)."""
+    scoring never makes, whatever of the budget the plan left unused (a cache
+    that holds every expert), and the expert cache's slots, which it gives back
+    during a pass but for the pass's own groups of experts (engine/pass_pool.py)."""
     return (WORKING_BYTES - plan.buffer_cache_bytes + plan.prefill_bytes + plan.state_bytes
-            + max(0, plan.budget - plan.used_bytes))
+            + max(0, plan.budget - plan.used_bytes) + plan.pass_released_bytes)
 
 
 def logit_rows(config: dict, allowance: int) -> int:

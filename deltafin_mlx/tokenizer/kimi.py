@@ -423,6 +423,32 @@ class KimiTokenizer:
             return {"input_ids": ids, "attention_mask": [1] * len(ids)}
         return ids
 
+    def render_turns(self, conversation, tools=None, thinking=True, **kwargs):
+        """K3's XTML conversation rendered once: (its token ids without a generation
+        prompt, the token index each message starts at and then where the
+        generation prompt would, the generation prompt's ids), or None for a
+        template that is not XTML. Pieces are encoded one by one and each message
+        renders the same whatever follows it (xtml.render_xtml_chat), so the ids
+        before message i's start are the conversation up to message i rendered on
+        its own: a caller finds every turn's tokens in time linear in the
+        conversation, where rendering each prefix would be quadratic. Arguments
+        as `apply_chat_template`'s."""
+        if not self.is_xtml:
+            return None
+        thinking = kwargs.pop("enable_thinking", thinking)
+        starts = []
+        pieces = render_xtml_chat(conversation, tools, add_generation_prompt=True,
+                                  thinking=thinking,
+                                  thinking_effort=kwargs.get("thinking_effort", "max"),
+                                  starts=starts)
+        bounds = starts + [len(pieces)]
+        ids = list(self._encode_pieces(pieces[: bounds[0]]))  # declarations, notices
+        at = []
+        for a, b in zip(bounds, bounds[1:]):
+            at.append(len(ids))
+            ids += self._encode_pieces(pieces[a:b])
+        return ids[: at[-1]], at, ids[at[-1]:]
+
     def save_pretrained(self, path):
         """Copy the tokenizer's files (and the release's code, if present)."""
         source, path = Path(self.name_or_path), Path(path)

@@ -188,6 +188,7 @@ def render_xtml_chat(
     thinking=True,
     thinking_effort=None,
     continue_final_message=False,
+    starts=None,
 ):
     """A conversation as K3 prompt pieces: a list of (text, is_markup).
 
@@ -198,6 +199,12 @@ def render_xtml_chat(
     thinking is on. The generation prompt opens an assistant turn and its
     think (or, with thinking off, response) channel. With
     continue_final_message the last (assistant) turn is left open instead.
+
+    `starts`, a list, gets the index of the piece each message's rendering starts
+    at (messages in the order rendered: a run of tool results in the order of the
+    calls it answers), then the index where the generation prompt starts. Each
+    message renders the same whatever follows it, so the conversation up to any
+    message is those pieces (KimiTokenizer.render_turns renders a conversation once).
     """
     if thinking and thinking_effort is not None:
         if thinking_effort not in XTML_THINKING_EFFORTS:
@@ -221,6 +228,8 @@ def render_xtml_chat(
         )
     calls, tool_index = [], 0
     for n, message in enumerate(messages):
+        if starts is not None:
+            starts.append(len(pieces))
         role = message["role"]
         attrs = [("role", role)]
         if message.get("name") and role in ("user", "system"):
@@ -246,6 +255,8 @@ def render_xtml_chat(
             pieces += _message(attrs, _content(message.get("content")))
         else:
             raise ValueError(f"Kimi K3 prompts have no role {role!r}")
+    if starts is not None:
+        starts.append(len(pieces))
     if add_generation_prompt and not continue_final_message:
         pieces += _open_tag("message", [("role", "assistant")])
         pieces += _open_tag("think" if thinking else "response")

@@ -1,0 +1,125 @@
+"""Passes at the pass plan's size (issue 31): while a pass runs the expert cache gives
+its slot arrays back and the pass reads into a pool of its own groups of experts
+(engine/pass_pool.py), so the memory plan gives a pass the cache's slots beside its
+prefill allowance (plan/memory.py `pass_released_bytes`; a pass that fits beside the
+cache keeps it). Decoding takes the cache back, empty.
+
+Measured in fresh processes (tests/peak_worker.py): peak RSS over the interpreter's
+baseline, as tests/engine/test_prefill_memory.py measures it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from deltafin_mlx import load, runtime
+from deltafin_mlx.convert.convert import ConvertOptions, convert
+from helpers import make_source
+
+WORKER = Path(__file__).resolve().parents[1] / "peak_worker.py"
+BUDGET = 40_000_000  # the issue's --budget 40MB
+# The issue's full-size bars take 10-20 minutes each on a 2-core machine: the suite
+# runs the same checks at a tenth of the size, DELTAFIN_FULL_BARS=1 at full size.
+FULL_SIZE = pytest.mark.skipif(not os.environ.get("DELTAFIN_FULL_BARS"),
+                               reason="full-size bar: DELTAFIN_FULL_BARS=1 runs it")
+
+
+@pytest.fixture(scope="module")
+def wide_experts(tmp_path_factory):
+    """K3's layout with many experts for the experts a token uses (K3: 896 for 16),
+    each big beside a token's activations (418 KB): at 40 MB the cache holds 49 of
+    the 384 and a pass gets their memory."""
+    root = tmp_path_factory.mktemp("wide_experts")
+    src = make_source(root / "src", "kimi_k3", num_experts=128, experts_per_token=4,
+                      moe_intermediate_size=512, routed_expert_hidden_size=512)
+    convert(str(src), root / "model", ConvertOptions(progress=False))
+    return root / "model"
+
+
+@pytest.fixture(scope="module")
+def eight_layers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eight_layers")
+    src = make_source(root / "src", "kimi_k3", num_layers=8)
+    convert(str(src), root / "model", ConvertOptions(progress=False))
+    return root / "model"
+
+
+def test_a_1030_token_prompt_at_40mb_is_one_pass_reading_at_most_1_1x_its_union(
+        wide_experts):
+    """The pass gets the cache's slots, so the prompt is one pass (beside the
+    cache: 368 tokens): each expert its tokens route to is read once, and the last
+    token (decode's first step, the cache taken back empty) reads its own."""
+    model, _ = load(wide_experts, str(BUDGET), context=2048, tokenizer=False,
+                    warm_start=False)
+    state = runtime(model)
+    plan, store, cache = state.plan, state.store, state.cache
+    assert plan.pass_slots == 2 * plan.experts_per_token and plan.pass_released_bytes > 0
+    assert plan.prefill_pass >= 1029 > plan.pass_kept_tokens
+    routed, during = set(), []
+    store.on_route = lambda layer, idx: routed.update((layer, int(e)) for e in np.unique(idx))
+    store.on_pass_layer = lambda done, layers: during.append(
+        (cache.released, cache.chunk_arrays, store.pass_pool.slots))
+    prompt = mx.array(np.random.default_rng(0).integers(1, 380, (1, 1030)).astype(np.int32))
+    kv = make_prompt_cache(model)
+    before = store.bytes_read
+    mx.eval(model(prompt[:, :-1], cache=kv))  # one pass: every prompt token but the last
+    assert during and all(r and a == [] and s == plan.pass_slots for r, a, s in during)
+    mx.eval(model(prompt[:, -1:], cache=kv))  # the last token: decode takes the cache back
+    assert not cache.released and store.pass_pool is None
+    read = store.bytes_read - before
+    assert read <= 1.10 * len(routed) * state.manifest.experts["record_size"], read
+    state.close()
+
+
+def measure(*args):
+    p = subprocess.run([sys.executable, str(WORKER), *map(str, args)], capture_output=True,
+                       text=True, timeout=3000)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("tokens", [3000, pytest.param(20_000, marks=FULL_SIZE)])
+def test_a_long_text_at_40mb_stays_within_the_budget_and_scores_as_at_a_large_one(
+        eight_layers, tmp_path, tokens):
+    """Scored across passes keeping its KV (jobs/score_sweep.run_long): the peak
+    stays within the budget over the baseline (1% for the allocator's rounding:
+    measured 39.76 MB at 3,000 tokens, 40.01 MB at 20,000), and the
+    log-probabilities are those of the text in one pass at 2 GB."""
+    small = measure("score-text", eight_layers, BUDGET, tokens, tmp_path / "small.npy")
+    assert small["passes"] > 1 and small["budget"] == BUDGET
+    assert small["over_baseline"] <= 1.01 * BUDGET, small
+    large = measure("score-text", eight_layers, "2GB", tokens, tmp_path / "large.npy")
+    assert large["passes"] == 1
+    got, want = np.load(tmp_path / "small.npy"), np.load(tmp_path / "large.npy")
+    np.testing.assert_allclose(got[1:], want[1:], atol=1e-4)
+
+
+# What a score job holds of its input beside the budget: the window of prepared
+# texts (jobs/score.py WINDOW_PASSES passes' tokens, each text with its parsed line:
+# about 1,600 texts of 2-4 tokens at 40 MB), the ids it has seen, one line.
+# Measured 2.34 MB over the budget (40,000 texts, 109 sweeps, 2026-12-03).
+READER_BOUND = 4_000_000
+
+
+@pytest.mark.parametrize("texts", [4_000, pytest.param(40_000, marks=FULL_SIZE)])
+def test_a_scoring_job_of_many_short_texts_stays_within_the_budget_and_a_bounded_reader(
+        converted, tmp_path, texts):
+    rng = np.random.default_rng(0)
+    src = tmp_path / "in.jsonl"
+    with open(src, "w") as f:
+        for i in range(texts):
+            f.write(json.dumps({"id": i, "tokens": rng.integers(1, 900, rng.integers(2, 5))
+                                .tolist()}) + "\n")
+    r = measure("score-job", converted("kimi_k3"), BUDGET, src, tmp_path / "out.jsonl")
+    assert r["summary"]["scored_texts"] == texts and r["budget"] == BUDGET
+    assert r["over_baseline"] <= BUDGET + READER_BOUND, r["over_baseline"]
+    # Results are on disk as each pass finishes, not at the end.
+    written = r["written_after_each_pass"]
+    assert len(written) > 1 and written == sorted(written) and written[0] < texts
+    assert written[-1] == texts
