@@ -1,0 +1,146 @@
+"""Checkpoints as their publishers release them convert, with default options, to
+exactly the tokens of mlx-lm loading the same directory: DeepSeek-V3 and Kimi K2 in
+FP8 with 128x128 block scales, Kimi-K2-Thinking's INT4 compressed-tensors experts,
+gpt-oss's MXFP4 `_blocks`/`_scales` experts with their biases, GLM-4.5, Qwen3-Next
+and MiniMax-M2 (FP8). The sources are written by deltafin_mlx/testing/original_layouts.py
+as the inverse of each mlx-lm class's `sanitize`; the first test checks that inverse.
+
+The oracle is what `mlx_lm.convert -q` makes of the same directory, run fully in
+memory at float32: mlx-lm's sanitize dequantizes FP8 to bf16, and a default
+conversion quantizes float experts and trunk at 4 bits as that does, while experts
+already quantized in a mode MLX runs (MXFP4, INT4 as 4-bit affine) stay as
+mlx-lm loads them. Kimi K3, Kimi K2, Qwen3-MoE and Mixtral in bf16 are proven the
+same way by tests/convert/test_convert.py; DeepSeek-V3 in bf16 is here."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.models.switch_layers import SwitchLinear
+from mlx_lm.utils import load_model, quantize_model
+
+from deltafin_mlx import runtime
+from deltafin_mlx.convert.convert import ConvertOptions, convert
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.format.manifest import read_manifest
+from deltafin_mlx.testing.decode import greedy
+from deltafin_mlx.testing.original_layouts import built_model, write_original
+
+# source: how far the release's number format rounds a weight, relative to its
+# tensor's largest magnitude (bf16 ~2^-8; FP8 e4m3 per 128x128 block; INT4 over
+# groups of 32; MXFP4's shared power-of-two scale over 32).
+SOURCES = {
+    "deepseek_v3_fp8": 0.06,
+    "kimi_k2_fp8": 0.06,
+    "kimi_k2_int4": 0.1,
+    "gpt_oss": 0.2,
+    "glm4_moe": 0.01,
+    "qwen3_next": 0.01,
+    "minimax_fp8": 0.06,
+    "deepseek_v3": 0.01,
+}
+
+# Experts the release already quantized in a mode MLX runs: carried over as they are.
+CARRIED = ("gpt_oss", "kimi_k2_int4")
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("releases")
+    cache = {}
+
+    def get(source):
+        if source not in cache:
+            cache[source] = write_original(root / source, source)
+        return cache[source]
+
+    return get
+
+
+def prompt(length=12, seed=0):
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.integers(1, 380, size=(1, length)).astype(np.int32))
+
+
+def dense(module):
+    """A (switch) linear's weight as float32, dequantized where it is quantized."""
+    if not hasattr(module, "scales"):
+        return module.weight.astype(mx.float32)
+    return mx.dequantize(module.weight, module.scales, getattr(module, "biases", None),
+                         group_size=module.group_size, bits=module.bits, mode=module.mode)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_mlx_lm_loads_each_release_as_the_model_it_was_built_from(source, releases):
+    """The writer inverts sanitize: every weight comes back up to the release's
+    rounding (a swapped gate/up, a transposed kv_b_proj or a misplaced block scale
+    would be off by its whole size). And the experts decide the tokens."""
+    src = releases(source)
+    config = json.loads((src / "config.json").read_text())
+    built = built_model(source, config)
+    loaded, _ = load_model(src)
+    modules = dict(loaded.named_modules())
+    got = dict(tree_flatten(loaded.parameters()))
+    for name, want in tree_flatten(built.parameters()):
+        owner, leaf = name.rsplit(".", 1)
+        if leaf == "weight" and hasattr(modules[owner], "scales"):
+            value = dense(modules[owner])
+        else:
+            value = got[name].astype(mx.float32)
+        err = (mx.abs(value - want).max() / mx.abs(want).max()).item()
+        assert err <= SOURCES[source], (name, err)
+
+    tokens, _ = greedy(built, prompt(), 8)
+    for path, m in built.named_modules():
+        if isinstance(m, SwitchLinear) and path.endswith("down_proj"):
+            m.weight = mx.zeros_like(m.weight)
+            if "bias" in m:
+                m.bias = mx.zeros_like(m.bias)
+    without_experts, _ = greedy(built, prompt(), 8)
+    assert (tokens != without_experts).any()
+
+
+def oracle(src):
+    """`mlx_lm.convert -q` of `src` at the default settings, in float32: load (its
+    sanitize dequantizes FP8), cast to the config's dtype, quantize the trunk with
+    the model's own predicate and float experts at 4-bit affine, group 64."""
+    model, config = load_model(Path(src), lazy=True)
+    cast = getattr(model, "cast_predicate", lambda _: True)
+    dtype = getattr(mx, config["torch_dtype"])
+    model.update(tree_map_with_path(
+        lambda k, v: v.astype(dtype) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
+        model.parameters()))
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path, module):
+        if isinstance(module, SwitchLinear):
+            return {"group_size": 64, "bits": 4, "mode": "affine"}
+        return own(path, module) if own else True
+
+    model, _ = quantize_model(model, config, 64, 4, quant_predicate=predicate)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_a_release_converts_to_mlx_lms_tokens(source, releases, tmp_path):
+    src = releases(source)
+    out = tmp_path / "out"
+    convert(str(src), out, ConvertOptions(progress=False))
+    m = read_manifest(out)
+    expected = oracle(src)
+    assert m.quantization["experts"].get("carried_over", False) == (source in CARRIED)
+    slots = m.experts["num_experts"] * len(m.moe_layers) // 4
+    model, _ = load(out, cache_slots=slots, tokenizer=False)
+    try:
+        tokens, logits = greedy(model, prompt(), 16)
+        assert runtime(model).stats.misses > 0  # the experts streamed
+    finally:
+        runtime(model).close()
+    ref_tokens, ref_logits = greedy(expected, prompt(), 16)
+    assert (tokens == ref_tokens).all()
+    assert mx.array_equal(logits, ref_logits).item()  # bit-identical, not just close
