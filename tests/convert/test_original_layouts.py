@@ -13,6 +13,8 @@ mlx-lm loads them. Kimi K3, Kimi K2, Qwen3-MoE and Mixtral in bf16 are proven th
 same way by tests/convert/test_convert.py; DeepSeek-V3 in bf16 is here."""
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,7 +29,10 @@ from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.format.manifest import read_manifest
 from deltafin_mlx.testing.decode import greedy
+from deltafin_mlx.testing.fake_hub import FakeHub
+from deltafin_mlx.testing.mlx_lm_format import write_mlx_lm_format
 from deltafin_mlx.testing.original_layouts import built_model, write_original
+from helpers import BIN
 
 # source: how far the release's number format rounds a weight, relative to its
 # tensor's largest magnitude (bf16 ~2^-8; FP8 e4m3 per 128x128 block; INT4 over
@@ -103,6 +108,22 @@ def test_mlx_lm_loads_each_release_as_the_model_it_was_built_from(source, releas
     assert (tokens != without_experts).any()
 
 
+def assert_same_greedy(out, expected, steps=16):
+    """The conversion at `out`, streamed with an expert cache of a quarter of its
+    experts, gives `expected`'s greedy tokens and bit-identical logits."""
+    m = read_manifest(out)
+    slots = m.experts["num_experts"] * len(m.moe_layers) // 4
+    model, _ = load(out, cache_slots=slots, tokenizer=False)
+    try:
+        tokens, logits = greedy(model, prompt(), steps)
+        assert runtime(model).stats.misses > 0  # the experts streamed
+    finally:
+        runtime(model).close()
+    ref_tokens, ref_logits = greedy(expected, prompt(), steps)
+    assert (tokens == ref_tokens).all()
+    assert mx.array_equal(logits, ref_logits).item()  # bit-identical, not just close
+
+
 def oracle(src):
     """`mlx_lm.convert -q` of `src` at the default settings, in float32: load (its
     sanitize dequantizes FP8), cast to the config's dtype, quantize the trunk with
@@ -134,13 +155,31 @@ def test_a_release_converts_to_mlx_lms_tokens(source, releases, tmp_path):
     m = read_manifest(out)
     expected = oracle(src)
     assert m.quantization["experts"].get("carried_over", False) == (source in CARRIED)
-    slots = m.experts["num_experts"] * len(m.moe_layers) // 4
-    model, _ = load(out, cache_slots=slots, tokenizer=False)
-    try:
-        tokens, logits = greedy(model, prompt(), 16)
-        assert runtime(model).stats.misses > 0  # the experts streamed
-    finally:
-        runtime(model).close()
-    ref_tokens, ref_logits = greedy(expected, prompt(), 16)
-    assert (tokens == ref_tokens).all()
-    assert mx.array_equal(logits, ref_logits).item()  # bit-identical, not just close
+    assert_same_greedy(out, expected)
+
+
+def test_an_mlx_community_glm_repository_converts_from_the_hub_with_a_scratch_limit_or_linked(
+        releases, tmp_path):
+    """GLM-4.5 as mlx-community publishes it (`mlx_lm.convert -q` of the release: its
+    experts stacked in 4-bit affine): from the hub shard by shard under a scratch
+    limit, the same bytes as from a local directory; linked into the hub cache, no
+    expert bytes copied and mlx-lm's tokens."""
+    src = write_mlx_lm_format(releases("glm4_moe"), tmp_path / "mlx", bits=4)
+    convert(str(src), tmp_path / "local", ConvertOptions(progress=False))
+    repo = "mlx-community/Tiny-GLM-4.5-4bit"
+    with FakeHub() as hub:
+        hub.add(repo, src)
+        env = {**os.environ, **hub.env(tmp_path / "hf")}
+        for out, how in (("scratch", ["--scratch-limit", "1GB"]), ("linked", ["--link-experts"])):
+            p = subprocess.run([str(BIN / "deltafin-convert"), repo, str(tmp_path / out), *how,
+                                "--quiet"], capture_output=True, text=True, timeout=600, env=env)
+            assert p.returncode == 0, p.stderr
+    a, b = read_manifest(tmp_path / "scratch"), read_manifest(tmp_path / "local")
+    assert a.files == b.files and a.checksums == b.checksums
+    linked = read_manifest(tmp_path / "linked")
+    assert all(rel.startswith("blobs/") for rel in linked.linked["files"])  # the hub cache's
+    assert not any(rel.endswith(".bank") for rel in linked.files)  # no expert bytes copied
+    model, _ = load_model(src)  # mlx-lm's own 4-bit: the conversion carries it as it is
+    model.set_dtype(mx.float32)
+    for out in ("local", "linked"):  # packed and linked alike
+        assert_same_greedy(tmp_path / out, model)
