@@ -14,15 +14,18 @@ depends on it), the experts of the call in flight are protected from eviction, a
 so are slots that reads are filling.
 """
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Dict, List
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from deltafin_mlx.format.bank import ALIGN, BankLayout
+from deltafin_mlx.format.record import record_linears
 from deltafin_mlx.engine.policy import ExpertPool
 from deltafin_mlx.format.dtypes import in_memory, to_numpy
 from deltafin_mlx.plan.slots import MAX_ELEMENTS, max_slots, pool_chunks
@@ -64,21 +67,22 @@ def alloc_aligned(shape, dtype: mx.Dtype) -> mx.array:
     return arr
 
 
-def switch_over_slots(arrays: Dict[str, mx.array], capacity: int, quant: dict, activation):
-    """mlx-lm's own SwitchGLU, over the slots instead of all experts: the
-    arithmetic is exactly mlx-lm's, only the indices are slot numbers.
-    (Its random initial weights are lazy and never evaluated.)"""
-    hidden, packed_in = arrays["gate_proj.weight"].shape[1:]
-    in_dim = packed_in * 32 // quant["bits"]
-    inner = SwitchGLU(in_dim, hidden, capacity, activation=activation)
-    for proj, (i, o) in (("gate_proj", (in_dim, hidden)), ("up_proj", (in_dim, hidden)),
-                         ("down_proj", (hidden, in_dim))):
-        lin = QuantizedSwitchLinear(i, o, capacity, False, quant["group_size"], quant["bits"],
-                                    mode=quant["mode"])
-        lin.weight = arrays[f"{proj}.weight"]
-        lin.scales = arrays[f"{proj}.scales"]
-        lin.biases = arrays.get(f"{proj}.biases")
-        inner[proj] = lin
+def switch_over_slots(arrays: Dict[str, mx.array], capacity: int, quant: dict,
+                      original: nn.Module) -> nn.Module:
+    """mlx-lm's own routed-expert module (`original`'s class, activation and
+    settings: SwitchGLU, SwitchMLP, with or without per-expert biases) over the
+    slots instead of all experts: the arithmetic is exactly mlx-lm's, only the
+    indices are slot numbers. (Random initial weights are lazy, never evaluated.)"""
+    inner = copy.copy(original)
+    for name, have in record_linears(arrays).items():
+        out_dim, packed = arrays[f"{name}.weight"].shape[1:]
+        lin = QuantizedSwitchLinear(packed * 32 // quant["bits"], out_dim, capacity, False,
+                                    quant["group_size"], quant["bits"], mode=quant["mode"])
+        for kind in have:
+            lin[kind] = arrays[f"{name}.{kind}"]
+        if "biases" not in have:
+            lin.biases = None
+        inner[name] = lin
     return inner
 
 

@@ -55,21 +55,23 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
     if k != ex["experts_per_token"]:
         raise ModelError(f"{where}: {k!r:.40} experts per token, the manifest and banks have "
                          f"{ex['experts_per_token']}")
-    from mlx_lm.models.switch_layers import SwitchGLU
-
     from deltafin_mlx.format.bank import slice_axis
+    from deltafin_mlx.model.modules import switch_classes
 
     inside = tuple(sp + "." for sp in switches)
     built = {p for p, m in model.named_modules()
-             if isinstance(m, SwitchGLU) and p not in switches and not p.startswith(inside)}
+             if isinstance(m, switch_classes()) and p not in switches and not p.startswith(inside)}
     if built:
         raise ModelError(f"{where}: builds routed experts at {sorted(built)[0]}, "
                          "which have no bank")
     bits = manifest.quantization["experts"]["bits"]
     sections = {s["name"]: s for s in ex["sections"]}
-    for sp, shapes in switches.items():
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            e, out, inp = shapes[proj]
+    for sp, linears in switches.items():
+        held = {name.rpartition(".")[0] for name in sections}
+        if set(linears) != held:
+            raise ModelError(f"{where}: {sp} has expert linears {sorted(linears)}, the banks "
+                             f"hold {sorted(held)}")
+        for proj, (e, out, inp, bias) in linears.items():
             shape = list(sections[f"{proj}.weight"]["shape"])
             shape[slice_axis(f"{proj}.weight")] *= manifest.slices  # a whole expert
             out_b, packed = shape
@@ -77,6 +79,9 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
                 raise ModelError(
                     f"{where}: {sp}.{proj} is {e} experts of {out}x{inp}, the banks hold "
                     f"{ex['num_experts']} of {out_b}x{packed * 32 // bits}")
+            if bias != (f"{proj}.bias" in sections):
+                raise ModelError(f"{where}: {sp}.{proj} {'has' if bias else 'has no'} "
+                                 "per-expert bias, the banks differ")
     prefixes = tuple(sp + "." for sp in switches)
     params = {k: v.shape for k, v in tree_flatten(model.parameters())
               if not k.startswith(prefixes)}
@@ -370,7 +375,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     for layer in manifest.moe_layers:
         sp = manifest.switch_path(layer)
         original = get_module(model, sp)
-        inner = switch_over_slots(*cache.arrays_of(layer), quant, original.activation)
+        inner = switch_over_slots(*cache.arrays_of(layer), quant, original)
         streaming = StreamingSwitchGLU(layer, store, inner)
         set_module(model, sp, streaming)
         moe = get_module(model, sp.rpartition(".")[0])
@@ -442,10 +447,10 @@ def model_config(model) -> dict:
 
 
 def switch_shapes(model: nn.Module, manifest) -> dict:
-    """Each MoE layer's SwitchGLU projection shapes (experts, out, in), as the
-    model config.json builds has them; refused if the manifest names a layer
-    without one."""
-    from mlx_lm.models.switch_layers import SwitchGLU
+    """Each MoE layer's expert linears (`switch_linears`: experts, out, in, bias), as
+    the model config.json builds has them; refused if the manifest names a layer
+    without a routed-expert module."""
+    from deltafin_mlx.model.modules import switch_classes, switch_linears
 
     shapes = {}
     for layer in manifest.moe_layers:
@@ -454,11 +459,10 @@ def switch_shapes(model: nn.Module, manifest) -> dict:
             switch = get_module(model, sp)
         except (KeyError, IndexError, ValueError, AttributeError, TypeError):
             switch = None
-        if not isinstance(switch, SwitchGLU):
+        if not isinstance(switch, switch_classes()):
             raise ModelError(f"{manifest.path / 'config.json'}: layer {layer} of the model it "
                              f"builds has no routed experts at {sp}, the manifest has a bank")
-        shapes[sp] = {p: tuple(getattr(switch, p).weight.shape)
-                      for p in ("gate_proj", "up_proj", "down_proj")}
+        shapes[sp] = switch_linears(switch)
     return shapes
 
 

@@ -29,6 +29,7 @@ from deltafin_mlx.format.dtypes import FLOATS
 from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, check_small_files, parse_checksum,
                                           read_inside, resolve_inside)
 from deltafin_mlx.format.links import LINKED_VERSION
+from deltafin_mlx.format.record import PROJECTIONS, record_linears
 
 # Every manifest version this Deltafin reads: 1, 2 (rank slices), 3 (linked experts).
 MANIFEST_VERSIONS = FORMAT_VERSIONS + (LINKED_VERSION,)
@@ -187,7 +188,6 @@ class _Leaves(ValueError):
 
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+"
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # mode -> (bits, group sizes) that MLX's quantized matmuls take
 QUANT_MODES = {
     "affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128)),
@@ -317,7 +317,7 @@ def _check_fields(d: dict):
                   f"{header_size + n * record_size}")
         sp = entry.get("switch_path")
         _need(isinstance(sp, str)
-              and re.fullmatch(rf"(?:(?:{_NAME})\.)*layers\.{key}\.(?:(?:{_NAME})\.)*switch_mlp", sp)
+              and re.fullmatch(rf"(?:(?:{_NAME})\.)*layers\.{key}\.(?:(?:{_NAME})\.)*(?:{_NAME})", sp)
               is not None,
               f"switch_path {sp!r:.200} of layer {key}")
         block = sp.rsplit(".", 1)[0]
@@ -350,18 +350,25 @@ def _check_linked(linked):
 
 
 def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
-    """The sections are SwitchGLU's quantized projections at the experts' quantization."""
+    """The sections are a routed-expert module's quantized linears at the experts'
+    quantization (format/record.py): per linear a uint32 weight, its scales, biases
+    exactly when affine, and optionally a per-expert float bias of its outputs."""
     mode, bits, group = quant["mode"], quant["bits"], quant["group_size"]
     _need(mode in QUANT_MODES and bits in QUANT_MODES[mode][0] and group in QUANT_MODES[mode][1],
           f"expert quantization {mode!r:.40} at {bits} bits, group size {group} is not one "
           "MLX has")
     affine = mode == "affine"
     kinds = ("weight", "scales", "biases") if affine else ("weight", "scales")
-    expected = {f"{p}.{k}" for p in PROJECTIONS for k in kinds}
-    _need(set(by_name) == expected, f"expert sections {sorted(by_name)} are not {sorted(expected)}")
+    linears = record_linears(by_name)
+    _need(bool(linears), "no expert sections")
     dims = {}
-    for p in PROJECTIONS:
-        w, sc = by_name[f"{p}.weight"], by_name[f"{p}.scales"]
+    for p, kinds_of in linears.items():
+        have = {k: by_name[f"{p}.{k}"] for k in kinds_of}
+        _need(re.fullmatch(_NAME, p) is not None and set(kinds) <= set(have)
+              and set(have) <= set(kinds) | {"bias"},
+              f"expert sections of {p!r:.40} are {sorted(have)}, not {list(kinds)} "
+              "(and optionally bias)")
+        w, sc = have["weight"], have["scales"]
         _need(w.dtype == "uint32" and len(w.shape) == 2 and len(sc.shape) == 2
               and (sc.dtype != "uint8") == affine,
               f"expert section {p}.weight/scales dtypes or ranks")
@@ -372,11 +379,16 @@ def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
               f"{p}.scales shape {sc.shape} does not fit {p}.weight {w.shape} "
               f"at {bits} bits, group size {group}")
         if affine:
-            _need(by_name[f"{p}.biases"].shape == sc.shape, f"{p}.biases shape")
+            _need(have["biases"].shape == sc.shape, f"{p}.biases shape")
+        if "bias" in have:
+            _need(have["bias"].shape == (out,) and have["bias"].dtype in FLOATS,
+                  f"{p}.bias is {have['bias'].dtype} {have['bias'].shape}, not a float "
+                  f"vector of {out}")
         dims[p] = (out, in_dim)
-    _need(dims["up_proj"] == dims["gate_proj"]
-          and dims["down_proj"] == dims["gate_proj"][::-1],
-          f"expert projections {dims} do not form a SwitchGLU")
+    if set(dims) & set(PROJECTIONS):
+        _need(set(dims) == set(PROJECTIONS) and dims["up_proj"] == dims["gate_proj"]
+              and dims["down_proj"] == dims["gate_proj"][::-1],
+              f"expert projections {dims} do not form a SwitchGLU")
 
 
 def check_model_files(m: Manifest):

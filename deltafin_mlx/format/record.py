@@ -1,28 +1,49 @@
 """The sections of one expert's bank record: which tensors, in which order and shape.
 
-The converter writes records in this layout, the manifest check expects it, and the
-planner sizes a source's records with it before conversion.
+A record holds one expert of a routed-expert module (mlx-lm's SwitchGLU, SwitchMLP):
+for each of its expert linears, in the module's order, the quantized `weight`,
+`scales`, `biases` (affine only) and the per-expert float `bias` where the module
+has one (gpt-oss). A SwitchGLU without biases gives the gate/up/down records of
+every model directory written before. The converter writes records in this layout,
+the manifest check expects it, and the planner sizes a source's records with it
+before conversion.
 """
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from deltafin_mlx.format.bank import Section, make_sections
 
-# mlx-lm's SwitchGLU projections, in record order.
+# mlx-lm's SwitchGLU projections, in record order (the layout tensor parallelism splits).
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# A section's name is "<linear>.<kind>", with kinds in this order.
+KINDS = ("weight", "scales", "biases", "bias")
 
 
-def expert_sections(shapes: Dict[str, tuple], quant: dict, scales_dtype: str) -> List[Section]:
-    """The record layout for experts whose unquantized projections have `shapes`
-    ((out, in) per projection), quantized as `quant` says."""
+def expert_sections(linears: Dict[str, tuple], quant: dict, scales_dtype: str,
+                    bias_dtype: Optional[str] = None) -> List[Section]:
+    """The record layout for experts whose linears are `linears` (name -> (out, in)
+    or (out, in, has_bias), in the module's order), quantized as `quant` says;
+    per-expert biases are kept in `bias_dtype` (default: `scales_dtype`)."""
     bits, group, mode = quant["bits"], quant["group_size"], quant["mode"]
     tensors = []
-    for proj in PROJECTIONS:
-        out_dim, in_dim = shapes[proj]
-        tensors.append((f"{proj}.weight", "uint32", (out_dim, in_dim * bits // 32)))
-        if mode == "mxfp4":
-            tensors.append((f"{proj}.scales", "uint8", (out_dim, in_dim // group)))
-        else:
-            tensors.append((f"{proj}.scales", scales_dtype, (out_dim, in_dim // group)))
-            tensors.append((f"{proj}.biases", scales_dtype, (out_dim, in_dim // group)))
+    for name, dims in linears.items():
+        out_dim, in_dim = dims[:2]
+        tensors.append((f"{name}.weight", "uint32", (out_dim, in_dim * bits // 32)))
+        if mode == "affine":
+            tensors.append((f"{name}.scales", scales_dtype, (out_dim, in_dim // group)))
+            tensors.append((f"{name}.biases", scales_dtype, (out_dim, in_dim // group)))
+        else:  # MLX's microscaled modes: one uint8 exponent per group
+            tensors.append((f"{name}.scales", "uint8", (out_dim, in_dim // group)))
+        if len(dims) > 2 and dims[2]:
+            tensors.append((f"{name}.bias", bias_dtype or scales_dtype, (out_dim,)))
     return make_sections(tensors)
+
+
+def record_linears(names) -> Dict[str, List[str]]:
+    """The expert linears a record's section names hold: linear -> its kinds, in
+    record order."""
+    out: Dict[str, List[str]] = {}
+    for n in names:
+        name, _, kind = n.rpartition(".")
+        out.setdefault(name, []).append(kind)
+    return out

@@ -29,16 +29,45 @@ def layer_paths(model: nn.Module) -> list:
     return paths
 
 
-def switch_path(layer: nn.Module):
-    """The path of the layer's routed-expert SwitchGLU within it, or None."""
+def switch_classes():
+    """mlx-lm's routed-expert modules: what Deltafin streams (their quantized forms
+    are the same classes, with QuantizedSwitchLinear children)."""
     # Imported here: importing any of mlx-lm imports its generation code and
     # transformers, which `list` and `plan` of a converted model never need.
-    from mlx_lm.models.switch_layers import SwitchGLU
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-    for path, module in layer.named_modules():
-        if isinstance(module, SwitchGLU):
-            return path
-    return None
+    return (SwitchGLU, SwitchMLP)
+
+
+def switch_paths(layer: nn.Module) -> list:
+    """The paths of the routed-expert modules (SwitchGLU/SwitchMLP) within `layer`."""
+    classes = switch_classes()
+    return [path for path, module in layer.named_modules() if isinstance(module, classes)]
+
+
+def switch_path(layer: nn.Module):
+    """The path of the layer's routed-expert module within it, or None; a layer
+    with more than one is refused (a bank holds one module's experts per layer)."""
+    paths = switch_paths(layer)
+    if len(paths) > 1:
+        from deltafin_mlx.errors import ModelError
+
+        raise ModelError(f"a decoder layer holds {len(paths)} routed-expert modules "
+                         f"({', '.join(sorted(paths))}); Deltafin streams one per layer")
+    return paths[0] if paths else None
+
+
+def switch_linears(switch: nn.Module) -> dict:
+    """A routed-expert module's expert linears in the module's order: name ->
+    (num_experts, out, in, has per-expert bias), float or quantized."""
+    out = {}
+    for name, child in switch.children().items():
+        if not isinstance(child, nn.Module) or "weight" not in child:
+            continue
+        e, o = child.weight.shape[:2]
+        i = child.scales.shape[-1] * child.group_size if "scales" in child else child.weight.shape[2]
+        out[name] = (e, o, i, "bias" in child)
+    return out
 
 
 def find_path(model: nn.Module, suffix: str):

@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten
 from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.bank import BankLayout, Section, record_size_of, slice_sections
 from deltafin_mlx.format.manifest import MANIFEST_NAME
+from deltafin_mlx.format.record import PROJECTIONS
 from deltafin_mlx.model.build import build_model, quantize_like_config
 from deltafin_mlx.model.config import text_config
 from deltafin_mlx.model.modules import get_module, layer_paths, set_module, switch_path
@@ -81,6 +82,12 @@ def check_divisible(config: dict, sections, ranks: int, where=""):
         if isinstance(n, int) and n % ranks:
             raise ModelError(f"{where}: {ranks} ranks do not divide the model's {n} {what}")
     by_name = {s.name: s for s in sections}
+    glu = {f"{p}.{k}" for p in PROJECTIONS for k in ("weight", "scales", "biases")}
+    if not set(by_name) <= glu:
+        other = sorted(set(by_name) - glu)[0]
+        raise ModelError(f"{where}: tensor parallelism splits SwitchGLU experts "
+                         "(gate/up/down projections without per-expert biases); this "
+                         f"model's experts hold {other}: run it in one process")
     width = by_name["gate_proj.weight"].shape[0]
     group = width // by_name["down_proj.scales"].shape[1]
     if width % (ranks * group):

@@ -14,10 +14,10 @@ import mlx.core as mx
 from deltafin_mlx.format.bank import Section, record_size_of
 from deltafin_mlx.format.dtypes import FLOATS, ITEMSIZE, name_of
 from deltafin_mlx.plan.slots import slot_bytes
-from deltafin_mlx.format.record import PROJECTIONS, expert_sections
+from deltafin_mlx.format.record import expert_sections
 from deltafin_mlx.model.build import build_model, quantize_like_mlx_lm, source_dtype
 from deltafin_mlx.model.config import LAYER_RE, experts_per_token, tied_embeddings
-from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
+from deltafin_mlx.model.modules import get_module, layer_paths, switch_linears, switch_path
 from deltafin_mlx.model.quantization import check_quantization, expert_quantization
 from deltafin_mlx.model.shard import expert_layout
 
@@ -185,9 +185,9 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
             embed += _tensor_memory(d, a.shape, act)
 
     quant = expert_quantization(config, expert_bits, expert_group_size)
-    first = get_module(model, next(iter(switches.values())))
-    shapes = {p: tuple(getattr(first, p).weight.shape[1:]) for p in PROJECTIONS}
-    sections = expert_sections(shapes, quant, name_of(dtype or mx.bfloat16))
+    linears = switch_linears(get_module(model, next(iter(switches.values()))))
+    sections = expert_sections({k: v[1:] for k, v in linears.items()}, quant,
+                               name_of(dtype or mx.bfloat16))
     return Inventory(
         model_type=config.get("model_type", "?"),
         config=config,
@@ -195,7 +195,7 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
         embed_bytes=embed,
         embed_tied=tied_embeddings(config),
         moe_layers=sorted(switches),
-        num_experts=first.gate_proj.weight.shape[0],
+        num_experts=next(iter(linears.values()))[0],
         experts_per_token=experts_per_token(config),
         record_size=record_size_of(sections),
         sections=sections,
