@@ -28,20 +28,22 @@ from deltafin_mlx.format.integrity import MANIFEST_MAX_BYTES, file_checksum, for
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
 from deltafin_mlx.format.model_dir import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE, open_model_dir
 
-from deltafin_mlx.format.record import PROJECTIONS, expert_sections
+from deltafin_mlx.format.record import record_linears
 from deltafin_mlx.model.build import build_model, source_dtype
-from deltafin_mlx.model.config import ARCHITECTURES, LAYER_RE, experts_per_token
+from deltafin_mlx.model.config import LAYER_RE, experts_per_token
 from deltafin_mlx.model.quantization import (check_quantization, mlx_lm_quantization,
                                              module_quantization)
 
-from .experts import linkable, open_experts
+from .experts import SanitizedExperts, linkable
 from .linked import LinkWriter, linked_manifest_entry
 from .scratch import SCRATCH_NAME, check_scratch_limit, disk_in_use, open_hub_scratch, plan_scratch
 from .source import ConvertError, Source, free_bytes, open_source, read_source, tokenizer_files
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.format.hub import looks_like_hub_id
 from deltafin_mlx.units import human_bytes
-from deltafin_mlx.model.modules import get_module, layer_paths, switch_path
+from deltafin_mlx.model.modules import get_module, layer_paths, switch_linears, switch_path
+from deltafin_mlx.model.shard import check_glu_sections
+from deltafin_mlx.errors import ModelError
 
 from .trunk import convert_unit, release
 
@@ -269,11 +271,6 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
     config = dict(source.config)
     check_source_tokenizer(source.path, tok_files, config)  # before any work
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ConvertError(
-            f"unsupported architecture {model_type!r}; supported: "
-            + ", ".join(f"{v} ({k})" for k, v in ARCHITECTURES.items())
-        )
     # A model mlx_lm.convert quantized keeps its quantized trunk as it is.
     saved_quant = mlx_lm_quantization(config)
     if saved_quant is not None:
@@ -307,19 +304,27 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
         else:
             dropped.append(name)  # e.g. multi-token-prediction layers mlx-lm drops
 
-    # The record layout, from mlx-lm's own SwitchGLU shapes.
+    # Every routed-expert module (mlx-lm's SwitchGLU/SwitchMLP) is streamed.
     moe_layers = {}
-    for i, path in enumerate(paths):
-        sp = switch_path(get_module(model, path))
-        if sp is not None:
-            moe_layers[i] = f"{path}.{sp}"
+    try:
+        for i, path in enumerate(paths):
+            sp = switch_path(get_module(model, path))
+            if sp is not None:
+                moe_layers[i] = f"{path}.{sp}"
+    except DeltafinError as e:
+        raise ConvertError(f"{model_type}: {e}") from None
     if not moe_layers:
-        raise ConvertError(f"{model_type}: this configuration has no MoE layers")
+        raise ConvertError(
+            f"{model_type}: mlx-lm's model has no SwitchGLU/SwitchMLP modules; Deltafin "
+            "streams routed experts that are such modules, and this configuration's are not "
+            "(or it has no MoE layers)")
     first_switch = get_module(model, next(iter(moe_layers.values())))
-    num_experts = first_switch.gate_proj.weight.shape[0]
-    shapes = {p: tuple(getattr(first_switch, p).weight.shape[1:]) for p in PROJECTIONS}
-    experts = open_experts(source, config, moe_layers, shapes, num_experts, options.expert_bits,
-                           options.expert_group_size, dtype)
+    num_experts = next(iter(switch_linears(first_switch).values()))[0]
+    float_quant = {"mode": "affine", "bits": options.expert_bits,
+                   "group_size": options.expert_group_size}
+    experts = SanitizedExperts(source, model, units, moe_layers, num_experts,
+                               float_quant, saved_quant, dtype,
+                               model_type)
     expert_quant = experts.quant
     if expert_quant.get("carried_over") and (options.expert_bits, options.expert_group_size) \
             != (ConvertOptions.expert_bits, ConvertOptions.expert_group_size):
@@ -333,18 +338,25 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
             "quantizing them, not the source's bytes; only experts carried over byte for byte "
             "(Kimi K3's MXFP4 ones, or those mlx-lm quantized) can be linked (convert without "
             "--link-experts)")
-    for p, (o, i) in shapes.items():
+    for p, (o, i, _) in experts.linears.items():
         if i % expert_quant["group_size"]:
             raise ConvertError(
                 f"expert {p} input size {i} is not a multiple of the expert group size "
                 f"{expert_quant['group_size']} (choose another --expert-group-size)"
             )
-    sections = expert_sections(shapes, expert_quant, experts.scales_dtype)
+    if options.link_experts:  # a section sanitize changes cannot be linked: said now
+        first = next(iter(moe_layers))
+        experts.locations(first, 0)
+    sections = experts.sections
     slices = options.ranks
     if slices > 1:
+        try:
+            check_glu_sections(sections)
+        except ModelError as e:
+            raise ConvertError(f"--ranks {slices}: {e}") from None
         # Each rank's slice of the intermediate dimension is whole quantization
         # groups of down_proj's input (mlx-lm's sharded-to-all split).
-        hidden = shapes["gate_proj"][0]
+        hidden = experts.linears["gate_proj"][0]
         if hidden % (slices * expert_quant["group_size"]):
             raise ConvertError(
                 f"--ranks {slices}: the experts' intermediate size {hidden} does not split "
@@ -654,7 +666,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
     quantization = dict(default)
     quantization.update(quantized)
     for path in moe_layers.values():
-        for p in PROJECTIONS:
+        for p in record_linears(s.name for s in sections):
             quantization[f"{path}.{p}"] = {
                 k: expert_quant[k] for k in ("group_size", "bits", "mode")
             }

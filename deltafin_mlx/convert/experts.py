@@ -1,169 +1,491 @@
-"""Routed experts: find them in a source checkpoint and turn each into one bank record.
+"""Routed experts: from whatever layout a source has them in to one bank record per
+expert, through mlx-lm's own model class and its own `sanitize`.
 
-Two layouts: one tensor per expert and projection (Hugging Face releases, here),
-and mlx-lm's stacked experts (convert/mlx_lm_source.py); `open_experts` picks the
-one the source has. Both give, per expert, its record, the source bytes it reads and
-(for experts carried over byte for byte) where its sections lie in the source.
+mlx-lm's `sanitize` is the one source of truth for a checkpoint's names and layouts:
+it stacks one-tensor-per-expert releases, dequantizes FP8 block scales and INT4
+compressed-tensors, splits gpt-oss's MXFP4 blocks and fused gate/up tensors, and
+passes mlx-lm's own stacked format through. Every module of the built model that is
+a SwitchGLU or SwitchMLP is a routed-expert module; its parameters, one row per
+expert, are what a record holds (format/record.py).
 
-Each expert is quantized on its own (`mx.quantize` groups run along the input axis,
-so quantizing one expert gives the same bytes as quantizing mlx-lm's stacked
-`(E, out, in)` tensor). Kimi K3's MXFP4 experts are already in MLX's `mxfp4` layout
-and are carried over byte for byte.
+A layer's experts are never held whole (one Kimi K3 layer's are 15.7 GB). Per MoE
+layer the source tensors are sorted first, by dry runs of `sanitize` on lazy
+placeholders that are never evaluated: a tensor with an expert index in its name
+(`experts.<e>.`) belongs to expert e; another whose first axis is the expert count
+and which `sanitize` turns into the expert module's parameters (mlx-lm's
+`switch_mlp.*`, gpt-oss's `gate_up_proj_blocks`, granitemoe's `input_linear`) is a
+stacked expert tensor; the rest (the router among them) is trunk. Then the experts
+are converted in groups of at most GROUP_BYTES of source: group [e0, e1) is expert
+e0..e1-1's own tensors renamed 0..G-1 plus rows e0..e1-1 of each stacked tensor
+(only those bytes are read), given to `sanitize` while the model's arguments say G
+experts. Conversion memory is therefore about three groups (source, sanitized,
+records) plus one layer's trunk, whatever a layer's experts weigh.
+
+Experts the source already has quantized in a mode MLX runs (affine 2-8 bits,
+mxfp4, nvfp4, mxfp8) are carried over byte for byte; float experts are quantized
+with the options (`mx.quantize` groups run along the input axis, so one expert
+alone quantizes to the same bytes as mlx-lm's stacked tensor); per-expert float
+biases stay float, cast as mlx_lm.convert casts them.
 """
 
 import re
-from collections import defaultdict
-from typing import Dict, Optional, Tuple
+from contextlib import contextmanager
+from dataclasses import dataclass, field, is_dataclass
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
-from deltafin_mlx.format.dtypes import to_numpy
-from deltafin_mlx.format.record import PROJECTIONS
-
 from deltafin_mlx.errors import ConvertError
+from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, name_of, to_numpy
+from deltafin_mlx.format.record import expert_sections, record_linears
+from deltafin_mlx.model.config import LAYER_RE
+from deltafin_mlx.model.modules import get_module, switch_linears
+from deltafin_mlx.model.quantization import carried_quantization, module_quantization
 
-from deltafin_mlx.model.quantization import expert_quantization, mlx_lm_quantization
-
-from .mlx_lm_source import StackedExperts, is_stacked
 from .source import Source
 
-# Source names of routed experts in every supported layout:
-#   Kimi K3:                 ...layers.L.block_sparse_moe.experts.E.w1.weight_packed / weight_scale
-#   Mixtral:                 ...layers.L.block_sparse_moe.experts.E.w1.weight
-#   DeepSeek-V3 / K2, Qwen3: ...layers.L.mlp.experts.E.gate_proj.weight
-EXPERT_RE = re.compile(
-    r"^(?P<prefix>.*\blayers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.experts\."
-    r"(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\."
-    r"(?P<kind>weight|weight_packed|weight_scale)$"
-)
-PROJ_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Source bytes of one group of experts converted together (see the docstring).
+GROUP_BYTES = 1 << 28
+# The arguments mlx-lm's model classes count routed experts and layers with.
+EXPERT_COUNT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts",
+                       "moe_num_experts", "n_experts", "num_routed_experts")
+LAYER_COUNT_FIELDS = ("num_hidden_layers", "num_layers", "n_layers")
+# MLX's microscaled modes by (bits, group size); their scales are uint8.
+FP_MODES = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}
+EXPERT_INDEX = re.compile(r"\.(\d+)\.")
 
 
-def parse_expert_name(name: str):
-    """(layer, expert, projection, kind) for a routed-expert tensor name, else None."""
-    m = EXPERT_RE.match(name)
-    if m is None:
-        return None
-    proj = PROJ_NAMES.get(m["proj"], m["proj"])
-    return int(m["layer"]), int(m["expert"]), proj, m["kind"]
+def _placeholder(t) -> mx.array:
+    dtype = SAFETENSORS.get(t.dtype, "uint8")
+    if dtype == "float8_e4m3":  # MLX loads FP8 as its bytes
+        dtype = "uint8"
+    return mx.zeros(tuple(t.shape), dtype=getattr(mx, dtype))
 
 
-def group_experts(names) -> Dict[int, Dict[int, Dict[str, str]]]:
-    """layer -> expert -> "proj.kind" -> source name."""
-    out = defaultdict(lambda: defaultdict(dict))
-    for name in names:
-        parsed = parse_expert_name(name)
-        if parsed:
-            layer, expert, proj, kind = parsed
-            out[layer][expert][f"{proj}.{kind}"] = name
+def _arg_holders(model) -> list:
+    """Every arguments object the model's modules hold (and the nested per-part
+    configs in them), where sanitize reads counts from."""
+    seen, out = set(), []
+
+    def add(obj):
+        if obj is None or id(obj) in seen or not (is_dataclass(obj) or isinstance(obj, dict)
+                                                    or hasattr(obj, "__dict__")):
+            return
+        if isinstance(obj, (int, float, str, bool, list, tuple)):
+            return
+        seen.add(id(obj))
+        out.append(obj)
+        values = obj.values() if isinstance(obj, dict) else vars(obj).values()
+        for v in list(values):
+            if is_dataclass(v) or isinstance(v, dict):
+                add(v)
+
+    for _, m in model.named_modules():
+        add(m.__dict__.get("args"))
     return out
 
 
-def expert_record(
-    source: Source,
-    names: Dict[str, str],
-    layer: int,
-    expert: int,
-    shapes: Dict[str, tuple],
-    quant: dict,
-    dtype: Optional[mx.Dtype],
-) -> Dict[str, np.ndarray]:
-    """One expert's tensors in MLX's quantized layout, as numpy arrays."""
-    out = {}
-    for proj in PROJECTIONS:
-        out_dim, in_dim = shapes[proj]
-        if quant.get("carried_over"):
-            packed_name = names.get(f"{proj}.weight_packed")
-            scale_name = names.get(f"{proj}.weight_scale")
-            if packed_name is None or scale_name is None:
+@contextmanager
+def _counts(model, experts: Tuple[int, int], layers: Optional[int]):
+    """The model's arguments say `experts[1]` experts where they said `experts[0]`
+    (and, with `layers`, that many layers) while sanitize runs; restored after."""
+    changed = []
+    for holder in _arg_holders(model):
+        for name in EXPERT_COUNT_FIELDS + (LAYER_COUNT_FIELDS if layers else ()):
+            get = holder.get if isinstance(holder, dict) else lambda n: getattr(holder, n, None)
+            old = get(name)
+            if not isinstance(old, int) or isinstance(old, bool):
+                continue
+            new = layers if name in LAYER_COUNT_FIELDS else (
+                experts[1] if old == experts[0] else None)
+            if new is None or new == old:
+                continue
+            changed.append((holder, name, old))
+            if isinstance(holder, dict):
+                holder[name] = new
+            else:
+                object.__setattr__(holder, name, new)
+    try:
+        yield
+    finally:
+        for holder, name, old in reversed(changed):
+            if isinstance(holder, dict):
+                holder[name] = old
+            else:
+                object.__setattr__(holder, name, old)
+
+
+@dataclass
+class LayerExperts:
+    """Where one MoE layer's experts are in the source, and how sanitize takes them."""
+
+    switch: str  # the routed-expert module's path in mlx-lm's model
+    per_expert: Dict[int, List[str]]  # expert -> its own source tensors
+    stacked: List[str]  # source tensors with one row per expert
+    rename: Optional[Tuple[str, str]] = None  # ("layers.L.", "layers.0.") for sanitize
+    links: Dict[str, str] = field(default_factory=dict)  # section -> source stem (linking)
+
+
+class SanitizedExperts:
+    """The routed experts of any source mlx-lm's model class loads, one record at a
+    time (the converter asks for each layer's experts in order)."""
+
+    def __init__(self, source: Source, model, units: Dict, switches: Dict[int, str],
+                 num_experts: int, float_quant: dict, block: Optional[dict],
+                 dtype: Optional[mx.Dtype], model_type: str):
+        self.source, self.model, self.switches = source, model, switches
+        self.num_experts, self.dtype, self.model_type = num_experts, dtype, model_type
+        self.linears = {}  # linear -> (out, in, has bias), from the built module
+        for name, (e, o, i, b) in switch_linears(get_module(model, switches[
+                next(iter(switches))])).items():
+            self.linears[name] = (o, i, b)
+        self.layers: Dict[int, LayerExperts] = {}
+        specs, signatures = {}, {}
+        for layer, sp in switches.items():
+            names = units[layer]
+            sig = tuple(sorted((LAYER_RE.sub("layers.#.", n), source.tensors[n].dtype,
+                                tuple(source.tensors[n].shape)) for n in names))
+            if sig in signatures:  # same tensors as an earlier layer: same sorting
+                earlier = signatures[sig]
+                self.layers[layer], specs[layer] = self._like(earlier, specs[earlier], layer,
+                                                              sp, names)
+            else:
+                self.layers[layer], specs[layer] = self._sort(layer, sp, names)
+                signatures[sig] = layer
+        self.quant, self.sections = self._layout(specs, float_quant, block)
+        self._group = None  # (layer, e0, e1, sanitized rows by section)
+
+    # -- sorting a layer's tensors, by dry runs ---------------------------------------
+
+    def _sanitize(self, weights: Dict[str, mx.array], count: int,
+                  rename: Optional[Tuple[str, str]]) -> Dict[str, mx.array]:
+        """mlx-lm's sanitize of `weights` while the model says `count` experts (and,
+        with `rename`, has them named as layer 0 of a one-layer model)."""
+        if rename is not None:
+            weights = {n.replace(rename[0], rename[1], 1): v for n, v in weights.items()}
+        with _counts(self.model, (self.num_experts, count), 1 if rename else None):
+            out = self.model.sanitize(dict(weights))
+        if rename is not None:
+            out = {n.replace(rename[1], rename[0], 1): v for n, v in out.items()}
+        return out
+
+    def _dry(self, names, count: int, rename, rows: Optional[int] = None):
+        weights = {}
+        for n in names:
+            t = self.source.tensors[n]
+            a = _placeholder(t)
+            if rows is not None and n in rows:
+                a = mx.zeros((rows[n],) + tuple(t.shape[1:]), dtype=a.dtype)
+            weights[n] = a
+        return weights, self._sanitize(weights, count, rename)
+
+    @staticmethod
+    def _under(out: dict, sp: str) -> dict:
+        return {n[len(sp) + 1:]: v for n, v in out.items() if n.startswith(sp + ".")}
+
+    def _sort(self, layer: int, sp: str, names: List[str]):
+        E, src = self.num_experts, self.source
+        prefix_end = {n: LAYER_RE.search(n).end() for n in names}
+        stems: Dict[str, Dict[int, str]] = {}
+        for n in names:
+            m = EXPERT_INDEX.search(n, prefix_end[n] - 1)
+            if m is not None:
+                stem = n[:m.start()] + ".{}." + n[m.end():]
+                stems.setdefault(stem, {})[int(m.group(1))] = n
+        per_expert: Dict[int, List[str]] = {e: [] for e in range(E)}
+        for stem, by_index in stems.items():
+            if set(by_index) == set(range(E)):
+                for e, n in by_index.items():
+                    per_expert[e].append(n)
+            elif len(by_index) > 1 and set(by_index) == set(range(len(by_index))) \
+                    and ".experts." in stem:
+                raise ConvertError(f"layer {layer}: source has {len(by_index)} routed "
+                                   f"experts, config says {E}")
+        own = {n for ns in per_expert.values() for n in ns}
+        candidates = [n for n in names if n not in own and src.tensors[n].shape
+                      and src.tensors[n].shape[0] == E]
+        rename = None
+        full = None
+        for variant in (None, (f"layers.{layer}.", "layers.0.")):
+            try:
+                weights, out = self._dry(names, E, variant)
+            except Exception:
+                continue
+            got = self._under(out, sp)
+            if got and all(v.shape and v.shape[0] == E for v in got.values()):
+                rename, full = variant, (weights, out, got)
+                break
+        if full is None:
+            self._no_experts(layer, sp, names, candidates)
+        weights, out, got = full
+        passed = {id(v) for n, v in out.items() if not n.startswith(sp + ".")}
+        stacked = []
+        for n in candidates:
+            if id(weights[n]) in passed:
+                continue  # passed through to the trunk (a router's weight)
+            try:
+                _, without = self._dry([m for m in names if m != n], E, rename)
+                changed = {k: v.shape for k, v in self._under(without, sp).items()} != \
+                    {k: v.shape for k, v in got.items()}
+            except Exception:
+                changed = True
+            if changed:
+                stacked.append(n)
+        trunk = [n for n in names if n not in own and n not in stacked]
+        try:
+            _, trunk_out = self._dry(trunk, E, rename)
+        except Exception as e:
+            raise ConvertError(f"layer {layer}: mlx-lm's {self.model_type} sanitize fails on "
+                               f"the layer's tensors without its experts ({e})") from None
+        leak = self._under(trunk_out, sp)
+        if leak:
+            self._no_experts(layer, sp, names, candidates)
+        found = LayerExperts(sp, per_expert, stacked, rename)
+        self._check_groups(layer, found, got)
+        return found, {k: (name_of(v.dtype), tuple(v.shape[1:])) for k, v in got.items()}
+
+    def _like(self, earlier: int, spec: dict, layer: int, sp: str, names: List[str]):
+        """The sorting of a layer whose tensors match an earlier layer's."""
+        old = self.layers[earlier]
+
+        def moved(n):
+            return n.replace(f"layers.{earlier}.", f"layers.{layer}.", 1)
+
+        found = LayerExperts(sp, {e: [moved(n) for n in ns] for e, ns in old.per_expert.items()},
+                             [moved(n) for n in old.stacked],
+                             None if old.rename is None else (f"layers.{layer}.", "layers.0."))
+        have = set(names)
+        if moved(old.switch) != sp or not self.names_in(found) <= have:
+            return self._sort(layer, sp, names)
+        return found, spec
+
+    @staticmethod
+    def names_in(found: LayerExperts) -> set:
+        return {n for ns in found.per_expert.values() for n in ns} | set(found.stacked)
+
+    def _no_experts(self, layer, sp, names, candidates):
+        """One line for a layer whose source tensors give its expert module nothing."""
+        for n in names:
+            t = self.source.tensors[n]
+            if n.startswith(sp + ".") and t.shape and t.shape[0] != self.num_experts:
                 raise ConvertError(
-                    f"layer {layer} expert {expert}: {proj} lacks weight_packed/weight_scale"
-                )
-            _check(source, packed_name, ("U8",), (out_dim, in_dim // 2))
-            _check(source, scale_name, ("U8",), (out_dim, in_dim // 32))
-            packed = source.load(packed_name)
-            out[f"{proj}.weight"] = to_numpy(packed.view(mx.uint32))
-            out[f"{proj}.scales"] = to_numpy(source.load(scale_name))
-        else:
-            w_name = names.get(f"{proj}.weight", names.get(f"{proj}.weight_packed"))
-            if w_name is None:
-                raise ConvertError(f"layer {layer} expert {expert}: missing {proj} weight")
-            _check(source, w_name, ("BF16", "F16", "F32"), (out_dim, in_dim))
-            w = source.load(w_name)
-            if dtype is not None:
-                w = w.astype(dtype)
-            q = mx.quantize(w, quant["group_size"], quant["bits"], mode=quant["mode"])
-            out[f"{proj}.weight"] = to_numpy(q[0])
-            out[f"{proj}.scales"] = to_numpy(q[1])
-            if len(q) > 2:
-                out[f"{proj}.biases"] = to_numpy(q[2])
-    return out
+                    f"{self.source.path / t.shard}: tensor {n} is {t.dtype} {list(t.shape)}, "
+                    f"expected {t.dtype} {[self.num_experts, *t.shape[1:]]}")
+        raise ConvertError(f"layer {layer}: mlx-lm's {self.model_type} sanitize gives {sp} "
+                           f"(its {self.num_experts} routed experts) nothing from the source's "
+                           "tensors: the source does not hold this model's experts")
 
+    def group_size(self, layer: int) -> int:
+        per = self.expert_nbytes(layer)
+        return max(1, min(self.num_experts, GROUP_BYTES // max(per, 1)))
 
-def _check(source: Source, name: str, dtypes, shape):
-    t = source.tensors[name]
-    if t.dtype not in dtypes or tuple(t.shape) != tuple(shape):
-        raise ConvertError(
-            f"{source.path / t.shard}: tensor {name} is {t.dtype} {list(t.shape)}, "
-            f"expected {'/'.join(dtypes)} {list(shape)}"
-        )
+    def _check_groups(self, layer: int, found: LayerExperts, got: dict):
+        """Sanitize converts a group of experts alone as it converts them all (the
+        same parameters, G rows each): else one line, never a whole layer in memory."""
+        E = self.num_experts
+        self.layers[layer] = found
+        G = self.group_size(layer)
+        for size in sorted({G, E % G} - {0}):
+            names = [n for e in range(size) for n in found.per_expert[e]] + found.stacked
+            try:
+                _, out = self._dry(names, size, found.rename,
+                                   rows={n: size for n in found.stacked})
+                part = self._under(out, found.switch)
+                ok = {k: v.shape[1:] for k, v in part.items()} == \
+                    {k: v.shape[1:] for k, v in got.items()} and all(
+                        v.shape[0] == size for v in part.values())
+                why = "other parameters"
+            except Exception as e:
+                ok, why = False, f"{type(e).__name__}: {e}"
+            if not ok:
+                raise ConvertError(
+                    f"layer {layer}: mlx-lm's {self.model_type} sanitize does not convert "
+                    f"{size} of the {E} experts on their own ({why:.120}); Deltafin converts "
+                    "experts in groups to bound memory and cannot convert this source")
 
+    # -- the record layout --------------------------------------------------------------
 
-def linkable(quant: dict) -> bool:
-    """Experts whose record sections are source tensors byte for byte (Kimi K3's
-    MXFP4 ones): only these can be linked instead of copied."""
-    return bool(quant.get("carried_over"))
+    def _layout(self, specs: Dict[int, dict], float_quant: dict, block: Optional[dict]):
+        found = {}
+        for layer, spec in specs.items():
+            sp = self.switches[layer]
+            for name, kinds in record_linears(spec).items():
+                if name not in self.linears or "weight" not in kinds:
+                    raise ConvertError(f"layer {layer}: mlx-lm's sanitize gives {sp}.{name}."
+                                       f"{kinds[0]}, which its expert module does not hold")
+                q = None
+                if "scales" in kinds:
+                    q = self._saved_quant(block, f"{sp}.{name}", spec, name)
+                found.setdefault(None if q is None else tuple(sorted(q.items())),
+                                 f"layer {layer} {name}")
+        if len(found) > 1:
+            kinds = [f"{w}: " + ("float" if q is None else "{mode} {bits}-bit group {group_size}"
+                                 .format(**dict(q))) for q, w in found.items()]
+            raise ConvertError("the experts are quantized differently from layer to layer or "
+                               "linear to linear (" + "; ".join(kinds[:2]) + "); Deltafin's "
+                               "records hold one quantization for all")
+        saved = next(iter(found))
+        first = specs[next(iter(specs))]
+        biased = {n: (o, i, f"{n}.bias" in first) for n, (o, i, _) in self.linears.items()}
+        if saved is None:
+            cast = name_of(self.dtype) if self.dtype is not None else None
+            scales = cast or "bfloat16"
+            bias = cast or next((first[f"{n}.bias"][0] for n in biased if f"{n}.bias" in first),
+                                scales)
+            return float_quant, expert_sections(biased, float_quant, scales, bias)
+        quant = carried_quantization(dict(saved), "the source's experts")
+        name = next(iter(self.linears))
+        scales = first[f"{name}.scales"][0]
+        bias = next((first[f"{n}.bias"][0] for n in biased if f"{n}.bias" in first), scales)
+        sections = expert_sections(biased, quant, scales, bias)
+        for layer, spec in specs.items():
+            want = {s.name: (s.dtype, s.shape) for s in sections}
+            if spec != want:
+                bad = sorted(set(spec.items()) ^ set(want.items()))[0][0]
+                raise ConvertError(f"layer {layer}: the experts' {bad} is "
+                                   f"{spec.get(bad, 'missing')}, a {quant['mode']} "
+                                   f"{quant['bits']}-bit record needs {want.get(bad, 'none')}")
+        return quant, sections
 
+    def _saved_quant(self, block, path, spec, name) -> dict:
+        """How experts the source holds quantized were quantized: mlx-lm's
+        quantization block entry where there is one, else from the shapes and the
+        scales' dtype (mlx_lm.utils.infer_quant_config's rule)."""
+        if block is not None and isinstance(block.get(path), dict):
+            return module_quantization(block, path)
+        in_dim = self.linears[name][1]
+        packed, cols = spec[f"{name}.weight"][1][-1], spec[f"{name}.scales"][1][-1]
+        bits, group = packed * 32 // in_dim, in_dim // max(cols, 1)
+        if spec[f"{name}.scales"][0] != "uint8":
+            return {"group_size": group, "bits": bits, "mode": "affine"}
+        return {"group_size": group, "bits": bits, "mode": FP_MODES.get((bits, group), "unknown")}
 
-class PerExpertTensors:
-    """The routed experts of a Hugging Face release: one tensor per expert."""
-
-    def __init__(self, source: Source, switches: Dict[int, str], shapes: Dict[str, tuple],
-                 num_experts: int, quant: dict, dtype: Optional[mx.Dtype]):
-        self.source, self.shapes, self.quant, self.dtype = source, shapes, quant, dtype
-        self.scales_dtype = str(dtype or mx.bfloat16).split(".")[-1]
-        self.by_layer = group_experts(source.tensors)
-        for layer in switches:
-            found = self.by_layer.get(layer, {})
-            if len(found) != num_experts or set(found) != set(range(num_experts)):
-                raise ConvertError(f"layer {layer}: source has {len(found)} routed experts, "
-                                   f"config says {num_experts}")
+    # -- what the converter asks ---------------------------------------------------------
 
     def names(self, layer) -> set:
-        return {n for e in self.by_layer.get(layer, {}).values() for n in e.values()}
+        found = self.layers.get(layer)
+        return set() if found is None else self.names_in(found)
+
+    def expert_nbytes(self, layer: int, expert: int = 0) -> int:
+        found = self.layers[layer]
+        return (sum(self.source.nbytes(n) for n in found.per_expert[expert])
+                + sum(self.source.nbytes(n) for n in found.stacked) // self.num_experts)
 
     def nbytes(self, layer: int, expert: int) -> int:
-        return sum(self.source.nbytes(n) for n in self.by_layer[layer][expert].values())
+        return self.expert_nbytes(layer, expert)
+
+    def _rows(self, name: str, e0: int, e1: int) -> mx.array:
+        """Rows e0..e1-1 of a stacked source tensor: only their bytes are read."""
+        t = self.source.tensors[name]
+        row = t.nbytes // t.shape[0]
+        buf = self._read(t.shard, t.offset + e0 * row, (e1 - e0) * row)
+        dtype = SAFETENSORS.get(t.dtype, "uint8")
+        if dtype == "float8_e4m3":
+            dtype = "uint8"
+        a = mx.array(buf.view(NUMPY[dtype]).reshape((e1 - e0,) + tuple(t.shape[1:])))
+        return a.view(mx.bfloat16) if dtype == "bfloat16" else a
+
+    def _read(self, shard: str, offset: int, size: int) -> np.ndarray:
+        buf = np.empty(size, dtype=np.uint8)
+        try:
+            with open(self.source.path / shard, "rb") as f:
+                f.seek(offset)
+                got = f.readinto(memoryview(buf))
+        except OSError as e:
+            raise ConvertError(f"{self.source.path / shard}: cannot read ({e.strerror})"
+                               ) from None
+        if got != size:
+            raise ConvertError(f"{self.source.path / shard}: truncated (it shrank during "
+                               "the conversion)")
+        return buf
+
+    def _convert_group(self, layer: int, e0: int, e1: int) -> Dict[str, mx.array]:
+        found = self.layers[layer]
+        weights = {}
+        for e in range(e0, e1):
+            for n in found.per_expert[e]:
+                m = EXPERT_INDEX.search(n, LAYER_RE.search(n).end() - 1)
+                weights[f"{n[:m.start()]}.{e - e0}.{n[m.end():]}"] = self.source.load(n)
+        for n in found.stacked:
+            weights[n] = self._rows(n, e0, e1)
+        rows = self._under(self._sanitize(weights, e1 - e0, found.rename), found.switch)
+        mx.eval(rows)
+        return rows
 
     def record(self, layer: int, expert: int) -> Dict[str, np.ndarray]:
-        return expert_record(self.source, self.by_layer[layer][expert], layer, expert,
-                             self.shapes, self.quant, self.dtype)
+        """One expert's record sections as numpy arrays (bf16 as its bits)."""
+        g = self._group
+        if g is None or g[0] != layer or not g[1] <= expert < g[2]:
+            self._group = None  # its memory goes before the next group's comes
+            G = self.group_size(layer)
+            e0 = expert // G * G
+            e1 = min(e0 + G, self.num_experts)
+            self._group = g = (layer, e0, e1, self._convert_group(layer, e0, e1))
+        rows, i = g[3], expert - g[1]
+        out = {}
+        if self.quant.get("carried_over"):
+            for s in self.sections:
+                out[s.name] = to_numpy(rows[s.name][i])
+            return out
+        for name in self.linears:
+            w = rows[f"{name}.weight"][i]
+            if self.dtype is not None:
+                w = w.astype(self.dtype)
+            q = mx.quantize(w, self.quant["group_size"], self.quant["bits"],
+                            mode=self.quant["mode"])
+            for kind, a in zip(("weight", "scales", "biases"), q):
+                out[f"{name}.{kind}"] = to_numpy(a)
+            if f"{name}.bias" in rows:
+                b = rows[f"{name}.bias"][i]
+                out[f"{name}.bias"] = to_numpy(b.astype(self.dtype) if self.dtype else b)
+        return out
+
+    # -- linking -------------------------------------------------------------------------
+
+    def _regions(self, layer: int, expert: int) -> Dict[str, Tuple[str, int, int]]:
+        """Every source region holding one expert's tensor: its own tensors whole,
+        and its row of each stacked tensor."""
+        found = self.layers[layer]
+        out = {}
+        for n in found.per_expert[expert]:
+            t = self.source.tensors[n]
+            m = EXPERT_INDEX.search(n, LAYER_RE.search(n).end() - 1)
+            out[n[:m.start()] + ".{}." + n[m.end():]] = (t.shard, t.offset, t.nbytes)
+        for n in found.stacked:
+            t = self.source.tensors[n]
+            row = t.nbytes // t.shape[0]
+            out[n] = (t.shard, t.offset + expert * row, row)
+        return out
 
     def locations(self, layer: int, expert: int) -> Dict[str, Tuple[str, int, int]]:
-        """Record section -> (shard, offset, length) of the source tensor holding
-        its bytes as they are (for a linkable expert, its record already checked)."""
-        names = self.by_layer[layer][expert]
+        """Record section -> (shard, offset, length) of the source bytes that are
+        that section as they are (checked byte for byte); ConvertError where
+        sanitize changes a section's bytes (it cannot be linked)."""
+        found = self.layers[layer]
+        record = self.record(layer, expert)
+        regions = self._regions(layer, expert)
         out = {}
-        for proj in PROJECTIONS:
-            for kind, src in (("weight", "weight_packed"), ("scales", "weight_scale")):
-                t = self.source.tensors[names[f"{proj}.{src}"]]
-                out[f"{proj}.{kind}"] = (t.shard, t.offset, t.nbytes)
+        for s in self.sections:
+            want = np.ascontiguousarray(record[s.name]).view(np.uint8).reshape(-1)
+            stem = found.links.get(s.name)
+            tries = [stem] if stem is not None else [k for k, r in regions.items()
+                                                     if r[2] == want.nbytes]
+            for k in tries:
+                shard, off, size = regions[k]
+                if size == want.nbytes and np.array_equal(self._read(shard, off, size), want):
+                    found.links[s.name] = k
+                    out[s.name] = regions[k]
+                    break
+            else:
+                raise ConvertError(
+                    f"--link-experts: layer {layer} expert {expert}: mlx-lm's sanitize "
+                    f"changes the bytes of {s.name} (it is not a region of the source's "
+                    "files): convert without --link-experts")
         return out
 
 
-def open_experts(source: Source, config: dict, switches: Dict[int, str],
-                 shapes: Dict[str, tuple], num_experts: int, expert_bits: int,
-                 expert_group_size: int, dtype: Optional[mx.Dtype]):
-    """The source's routed experts in whichever layout it has them (`switches`:
-    MoE layer -> its SwitchGLU's path in mlx-lm's model)."""
-    if is_stacked(source, switches.values()):
-        float_quant = {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}
-        return StackedExperts(source, switches, shapes, num_experts,
-                              mlx_lm_quantization(config), float_quant, dtype)
-    if mlx_lm_quantization(config) is not None:
-        raise ConvertError("config.json has mlx-lm's quantization block but the source has "
-                           f"no stacked experts ({next(iter(switches.values()))}.gate_proj."
-                           "weight): not a directory mlx_lm.convert wrote")
-    quant = expert_quantization(config, expert_bits, expert_group_size)
-    return PerExpertTensors(source, switches, shapes, num_experts, quant, dtype)
+def linkable(quant: dict) -> bool:
+    """Only experts carried over as the source has them can be linked (whether
+    each section is the source's bytes is checked as they are linked)."""
+    return bool(quant.get("carried_over"))

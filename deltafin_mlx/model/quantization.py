@@ -24,7 +24,9 @@ def check_quantization(bits, group_size: int, expert_bits: int, expert_group_siz
 
 
 # The quantization modes a record can hold as mlx-lm wrote them (docs/FORMAT.md).
-CARRIED_MODES = ("affine", "mxfp4")
+# mode -> (bits, group sizes) MLX runs; nvfp4 without a global scale.
+CARRIED_MODES = {"affine": (BITS + (5,), GROUP_SIZES), "mxfp4": ((4,), (32,)),
+                 "nvfp4": ((4,), (16,)), "mxfp8": ((8,), (32,))}
 
 
 def mlx_lm_quantization(config: dict):
@@ -60,12 +62,12 @@ def module_quantization(block: dict, path: str):
 def carried_quantization(quant: dict, where: str) -> dict:
     """Experts mlx-lm already quantized as `quant`: carried over byte for byte."""
     mode, bits, group = quant["mode"], quant["bits"], quant["group_size"]
-    ok = {"affine": BITS + (5,), "mxfp4": (4,)}.get(mode, ())
-    if bits not in ok or (mode == "mxfp4" and group != 32) or (
-            mode == "affine" and group not in GROUP_SIZES):
+    ok_bits, ok_groups = CARRIED_MODES.get(mode, ((), ()))
+    if bits not in ok_bits or group not in ok_groups:
         raise ConvertError(f"{where}: experts quantized {mode} at {bits} bits, group size "
                            f"{group}, are not supported (supported: affine 2-8 bits with "
-                           f"group size {'/'.join(map(str, GROUP_SIZES))}, mxfp4)")
+                           f"group size {'/'.join(map(str, GROUP_SIZES))}, mxfp4, nvfp4, "
+                           "mxfp8)")
     return {"mode": mode, "bits": bits, "group_size": group, "carried_over": True}
 
 
@@ -73,8 +75,9 @@ def expert_quantization(config: dict, expert_bits: int, expert_group_size: int) 
     """What a source's routed experts become: K3's MXFP4 experts, and experts
     mlx-lm already quantized (its config.json block), are carried over as they are;
     bf16/fp16/fp32 experts are quantized (affine) with the options. From
-    config.json alone: the converter checks an mlx-lm source's tensors
-    (convert/mlx_lm_source.py), which may hold its experts in float."""
+    config.json alone, for the planner: the converter decides from what mlx-lm's
+    sanitize makes of the source's tensors (convert/experts.py), which may hold
+    its experts in float."""
     block = mlx_lm_quantization(config)
     if block is not None:
         experts = {k: v for k, v in block.items() if ".switch_mlp." in k}
@@ -88,8 +91,11 @@ def expert_quantization(config: dict, expert_bits: int, expert_group_size: int) 
     qc = config.get("quantization_config") or text_config(config).get("quantization_config")
     if qc:
         fmt = qc.get("format")
-        if qc.get("quant_method") == "compressed-tensors" and fmt == "mxfp4-pack-quantized":
+        if (qc.get("quant_method") == "compressed-tensors" and fmt == "mxfp4-pack-quantized"
+                or qc.get("quant_method") == "mxfp4"):
             return {"mode": "mxfp4", "bits": 4, "group_size": 32, "carried_over": True}
+        if qc.get("quant_method") == "fp8":  # mlx-lm's sanitize dequantizes them
+            return {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}
         raise ConvertError(
             f"source quantization {qc.get('quant_method')}/{fmt} is not supported "
             "(supported: bf16/fp16/fp32 weights, compressed-tensors mxfp4 experts, or "

@@ -68,6 +68,17 @@ def quiet_other_ranks():
         sys.stdout = open(os.devnull, "w")
 
 
+def check_glu_sections(sections, where=""):
+    """ModelError unless the records are SwitchGLU experts without per-expert
+    biases: the layout whose rank slices are mlx-lm's shard of the experts."""
+    glu = {f"{p}.{k}" for p in PROJECTIONS for k in ("weight", "scales", "biases")}
+    other = sorted({s.name for s in sections} - glu)
+    if other:
+        raise ModelError(f"{where + ': ' if where else ''}tensor parallelism splits SwitchGLU "
+                         "experts (gate/up/down projections without per-expert biases); this "
+                         f"model's experts hold {other[0]}: run it in one process")
+
+
 def check_divisible(config: dict, sections, ranks: int, where=""):
     """ModelError unless `ranks` divides what mlx-lm's shard() splits: attention
     heads, and the experts' intermediate dimension into whole quantization groups
@@ -81,13 +92,8 @@ def check_divisible(config: dict, sections, ranks: int, where=""):
     for what, n in heads.items():
         if isinstance(n, int) and n % ranks:
             raise ModelError(f"{where}: {ranks} ranks do not divide the model's {n} {what}")
+    check_glu_sections(sections, where)
     by_name = {s.name: s for s in sections}
-    glu = {f"{p}.{k}" for p in PROJECTIONS for k in ("weight", "scales", "biases")}
-    if not set(by_name) <= glu:
-        other = sorted(set(by_name) - glu)[0]
-        raise ModelError(f"{where}: tensor parallelism splits SwitchGLU experts "
-                         "(gate/up/down projections without per-expert biases); this "
-                         f"model's experts hold {other}: run it in one process")
     width = by_name["gate_proj.weight"].shape[0]
     group = width // by_name["down_proj.scales"].shape[1]
     if width % (ranks * group):
