@@ -37,7 +37,7 @@ from helpers import BIN
 # source: how far the release's number format rounds a weight, relative to its
 # tensor's largest magnitude (bf16 ~2^-8; FP8 e4m3 per 128x128 block; INT4 over
 # groups of 32; MXFP4's shared power-of-two scale over 32).
-SOURCES = {
+ROUNDING = {
     "deepseek_v3_fp8": 0.06,
     "kimi_k2_fp8": 0.06,
     "kimi_k2_int4": 0.1,
@@ -49,7 +49,7 @@ SOURCES = {
 }
 
 # Today's five in bf16 (K3's experts MXFP4), as deltafin_mlx/testing/synthetic.py
-# writes their releases (conftest's `sources`); DeepSeek-V3 in bf16 is in SOURCES.
+# writes their releases (conftest's `sources`); DeepSeek-V3 in bf16 is in ROUNDING.
 SYNTHETIC = ("kimi_k3", "kimi_k2", "qwen3_moe", "mixtral")
 
 # Experts the release already quantized in a mode MLX runs: carried over as they are.
@@ -82,7 +82,7 @@ def dense(module):
                          group_size=module.group_size, bits=module.bits, mode=module.mode)
 
 
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source", ROUNDING)
 def test_mlx_lm_loads_each_release_as_the_model_it_was_built_from(source, releases):
     """The writer inverts sanitize: every weight comes back up to the release's
     rounding (a swapped gate/up, a transposed kv_b_proj or a misplaced block scale
@@ -100,7 +100,7 @@ def test_mlx_lm_loads_each_release_as_the_model_it_was_built_from(source, releas
         else:
             value = got[name].astype(mx.float32)
         err = (mx.abs(value - want).max() / mx.abs(want).max()).item()
-        assert err <= SOURCES[source], (name, err)
+        assert err <= ROUNDING[source], (name, err)
 
     tokens, _ = greedy(built, prompt(), 8)
     for path, m in built.named_modules():
@@ -151,9 +151,9 @@ def oracle(src):
     return model
 
 
-@pytest.mark.parametrize("source", [*SOURCES, *SYNTHETIC])
+@pytest.mark.parametrize("source", [*ROUNDING, *SYNTHETIC])
 def test_a_release_converts_to_mlx_lms_tokens(source, releases, sources, tmp_path):
-    src = releases(source) if source in SOURCES else sources(source)
+    src = releases(source) if source in ROUNDING else sources(source)
     out = tmp_path / "out"
     convert(str(src), out, ConvertOptions(progress=False))
     m = read_manifest(out)
