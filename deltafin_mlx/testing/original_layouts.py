@@ -19,6 +19,7 @@ O(1), routing varies over tokens and layers, and the experts decide the tokens.
 """
 
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Dict, Iterable, List, Tuple
@@ -323,6 +324,61 @@ def _minimax_config(**ids) -> dict:
     }
 
 
+def _qwen3_5_moe_config(**ids) -> dict:
+    text = {
+        "attention_bias": False,
+        "attn_output_gate": True,
+        **ids,
+        "dtype": "bfloat16",
+        "full_attention_interval": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 128,
+        "initializer_range": 0.02,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_value_head_dim": 32,
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_5_moe_text",
+        "moe_intermediate_size": 64,
+        "mtp_num_hidden_layers": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
+        "shared_expert_intermediate_size": 64,
+        "tie_word_embeddings": False,
+        "vocab_size": 512,
+    }
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "image_token_id": 500,
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.57.0.dev0",
+        "video_token_id": 501,
+        # Nobody here runs the vision tower: converters skip it as sanitize does.
+        "vision_config": {"depth": 1, "hidden_size": 32, "model_type": "qwen3_5_moe",
+                          "num_heads": 2, "out_hidden_size": 128, "patch_size": 16},
+        "vision_end_token_id": 502,
+        "vision_start_token_id": 503,
+    }
+
+
 # --- random weights for the built model ------------------------------------------
 
 
@@ -454,6 +510,38 @@ def _release_qwen3_next(w, c):
     return w
 
 
+def _release_qwen3_5_moe(w, c):
+    """Qwen3.5's release stacks each layer's experts already, as two tensors without
+    a `.weight`: `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
+    `experts.down_proj` [E, H, I], under `model.language_model.`; its vision tower
+    (`model.visual.`) and multi-token-prediction module (`mtp.`) sanitize drops."""
+    t = c["text_config"]
+    out = {}
+    for k, v in w.items():
+        if k.startswith("language_model.model."):
+            k = "model.language_model." + k[len("language_model.model."):]
+        elif k.startswith("language_model."):
+            k = k[len("language_model."):]
+        if k.endswith("conv1d.weight"):
+            v = v.swapaxes(1, 2)
+        if k.endswith(_QWEN3_NEXT_CENTRED):
+            v = v - 1.0
+        out[k] = v
+    for layer in range(t["num_hidden_layers"]):
+        p = f"model.language_model.layers.{layer}.mlp"
+        gate = out.pop(f"{p}.switch_mlp.gate_proj.weight")
+        up = out.pop(f"{p}.switch_mlp.up_proj.weight")
+        out[f"{p}.experts.gate_up_proj"] = mx.concatenate([gate, up], axis=1)
+        out[f"{p}.experts.down_proj"] = out.pop(f"{p}.switch_mlp.down_proj.weight")
+    h, v = t["hidden_size"], c["vision_config"]["hidden_size"]
+    out["model.visual.patch_embed.proj.weight"] = mx.zeros((v, 3, 2, 16, 16))
+    out["model.visual.blocks.0.norm1.weight"] = mx.ones((v,))
+    out["model.visual.merger.linear_fc2.weight"] = mx.zeros((h, 4 * v))
+    out["mtp.fc.weight"] = mx.zeros((h, 2 * h))
+    out["mtp.layers.0.mlp.experts.down_proj"] = mx.zeros((t["num_experts"], h, t["moe_intermediate_size"]))
+    return out
+
+
 def _release_minimax(w, c):
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}.block_sparse_moe"
@@ -523,6 +611,7 @@ SOURCES = {
     "glm4_moe": (_glm4_moe_config, _release_glm4_moe, "qwen3_moe", None, None),
     "qwen3_next": (_qwen3_next_config, _release_qwen3_next, "qwen3_moe", None, None),
     "minimax_fp8": (_minimax_config, _release_minimax, "qwen3_moe", _fp8_minimax, None),
+    "qwen3_5_moe": (_qwen3_5_moe_config, _release_qwen3_5_moe, "qwen3_moe", None, None),
 }
 
 
@@ -584,8 +673,9 @@ def _write_shard(path: Path, tensors: Iterable[Tuple[str, str, mx.array]]) -> in
 def _layer_of(name: str) -> int:
     # Shards follow the layers, as the releases' do: embeddings with layer 0, the
     # final norm and head (and anything outside the layers) with the last.
-    if name.startswith("model.layers."):
-        return int(name.split(".")[2])
+    m = re.match(r"model\.(?:language_model\.)?layers\.(\d+)\.", name)
+    if m:
+        return int(m.group(1))
     return 0 if "embed_tokens" in name else 1 << 30
 
 
@@ -596,7 +686,8 @@ def write_original(out, source: str, seed: int = 0) -> Path:
     make_config, release, tokenizer, fp8, int4 = SOURCES[source]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = make_config(**_token_ids(out, tokenizer))
+    ids = _token_ids(out, tokenizer)
+    config = make_config(**ids)
     if int4 is not None:
         config["quantization_config"] = INT4_QUANTIZATION
     elif fp8 is not None:
@@ -623,8 +714,7 @@ def write_original(out, source: str, seed: int = 0) -> Path:
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
-                {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-                 "do_sample": False})
+                {**ids, "do_sample": False})
     return out
 
 

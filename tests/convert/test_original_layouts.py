@@ -1,8 +1,8 @@
 """Checkpoints as their publishers release them convert, with default options, to
 exactly the tokens of mlx-lm loading the same directory: DeepSeek-V3 and Kimi K2 in
 FP8 with 128x128 block scales, Kimi-K2-Thinking's INT4 compressed-tensors experts,
-gpt-oss's MXFP4 `_blocks`/`_scales` experts with their biases, GLM-4.5, Qwen3-Next
-and MiniMax-M2 (FP8). The sources are written by deltafin_mlx/testing/original_layouts.py
+gpt-oss's MXFP4 `_blocks`/`_scales` experts with their biases, GLM-4.5, Qwen3-Next,
+MiniMax-M2 (FP8) and Qwen3.5-MoE (experts stacked and fused in the release). The sources are written by deltafin_mlx/testing/original_layouts.py
 as the inverse of each mlx-lm class's `sanitize`; the first test checks that inverse.
 
 The oracle is what `mlx_lm.convert -q` makes of the same directory, run fully in
@@ -45,6 +45,7 @@ ROUNDING = {
     "glm4_moe": 0.01,
     "qwen3_next": 0.01,
     "minimax_fp8": 0.06,
+    "qwen3_5_moe": 0.01,
     "deepseek_v3": 0.01,
 }
 
