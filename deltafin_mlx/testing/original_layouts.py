@@ -155,6 +155,20 @@ def _deepseek_v3_config(model_type="deepseek_v3", **ids) -> dict:
     }
 
 
+def _deepseek_v32_config(**ids) -> dict:
+    return {
+        **_deepseek_v3_config(**ids),
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "model_type": "deepseek_v32",
+        "index_head_dim": 64,
+        "index_n_heads": 4,
+        # Fewer keys than the tests' prompts hold: the sparse attention selects.
+        "index_topk": 8,
+        "num_nextn_predict_layers": 1,  # its MTP layer is model.layers.3 here
+        "transformers_version": "4.44.2",
+    }
+
+
 def _gpt_oss_config(**ids) -> dict:
     return {
         "architectures": ["GptOssForCausalLM"],
@@ -464,23 +478,32 @@ def _release_gpt_oss(w, c):
     return w, raw
 
 
+def _append_mtp_layer(w, n, h):
+    """The multi-token-prediction layer GLM-4.5's and DeepSeek-V3.2's releases append
+    as model.layers.{n} (sanitize drops it): a decoder layer like the last, its
+    experts included, and its own projections."""
+    last = f"model.layers.{n - 1}."
+    for k in [k for k in w if k.startswith(last)]:
+        w[f"model.layers.{n}." + k[len(last):]] = w[k]
+    mtp = f"model.layers.{n}"
+    w[f"{mtp}.eh_proj.weight"] = mx.zeros((h, 2 * h))
+    for k in ("enorm", "hnorm", "shared_head.norm"):
+        w[f"{mtp}.{k}.weight"] = mx.ones((h,))
+
+
+def _release_deepseek_v32(w, c):
+    _release_deepseek_v3(w, c)
+    _append_mtp_layer(w, c["num_hidden_layers"], c["hidden_size"])
+    return w
+
+
 def _release_glm4_moe(w, c):
     n = c["num_hidden_layers"]
     for layer in range(n):
         p = f"model.layers.{layer}.mlp"
         if f"{p}.switch_mlp.gate_proj.weight" in w:
             _unstack(w, p, "switch_mlp", c["n_routed_experts"], GLU)
-    # The multi-token-prediction layer the release appends as model.layers.{n}: a
-    # decoder layer like the last, its experts and its own projections.
-    last = f"model.layers.{n - 1}."
-    for k in [k for k in w if k.startswith(last)]:
-        w[f"model.layers.{n}." + k[len(last):]] = w[k]
-    h = c["hidden_size"]
-    rng = np.random.default_rng(1)
-    mtp = f"model.layers.{n}"
-    w[f"{mtp}.eh_proj.weight"] = mx.array(rng.standard_normal((h, 2 * h)).astype(np.float32))
-    for k in ("enorm", "hnorm", "shared_head.norm"):
-        w[f"{mtp}.{k}.weight"] = mx.ones((h,))
+    _append_mtp_layer(w, n, c["hidden_size"])
     return w
 
 
@@ -603,6 +626,7 @@ SOURCES = {
     # name: (config(**token ids), inverse sanitize, tokenizer, fp8, int4)
     "deepseek_v3_fp8": (_deepseek_v3_config, _release_deepseek_v3, "mixtral", _fp8_deepseek, None),
     "deepseek_v3": (_deepseek_v3_config, _release_deepseek_v3, "mixtral", None, None),
+    "deepseek_v32_fp8": (_deepseek_v32_config, _release_deepseek_v32, "mixtral", _fp8_deepseek, None),
     "kimi_k2_fp8": (lambda **ids: _deepseek_v3_config("kimi_k2", **ids),
                     _release_deepseek_v3, "kimi", _fp8_deepseek, None),
     "kimi_k2_int4": (lambda **ids: _deepseek_v3_config("kimi_k2", **ids),

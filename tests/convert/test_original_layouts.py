@@ -1,9 +1,10 @@
 """Checkpoints as their publishers release them convert, with default options, to
-exactly the tokens of mlx-lm loading the same directory: DeepSeek-V3 and Kimi K2 in
-FP8 with 128x128 block scales, Kimi-K2-Thinking's INT4 compressed-tensors experts,
-gpt-oss's MXFP4 `_blocks`/`_scales` experts with their biases, GLM-4.5, Qwen3-Next,
-MiniMax-M2 (FP8) and Qwen3.5-MoE (experts stacked and fused in the release). The sources are written by deltafin_mlx/testing/original_layouts.py
-as the inverse of each mlx-lm class's `sanitize`; the first test checks that inverse.
+exactly the tokens of mlx-lm loading the same directory: DeepSeek-V3, V3.2 and
+Kimi K2 in FP8 with 128x128 block scales, Kimi-K2-Thinking's INT4 compressed-tensors
+experts, gpt-oss's MXFP4 `_blocks`/`_scales` experts with their biases, GLM-4.5,
+Qwen3-Next, MiniMax-M2 (FP8) and Qwen3.5-MoE (experts stacked and fused in the
+release). The sources are written by deltafin_mlx/testing/original_layouts.py as the
+inverse of each mlx-lm class's `sanitize`; the first test checks that inverse.
 
 The oracle is what `mlx_lm.convert -q` makes of the same directory, run fully in
 memory at float32: mlx-lm's sanitize dequantizes FP8 to bf16, and a default
@@ -39,6 +40,7 @@ from helpers import BIN
 # groups of 32; MXFP4's shared power-of-two scale over 32).
 ROUNDING = {
     "deepseek_v3_fp8": 0.06,
+    "deepseek_v32_fp8": 0.06,
     "kimi_k2_fp8": 0.06,
     "kimi_k2_int4": 0.1,
     "gpt_oss": 0.2,
