@@ -169,6 +169,26 @@ def _deepseek_v32_config(**ids) -> dict:
     }
 
 
+def _glm_moe_dsa_config(**ids) -> dict:
+    """GLM-5's: DeepSeek-V3.2's layers (MLA with an indexer), GLM's rope keys."""
+    c = _deepseek_v32_config(**ids)
+    for k in ("auto_map", "rope_scaling", "rope_theta", "seq_aux", "aux_loss_alpha", "ep_size"):
+        c.pop(k)
+    return {
+        **c,
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "model_type": "glm_moe_dsa",
+        "dtype": "bfloat16",
+        "hidden_act": "silu",
+        "indexer_rope_interleave": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+        "torch_dtype": "bfloat16",
+        "transformers_version": "5.0.0.dev0",
+    }
+
+
 def _gpt_oss_config(**ids) -> dict:
     return {
         "architectures": ["GptOssForCausalLM"],
@@ -627,6 +647,7 @@ SOURCES = {
     "deepseek_v3_fp8": (_deepseek_v3_config, _release_deepseek_v3, "mixtral", _fp8_deepseek, None),
     "deepseek_v3": (_deepseek_v3_config, _release_deepseek_v3, "mixtral", None, None),
     "deepseek_v32_fp8": (_deepseek_v32_config, _release_deepseek_v32, "mixtral", _fp8_deepseek, None),
+    "glm_moe_dsa": (_glm_moe_dsa_config, _release_deepseek_v32, "qwen3_moe", None, None),
     "kimi_k2_fp8": (lambda **ids: _deepseek_v3_config("kimi_k2", **ids),
                     _release_deepseek_v3, "kimi", _fp8_deepseek, None),
     "kimi_k2_int4": (lambda **ids: _deepseek_v3_config("kimi_k2", **ids),

@@ -1,7 +1,7 @@
 """Checkpoints as their publishers release them convert, with default options, to
 exactly the tokens of mlx-lm loading the same directory: DeepSeek-V3, V3.2 and
 Kimi K2 in FP8 with 128x128 block scales, Kimi-K2-Thinking's INT4 compressed-tensors
-experts, gpt-oss's MXFP4 `_blocks`/`_scales` experts with their biases, GLM-4.5,
+experts, gpt-oss's MXFP4 `_blocks`/`_scales` experts with their biases, GLM-4.5, GLM-5,
 Qwen3-Next, MiniMax-M2 (FP8) and Qwen3.5-MoE (experts stacked and fused in the
 release). The sources are written by deltafin_mlx/testing/original_layouts.py as the
 inverse of each mlx-lm class's `sanitize`; the first test checks that inverse.
@@ -45,6 +45,7 @@ ROUNDING = {
     "kimi_k2_int4": 0.1,
     "gpt_oss": 0.2,
     "glm4_moe": 0.01,
+    "glm_moe_dsa": 0.01,
     "qwen3_next": 0.01,
     "minimax_fp8": 0.06,
     "qwen3_5_moe": 0.01,
