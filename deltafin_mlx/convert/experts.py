@@ -38,7 +38,7 @@ import numpy as np
 
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, name_of, to_numpy
-from deltafin_mlx.format.record import expert_sections, record_linears
+from deltafin_mlx.format.record import KINDS, expert_sections, record_linears
 from deltafin_mlx.model.config import LAYER_RE
 from deltafin_mlx.model.modules import get_module, switch_linears
 from deltafin_mlx.model.quantization import carried_quantization, module_quantization
@@ -242,8 +242,9 @@ class SanitizedExperts:
         if leak:
             self._no_experts(layer, sp, names, candidates)
         found = LayerExperts(sp, per_expert, stacked, rename)
-        self._check_groups(layer, found, got)
-        return found, {k: (name_of(v.dtype), tuple(v.shape[1:])) for k, v in got.items()}
+        spec = {k: (name_of(v.dtype), tuple(v.shape[1:])) for k, v in got.items()}
+        self._check_groups(layer, found, spec)
+        return found, spec
 
     def _like(self, earlier: int, spec: dict, layer: int, sp: str, names: List[str]):
         """The sorting of a layer whose tensors match an earlier layer's."""
@@ -253,12 +254,19 @@ class SanitizedExperts:
             return n.replace(f"layers.{earlier}.", f"layers.{layer}.", 1)
 
         found = LayerExperts(sp, {e: [moved(n) for n in ns] for e, ns in old.per_expert.items()},
-                             [moved(n) for n in old.stacked],
-                             None if old.rename is None else (f"layers.{layer}.", "layers.0."))
-        have = set(names)
-        if moved(old.switch) != sp or not self.names_in(found) <= have:
-            return self._sort(layer, sp, names)
-        return found, spec
+                             [moved(n) for n in old.stacked])
+        if moved(old.switch) == sp and self.names_in(found) <= set(names):
+            # Sanitize may take this layer's experts under their own names or only
+            # as layer 0's (a class that looks for layer 0's names): a dry run says.
+            for rename in (old.rename and (f"layers.{layer}.", "layers.0."),
+                           None if old.rename else (f"layers.{layer}.", "layers.0.")):
+                found.rename = rename
+                try:
+                    self._check_groups(layer, found, spec)
+                    return found, spec
+                except ConvertError:
+                    pass
+        return self._sort(layer, sp, names)
 
     @staticmethod
     def names_in(found: LayerExperts) -> set:
@@ -266,7 +274,8 @@ class SanitizedExperts:
 
     def _no_experts(self, layer, sp, names, candidates):
         """One line for a layer whose source tensors give its expert module nothing."""
-        for n in names:
+        order = [f"{sp}.{lin}.{k}" for lin in self.linears for k in KINDS]
+        for n in sorted(names, key=lambda n: order.index(n) if n in order else len(order)):
             t = self.source.tensors[n]
             if n.startswith(sp + ".") and t.shape and t.shape[0] != self.num_experts:
                 raise ConvertError(
@@ -280,7 +289,7 @@ class SanitizedExperts:
         per = self.expert_nbytes(layer)
         return max(1, min(self.num_experts, GROUP_BYTES // max(per, 1)))
 
-    def _check_groups(self, layer: int, found: LayerExperts, got: dict):
+    def _check_groups(self, layer: int, found: LayerExperts, spec: dict):
         """Sanitize converts a group of experts alone as it converts them all (the
         same parameters, G rows each): else one line, never a whole layer in memory."""
         E = self.num_experts
@@ -292,9 +301,8 @@ class SanitizedExperts:
                 _, out = self._dry(names, size, found.rename,
                                    rows={n: size for n in found.stacked})
                 part = self._under(out, found.switch)
-                ok = {k: v.shape[1:] for k, v in part.items()} == \
-                    {k: v.shape[1:] for k, v in got.items()} and all(
-                        v.shape[0] == size for v in part.values())
+                ok = {k: (name_of(v.dtype), tuple(v.shape[1:])) for k, v in part.items()} == \
+                    spec and all(v.shape[0] == size for v in part.values())
                 why = "other parameters"
             except Exception as e:
                 ok, why = False, f"{type(e).__name__}: {e}"

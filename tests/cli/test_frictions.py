@@ -339,7 +339,7 @@ def test_rerunning_a_finished_conversion_has_nothing_to_do(tmp_path, sources, ca
 
 
 def test_resume_says_where_it_picked_up(tmp_path, sources, monkeypatch, capsys):
-    from deltafin_mlx.convert.experts import PerExpertTensors as experts
+    from deltafin_mlx.convert.experts import SanitizedExperts as experts
 
     real = experts.record
 
