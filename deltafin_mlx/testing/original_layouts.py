@@ -622,13 +622,14 @@ def _int4_pack(x: mx.array) -> Tuple[mx.array, mx.array]:
     return mx.array(words.view(np.int32)), scale
 
 
-# What each source is: its architecture's config, inverse sanitize, tokenizer, shard
-# naming, and which matrices its release stores in which number format.
+# What each source is: its architecture's config, inverse sanitize, tokenizer, and
+# which matrices its release stores in which number format.
 
 
 def _fp8_deepseek(name):
-    # Every Linear of the decoder layers; the routers, norms, embedding and head stay
-    # bf16 (and the correction biases float32), as in DeepSeek-V3's release.
+    # The decoder layers' projections; the routers, norms, embedding and head stay
+    # bf16 (and the correction biases float32), as in DeepSeek-V3's release. (V3.2's
+    # indexer wq_b/wk stay bf16 here.)
     return (name.startswith("model.layers.") and name.endswith("proj.weight")
             and ".mlp.gate." not in name)
 
@@ -670,8 +671,9 @@ def _token_ids(out: Path, tokenizer: str) -> dict:
     return {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]}
 
 
-def built_model(source: str, config: dict, seed: int = 0):
-    """mlx-lm's model for `config`, with `source`'s random weights (float32)."""
+def built_model(config: dict, seed: int = 0):
+    """mlx-lm's model for `config`, with the random weights `write_original` writes
+    for `seed` (float32)."""
     from deltafin_mlx.compat import model_classes
 
     Model, Args = model_classes(config)
@@ -739,7 +741,7 @@ def write_original(out, source: str, seed: int = 0) -> Path:
         config.setdefault("quantization_config", FP8_QUANTIZATION)
     from mlx.utils import tree_flatten
 
-    weights = dict(tree_flatten(built_model(source, config, seed).parameters()))
+    weights = dict(tree_flatten(built_model(config, seed).parameters()))
     weights = release(weights, config)
     raw = {}
     if isinstance(weights, tuple):

@@ -32,12 +32,12 @@ from deltafin_mlx.format.manifest import read_manifest
 from deltafin_mlx.testing.decode import greedy
 from deltafin_mlx.testing.fake_hub import FakeHub
 from deltafin_mlx.testing.mlx_lm_format import write_mlx_lm_format
-from deltafin_mlx.testing.original_layouts import built_model, write_original
+from deltafin_mlx.testing.original_layouts import SOURCES, built_model, write_original
 from helpers import BIN
 
-# source: how far the release's number format rounds a weight, relative to its
-# tensor's largest magnitude (bf16 ~2^-8; FP8 e4m3 per 128x128 block; INT4 over
-# groups of 32; MXFP4's shared power-of-two scale over 32).
+# Each of original_layouts.SOURCES: how far its release's number format rounds a
+# weight, relative to its tensor's largest magnitude (bf16 ~2^-8; FP8 e4m3 per 128x128
+# block; INT4 over groups of 32; MXFP4's shared power-of-two scale over 32).
 ROUNDING = {
     "deepseek_v3_fp8": 0.06,
     "deepseek_v32_fp8": 0.06,
@@ -53,7 +53,7 @@ ROUNDING = {
 }
 
 # Today's five in bf16 (K3's experts MXFP4), as deltafin_mlx/testing/synthetic.py
-# writes their releases (conftest's `sources`); DeepSeek-V3 in bf16 is in ROUNDING.
+# writes their releases (conftest's `sources`); DeepSeek-V3 in bf16 is in SOURCES.
 SYNTHETIC = ("kimi_k3", "kimi_k2", "qwen3_moe", "mixtral")
 
 # Experts the release already quantized in a mode MLX runs: carried over as they are.
@@ -86,14 +86,14 @@ def dense(module):
                          group_size=module.group_size, bits=module.bits, mode=module.mode)
 
 
-@pytest.mark.parametrize("source", ROUNDING)
+@pytest.mark.parametrize("source", SOURCES)
 def test_mlx_lm_loads_each_release_as_the_model_it_was_built_from(source, releases):
     """The writer inverts sanitize: every weight comes back up to the release's
     rounding (a swapped gate/up, a transposed kv_b_proj or a misplaced block scale
     would be off by its whole size). And the experts decide the tokens."""
     src = releases(source)
     config = json.loads((src / "config.json").read_text())
-    built = built_model(source, config)
+    built = built_model(config)
     loaded, _ = load_model(src)
     modules = dict(loaded.named_modules())
     got = dict(tree_flatten(loaded.parameters()))
@@ -155,9 +155,9 @@ def oracle(src):
     return model
 
 
-@pytest.mark.parametrize("source", [*ROUNDING, *SYNTHETIC])
+@pytest.mark.parametrize("source", [*SOURCES, *SYNTHETIC])
 def test_a_release_converts_to_mlx_lms_tokens(source, releases, sources, tmp_path):
-    src = releases(source) if source in ROUNDING else sources(source)
+    src = releases(source) if source in SOURCES else sources(source)
     out = tmp_path / "out"
     convert(str(src), out, ConvertOptions(progress=False))
     m = read_manifest(out)
