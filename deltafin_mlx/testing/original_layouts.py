@@ -413,6 +413,57 @@ def _qwen3_5_moe_config(**ids) -> dict:
     }
 
 
+def _llama4_config(**ids) -> dict:
+    text = {
+        "attention_bias": False,
+        # Chunked attention over fewer tokens than the tests' prompts hold.
+        "attention_chunk_size": 8,
+        "attention_dropout": 0.0,
+        "attn_scale": 0.1,
+        "attn_temperature_tuning": True,
+        **ids,
+        "floor_scale": 8192,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 128,
+        "initializer_range": 0.02,
+        "interleave_moe_layer_step": 1,
+        "intermediate_size": 64,
+        "intermediate_size_mlp": 256,
+        "max_position_embeddings": 10485760,
+        "model_type": "llama4_text",
+        "moe_layers": [0, 1, 2, 3],
+        "no_rope_layers": [1, 1, 1, 0],
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 1,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 16,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0,
+        "router_aux_loss_coef": 0.001,
+        "torch_dtype": "bfloat16",
+        "use_qk_norm": True,
+        "vocab_size": 512,
+    }
+    return {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "boi_token_index": 500,
+        "eoi_token_index": 501,
+        "image_token_index": 502,
+        "model_type": "llama4",
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0.dev0",
+        # Nobody here runs the vision model: converters skip it as sanitize does.
+        "vision_config": {"hidden_size": 32, "model_type": "llama4_vision_model",
+                          "num_hidden_layers": 1, "patch_size": 14},
+    }
+
+
 # --- random weights for the built model ------------------------------------------
 
 
@@ -585,6 +636,20 @@ def _release_qwen3_5_moe(w, c):
     return out
 
 
+def _release_llama4(w, c):
+    """Llama 4's release stacks each layer's experts transposed, [E, in, out]:
+    `experts.gate_up_proj` [E, H, 2I] (gate columns, then up) and `experts.down_proj`
+    [E, I, H], without `.weight`; its vision model and projector sanitize drops."""
+    for layer in range(c["text_config"]["num_hidden_layers"]):
+        p = f"language_model.model.layers.{layer}.feed_forward.experts"
+        gate, up = w.pop(f"{p}.gate_proj.weight"), w.pop(f"{p}.up_proj.weight")
+        w[f"{p}.gate_up_proj"] = mx.concatenate([gate, up], axis=1).swapaxes(1, 2)
+        w[f"{p}.down_proj"] = w.pop(f"{p}.down_proj.weight").swapaxes(1, 2)
+    w["vision_model.patch_embedding.linear.weight"] = mx.zeros((32, 3 * 14 * 14))
+    w["multi_modal_projector.linear_1.weight"] = mx.zeros((c["text_config"]["hidden_size"], 32))
+    return w
+
+
 def _release_minimax(w, c):
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}.block_sparse_moe"
@@ -658,6 +723,7 @@ SOURCES = {
     "qwen3_next": (_qwen3_next_config, _release_qwen3_next, "qwen3_moe", None, None),
     "minimax_fp8": (_minimax_config, _release_minimax, "qwen3_moe", _fp8_minimax, None),
     "qwen3_5_moe": (_qwen3_5_moe_config, _release_qwen3_5_moe, "qwen3_moe", None, None),
+    "llama4": (_llama4_config, _release_llama4, "qwen3_moe", None, None),
 }
 
 
@@ -720,7 +786,7 @@ def _write_shard(path: Path, tensors: Iterable[Tuple[str, str, mx.array]]) -> in
 def _layer_of(name: str) -> int:
     # Shards follow the layers, as the releases' do: embeddings with layer 0, the
     # final norm and head (and anything outside the layers) with the last.
-    m = re.match(r"model\.(?:language_model\.)?layers\.(\d+)\.", name)
+    m = re.match(r"(?:language_model\.)?model\.(?:language_model\.)?layers\.(\d+)\.", name)
     if m:
         return int(m.group(1))
     return 0 if "embed_tokens" in name else 1 << 30

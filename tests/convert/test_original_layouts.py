@@ -2,8 +2,8 @@
 exactly the tokens of mlx-lm loading the same directory: DeepSeek-V3, V3.2 and
 Kimi K2 in FP8 with 128x128 block scales, Kimi-K2-Thinking's INT4 compressed-tensors
 experts, gpt-oss's MXFP4 `_blocks`/`_scales` experts with their biases, GLM-4.5, GLM-5,
-Qwen3-Next, MiniMax-M2 (FP8) and Qwen3.5-MoE (experts stacked and fused in the
-release). The sources are written by deltafin_mlx/testing/original_layouts.py as the
+Qwen3-Next, MiniMax-M2 (FP8), Qwen3.5-MoE and Llama 4 (experts stacked and fused in
+the release, Llama 4's transposed). The sources are written by deltafin_mlx/testing/original_layouts.py as the
 inverse of each mlx-lm class's `sanitize`; the first test checks that inverse.
 
 The oracle is what `mlx_lm.convert -q` makes of the same directory, run fully in
@@ -49,6 +49,7 @@ ROUNDING = {
     "qwen3_next": 0.01,
     "minimax_fp8": 0.06,
     "qwen3_5_moe": 0.01,
+    "llama4": 0.01,
     "deepseek_v3": 0.01,
 }
 
