@@ -28,7 +28,7 @@ from deltafin_mlx.format.integrity import MANIFEST_MAX_BYTES, file_checksum, for
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
 from deltafin_mlx.format.model_dir import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE, open_model_dir
 
-from deltafin_mlx.format.record import record_linears
+from deltafin_mlx.format.record import linear_quant, record_linears
 from deltafin_mlx.model.build import build_model, source_dtype
 from deltafin_mlx.model.config import LAYER_RE, experts_per_token
 from deltafin_mlx.model.quantization import (check_quantization, mlx_lm_quantization,
@@ -339,10 +339,11 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
             "(Kimi K3's MXFP4 ones, or those mlx-lm quantized) can be linked (convert without "
             "--link-experts)")
     for p, (o, i, _) in experts.linears.items():
-        if i % expert_quant["group_size"]:
+        group = linear_quant(expert_quant, p)["group_size"]
+        if i % group:
             raise ConvertError(
                 f"expert {p} input size {i} is not a multiple of the expert group size "
-                f"{expert_quant['group_size']} (choose another --expert-group-size)"
+                f"{group} (choose another --expert-group-size)"
             )
     if options.link_experts:  # a section sanitize changes cannot be linked: said now
         first = next(iter(moe_layers))
@@ -357,12 +358,11 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
         # Each rank's slice of the intermediate dimension is whole quantization
         # groups of down_proj's input (mlx-lm's sharded-to-all split).
         hidden = experts.linears["gate_proj"][0]
-        if hidden % (slices * expert_quant["group_size"]):
+        group = linear_quant(expert_quant, "down_proj")["group_size"]
+        if hidden % (slices * group):
             raise ConvertError(
                 f"--ranks {slices}: the experts' intermediate size {hidden} does not split "
-                f"into {slices} slices of whole quantization groups of "
-                f"{expert_quant['group_size']}"
-            )
+                f"into {slices} slices of whole quantization groups of {group}")
         sections = slice_sections(sections, slices)
     record_size = record_size_of(sections) * slices
     state = prepare_output(out, source, options)
@@ -667,9 +667,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
     quantization.update(quantized)
     for path in moe_layers.values():
         for p in record_linears(s.name for s in sections):
-            quantization[f"{path}.{p}"] = {
-                k: expert_quant[k] for k in ("group_size", "bits", "mode")
-            }
+            quantization[f"{path}.{p}"] = linear_quant(expert_quant, p)
     mlx_config = dict(config)
     mlx_config["quantization"] = quantization
     mlx_config["quantization_config"] = quantization

@@ -38,7 +38,7 @@ import numpy as np
 
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, name_of, to_numpy
-from deltafin_mlx.format.record import KINDS, expert_sections, record_linears
+from deltafin_mlx.format.record import KINDS, expert_sections, linear_quant, record_linears
 from deltafin_mlx.model.config import LAYER_RE
 from deltafin_mlx.model.modules import get_module, switch_linears
 from deltafin_mlx.model.quantization import carried_quantization, module_quantization
@@ -315,7 +315,9 @@ class SanitizedExperts:
     # -- the record layout --------------------------------------------------------------
 
     def _layout(self, specs: Dict[int, dict], float_quant: dict, block: Optional[dict]):
-        found = {}
+        """The experts' quantization (one per linear, the same in every layer) and
+        record sections, from what sanitize made of each layer's experts."""
+        per_linear: Dict[str, dict] = {}  # linear -> quantization -> first "layer L"
         for layer, spec in specs.items():
             sp = self.switches[layer]
             for name, kinds in record_linears(spec).items():
@@ -325,36 +327,62 @@ class SanitizedExperts:
                 q = None
                 if "scales" in kinds:
                     q = self._saved_quant(block, f"{sp}.{name}", spec, name)
-                found.setdefault(None if q is None else tuple(sorted(q.items())),
-                                 f"layer {layer} {name}")
-        if len(found) > 1:
+                per_linear.setdefault(name, {}).setdefault(
+                    None if q is None else tuple(sorted(q.items())), f"layer {layer} {name}")
+        mixed = [found for found in per_linear.values() if len(found) > 1]
+        carried = {q is not None for found in per_linear.values() for q in found}
+        if mixed or len(carried) > 1:
+            found = mixed[0] if mixed else {q: w for f in per_linear.values()
+                                            for q, w in f.items()}
             kinds = [f"{w}: " + ("float" if q is None else "{mode} {bits}-bit group {group_size}"
                                  .format(**dict(q))) for q, w in found.items()]
-            raise ConvertError("the experts are quantized differently from layer to layer or "
-                               "linear to linear (" + "; ".join(kinds[:2]) + "); Deltafin's "
-                               "records hold one quantization for all")
-        saved = next(iter(found))
+            raise ConvertError("the experts are quantized differently from layer to layer "
+                               "(" + "; ".join(kinds[:2]) + "); Deltafin's records hold one "
+                               "quantization per linear for all layers")
         first = specs[next(iter(specs))]
         biased = {n: (o, i, f"{n}.bias" in first) for n, (o, i, _) in self.linears.items()}
-        if saved is None:
+        if carried == {False}:
+            quants = {n: self._recipe(n, float_quant) for n in self.linears}
+        else:
+            quants = {n: carried_quantization(dict(next(iter(per_linear[n]))),
+                                              "the source's experts") for n in self.linears}
+        name = next(iter(self.linears))
+        quant = dict(quants[name])
+        own = {n: {k: q[k] for k in ("mode", "bits", "group_size")}
+               for n, q in quants.items() if q != quants[name]}
+        if own:
+            quant["linears"] = own
+        if carried == {False}:
             cast = name_of(self.dtype) if self.dtype is not None else None
             scales = cast or "bfloat16"
             bias = cast or next((first[f"{n}.bias"][0] for n in biased if f"{n}.bias" in first),
                                 scales)
-            return float_quant, expert_sections(biased, float_quant, scales, bias)
-        quant = carried_quantization(dict(saved), "the source's experts")
-        name = next(iter(self.linears))
-        scales = first[f"{name}.scales"][0]
+            return quant, expert_sections(biased, quant, scales, bias)
+        scales = next(first[f"{n}.scales"][0] for n in self.linears
+                      if linear_quant(quant, n)["mode"] == "affine") if any(
+            linear_quant(quant, n)["mode"] == "affine" for n in self.linears) else "bfloat16"
         bias = next((first[f"{n}.bias"][0] for n in biased if f"{n}.bias" in first), scales)
         sections = expert_sections(biased, quant, scales, bias)
+        want = {s.name: (s.dtype, s.shape) for s in sections}
         for layer, spec in specs.items():
-            want = {s.name: (s.dtype, s.shape) for s in sections}
             if spec != want:
                 bad = sorted(set(spec.items()) ^ set(want.items()))[0][0]
                 raise ConvertError(f"layer {layer}: the experts' {bad} is "
-                                   f"{spec.get(bad, 'missing')}, a {quant['mode']} "
-                                   f"{quant['bits']}-bit record needs {want.get(bad, 'none')}")
+                                   f"{spec.get(bad, 'missing')}, their record needs "
+                                   f"{want.get(bad, 'none')}")
         return quant, sections
+
+    def _recipe(self, name: str, float_quant: dict) -> dict:
+        """How mlx_lm.convert quantizes float experts' linear `name`: the options,
+        unless the model's own quant_predicate gives it other settings."""
+        predicate = getattr(self.model, "quant_predicate", None)
+        sp = self.switches[next(iter(self.switches))]
+        module = get_module(self.model, f"{sp}.{name}")
+        says = predicate(f"{sp}.{name}", module) if predicate is not None else True
+        if says is False:
+            raise ConvertError(f"mlx-lm's {self.model_type} recipe keeps {sp}.{name} in float; "
+                               "Deltafin's expert records are quantized")
+        return {**float_quant, **(says if isinstance(says, dict) else {})}
 
     def _saved_quant(self, block, path, spec, name) -> dict:
         """How experts the source holds quantized were quantized: mlx-lm's
@@ -440,8 +468,8 @@ class SanitizedExperts:
             w = rows[f"{name}.weight"][i]
             if self.dtype is not None:
                 w = w.astype(self.dtype)
-            q = mx.quantize(w, self.quant["group_size"], self.quant["bits"],
-                            mode=self.quant["mode"])
+            lq = linear_quant(self.quant, name)
+            q = mx.quantize(w, lq["group_size"], lq["bits"], mode=lq["mode"])
             for kind, a in zip(("weight", "scales", "biases"), q):
                 out[f"{name}.{kind}"] = to_numpy(a)
             if f"{name}.bias" in rows:

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from deltafin_mlx.format.bank import ALIGN, BankLayout
-from deltafin_mlx.format.record import record_linears
+from deltafin_mlx.format.record import linear_quant, record_linears
 from deltafin_mlx.engine.policy import ExpertPool
 from deltafin_mlx.format.dtypes import in_memory, to_numpy
 from deltafin_mlx.plan.slots import MAX_ELEMENTS, max_slots, pool_chunks
@@ -76,8 +76,9 @@ def switch_over_slots(arrays: Dict[str, mx.array], capacity: int, quant: dict,
     inner = copy.copy(original)
     for name, have in record_linears(arrays).items():
         out_dim, packed = arrays[f"{name}.weight"].shape[1:]
-        lin = QuantizedSwitchLinear(packed * 32 // quant["bits"], out_dim, capacity, False,
-                                    quant["group_size"], quant["bits"], mode=quant["mode"])
+        q = linear_quant(quant, name)
+        lin = QuantizedSwitchLinear(packed * 32 // q["bits"], out_dim, capacity, False,
+                                    q["group_size"], q["bits"], mode=q["mode"])
         for kind in have:
             lin[kind] = arrays[f"{name}.{kind}"]
         if "biases" not in have:

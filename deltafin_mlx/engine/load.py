@@ -56,6 +56,7 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
         raise ModelError(f"{where}: {k!r:.40} experts per token, the manifest and banks have "
                          f"{ex['experts_per_token']}")
     from deltafin_mlx.format.bank import slice_axis
+    from deltafin_mlx.format.record import linear_quant
     from deltafin_mlx.model.modules import switch_classes
 
     inside = tuple(sp + "." for sp in switches)
@@ -64,7 +65,6 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
     if built:
         raise ModelError(f"{where}: builds routed experts at {sorted(built)[0]}, "
                          "which have no bank")
-    bits = manifest.quantization["experts"]["bits"]
     sections = {s["name"]: s for s in ex["sections"]}
     for sp, linears in switches.items():
         held = {name.rpartition(".")[0] for name in sections}
@@ -72,6 +72,7 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
             raise ModelError(f"{where}: {sp} has expert linears {sorted(linears)}, the banks "
                              f"hold {sorted(held)}")
         for proj, (e, out, inp, bias) in linears.items():
+            bits = linear_quant(manifest.quantization["experts"], proj)["bits"]
             shape = list(sections[f"{proj}.weight"]["shape"])
             shape[slice_axis(f"{proj}.weight")] *= manifest.slices  # a whole expert
             out_b, packed = shape

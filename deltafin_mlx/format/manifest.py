@@ -29,7 +29,7 @@ from deltafin_mlx.format.dtypes import FLOATS
 from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, check_small_files, parse_checksum,
                                           read_inside, resolve_inside)
 from deltafin_mlx.format.links import LINKED_VERSION
-from deltafin_mlx.format.record import PROJECTIONS, record_linears
+from deltafin_mlx.format.record import PROJECTIONS, linear_quant, record_linears
 
 # Every manifest version this Deltafin reads: 1, 2 (rank slices), 3 (linked experts).
 MANIFEST_VERSIONS = FORMAT_VERSIONS + (LINKED_VERSION,)
@@ -353,17 +353,24 @@ def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
     """The sections are a routed-expert module's quantized linears at the experts'
     quantization (format/record.py): per linear a uint32 weight, its scales, biases
     exactly when affine, and optionally a per-expert float bias of its outputs."""
-    mode, bits, group = quant["mode"], quant["bits"], quant["group_size"]
-    _need(mode in QUANT_MODES and bits in QUANT_MODES[mode][0] and group in QUANT_MODES[mode][1],
-          f"expert quantization {mode!r:.40} at {bits} bits, group size {group} is not one "
-          "MLX has")
-    affine = mode == "affine"
-    kinds = ("weight", "scales", "biases") if affine else ("weight", "scales")
+    own = quant.get("linears", {})
+    _need(isinstance(own, dict) and all(isinstance(v, dict) for v in own.values()),
+          "quantization.experts.linears must map linear names to objects")
     linears = record_linears(by_name)
     _need(bool(linears), "no expert sections")
     dims = {}
+    _need(set(own) <= set(linears), f"quantization.experts.linears names {sorted(own)}, "
+          f"the sections hold {sorted(linears)}")
     for p, kinds_of in linears.items():
         have = {k: by_name[f"{p}.{k}"] for k in kinds_of}
+        q = linear_quant(quant, p)
+        mode, bits, group = q["mode"], q["bits"], q["group_size"]
+        _need(mode in QUANT_MODES and bits in QUANT_MODES[mode][0]
+              and group in QUANT_MODES[mode][1],
+              f"expert quantization {mode!r:.40} at {bits!r:.10} bits, group size {group!r:.10} "
+              "is not one MLX has")
+        affine = mode == "affine"
+        kinds = ("weight", "scales", "biases") if affine else ("weight", "scales")
         _need(re.fullmatch(_NAME, p) is not None and set(kinds) <= set(have)
               and set(have) <= set(kinds) | {"bias"},
               f"expert sections of {p!r:.40} are {sorted(have)}, not {list(kinds)} "

@@ -19,14 +19,23 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 KINDS = ("weight", "scales", "biases", "bias")
 
 
+def linear_quant(quant: dict, name: str) -> dict:
+    """How the record's linear `name` is quantized: the experts' quantization, or
+    its own entry in `linears` where a model's recipe gives it other bits
+    (granitemoe's down_proj at 8 bits, as mlx-lm's quant_predicate says)."""
+    own = (quant.get("linears") or {}).get(name) or {}
+    return {k: own.get(k, quant[k]) for k in ("mode", "bits", "group_size")}
+
+
 def expert_sections(linears: Dict[str, tuple], quant: dict, scales_dtype: str,
                     bias_dtype: Optional[str] = None) -> List[Section]:
     """The record layout for experts whose linears are `linears` (name -> (out, in)
-    or (out, in, has_bias), in the module's order), quantized as `quant` says;
+    or (out, in, has_bias), in the module's order), quantized as `quant` says (`linear_quant`);
     per-expert biases are kept in `bias_dtype` (default: `scales_dtype`)."""
-    bits, group, mode = quant["bits"], quant["group_size"], quant["mode"]
     tensors = []
     for name, dims in linears.items():
+        q = linear_quant(quant, name)
+        bits, group, mode = q["bits"], q["group_size"], q["mode"]
         out_dim, in_dim = dims[:2]
         tensors.append((f"{name}.weight", "uint32", (out_dim, in_dim * bits // 32)))
         if mode == "affine":

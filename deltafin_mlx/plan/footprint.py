@@ -14,7 +14,7 @@ import mlx.core as mx
 from deltafin_mlx.format.bank import Section, record_size_of
 from deltafin_mlx.format.dtypes import FLOATS, ITEMSIZE, name_of
 from deltafin_mlx.plan.slots import slot_bytes
-from deltafin_mlx.format.record import expert_sections
+from deltafin_mlx.format.record import expert_sections, linear_quant
 from deltafin_mlx.model.build import build_model, quantize_like_mlx_lm, source_dtype
 from deltafin_mlx.model.config import LAYER_RE, experts_per_token, tied_embeddings
 from deltafin_mlx.model.modules import get_module, layer_paths, switch_linears, switch_path
@@ -134,7 +134,7 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
 
 
 def _expert_weights(sections: List[Section], quant: dict) -> int:
-    return sum(s.shape[0] * s.shape[1] * 32 // quant["bits"]
+    return sum(s.shape[0] * s.shape[1] * 32 // linear_quant(quant, s.name.rpartition(".")[0])["bits"]
                for s in sections if s.name.endswith(".weight"))
 
 

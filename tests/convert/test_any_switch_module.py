@@ -1,0 +1,204 @@
+"""Any mlx-lm MoE whose routed experts are SwitchGLU/SwitchMLP modules converts and
+streams to mlx-lm's own tokens: the model class and its `sanitize` decide the names
+and layouts, not a list of architectures. Each type here is a tiny random model
+built with mlx-lm's own class, saved as `mlx_lm.convert` saves it (float, and 4-bit
+affine), converted with the default options and streamed with an expert cache
+holding a quarter of its experts; the tokens are mlx-lm's loading the same
+directory (float32, as the other exactness tests compute)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+from deltafin_mlx import runtime
+from deltafin_mlx.convert.convert import ConvertOptions, convert
+from deltafin_mlx.convert.source import read_source
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.errors import ConvertError
+from deltafin_mlx.format.manifest import read_manifest
+from deltafin_mlx.model.build import build_model
+from deltafin_mlx.model.modules import switch_classes
+from deltafin_mlx.testing.decode import greedy
+
+BASE = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "num_experts_per_tok": 2}
+
+# One tiny configuration per model type: 8 experts (16 for deepseek_v3's groups).
+CONFIGS = {
+    "qwen3_moe": {"intermediate_size": 128, "num_experts": 8, "moe_intermediate_size": 64,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+    "mixtral": {"intermediate_size": 64, "num_local_experts": 8},
+    "deepseek_v3": {"intermediate_size": 128, "moe_intermediate_size": 64,
+                    "n_routed_experts": 16, "n_shared_experts": 1, "n_group": 4,
+                    "topk_group": 2, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+                    "num_hidden_layers": 3, "kv_lora_rank": 32, "q_lora_rank": 48,
+                    "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 16,
+                    "moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                    "norm_topk_prob": True},
+    "gpt_oss": {"num_local_experts": 8, "intermediate_size": 64, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"]},
+    "glm4_moe": {"intermediate_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8,
+                 "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                 "routed_scaling_factor": 1.5, "first_k_dense_replace": 1,
+                 "num_hidden_layers": 3, "norm_topk_prob": True, "use_qk_norm": True,
+                 "attention_bias": False, "partial_rotary_factor": 0.5, "rope_scaling": None},
+    "olmoe": {"intermediate_size": 64, "num_experts": 8},
+    "granitemoe": {"intermediate_size": 64, "num_local_experts": 8, "logits_scaling": 2.0,
+                   "attention_multiplier": 0.25, "embedding_multiplier": 4.0,
+                   "residual_multiplier": 0.5, "attention_bias": False},
+    "nemotron_h": {"intermediate_size": 128, "moe_intermediate_size": 64,
+                   "n_routed_experts": 8, "n_shared_experts": 1,
+                   "moe_shared_expert_intermediate_size": 64, "n_group": 1, "topk_group": 1,
+                   "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+                   "hybrid_override_pattern": ["M", "E", "*", "E"], "num_hidden_layers": 4,
+                   "mamba_num_heads": 4, "mamba_head_dim": 16, "mamba_proj_bias": False,
+                   "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 1, "mlp_bias": False,
+                   "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True,
+                   "attention_bias": False},
+}
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides):
+    """mlx-lm's own class for the tiny config, with random weights scaled so that
+    the experts decide the tokens (several classes start routers, expert biases or
+    score corrections at zero, which would route every token alike)."""
+    config = {**BASE, **CONFIGS[model_type], **overrides, "model_type": model_type}
+    model = build_model(config)
+    switches = [p for p, m in model.named_modules() if isinstance(m, switch_classes())]
+    rng = np.random.default_rng(seed)
+
+    def init(path, v):
+        if not mx.issubdtype(v.dtype, mx.floating):
+            return v
+        expert = any(path.startswith(sp + ".") for sp in switches)
+        if v.ndim == 1:
+            base = 1.0 if "norm" in path or path.endswith("layernorm.weight") else 0.0
+            return mx.array(base + 0.1 * rng.standard_normal(v.shape).astype(np.float32))
+        scale = (2.0 if expert else 1.0) / np.sqrt(v.shape[-1])
+        return mx.array(scale * rng.standard_normal(v.shape).astype(np.float32))
+
+    model.update(tree_map_with_path(init, model.parameters()))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    return model, config
+
+
+def save_as_mlx_lm_convert(model_type: str, out: Path, bits=None) -> Path:
+    """What `mlx_lm.convert` writes: the sanitized weights (and, with `bits`, the
+    model quantized by mlx-lm's own rules) and config.json with its quantization."""
+    model, config = tiny_model(model_type)
+    if bits is not None:
+        model, config = quantize_model(model, config, 64, bits)
+    out.mkdir(parents=True)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    return out
+
+
+def oracle(src: Path):
+    """mlx-lm's load of the directory at float32; a float one quantized by mlx-lm
+    as the default options say (4-bit group 64, the experts too)."""
+    model, config = load_model(src, lazy=True)
+    if "quantization" not in config:
+        model, _ = quantize_model(model, config, 64, 4)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def prompt():
+    return mx.array(np.random.default_rng(1).integers(1, 250, size=(1, 10)).astype(np.int32))
+
+
+def assert_streams_mlx_lms_tokens(out: Path, src: Path, steps=12):
+    m = read_manifest(out)
+    slots = max(m.experts["num_experts"] * len(m.moe_layers) // 4, 1)
+    model, _ = load(out, cache_slots=slots, tokenizer=False)
+    try:
+        tokens, logits = greedy(model, prompt(), steps)
+        assert runtime(model).stats.misses > 0  # the experts streamed
+    finally:
+        runtime(model).close()
+    ref_tokens, ref_logits = greedy(oracle(src), prompt(), steps)
+    assert tokens.tolist() == ref_tokens.tolist()
+    assert mx.allclose(logits, ref_logits, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["float", "4bit"])
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_every_switch_module_type_streams_to_mlx_lms_tokens(model_type, bits, tmp_path):
+    src = save_as_mlx_lm_convert(model_type, tmp_path / "src", bits)
+    convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
+    m = read_manifest(tmp_path / "out")
+    assert m.quantization["experts"].get("carried_over", False) == (bits is not None)
+    assert_streams_mlx_lms_tokens(tmp_path / "out", src)
+
+
+def test_per_expert_biases_are_kept_as_float_sections(tmp_path):
+    src = save_as_mlx_lm_convert("gpt_oss", tmp_path / "src")
+    convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
+    sections = {s["name"]: s for s in read_manifest(tmp_path / "out").experts["sections"]}
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        assert sections[f"{p}.bias"]["dtype"] == "bfloat16"
+        assert sections[f"{p}.bias"]["shape"] == [sections[f"{p}.weight"]["shape"][0]]
+
+
+def test_switch_mlp_records_hold_fc1_and_fc2(tmp_path):
+    src = save_as_mlx_lm_convert("nemotron_h", tmp_path / "src", bits=4)
+    convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
+    names = [s["name"] for s in read_manifest(tmp_path / "out").experts["sections"]]
+    assert names == [f"{p}.{k}" for p in ("fc1", "fc2") for k in ("weight", "scales", "biases")]
+
+
+def test_new_families_link_their_experts_to_the_same_tokens(tmp_path):
+    """mlx-lm's stacked sections (per-expert biases too) are byte ranges of the
+    source: linked, no expert bytes are copied and the tokens are the same."""
+    src = save_as_mlx_lm_convert("gpt_oss", tmp_path / "src", bits=4)
+    convert(str(src), tmp_path / "out", ConvertOptions(progress=False, link_experts=True))
+    assert not any(rel.endswith(".bank") for rel in read_manifest(tmp_path / "out").files)
+    assert_streams_mlx_lms_tokens(tmp_path / "out", src)
+
+
+def test_float_experts_cannot_be_linked_and_say_so(tmp_path):
+    src = save_as_mlx_lm_convert("olmoe", tmp_path / "src")
+    with pytest.raises(ConvertError, match="--link-experts"):
+        convert(str(src), tmp_path / "out", ConvertOptions(progress=False, link_experts=True))
+
+
+def test_an_expert_group_is_converted_alone_with_memory_bounded(tmp_path):
+    """Conversion memory is a group of experts (GROUP_BYTES of source), not a layer:
+    converting a model whose one layer's experts are several times that bound stays
+    within about three groups plus the trunk (after a warm-up conversion)."""
+    model, config = tiny_model("qwen3_moe", num_experts=64, moe_intermediate_size=512,
+                               hidden_size=256, intermediate_size=256)
+    src = tmp_path / "big"
+    src.mkdir()
+    save_model(src, model)
+    save_config(config, src / "config.json")
+    saved = read_source(str(src), src, src)
+    layer_experts = sum(t.nbytes for n, t in saved.tensors.items()
+                        if n.startswith("model.layers.0.") and ".switch_mlp." in n)
+    group = 4 << 20
+    assert layer_experts >= 12 * group
+    warm = save_as_mlx_lm_convert("qwen3_moe", tmp_path / "warm")
+    code = (
+        "import resource\n"
+        "import deltafin_mlx.convert.convert as c, deltafin_mlx.convert.experts as x\n"
+        f"x.GROUP_BYTES = {group}\n"
+        f"c.convert({str(warm)!r}, {str(tmp_path / 'w')!r}, c.ConvertOptions(progress=False))\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        f"c.convert({str(src)!r}, {str(tmp_path / 'out')!r}, c.ConvertOptions(progress=False))\n"
+        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        "print(base, peak)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    base, peak = map(int, p.stdout.split()[-2:])
+    assert peak - base < layer_experts // 3, (peak - base, layer_experts)
