@@ -192,3 +192,27 @@ def test_an_mlx_community_glm_repository_converts_from_the_hub_with_a_scratch_li
     model.set_dtype(mx.float32)
     for out in ("local", "linked"):  # packed and linked alike
         assert_same_greedy(tmp_path / out, model)
+
+
+@pytest.mark.parametrize("source", ["deepseek_v3_fp8", "gpt_oss"])
+def test_a_release_converts_from_the_hub_one_shard_at_a_time(source, releases, tmp_path):
+    """How a 700 GB FP8 release is converted on a Mac: from the hub with a scratch
+    limit of two shards (and the small files: the embedding rides in the first shard
+    and the head in the last, as in DeepSeek-V3's release), the same bytes as from a
+    local copy."""
+    src = releases(source)
+    convert(str(src), tmp_path / "local", ConvertOptions(progress=False))
+    shards = sorted(p.stat().st_size for p in src.glob("model*.safetensors"))
+    assert len(shards) >= 3
+    small = sum(p.stat().st_size for p in src.iterdir() if not p.name.startswith("model-"))
+    limit = sum(shards[-2:]) + small
+    with FakeHub() as hub:
+        hub.add(f"someone/{source}", src)
+        p = subprocess.run([str(BIN / "deltafin-convert"), f"someone/{source}",
+                            str(tmp_path / "scratch"), "--scratch-limit",
+                            str(limit), "--quiet"],
+                           capture_output=True, text=True, timeout=600,
+                           env={**os.environ, **hub.env(tmp_path / "hf")})
+    assert p.returncode == 0, p.stderr
+    a, b = read_manifest(tmp_path / "scratch"), read_manifest(tmp_path / "local")
+    assert a.files == b.files and a.checksums == b.checksums
