@@ -195,7 +195,7 @@ def test_an_mlx_community_glm_repository_converts_from_the_hub_with_a_scratch_li
 
 
 @pytest.mark.parametrize("source", ["deepseek_v3_fp8", "gpt_oss"])
-def test_a_release_converts_from_the_hub_one_shard_at_a_time(source, releases, tmp_path):
+def test_a_release_converts_from_the_hub_within_a_two_shard_scratch_limit(source, releases, tmp_path):
     """How a 700 GB FP8 release is converted on a Mac: from the hub with a scratch
     limit of two shards (and the small files: the embedding rides in the first shard
     and the head in the last, as in DeepSeek-V3's release), the same bytes as from a
