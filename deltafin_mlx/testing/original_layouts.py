@@ -189,6 +189,29 @@ def _glm_moe_dsa_config(**ids) -> dict:
     }
 
 
+def _kimi_k25_config(**ids) -> dict:
+    text = _deepseek_v3_config("kimi_k2", **ids)
+    for k in ("architectures", "auto_map"):
+        text.pop(k)
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        **ids,
+        "media_placeholder_token_id": 1020,
+        "model_type": "kimi_k25",
+        "pad_token_id": 1021,
+        "quantization_config": {
+            **INT4_QUANTIZATION,
+            "ignore": INT4_QUANTIZATION["ignore"] + ["re:.*vision_tower.*", "re:.*mm_projector.*"],
+        },
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.57.1",
+        # Nobody here runs the vision tower: converters skip it as sanitize does.
+        "vision_config": {"mm_hidden_size": 32, "model_type": "kimi_k25_vision",
+                          "vt_hidden_size": 32, "vt_num_hidden_layers": 1},
+    }
+
+
 def _gpt_oss_config(**ids) -> dict:
     return {
         "architectures": ["GptOssForCausalLM"],
@@ -516,9 +539,9 @@ GLU = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 W123 = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
-def _release_deepseek_v3(w, c):
+def _release_deepseek_v3(w, c, lm=""):
     for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
+        p = f"{lm}model.layers.{layer}"
         if f"{p}.mlp.switch_mlp.gate_proj.weight" in w:
             _unstack(w, f"{p}.mlp", "switch_mlp", c["n_routed_experts"], GLU)
         # mlx-lm splits kv_b_proj per head into embed_q (transposed) and unembed_out.
@@ -560,6 +583,15 @@ def _append_mtp_layer(w, n, h):
     w[f"{mtp}.eh_proj.weight"] = mx.zeros((h, 2 * h))
     for k in ("enorm", "hnorm", "shared_head.norm"):
         w[f"{mtp}.{k}.weight"] = mx.ones((h,))
+
+
+def _release_kimi_k25(w, c):
+    """Kimi K2.5's release: K2's layers under `language_model.`, its INT4 experts as
+    K2-Thinking's, and a vision tower and projector beside (sanitize drops them)."""
+    _release_deepseek_v3(w, c["text_config"], lm="language_model.")
+    w["vision_tower.encoder.blocks.0.wqkv.weight"] = mx.zeros((96, 32))
+    w["mm_projector.proj.0.weight"] = mx.zeros((128, 128))
+    return w
 
 
 def _release_deepseek_v32(w, c):
@@ -718,6 +750,7 @@ SOURCES = {
                     _release_deepseek_v3, "kimi", _fp8_deepseek, None),
     "kimi_k2_int4": (lambda **ids: _deepseek_v3_config("kimi_k2", **ids),
                      _release_deepseek_v3, "kimi", None, _int4_k2_thinking),
+    "kimi_k25_int4": (_kimi_k25_config, _release_kimi_k25, "kimi", None, _int4_k2_thinking),
     "gpt_oss": (_gpt_oss_config, _release_gpt_oss, "qwen3_moe", None, None),
     "glm4_moe": (_glm4_moe_config, _release_glm4_moe, "qwen3_moe", None, None),
     "qwen3_next": (_qwen3_next_config, _release_qwen3_next, "qwen3_moe", None, None),
@@ -802,7 +835,7 @@ def write_original(out, source: str, seed: int = 0) -> Path:
     ids = _token_ids(out, tokenizer)
     config = make_config(**ids)
     if int4 is not None:
-        config["quantization_config"] = INT4_QUANTIZATION
+        config.setdefault("quantization_config", INT4_QUANTIZATION)
     elif fp8 is not None:
         config.setdefault("quantization_config", FP8_QUANTIZATION)
     from mlx.utils import tree_flatten

@@ -1,10 +1,11 @@
 """Checkpoints as their publishers release them convert, with default options, to
 exactly the tokens of mlx-lm loading the same directory: DeepSeek-V3, V3.2 and
-Kimi K2 in FP8 with 128x128 block scales, Kimi-K2-Thinking's INT4 compressed-tensors
-experts, gpt-oss's MXFP4 `_blocks`/`_scales` experts with their biases, GLM-4.5, GLM-5,
-Qwen3-Next, MiniMax-M2 (FP8), Qwen3.5-MoE and Llama 4 (experts stacked and fused in
-the release, Llama 4's transposed). The sources are written by deltafin_mlx/testing/original_layouts.py as the
-inverse of each mlx-lm class's `sanitize`; the first test checks that inverse.
+Kimi K2 in FP8 with 128x128 block scales; Kimi-K2-Thinking's and Kimi K2.5's INT4
+compressed-tensors experts; gpt-oss's MXFP4 `_blocks`/`_scales` experts with their
+biases; GLM-4.5, GLM-5, Qwen3-Next, MiniMax-M2 (FP8), Qwen3.5-MoE and Llama 4 (experts
+stacked and fused in the release, Llama 4's transposed). The sources are written by
+deltafin_mlx/testing/original_layouts.py as the inverse of each mlx-lm class's
+`sanitize`; the first test checks that inverse.
 
 The oracle is what `mlx_lm.convert -q` makes of the same directory, run fully in
 memory at float32: mlx-lm's sanitize dequantizes FP8 to bf16, and a default
@@ -43,6 +44,7 @@ ROUNDING = {
     "deepseek_v32_fp8": 0.06,
     "kimi_k2_fp8": 0.06,
     "kimi_k2_int4": 0.1,
+    "kimi_k25_int4": 0.1,
     "gpt_oss": 0.2,
     "glm4_moe": 0.01,
     "glm_moe_dsa": 0.01,
@@ -58,7 +60,7 @@ ROUNDING = {
 SYNTHETIC = ("kimi_k3", "kimi_k2", "qwen3_moe", "mixtral")
 
 # Experts the release already quantized in a mode MLX runs: carried over as they are.
-CARRIED = ("gpt_oss", "kimi_k2_int4", "kimi_k3")
+CARRIED = ("gpt_oss", "kimi_k2_int4", "kimi_k25_int4", "kimi_k3")
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +141,9 @@ def oracle(src):
     the model's own predicate and float experts at 4-bit affine, group 64."""
     model, config = load_model(Path(src), lazy=True)
     cast = getattr(model, "cast_predicate", lambda _: True)
-    dtype = getattr(mx, config.get("torch_dtype") or config["text_config"]["dtype"])
+    text = config.get("text_config", {})
+    dtype = getattr(mx, next(c[k] for c in (config, text) for k in ("torch_dtype", "dtype")
+                             if c.get(k)))
     model.update(tree_map_with_path(
         lambda k, v: v.astype(dtype) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
         model.parameters()))
