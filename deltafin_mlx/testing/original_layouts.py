@@ -3,8 +3,9 @@
 `write_original(out, source)` builds a small random model with mlx-lm's own class
 for the source's architecture and writes it as the Hugging Face release lays it
 out: the tensors that mlx-lm's `sanitize` for that class reads (one tensor per
-expert, fused projections where the release fuses them, DeepSeek-V3's whole
-`kv_b_proj`, Qwen3-Next's zero-centred norms and [C, 1, K] convolutions,
+expert, or experts stacked and fused as Qwen3.5 and Llama 4 release them, fused
+projections where the release fuses them, DeepSeek-V3's whole `kv_b_proj`,
+Qwen3-Next's zero-centred norms and [C, 1, K] convolutions, vision towers and
 multi-token-prediction layers that sanitize drops), in the release's number
 formats (FP8 e4m3 with 128x128 block `weight_scale_inv`, gpt-oss's MXFP4
 `_blocks`/`_scales`, Kimi-K2-Thinking's INT4 compressed-tensors), with the
