@@ -3,11 +3,12 @@
 `write_original(out, source)` builds a small random model with mlx-lm's own class
 for the source's architecture and writes it as the Hugging Face release lays it
 out: the tensors that mlx-lm's `sanitize` for that class reads (one tensor per
-expert, or experts stacked and fused as Qwen3.5 and Llama 4 release them, fused
+expert, or experts stacked and fused as Qwen3.5, Llama 4 and Mistral 4 release them, fused
 projections where the release fuses them, DeepSeek-V3's whole `kv_b_proj`,
 Qwen3-Next's zero-centred norms and [C, 1, K] convolutions, vision towers and
 multi-token-prediction layers that sanitize drops), in the release's number
-formats (FP8 e4m3 with 128x128 block `weight_scale_inv`, gpt-oss's MXFP4
+formats (FP8 e4m3 with 128x128 block `weight_scale_inv`, or one per tensor as
+Mistral's, gpt-oss's MXFP4
 `_blocks`/`_scales`, Kimi-K2-Thinking's INT4 compressed-tensors), with the
 release's config.json keys and tokenizer files. Each writer is the inverse of that
 sanitize: loading the directory with `mlx_lm.load` gives back the built weights up
@@ -210,6 +211,27 @@ def _kimi_k25_config(**ids) -> dict:
         # Nobody here runs the vision tower: converters skip it as sanitize does.
         "vision_config": {"mm_hidden_size": 32, "model_type": "kimi_k25_vision",
                           "vt_hidden_size": 32, "vt_num_hidden_layers": 1},
+    }
+
+
+def _mistral4_config(**ids) -> dict:
+    c = _deepseek_v3_config(**ids)
+    for k in ("auto_map", "aux_loss_alpha", "ep_size", "num_nextn_predict_layers",
+              "scoring_func", "seq_aux", "topk_method", "rope_scaling", "rope_theta"):
+        c.pop(k)
+    return {
+        **c,
+        "architectures": ["Mistral4ForCausalLM"],
+        "model_type": "mistral4",
+        "n_group": 1,
+        "topk_group": 1,
+        "rope_interleave": True,
+        "rope_parameters": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 128.0,
+                            "llama_4_scaling_beta": 0.1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 8192, "rope_theta": 10000.0,
+                            "rope_type": "yarn"},
+        "quantization_config": {"activation_scheme": "static", "quant_method": "fp8"},
+        "transformers_version": "5.0.0.dev0",
     }
 
 
@@ -595,6 +617,22 @@ def _release_kimi_k25(w, c):
     return w
 
 
+def _release_mistral4(w, c):
+    """Mistral 4's release: DeepSeek-V3's layers with each layer's experts stacked and
+    fused, `experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and
+    `experts.down_proj` [E, H, I]; every matrix FP8 with one scale per tensor (per
+    expert for the stacked ones) and a static activation scale (see _encode)."""
+    _release_deepseek_v3(w, c)
+    for layer in range(c["first_k_dense_replace"], c["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp"
+        gate = mx.stack([w.pop(f"{p}.experts.{e}.gate_proj.weight") for e in range(c["n_routed_experts"])])
+        up = mx.stack([w.pop(f"{p}.experts.{e}.up_proj.weight") for e in range(c["n_routed_experts"])])
+        down = mx.stack([w.pop(f"{p}.experts.{e}.down_proj.weight") for e in range(c["n_routed_experts"])])
+        w[f"{p}.experts.gate_up_proj"] = mx.concatenate([gate, up], axis=1)
+        w[f"{p}.experts.down_proj"] = down
+    return w
+
+
 def _release_deepseek_v32(w, c):
     _release_deepseek_v3(w, c)
     _append_mtp_layer(w, c["num_hidden_layers"], c["hidden_size"])
@@ -737,6 +775,20 @@ def _fp8_minimax(name):
         name.endswith("_proj.weight") or ".experts." in name)
 
 
+def _fp8_tensor(x: mx.array) -> Tuple[mx.array, mx.array]:
+    """FP8 e4m3 codes and float32 scale_inv with one scale per matrix ([] for a
+    matrix, [E, 1, 1] for stacked experts), as Mistral's exports make them."""
+    axes = tuple(range(x.ndim - 2, x.ndim))
+    scale_inv = mx.maximum(mx.abs(x).max(axis=axes, keepdims=x.ndim > 2), 1e-12) / 448.0
+    return mx.to_fp8(x / scale_inv), scale_inv.astype(mx.float32)
+
+
+def _fp8_mistral(name):
+    # Per tensor, the stacked experts included: see _fp8_tensor.
+    return name.startswith("model.layers.") and ".mlp.gate." not in name and name.endswith(
+        ("proj.weight", "experts.gate_up_proj", "experts.down_proj"))
+
+
 def _int4_k2_thinking(name):
     return ".mlp.experts." in name
 
@@ -752,6 +804,7 @@ SOURCES = {
     "kimi_k2_int4": (lambda **ids: _deepseek_v3_config("kimi_k2", **ids),
                      _release_deepseek_v3, "kimi", None, _int4_k2_thinking),
     "kimi_k25_int4": (_kimi_k25_config, _release_kimi_k25, "kimi", None, _int4_k2_thinking),
+    "mistral4_fp8": (_mistral4_config, _release_mistral4, "mixtral", _fp8_mistral, None),
     "gpt_oss": (_gpt_oss_config, _release_gpt_oss, "qwen3_moe", None, None),
     "glm4_moe": (_glm4_moe_config, _release_glm4_moe, "qwen3_moe", None, None),
     "qwen3_next": (_qwen3_next_config, _release_qwen3_next, "qwen3_moe", None, None),
@@ -783,6 +836,13 @@ def built_model(config: dict, seed: int = 0):
 
 
 def _encode(name: str, x: mx.array, fp8, int4) -> List[Tuple[str, str, mx.array]]:
+    if fp8 is _fp8_mistral and fp8(name):
+        codes, scale_inv = _fp8_tensor(x)
+        # A static input scale beside each (sanitize drops them).
+        act = (name[: -len("weight")] + "activation_scale" if name.endswith(".weight")
+               else name + "_activation_scale")
+        return [(name, "F8_E4M3", codes), (name + "_scale_inv", "F32", scale_inv),
+                (act, "F32", mx.array(1.0))]
     if x.ndim == 2 and fp8 is not None and fp8(name):
         codes, scale_inv = _fp8_block(x)
         return [(name, "F8_E4M3", codes), (name + "_scale_inv", "F32", scale_inv)]

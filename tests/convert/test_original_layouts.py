@@ -2,8 +2,9 @@
 exactly the tokens of mlx-lm loading the same directory: DeepSeek-V3, V3.2 and
 Kimi K2 in FP8 with 128x128 block scales; Kimi-K2-Thinking's and Kimi K2.5's INT4
 compressed-tensors experts; gpt-oss's MXFP4 `_blocks`/`_scales` experts with their
-biases; GLM-4.5, GLM-5, Qwen3-Next, MiniMax-M2 (FP8), Qwen3.5-MoE and Llama 4 (experts
-stacked and fused in the release, Llama 4's transposed). The sources are written by
+biases; GLM-4.5, GLM-5, Qwen3-Next, MiniMax-M2 (FP8), Qwen3.5-MoE, Llama 4 and
+Mistral 4 (experts stacked and fused in the release; Llama 4's transposed, Mistral
+4's FP8 with one scale per tensor). The sources are written by
 deltafin_mlx/testing/original_layouts.py as the inverse of each mlx-lm class's
 `sanitize`; the first test checks that inverse.
 
@@ -50,6 +51,7 @@ ROUNDING = {
     "glm_moe_dsa": 0.01,
     "qwen3_next": 0.01,
     "minimax_fp8": 0.06,
+    "mistral4_fp8": 0.06,
     "qwen3_5_moe": 0.01,
     "llama4": 0.01,
     "deepseek_v3": 0.01,
