@@ -3,16 +3,16 @@
 `write_original(out, source)` builds a small random model with mlx-lm's own class
 for the source's architecture and writes it as the Hugging Face release lays it
 out: the tensors that mlx-lm's `sanitize` for that class reads (one tensor per
-expert, or experts stacked and fused as Qwen3.5, Llama 4 and Mistral 4 release them, fused
-projections where the release fuses them, DeepSeek-V3's whole `kv_b_proj`,
-Qwen3-Next's zero-centred norms and [C, 1, K] convolutions, vision towers and
-multi-token-prediction layers that sanitize drops), in the release's number
-formats (FP8 e4m3 with 128x128 block `weight_scale_inv`, or one per tensor as
-Mistral's, gpt-oss's MXFP4
-`_blocks`/`_scales`, Kimi-K2-Thinking's INT4 compressed-tensors), with the
-release's config.json keys and tokenizer files. Each writer is the inverse of that
-sanitize: loading the directory with `mlx_lm.load` gives back the built weights up
-to the release's number format (tests/convert/test_original_layouts.py checks it).
+expert, or experts stacked and fused as Qwen3.5, Llama 4 and Mistral 4 release
+them; fused projections where the release fuses them; DeepSeek-V3's whole
+`kv_b_proj`; Qwen3-Next's zero-centred norms and [C, 1, K] convolutions; vision
+towers and multi-token-prediction layers that sanitize drops), in the release's
+number formats (FP8 e4m3 with 128x128 block `weight_scale_inv`, or one scale per
+tensor as Mistral's; gpt-oss's MXFP4 `_blocks`/`_scales`; Kimi-K2-Thinking's INT4
+compressed-tensors), with the release's config.json keys and tokenizer files. Each
+writer is the inverse of that sanitize: loading the directory with `mlx_lm.load`
+gives back the built weights up to the release's number format
+(tests/convert/test_original_layouts.py checks it).
 
 The weights are scaled as `synthetic.py`'s are: matrices N(0, 1/fan_in), norms
 near 1, routers and their correction biases random (several mlx-lm classes start
