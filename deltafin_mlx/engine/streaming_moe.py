@@ -4,7 +4,8 @@ Routing is data-dependent, so at each MoE layer the router's choice is evaluated
 first; then the misses are read from the layer's bank (all at once, on background
 threads), the next MoE layer's router is applied to this layer's input to queue
 speculative reads behind them (lookahead: it changes timing only; routing always
-uses the real router), and mlx-lm's own SwitchGLU runs over the slot arrays.
+uses the real router), and mlx-lm's own expert module (SwitchGLU, SwitchMLP) runs
+over the slot arrays.
 
 Reads ahead must pay for themselves. A right guess hides a read behind one layer's
 computation, but only in disk time that would otherwise sit idle; a wrong one
@@ -193,13 +194,13 @@ def predict_experts(moe: nn.Module, h: mx.array, k: int) -> Optional[mx.array]:
 
 
 class StreamingSwitchGLU(nn.Module):
-    """Drop-in for mlx-lm's SwitchGLU: `(x, indices) -> (..., k, D)`."""
+    """Drop-in for mlx-lm's SwitchGLU or SwitchMLP: `(x, indices) -> (..., k, D)`."""
 
     def __init__(self, layer: int, store: ExpertStore, inner):
         super().__init__()
         self._layer = layer
         self._store = store
-        self._inner = inner  # mlx-lm's SwitchGLU over the shared slot arrays
+        self._inner = inner  # mlx-lm's expert module over the shared slot arrays
         self._moe_input = None  # set by the MoE block's tap, for lookahead
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:

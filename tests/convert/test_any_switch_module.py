@@ -202,3 +202,13 @@ def test_an_expert_group_is_converted_alone_with_memory_bounded(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     base, peak = map(int, p.stdout.split()[-2:])
     assert peak - base < layer_experts // 3, (peak - base, layer_experts)
+
+
+def test_tensor_parallel_records_of_other_expert_modules_are_refused_in_one_line(tmp_path):
+    """Rank slices split SwitchGLU experts without per-expert biases: gpt-oss's biased
+    experts and SwitchMLP ones are refused with --ranks, saying why."""
+    for model_type in ("gpt_oss", "nemotron_h"):
+        src = save_as_mlx_lm_convert(model_type, tmp_path / model_type, bits=4)
+        with pytest.raises(ConvertError, match="--ranks 2: tensor parallelism splits SwitchGLU"):
+            convert(str(src), tmp_path / f"{model_type}-out",
+                    ConvertOptions(progress=False, ranks=2))
