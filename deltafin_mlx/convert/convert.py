@@ -490,7 +490,7 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
         # Trunk.
         expert_names = experts.names(unit)
         raw = {n: source.load(n) for n in units[unit] if n not in expert_names}
-        weights = model.sanitize(raw)
+        weights = experts.sanitize_trunk(raw, unit)
         if unit == "globals":
             prefix, module = "", model
             rel = "trunk/globals.safetensors"

@@ -39,6 +39,7 @@ import numpy as np
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, name_of, to_numpy
 from deltafin_mlx.format.record import KINDS, expert_sections, linear_quant, record_linears
+from deltafin_mlx.model.build import expert_recipe
 from deltafin_mlx.model.config import LAYER_RE
 from deltafin_mlx.model.modules import get_module, switch_linears
 from deltafin_mlx.model.quantization import carried_quantization, module_quantization
@@ -87,11 +88,11 @@ def _arg_holders(model) -> list:
 
 
 @contextmanager
-def _counts(model, experts: Tuple[int, int], layers: Optional[int]):
-    """The model's arguments say `experts[1]` experts where they said `experts[0]`
+def _counts(holders: list, experts: Tuple[int, int], layers: Optional[int]):
+    """The arguments `holders` (`_arg_holders`) say `experts[1]` experts where they said `experts[0]`
     (and, with `layers`, that many layers) while sanitize runs; restored after."""
     changed = []
-    for holder in _arg_holders(model):
+    for holder in holders:
         for name in EXPERT_COUNT_FIELDS + (LAYER_COUNT_FIELDS if layers else ()):
             get = holder.get if isinstance(holder, dict) else lambda n: getattr(holder, n, None)
             old = get(name)
@@ -135,6 +136,7 @@ class SanitizedExperts:
                  num_experts: int, float_quant: dict, block: Optional[dict],
                  dtype: Optional[mx.Dtype], model_type: str):
         self.source, self.model, self.switches = source, model, switches
+        self._holders = _arg_holders(model)
         self.num_experts, self.dtype, self.model_type = num_experts, dtype, model_type
         self.linears = {}  # linear -> (out, in, has bias), from the built module
         for name, (e, o, i, b) in switch_linears(get_module(model, switches[
@@ -164,7 +166,7 @@ class SanitizedExperts:
         with `rename`, has them named as layer 0 of a one-layer model)."""
         if rename is not None:
             weights = {n.replace(rename[0], rename[1], 1): v for n, v in weights.items()}
-        with _counts(self.model, (self.num_experts, count), 1 if rename else None):
+        with _counts(self._holders, (self.num_experts, count), 1 if rename else None):
             out = self.model.sanitize(dict(weights))
         if rename is not None:
             out = {n.replace(rename[1], rename[0], 1): v for n, v in out.items()}
@@ -342,7 +344,8 @@ class SanitizedExperts:
         first = specs[next(iter(specs))]
         biased = {n: (o, i, f"{n}.bias" in first) for n, (o, i, _) in self.linears.items()}
         if carried == {False}:
-            quants = {n: self._recipe(n, float_quant) for n in self.linears}
+            sp = self.switches[next(iter(self.switches))]
+            quants = {n: expert_recipe(self.model, sp, n, float_quant) for n in self.linears}
         else:
             quants = {n: carried_quantization(dict(next(iter(per_linear[n]))),
                                               "the source's experts") for n in self.linears}
@@ -372,18 +375,6 @@ class SanitizedExperts:
                                    f"{want.get(bad, 'none')}")
         return quant, sections
 
-    def _recipe(self, name: str, float_quant: dict) -> dict:
-        """How mlx_lm.convert quantizes float experts' linear `name`: the options,
-        unless the model's own quant_predicate gives it other settings."""
-        predicate = getattr(self.model, "quant_predicate", None)
-        sp = self.switches[next(iter(self.switches))]
-        module = get_module(self.model, f"{sp}.{name}")
-        says = predicate(f"{sp}.{name}", module) if predicate is not None else True
-        if says is False:
-            raise ConvertError(f"mlx-lm's {self.model_type} recipe keeps {sp}.{name} in float; "
-                               "Deltafin's expert records are quantized")
-        return {**float_quant, **(says if isinstance(says, dict) else {})}
-
     def _saved_quant(self, block, path, spec, name) -> dict:
         """How experts the source holds quantized were quantized: mlx-lm's
         quantization block entry where there is one, else from the shapes and the
@@ -398,6 +389,27 @@ class SanitizedExperts:
         return {"group_size": group, "bits": bits, "mode": FP_MODES.get((bits, group), "unknown")}
 
     # -- what the converter asks ---------------------------------------------------------
+
+    def sanitize_trunk(self, raw: Dict[str, mx.array], unit) -> Dict[str, mx.array]:
+        """mlx-lm's sanitize of a unit's trunk tensors as it would be within the whole
+        checkpoint. Some classes decide from the experts' names whether a checkpoint
+        needs converting at all (qwen3_next shifts its norms by one only when it sees
+        `mlp.experts.0.up_proj.weight`), so sanitize also sees lazy placeholders of
+        this layer's and the first MoE layer's expert tensors, never evaluated; what it
+        makes of them is dropped. A class that cannot take them so (one that converts
+        every layer at once) gets the unit's tensors alone, as it then needs nothing
+        more."""
+        first = next(iter(self.layers))
+        context = self.names(unit) | self.names(first)
+        holders = {n: _placeholder(self.source.tensors[n]) for n in context}
+        try:
+            out = self.model.sanitize({**holders, **raw})
+        except Exception:
+            return self.model.sanitize(raw)
+        passed = {id(v) for v in holders.values()}
+        switches = tuple(sp + "." for sp in self.switches.values())
+        return {n: v for n, v in out.items()
+                if id(v) not in passed and not n.startswith(switches)}
 
     def names(self, layer) -> set:
         found = self.layers.get(layer)

@@ -73,3 +73,19 @@ def quantize_like_mlx_lm(model: nn.Module, module: nn.Module, prefix: str,
 
     nn.quantize(module, group_size, bits, mode=trunk_quant["mode"], class_predicate=predicate)
     return quantized
+
+
+def expert_recipe(model: nn.Module, switch_path: str, linear: str, float_quant: dict) -> dict:
+    """How mlx_lm.convert quantizes float experts' `linear` of the routed-expert
+    module at `switch_path`: `float_quant` (the options), unless the model's own
+    quant_predicate gives it other settings (granitemoe's down_proj at 8 bits)."""
+    from deltafin_mlx.errors import ConvertError
+    from deltafin_mlx.model.modules import get_module
+
+    predicate = getattr(model, "quant_predicate", None)
+    path = f"{switch_path}.{linear}"
+    says = predicate(path, get_module(model, path)) if predicate is not None else True
+    if says is False:
+        raise ConvertError(f"mlx-lm's recipe for {type(model).__module__.rsplit('.', 1)[-1]} "
+                           f"keeps {path} in float; Deltafin's expert records are quantized")
+    return {**float_quant, **(says if isinstance(says, dict) else {})}

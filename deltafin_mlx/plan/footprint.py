@@ -15,7 +15,7 @@ from deltafin_mlx.format.bank import Section, record_size_of
 from deltafin_mlx.format.dtypes import FLOATS, ITEMSIZE, name_of
 from deltafin_mlx.plan.slots import slot_bytes
 from deltafin_mlx.format.record import expert_sections, linear_quant
-from deltafin_mlx.model.build import build_model, quantize_like_mlx_lm, source_dtype
+from deltafin_mlx.model.build import build_model, expert_recipe, quantize_like_mlx_lm, source_dtype
 from deltafin_mlx.model.config import LAYER_RE, experts_per_token, tied_embeddings
 from deltafin_mlx.model.modules import get_module, layer_paths, switch_linears, switch_path
 from deltafin_mlx.model.quantization import check_quantization, expert_quantization
@@ -122,7 +122,7 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
         config=config,
         units=_build(by_unit, act),
         embed_bytes=embed,
-        embed_tied=tied_embeddings(config),
+        embed_tied=embeddings_tied(config, manifest.tensors),
         moe_layers=manifest.moe_layers,
         num_experts=manifest.experts["num_experts"],
         experts_per_token=manifest.experts["experts_per_token"],
@@ -131,6 +131,13 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
         expert_weights=_expert_weights(sections, quant),
         activation_dtype=act,
     )
+
+
+def embeddings_tied(config: dict, names) -> bool:
+    """The embedding table is also the output head: config.json says so, or the
+    model has no head of its own (lfm2_moe ties whatever its config says)."""
+    return tied_embeddings(config) or not any(n.startswith("lm_head.") or ".lm_head." in n
+                                              for n in names)
 
 
 def _expert_weights(sections: List[Section], quant: dict) -> int:
@@ -185,7 +192,12 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
             embed += _tensor_memory(d, a.shape, act)
 
     quant = expert_quantization(config, expert_bits, expert_group_size)
-    linears = switch_linears(get_module(model, next(iter(switches.values()))))
+    first = next(iter(switches.values()))
+    linears = switch_linears(get_module(model, first))
+    if not quant.get("carried_over"):  # as the converter applies the model's recipe
+        recipes = {n: expert_recipe(model, first, n, quant) for n in linears}
+        own = {n: q for n, q in recipes.items() if q != recipes[next(iter(linears))]}
+        quant = {**recipes[next(iter(linears))], **({"linears": own} if own else {})}
     sections = expert_sections({k: v[1:] for k, v in linears.items()}, quant,
                                name_of(dtype or mx.bfloat16))
     return Inventory(
@@ -193,7 +205,7 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
         config=config,
         units=_build(by_unit, act),
         embed_bytes=embed,
-        embed_tied=tied_embeddings(config),
+        embed_tied=embeddings_tied(config, dict(tree_flatten(model.parameters()))),
         moe_layers=sorted(switches),
         num_experts=next(iter(linears.values()))[0],
         experts_per_token=experts_per_token(config),
