@@ -172,7 +172,9 @@ class SanitizedExperts:
             out = {n.replace(rename[1], rename[0], 1): v for n, v in out.items()}
         return out
 
-    def _dry(self, names, count: int, rename, rows: Optional[int] = None):
+    def _dry(self, names, count: int, rename, rows: Optional[Dict[str, int]] = None):
+        """Placeholders of `names` (never evaluated; `rows`: a first axis of that many
+        for those named) and what sanitize makes of them."""
         weights = {}
         for n in names:
             t = self.source.tensors[n]
@@ -356,8 +358,9 @@ class SanitizedExperts:
         if own:
             quant["linears"] = own
         if carried == {False}:
+            # Quantizing gives scales in the weights' dtype: the cast one, else the saved.
             cast = name_of(self.dtype) if self.dtype is not None else None
-            scales = cast or "bfloat16"
+            scales = cast or first[f"{name}.weight"][0]
             bias = cast or next((first[f"{n}.bias"][0] for n in biased if f"{n}.bias" in first),
                                 scales)
             return quant, expert_sections(biased, quant, scales, bias)

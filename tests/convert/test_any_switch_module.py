@@ -290,3 +290,27 @@ def test_experts_converted_in_groups_are_the_records_of_a_whole_layer(
         rel = m.experts["layers"][str(layer)]["bank"]
         assert (tmp_path / "grouped" / rel).read_bytes() == (tmp_path / "whole" / rel).read_bytes()
     assert_streams_mlx_lms_tokens(tmp_path / "grouped", src)
+
+
+def test_a_new_familys_mlx_community_repository_converts_from_the_hub(tmp_path):
+    """gpt-oss as an mlx-community repository: --scratch-limit gives the local
+    conversion's files, --link-experts its tokens with no expert bytes copied."""
+    import os
+
+    from deltafin_mlx.testing.fake_hub import FakeHub
+    from helpers import BIN
+
+    src = save_as_mlx_lm_convert("gpt_oss", tmp_path / "src", bits=4)
+    convert(str(src), tmp_path / "local", ConvertOptions(progress=False))
+    with FakeHub() as hub:
+        hub.add("mlx-community/tiny-gpt-oss-4bit", src)
+        env = {**os.environ, **hub.env(tmp_path / "hf")}
+        for out, how in (("scratch", ["--scratch-limit", "1GB"]), ("linked", ["--link-experts"])):
+            p = subprocess.run([str(BIN / "deltafin-convert"), "mlx-community/tiny-gpt-oss-4bit",
+                                str(tmp_path / out), *how, "--quiet"], capture_output=True,
+                               text=True, timeout=600, env=env)
+            assert p.returncode == 0, p.stderr
+    a, b = read_manifest(tmp_path / "scratch"), read_manifest(tmp_path / "local")
+    assert a.files == b.files and a.checksums == b.checksums
+    assert not any(rel.endswith(".bank") for rel in read_manifest(tmp_path / "linked").files)
+    assert_streams_mlx_lms_tokens(tmp_path / "linked", src)
