@@ -480,8 +480,9 @@ NOT_RUN = {
 def test_readme_examples_run_verbatim(tmp_path, sources):
     """Every command of the README, as written, after the set-up with the venv
     active: HOME, the hub cache and the working directory hold tiny generated
-    stand-ins for the checkpoints the README names (Kimi K3 on the hub, in offline
-    mode, and a local Qwen3-MoE directory)."""
+    stand-ins for the checkpoints the README names (Kimi K3, an mlx-community
+    Qwen3-MoE and DeepSeek-V3's FP8 release on the hub, in offline mode, and a local
+    Qwen3-MoE directory)."""
     home, work, hf = tmp_path / "home", tmp_path / "work", tmp_path / "hf"
     home.mkdir(), work.mkdir()
     fake_hub_cache(hf, "moonshotai/Kimi-K3", sources("kimi_k3"))
@@ -489,6 +490,10 @@ def test_readme_examples_run_verbatim(tmp_path, sources):
 
     fake_hub_cache(hf, "mlx-community/Qwen3-30B-A3B-4bit",
                    write_mlx_lm_format(sources("qwen3_moe"), tmp_path / "mlx-community", bits=4))
+    from deltafin_mlx.testing.original_layouts import write_original
+
+    fake_hub_cache(hf, "deepseek-ai/DeepSeek-V3",
+                   write_original(tmp_path / "deepseek-ai", "deepseek_v3_fp8"))
     shutil.copytree(sources("qwen3_moe"), work / "Qwen3-30B-A3B")
     (work / "prompt.txt").write_text("Why is the sky blue?")
     (work / "wiki.test.raw").write_text("The sky is blue because air scatters short waves. " * 40)
