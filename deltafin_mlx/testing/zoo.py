@@ -311,16 +311,18 @@ def build(cfg: dict, seed: int = 0, expert_scale: float = 2.0):
     return model
 
 
-def write(out, model_type: str, bits: Optional[int] = None, seed: int = 0) -> Path:
+def write(out, model_type: str, bits: Optional[int] = None, seed: int = 0,
+          sizes: Optional[dict] = None) -> Path:
     """The tiny model of `model_type` as `mlx_lm.convert` writes it, with the test
-    tokenizer: float (bfloat16) or quantized at `bits` (affine, group size 64)."""
+    tokenizer: float (bfloat16) or quantized at `bits` (affine, group size 64).
+    `sizes`: config keys that make it bigger (the benches' models)."""
     from mlx_lm.utils import quantize_model, save_config, save_model
     from deltafin_mlx.testing.tokenizers import write_bpe_tokenizer_files
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vocab, _ = write_bpe_tokenizer_files(out, "qwen3_moe")
-    cfg = config(model_type, vocab)
+    cfg = {**config(model_type, vocab), **(sizes or {})}
     model = build(cfg, seed)
     # As mlx_lm.convert casts: floats the model's own predicate allows.
     cast = getattr(model, "cast_predicate", lambda _: True)
