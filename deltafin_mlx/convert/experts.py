@@ -40,8 +40,7 @@ from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, name_of, to_numpy
 from deltafin_mlx.format.record import KINDS, expert_sections, linear_quant, record_linears
 from deltafin_mlx.model.build import expert_recipe
-from deltafin_mlx.model.config import LAYER_RE
-from deltafin_mlx.model.modules import get_module, switch_linears
+from deltafin_mlx.model.modules import LayerIndex, get_module, layer_paths, switch_linears
 from deltafin_mlx.model.quantization import carried_quantization, module_quantization
 
 from .source import Source
@@ -137,6 +136,8 @@ class SanitizedExperts:
                  dtype: Optional[mx.Dtype], model_type: str):
         self.source, self.model, self.switches = source, model, switches
         self._holders = _arg_holders(model)
+        self.paths = layer_paths(model)
+        self.layer_of = LayerIndex(self.paths)
         self.num_experts, self.dtype, self.model_type = num_experts, dtype, model_type
         self.linears = {}  # linear -> (out, in, has bias), from the built module
         for name, (e, o, i, b) in switch_linears(get_module(model, switches[
@@ -146,7 +147,7 @@ class SanitizedExperts:
         specs, signatures = {}, {}
         for layer, sp in switches.items():
             names = units[layer]
-            sig = tuple(sorted((LAYER_RE.sub("layers.#.", n), source.tensors[n].dtype,
+            sig = tuple(sorted((self.layer_of.generic(n), source.tensors[n].dtype,
                                 tuple(source.tensors[n].shape)) for n in names))
             if sig in signatures:  # same tensors as an earlier layer: same sorting
                 earlier = signatures[sig]
@@ -190,7 +191,7 @@ class SanitizedExperts:
 
     def _sort(self, layer: int, sp: str, names: List[str]):
         E, src = self.num_experts, self.source
-        prefix_end = {n: LAYER_RE.search(n).end() for n in names}
+        prefix_end = {n: self.layer_of.end(n) for n in names}
         stems: Dict[str, Dict[int, str]] = {}
         for n in names:
             m = EXPERT_INDEX.search(n, prefix_end[n] - 1)
@@ -211,7 +212,7 @@ class SanitizedExperts:
                       and src.tensors[n].shape[0] == E]
         rename = None
         full = None
-        for variant in (None, (f"layers.{layer}.", "layers.0.")):
+        for variant in (None, self.layer_of.rename(names, layer)):
             try:
                 weights, out = self._dry(names, E, variant)
             except Exception:
@@ -255,15 +256,15 @@ class SanitizedExperts:
         old = self.layers[earlier]
 
         def moved(n):
-            return n.replace(f"layers.{earlier}.", f"layers.{layer}.", 1)
+            return self.layer_of.moved(n, layer)
 
         found = LayerExperts(sp, {e: [moved(n) for n in ns] for e, ns in old.per_expert.items()},
                              [moved(n) for n in old.stacked])
         if moved(old.switch) == sp and self.names_in(found) <= set(names):
             # Sanitize may take this layer's experts under their own names or only
             # as layer 0's (a class that looks for layer 0's names): a dry run says.
-            for rename in (old.rename and (f"layers.{layer}.", "layers.0."),
-                           None if old.rename else (f"layers.{layer}.", "layers.0.")):
+            for rename in (old.rename and self.layer_of.rename(names, layer),
+                           None if old.rename else self.layer_of.rename(names, layer)):
                 found.rename = rename
                 try:
                     self._check_groups(layer, found, spec)
@@ -456,7 +457,7 @@ class SanitizedExperts:
         weights = {}
         for e in range(e0, e1):
             for n in found.per_expert[e]:
-                m = EXPERT_INDEX.search(n, LAYER_RE.search(n).end() - 1)
+                m = EXPERT_INDEX.search(n, self.layer_of.end(n) - 1)
                 weights[f"{n[:m.start()]}.{e - e0}.{n[m.end():]}"] = self.source.load(n)
         for n in found.stacked:
             weights[n] = self._rows(n, e0, e1)
@@ -501,7 +502,7 @@ class SanitizedExperts:
         out = {}
         for n in found.per_expert[expert]:
             t = self.source.tensors[n]
-            m = EXPERT_INDEX.search(n, LAYER_RE.search(n).end() - 1)
+            m = EXPERT_INDEX.search(n, self.layer_of.end(n) - 1)
             out[n[:m.start()] + ".{}." + n[m.end():]] = (t.shard, t.offset, t.nbytes)
         for n in found.stacked:
             t = self.source.tensors[n]

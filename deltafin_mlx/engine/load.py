@@ -458,13 +458,15 @@ def switch_shapes(model: nn.Module, manifest) -> dict:
     from deltafin_mlx.model.modules import switch_classes, switch_linears
 
     shapes = {}
+    paths = layer_paths(model)
     for layer in manifest.moe_layers:
         sp = manifest.switch_path(layer)
         try:
             switch = get_module(model, sp)
         except (KeyError, IndexError, ValueError, AttributeError, TypeError):
             switch = None
-        if not isinstance(switch, switch_classes()):
+        inside = layer < len(paths) and sp.startswith(paths[layer] + ".")
+        if not inside or not isinstance(switch, switch_classes()):
             raise ModelError(f"{manifest.path / 'config.json'}: layer {layer} of the model it "
                              f"builds has no routed experts at {sp}, the manifest has a bank")
         shapes[sp] = switch_linears(switch)

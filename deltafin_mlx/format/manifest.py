@@ -317,7 +317,7 @@ def _check_fields(d: dict):
                   f"{header_size + n * record_size}")
         sp = entry.get("switch_path")
         _need(isinstance(sp, str)
-              and re.fullmatch(rf"(?:(?:{_NAME})\.)*layers\.{key}\.(?:(?:{_NAME})\.)*(?:{_NAME})", sp)
+              and re.fullmatch(rf"(?:(?:{_NAME})\.)+{key}\.(?:(?:{_NAME})\.)*(?:{_NAME})", sp)
               is not None,
               f"switch_path {sp!r:.200} of layer {key}")
         # The routed-expert module's parameters are the bank's records, never trunk
