@@ -138,6 +138,10 @@ class SanitizedExperts:
         self._holders = _arg_holders(model)
         self.paths = layer_paths(model)
         self.layer_of = LayerIndex(self.paths)
+        # Some classes' sanitize reads global tensors whatever it is given
+        # (qwen3_vl_moe's lm_head): every sanitize of a layer's tensors sees lazy
+        # placeholders of the globals beside them, never evaluated.
+        self.globals = {n: _placeholder(source.tensors[n]) for n in units["globals"]}
         self.num_experts, self.dtype, self.model_type = num_experts, dtype, model_type
         self.linears = {}  # linear -> (out, in, has bias), from the built module
         for name, (e, o, i, b) in switch_linears(get_module(model, switches[
@@ -168,7 +172,7 @@ class SanitizedExperts:
         if rename is not None:
             weights = {n.replace(rename[0], rename[1], 1): v for n, v in weights.items()}
         with _counts(self._holders, (self.num_experts, count), 1 if rename else None):
-            out = self.model.sanitize(dict(weights))
+            out = self.model.sanitize({**self.globals, **weights})
         if rename is not None:
             out = {n.replace(rename[1], rename[0], 1): v for n, v in out.items()}
         return out
@@ -212,15 +216,22 @@ class SanitizedExperts:
                       and src.tensors[n].shape[0] == E]
         rename = None
         full = None
+        failed = []  # why sanitize refused the layer's tensors, by variant
         for variant in (None, self.layer_of.rename(names, layer)):
             try:
                 weights, out = self._dry(names, E, variant)
-            except Exception:
+            except Exception as e:
+                failed.append(e)
                 continue
             got = self._under(out, sp)
             if got and all(v.shape and v.shape[0] == E for v in got.values()):
                 rename, full = variant, (weights, out, got)
                 break
+        if full is None and failed:
+            e = failed[0]
+            raise ConvertError(f"layer {layer}: mlx-lm's {self.model_type} sanitize fails on the "
+                               f"layer's tensors ({type(e).__name__}: {e}), so its experts "
+                               "cannot be found") from None
         if full is None:
             self._no_experts(layer, sp, names, candidates)
         weights, out, got = full
@@ -400,20 +411,25 @@ class SanitizedExperts:
         needs converting at all (qwen3_next shifts its norms by one only when it sees
         `mlp.experts.0.up_proj.weight`), so sanitize also sees lazy placeholders of
         this layer's and the first MoE layer's expert tensors, never evaluated; what it
-        makes of them is dropped. A class that cannot take them so (one that converts
-        every layer at once) gets the unit's tensors alone, as it then needs nothing
-        more."""
+        makes of them is dropped; a layer's tensors also have the globals' placeholders
+        beside them (`self.globals`), and only what sanitize puts in that layer is kept.
+        A class that cannot take them so (one that converts every layer at once) gets
+        the unit's tensors alone (with the globals' placeholders), as it then needs
+        nothing more."""
         first = next(iter(self.layers))
         context = self.names(unit) | self.names(first)
         holders = {n: _placeholder(self.source.tensors[n]) for n in context}
+        if unit != "globals":
+            holders = {**self.globals, **holders}
         try:
             out = self.model.sanitize({**holders, **raw})
         except Exception:
-            return self.model.sanitize(raw)
+            out = self.model.sanitize({**(self.globals if unit != "globals" else {}), **raw})
         passed = {id(v) for v in holders.values()}
         switches = tuple(sp + "." for sp in self.switches.values())
+        inside = "" if unit == "globals" else self.paths[unit] + "."
         return {n: v for n, v in out.items()
-                if id(v) not in passed and not n.startswith(switches)}
+                if id(v) not in passed and not n.startswith(switches) and n.startswith(inside)}
 
     def names(self, layer) -> set:
         found = self.layers.get(layer)
