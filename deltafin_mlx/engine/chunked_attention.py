@@ -18,6 +18,7 @@ import inspect
 from contextlib import contextmanager
 
 import mlx.core as mx
+import mlx.nn as nn
 
 
 def chunk_bounds(tokens: int, step: int):
@@ -49,7 +50,7 @@ def chunkable(module) -> bool:
     what taking a call in chunks relies on. Others (deepseek_v41's keyword-only
     `start_pos`/`window_idx` and its own layer cache) are left whole: they run as
     mlx-lm runs them, one attention call per pass."""
-    if not callable(module) or isinstance(module, (list, tuple, dict)):
+    if not isinstance(module, nn.Module):
         return False
     try:
         params = list(inspect.signature(type(module).__call__).parameters.values())[1:4]
