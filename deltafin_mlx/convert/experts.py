@@ -424,7 +424,13 @@ class SanitizedExperts:
         try:
             out = self.model.sanitize({**holders, **raw})
         except Exception:
-            out = self.model.sanitize({**(self.globals if unit != "globals" else {}), **raw})
+            try:
+                out = self.model.sanitize({**(self.globals if unit != "globals" else {}),
+                                           **raw})
+            except Exception as e:
+                where = "the globals" if unit == "globals" else f"layer {unit}"
+                raise ConvertError(f"{where}: mlx-lm's {self.model_type} sanitize fails on its "
+                                   f"tensors ({type(e).__name__}: {e})") from None
         passed = {id(v) for v in holders.values()}
         switches = tuple(sp + "." for sp in self.switches.values())
         inside = "" if unit == "globals" else self.paths[unit] + "."
