@@ -100,9 +100,9 @@ def ab(args) -> int:
             t = time.perf_counter()
             sweeps, union, tokens, logprob = 0, 0, [], 0.0
             for results, stats in iter_passes(model, items, ScoreOptions()):
-                sweeps += 1
+                sweeps += stats.passes  # a text longer than a pass is scored across several
                 union += stats.union_bytes
-                tokens.append(stats.tokens)
+                tokens.append(stats.tokens / stats.passes)
                 logprob += sum(r.logprob for r in results)
             seconds = time.perf_counter() - t
             if not rep:
@@ -200,9 +200,9 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     sweeps, union, pass_tokens, logprob = 0, 0, [], 0.0
     for results, stats in iter_passes(model, items, ScoreOptions()):
-        sweeps += 1
+        sweeps += stats.passes  # a text longer than a pass is scored across several
         union += stats.union_bytes
-        pass_tokens.append(stats.tokens)
+        pass_tokens.append(stats.tokens / stats.passes)
         logprob += sum(s.logprob for s in results)
     seconds = time.perf_counter() - t
     read = state.store.bytes_read - read0
