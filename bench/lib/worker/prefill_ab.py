@@ -40,9 +40,9 @@ def _first_token(model, prompt, step: int, on_first=None):
     cache = make_prompt_cache(model)
     tokens, logprobs, first = [], [], None
     start = time.perf_counter()
-    for n, (y, lp) in enumerate(generate_step(mx.array(prompt), model, max_tokens=DECODED,
-                                              sampler=make_sampler(0.0), prompt_cache=cache,
-                                              prefill_step_size=step)):
+    for y, lp in generate_step(mx.array(prompt), model, max_tokens=DECODED,
+                               sampler=make_sampler(0.0), prompt_cache=cache,
+                               prefill_step_size=step):
         if first is None:
             first = time.perf_counter() - start
             if on_first is not None:
@@ -73,8 +73,6 @@ def _load(path: str, config: str, tokens: int):
 
 
 def main(argv):
-    import mlx.core as mx
-
     from deltafin_mlx.engine.load import load_resident
     from deltafin_mlx.engine.runtime import runtime
     from deltafin_mlx.generation.stream import planned_pass
