@@ -16,6 +16,16 @@ bench.studies.iobound).
 
     .venv/bin/python -m bench.studies.prefill
     .venv/bin/python -m bench.studies.prefill --prompts 1000 --shares 0.25 --ratios 32
+
+Side by side (`--parts side-by-side`, run first by default): mlx-lm with every
+expert in memory and Deltafin at a budget holding every expert, at caches of
+--side-shares of the experts and at --side-budgets, one --side-prompt-token prompt
+per repeat, all in one process, alternated (`bench.lib.worker prefill-ab`), on the
+demo model by default (`--side-model`): tokens per pass, expert and trunk bytes per
+pass against the union of the prompt's routing, prefill tokens/s and the ratio to
+mlx-lm per repeat (median and range). Writes bench/results/prefill_side_by_side.{json,md}.
+
+    .venv/bin/python -m bench.studies.prefill --parts side-by-side --side-repeats 5
 """
 
 import argparse
@@ -55,6 +65,53 @@ def disk_rate(model: Path) -> float:
     return gbps * 1e9
 
 
+def side_by_side(args) -> str:
+    """The prefill-ab worker's run, written out; returns its table."""
+    import subprocess
+
+    model = args.side_model or common.demo_model()[0]
+    cmd = worker.command("prefill-ab", model, args.side_prompt_tokens, args.side_repeats, "all",
+                         *[f"{s:g}%" for s in (100 * x for x in args.side_shares)],
+                         *args.side_budgets)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=7200,
+                       env=worker.environment())
+    if p.returncode != 0:
+        raise SystemExit(f"prefill-ab failed: {p.stderr[-2000:]}")
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    result.update({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   "model": str(model), "machine": common.machine_info(),
+                   "command": " ".join(map(str, cmd[1:]))})
+    out = Path(args.out).with_name("prefill_side_by_side.json")
+    out.write_text(json.dumps(result, indent=1))
+    md = side_table(result)
+    out.with_suffix(".md").write_text(md + "\n")
+    return md
+
+
+def side_table(result: dict) -> str:
+    ref = result["mlx_lm"]
+    lo, hi = ref["prefill_tokens_per_s_range"]
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    lines = [f"{result['prompt_tokens']}-token prompts, {result['repeats']} repeats (a new "
+             f"prompt each), mlx-lm fully in memory: {ref['prefill_tokens_per_s']:.1f} tok/s "
+             f"({lo:.1f}-{hi:.1f}).", "",
+             "| Deltafin | cache slots | tokens per pass (passes) | expert MB per pass "
+             "| trunk MB per pass | union MB | read / union | prefill tok/s (range) "
+             "| / mlx-lm (range) | tokens and log-probs identical |",
+             "|" + "---|" * 10]
+    for r in result["rows"]:
+        lo, hi = r["prefill_tokens_per_s_range"]
+        rlo, rhi = r["ratio_range"]
+        lines.append(
+            f"| {r['config']} | {r['slots']} of {r['all_experts']} | {r['tokens_per_pass']} "
+            f"({r['passes']}) | {r['expert_bytes_per_pass'] / 1e6:.1f} "
+            f"| {r['trunk_bytes_per_pass'] / 1e6:.1f} | {f(r['union'] and r['union'] / 1e6, '.1f')} "
+            f"| {f(r['expert_bytes_over_union'], '.2f')} | {r['prefill_tokens_per_s']:.1f} "
+            f"({lo:.1f}-{hi:.1f}) | {r['median_ratio']:.2f}x ({rlo:.2f}-{rhi:.2f}) "
+            f"| {'yes' if r['identical'] else 'NO'} |")
+    return "\n".join(lines)
+
+
 def median_of(runs: list, key: str):
     vals = [r[key] for r in runs if r.get(key) is not None]
     return statistics.median(vals) if vals else None
@@ -69,8 +126,21 @@ def main(argv=None):
     ap.add_argument("--decode", type=int, default=32, help="tokens decoded after the prompt")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--workdir", default=str(common.ROOT / "bench" / "results" / "tmp"))
+    ap.add_argument("--parts", nargs="+", choices=("side-by-side", "fresh"),
+                    default=["side-by-side", "fresh"],
+                    help="side-by-side: one process, alternated, against mlx-lm; fresh: the "
+                    "per-process table on the I/O-bound model")
+    ap.add_argument("--side-model", default=None, help="side by side: the model (default: the demo's)")
+    ap.add_argument("--side-prompt-tokens", type=int, default=1000)
+    ap.add_argument("--side-repeats", type=int, default=5)
+    ap.add_argument("--side-shares", type=float, nargs="*", default=[0.10, 0.25, 0.50])
+    ap.add_argument("--side-budgets", nargs="*", default=["40MB"])
     ap.add_argument("--out", default=str(common.ROOT / "bench" / "results" / "prefill.json"))
     args = ap.parse_args(argv)
+    if "side-by-side" in args.parts:
+        print(side_by_side(args))
+    if "fresh" not in args.parts:
+        return 0
     model = common.ensure_model(Path(args.workdir), "iobound", MODEL)
     info = common.model_info(model)
     total = info["num_experts"] * info["moe_layers"]

@@ -14,6 +14,14 @@ throttle that makes one expert read cost R times its computation
     .venv/bin/python -m bench.studies.scoring                       # compute-bound
     .venv/bin/python -m bench.studies.scoring --iobound --ratios 8 32 --shares 0.1
 
+The runs alternated in one process (`--mode ab` of the worker; `--only-ab` runs
+just them) are mlx-lm's eval_ppl, then Deltafin at each of --ab-configs (every
+expert held, 10/25/50% of the experts, 40MB by default), repeated: passes, tokens
+per pass, expert and trunk bytes per pass against the union of each pass's
+routing (the caches keep what the previous round left), scored tokens/s and the
+ratio to mlx-lm per round (median and range). `--model demo` runs them on the
+demo model.
+
 Texts are random token ids (every position scored but the first) on the
 I/O-bound study's K3-layout model (bench/studies/iobound.py MODEL). Each
 measurement runs in a fresh process (`bench.lib.worker score`); repeats are
@@ -83,6 +91,28 @@ def table(rows: list, baseline) -> str:
     return "\n".join(lines)
 
 
+def ab_table(ab: dict) -> str:
+    """The configurations alternated with mlx-lm in one process."""
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    lo, hi = ab["mlx_lm_tokens_per_s_range"]
+    lines = [f"{ab['scored_tokens']} scored tokens, {ab['repeats']} rounds; mlx-lm in memory "
+             f"{ab['mlx_lm_tokens_per_s']:.1f} scored tok/s ({lo:.1f}-{hi:.1f}); the same summed "
+             f"log-probability at every configuration: {ab['same_logprob_every_config']}.", "",
+             "| Deltafin | cache slots | passes (tokens per pass) | expert MB per pass "
+             "| trunk MB per pass | union MB per pass | read / union | scored tok/s (range) "
+             "| / mlx-lm (range) |", "|" + "---|" * 9]
+    for r in ab["rows"]:
+        lo, hi = r["tokens_per_s_range"]
+        rlo, rhi = r["ratio_range"]
+        lines.append(
+            f"| {r['config']} | {r['slots']} of {r['all_experts']} | {statistics.median(r['sweeps']):.0f} "
+            f"({r['tokens_per_pass']:.0f}) | {r['expert_bytes_per_pass'] / 1e6:.1f} "
+            f"| {r['trunk_bytes_per_pass'] / 1e6:.1f} | {r['union_bytes_per_pass'] / 1e6:.1f} "
+            f"| {f(r['expert_bytes_over_union'], '.2f')} | {r['tokens_per_s']:.1f} "
+            f"({lo:.1f}-{hi:.1f}) | {r['median_ratio']:.2f}x ({rlo:.2f}-{rhi:.2f}) |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--texts", type=int, default=8,
@@ -94,6 +124,13 @@ def main(argv=None):
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--ab-repeats", type=int, default=5,
                     help="pairs of mlx-lm / Deltafin (100%%) alternated in one process")
+    ap.add_argument("--ab-configs", nargs="+", default=["all", "10%", "25%", "50%", "40MB"],
+                    help="Deltafin's configurations alternated with mlx-lm in one process: "
+                    "all (every expert held), S%% of the experts, or a budget")
+    ap.add_argument("--model", default=None,
+                    help="a converted model, or `demo` (default: the I/O-bound study's)")
+    ap.add_argument("--only-ab", action="store_true",
+                    help="only the runs alternated in one process (no fresh-process cells)")
     ap.add_argument("--iobound", action="store_true",
                     help="under a blkio read throttle (root, cgroup v1), at --ratios")
     ap.add_argument("--ratios", type=float, nargs="+", default=[8, 32],
@@ -104,7 +141,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out = Path(args.out or common.BENCH / "results" /
                ("scoring_iobound.json" if args.iobound else "scoring.json"))
-    model = common.ensure_model(Path(args.workdir), "iobound-bias0.3", iobound.MODEL, seed=0)
+    if args.model == "demo":
+        model = Path(common.demo_model()[0])
+    elif args.model:
+        model = Path(args.model)
+    else:
+        model = common.ensure_model(Path(args.workdir), "iobound-bias0.3", iobound.MODEL, seed=0)
     info = common.model_info(model)
     total = info["num_experts"] * info["moe_layers"]
     configs = [(f"deltafin {s:.0%}", max(info["experts_per_token"], round(s * total)))
@@ -115,13 +157,14 @@ def main(argv=None):
         # The headline ratio: both in one process, alternated (separate processes
         # on this shared machine differ by more than the effect measured).
         ab = common.run_worker(["--model", model, "--mode", "ab", "--texts", args.texts,
-                                "--length", args.length, "--repeats", args.ab_repeats],
-                               timeout=900, mode="score")
+                                "--length", args.length, "--repeats", args.ab_repeats,
+                                "--configs", *args.ab_configs],
+                               timeout=7200, mode="score")
         extra = {"ab": ab}
         common.log(f"ab: Deltafin (every expert held) / mlx-lm in memory, median "
                    f"{ab.get('median_ratio')}")
         configs = [("mlx-lm in memory", None)] + configs
-        for rep in range(args.repeats):
+        for rep in range(0 if args.only_ab else args.repeats):
             for name, slots in configs:
                 mode = "mlx-lm" if slots is None else "deltafin"
                 res = score_run(model, mode, args, slots)
@@ -165,7 +208,7 @@ def main(argv=None):
               f"held) / mlx-lm in memory = {ab['median_ratio']:.2f}x (median; pairs "
               + ", ".join(f"{p['ratio']:.2f}" for p in ab["pairs"])
               + f"), {ab['deltafin_tokens_per_s']:.1f} against "
-              f"{ab['mlx_lm_tokens_per_s']:.1f} scored tok/s.\n\n" + md)
+              f"{ab['mlx_lm_tokens_per_s']:.1f} scored tok/s.\n\n" + ab_table(ab) + "\n\n" + md)
     out.with_suffix(".md").write_text(md + "\n")
     print(md)
     return 0

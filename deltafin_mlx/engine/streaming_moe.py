@@ -251,12 +251,17 @@ class StreamingSwitchGLU(nn.Module):
             store.begin_pass(indices.size // max(indices.shape[-1], 1))
         elif store.pass_pool is not None:
             store.end_pass()
-        if cache.all_resident and store.on_route is None and not long_call:
+        if cache.all_resident and store.on_route is None and store.token_mask is None:
             # Every expert is in memory: map ids to slots lazily, like mlx-lm
-            # would index its stacked tensor, with no evaluation here.
+            # would index its stacked tensor, with no evaluation here. Left lazy, a
+            # prefill pass's last MoE layer is never computed, as in mlx-lm (only
+            # the caches are evaluated; nothing reads that layer's output).
             self._moe_input = None
             store.stats.hits += indices.size
-            return self._inner(x, cache.slot_maps[layer][indices])
+            slots = cache.slot_maps[layer][indices]
+            if not long_call or indices.ndim < 3:
+                return self._inner(x, slots)
+            return self._lazy_pieces(x, slots)
         nxt = store.next_layer.get(layer)
         predicted = None
         store.rates.tick(store.reader, store.stats)
@@ -298,6 +303,18 @@ class StreamingSwitchGLU(nn.Module):
         emap = np.zeros(cache.num_experts, dtype=np.int64)
         emap[needed] = cache.slots_of(layer, needed)
         return self._inner(x, mx.array(emap[idx].astype(np.uint32)))
+
+    def _lazy_pieces(self, x, slots) -> mx.array:
+        """A pass with every expert resident: SwitchGLU over pieces of at most
+        `pass_piece_tokens` positions, joined, all lazy (each piece's intermediates
+        are freed once its output is computed). Each row's arithmetic is the same as
+        in one call, so the result is too."""
+        step, n = self._store.pass_piece_tokens, slots.shape[-2]
+        if n <= step:
+            return self._inner(x, slots)
+        outs = [self._inner(x[..., s : s + step, :], slots[..., s : s + step, :])
+                for s in range(0, n, step)]
+        return mx.concatenate(outs, axis=-3)
 
     def _slot_map(self, cache: ExpertCache, group) -> np.ndarray:
         """expert -> slot for the experts of `group` (others map to slot 0, unused)."""

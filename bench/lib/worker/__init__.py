@@ -6,6 +6,7 @@
     python -m bench.lib.worker prefill-peak MODEL BUDGET TOKENS STEP
     python -m bench.lib.worker score-peak MODEL BUDGET TOKENS
     python -m bench.lib.worker prefill-run MODEL TOKENS SLOTS DECODE [THROTTLE_FILE VALUE]
+    python -m bench.lib.worker prefill-ab MODEL TOKENS REPEATS CONFIG...
     python -m bench.lib.worker server-baseline
     python -m bench.lib.worker sampled-serve FILE serve MODEL [serve options...]
     python -m bench.lib.worker score --model DIR --mode deltafin|mlx-lm [--cache-slots N]
@@ -35,6 +36,7 @@ MODES = {
     "sampled-serve": "sampled_serve",
     "score": "score",
     "expert-reads": "expert_reads",
+    "prefill-ab": "prefill_ab",
 }
 
 

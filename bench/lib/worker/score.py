@@ -5,9 +5,11 @@ fresh process and time it (bench.studies.scoring).
                       then Deltafin's greedy decode rate in the same process
     --mode mlx-lm     mlx-lm's own scoring (mlx_lm.perplexity.eval_ppl) of the same
                       texts with every expert in memory (engine/load.load_resident)
-    --mode ab         both in one process, alternating --repeats times (Deltafin at a
-                      budget holding every expert): the ratio of each pair, on a
-                      machine too noisy for separate processes to compare
+    --mode ab         both in one process, alternating --repeats times (Deltafin at
+                      each of --configs: every expert held, S% of the experts, a
+                      budget): the ratio of each pair, on a machine too noisy for
+                      separate processes to compare; passes, tokens per pass,
+                      expert and trunk bytes per pass against the union
 
 With --throttle FILE VALUE the blkio throttle is written after loading, so every
 timed read runs under it. Prints one JSON line.
@@ -50,33 +52,101 @@ def score_items(data: np.ndarray):
             for i, row in enumerate(data)]
 
 
+def _load_config(path: str, config: str, args):
+    """A Deltafin model for a side-by-side configuration: `all` (every expert held),
+    `S%` (an expert cache of S% of the experts, the budget otherwise large) or a
+    budget such as `40MB`."""
+    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.format.model_dir import open_model_dir
+
+    budget, slots = args.budget, None
+    if config.endswith("%"):
+        m = open_model_dir(path).manifest
+        total = m.experts["num_experts"] * len(m.moe_layers)
+        slots = max(m.experts["experts_per_token"], round(float(config[:-1]) / 100 * total))
+    elif config != "all":
+        budget = config
+    model, _ = load(path, budget, cache_slots=slots, tokenizer=False, warm_start=False,
+                    context=1024)
+    return model
+
+
 def ab(args) -> int:
-    """mlx-lm's eval_ppl and Deltafin's scoring of the same texts, alternated."""
+    """mlx-lm's eval_ppl and Deltafin's scoring of the same texts at each of
+    --configs, alternated: each repeat runs mlx-lm, then every configuration."""
     from mlx_lm.perplexity import eval_ppl
 
-    from deltafin_mlx.engine.load import load, load_resident
+    from deltafin_mlx.engine.load import load_resident
+    from deltafin_mlx.engine.runtime import runtime
     from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
 
     reference = load_resident(args.model)
-    model, _ = load(args.model, args.budget, tokenizer=False, warm_start=False, context=1024)
+    models = {c: _load_config(args.model, c, args) for c in args.configs}
     data = texts(args.texts, args.length, 1024)
     items = score_items(data)
-    pairs = []
-    for _ in range(args.repeats):
+    scored = sum(it.scored_tokens for it in items)
+    rows = {c: {"config": c, "seconds": [], "ratios": [], "sweeps": [], "pass_tokens": None,
+                "expert_bytes": [], "trunk_bytes": [], "union_bytes": [], "logprob": None}
+            for c in models}
+    ref_s = []
+    for rep in range(args.repeats + 1):  # the first round is a warm-up
         t = time.perf_counter()
         eval_ppl(reference, mx.array(data), batch_size=8)
-        ref_s = time.perf_counter() - t
-        t = time.perf_counter()
-        passes = sum(1 for _ in iter_passes(model, items, ScoreOptions()))
-        ours_s = time.perf_counter() - t
-        pairs.append({"mlx_lm_s": ref_s, "deltafin_s": ours_s, "sweeps": passes,
-                      "ratio": ref_s / ours_s})
-    scored = args.texts * (args.length - 1)
-    ratios = sorted(p["ratio"] for p in pairs)
-    print(json.dumps({"mode": "ab", "scored_tokens": scored, "pairs": pairs,
-                      "median_ratio": float(np.median(ratios)),
-                      "mlx_lm_tokens_per_s": scored / float(np.median([p["mlx_lm_s"] for p in pairs])),
-                      "deltafin_tokens_per_s": scored / float(np.median([p["deltafin_s"] for p in pairs]))}))
+        first = time.perf_counter() - t
+        for c, model in models.items():
+            state, row = runtime(model), rows[c]
+            e0 = state.store.bytes_read
+            t0 = state.trunk.bytes_read if state.trunk is not None else 0
+            t = time.perf_counter()
+            sweeps, union, tokens, logprob = 0, 0, [], 0.0
+            for results, stats in iter_passes(model, items, ScoreOptions()):
+                sweeps += stats.passes  # a text longer than a pass is scored across several
+                union += stats.union_bytes
+                tokens.append(stats.tokens / stats.passes)
+                logprob += sum(r.logprob for r in results)
+            seconds = time.perf_counter() - t
+            if not rep:
+                continue
+            row["seconds"].append(seconds)
+            row["ratios"].append(first / seconds)
+            row["sweeps"].append(sweeps)
+            row["pass_tokens"] = tokens
+            row["expert_bytes"].append(state.store.bytes_read - e0)
+            row["trunk_bytes"].append((state.trunk.bytes_read if state.trunk is not None else 0) - t0)
+            row["union_bytes"].append(union)
+            row["logprob"] = logprob
+        if rep:
+            ref_s.append(first)
+    med = lambda v: float(np.median(v))  # noqa: E731
+    out = []
+    for c, row in rows.items():
+        plan = runtime(models[c]).plan
+        sweeps = med(row["sweeps"])
+        e, u = row["expert_bytes"], row["union_bytes"]
+        row.update({
+            "slots": plan.slots, "all_experts": plan.num_experts * plan.moe_layers,
+            "budget_bytes": plan.budget, "trunk_streamed": runtime(models[c]).trunk is not None,
+            "tokens_per_s": scored / med(row["seconds"]),
+            "tokens_per_s_range": [scored / max(row["seconds"]), scored / min(row["seconds"])],
+            "median_ratio": med(row["ratios"]), "ratio_range": [min(row["ratios"]), max(row["ratios"])],
+            "tokens_per_pass": med(row["pass_tokens"]),
+            "expert_bytes_per_pass": med(e) / sweeps, "trunk_bytes_per_pass": med(row["trunk_bytes"]) / sweeps,
+            "union_bytes_per_pass": med(u) / sweeps,
+            "expert_bytes_over_union": med([a / b for a, b in zip(e, u)]) if all(u) else None,
+        })
+        out.append(row)
+    logprobs = {r["logprob"] for r in out}
+    print(json.dumps({"mode": "ab", "scored_tokens": scored, "repeats": args.repeats,
+                      "mlx_lm_seconds": ref_s, "mlx_lm_tokens_per_s": scored / med(ref_s),
+                      "mlx_lm_tokens_per_s_range": [scored / max(ref_s), scored / min(ref_s)],
+                      "same_logprob_every_config": len(logprobs) == 1, "rows": out,
+                      # the headline: every expert held, as before
+                      **({"median_ratio": rows["all"]["median_ratio"],
+                          "pairs": [{"ratio": x} for x in rows["all"]["ratios"]],
+                          "deltafin_tokens_per_s": rows["all"]["tokens_per_s"],
+                          "mlx_lm_tokens_per_s": scored / med(ref_s)} if "all" in rows else {})}))
+    for model in models.values():
+        runtime(model).close()
     return 0
 
 
@@ -84,7 +154,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--mode", choices=("deltafin", "mlx-lm", "ab"), required=True)
-    ap.add_argument("--repeats", type=int, default=5, help="--mode ab: pairs timed")
+    ap.add_argument("--repeats", type=int, default=5, help="--mode ab: rounds timed")
+    ap.add_argument("--configs", nargs="+", default=["all"],
+                    help="--mode ab: Deltafin at `all` (every expert held), `S%%` (an expert "
+                    "cache of S%% of the experts) or a budget such as 40MB")
     ap.add_argument("--texts", type=int, default=64)
     ap.add_argument("--length", type=int, default=200)
     ap.add_argument("--cache-slots", type=int, default=None)
@@ -127,9 +200,9 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     sweeps, union, pass_tokens, logprob = 0, 0, [], 0.0
     for results, stats in iter_passes(model, items, ScoreOptions()):
-        sweeps += 1
+        sweeps += stats.passes  # a text longer than a pass is scored across several
         union += stats.union_bytes
-        pass_tokens.append(stats.tokens)
+        pass_tokens.append(stats.tokens / stats.passes)
         logprob += sum(s.logprob for s in results)
     seconds = time.perf_counter() - t
     read = state.store.bytes_read - read0
