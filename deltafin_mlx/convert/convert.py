@@ -30,7 +30,7 @@ from deltafin_mlx.format.model_dir import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_S
 
 from deltafin_mlx.format.record import linear_quant, record_linears
 from deltafin_mlx.model.build import build_model, source_dtype
-from deltafin_mlx.model.config import LAYER_RE, experts_per_token
+from deltafin_mlx.model.config import experts_per_token
 from deltafin_mlx.model.quantization import (check_quantization, mlx_lm_quantization,
                                              module_quantization)
 
@@ -41,7 +41,8 @@ from .source import ConvertError, Source, free_bytes, open_source, read_source, 
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.format.hub import looks_like_hub_id
 from deltafin_mlx.units import human_bytes
-from deltafin_mlx.model.modules import get_module, layer_paths, switch_linears, switch_path
+from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, switch_linears,
+                                        switch_path)
 from deltafin_mlx.model.shard import check_glu_sections
 from deltafin_mlx.errors import ModelError
 
@@ -287,6 +288,7 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
     model = build_model(config)
     paths = layer_paths(model)
     num_layers = len(paths)
+    layer_of = LayerIndex(paths)
 
     # Sort the source tensors into units: one per decoder layer, then the globals.
     skipped = [n for n in source.tensors if n.startswith(SKIPPED_PREFIXES)]
@@ -296,11 +298,11 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
     for name in source.tensors:
         if name.startswith(SKIPPED_PREFIXES):
             continue
-        m = LAYER_RE.search(name)
-        if m is None:
+        i = layer_of.index(name)
+        if i is None:
             units["globals"].append(name)
-        elif int(m.group(1)) < num_layers:
-            units[int(m.group(1))].append(name)
+        elif i < num_layers:
+            units[i].append(name)
         else:
             dropped.append(name)  # e.g. multi-token-prediction layers mlx-lm drops
 
@@ -493,10 +495,11 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
         weights = experts.sanitize_trunk(raw, unit)
         if unit == "globals":
             prefix, module = "", model
+            layer_prefixes = tuple(p + "." for p in paths)
             rel = "trunk/globals.safetensors"
 
             def skip(p):
-                return LAYER_RE.search(p + ".") is not None
+                return p.startswith(layer_prefixes)
 
         else:
             prefix, module = paths[unit], get_module(model, paths[unit])

@@ -40,8 +40,7 @@ from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, name_of, to_numpy
 from deltafin_mlx.format.record import KINDS, expert_sections, linear_quant, record_linears
 from deltafin_mlx.model.build import expert_recipe
-from deltafin_mlx.model.config import LAYER_RE
-from deltafin_mlx.model.modules import get_module, switch_linears
+from deltafin_mlx.model.modules import LayerIndex, get_module, layer_paths, switch_linears
 from deltafin_mlx.model.quantization import carried_quantization, module_quantization
 
 from .source import Source
@@ -137,6 +136,12 @@ class SanitizedExperts:
                  dtype: Optional[mx.Dtype], model_type: str):
         self.source, self.model, self.switches = source, model, switches
         self._holders = _arg_holders(model)
+        self.paths = layer_paths(model)
+        self.layer_of = LayerIndex(self.paths)
+        # Some classes' sanitize reads global tensors whatever it is given
+        # (qwen3_vl_moe's lm_head): every sanitize of a layer's tensors sees lazy
+        # placeholders of the globals beside them, never evaluated.
+        self.globals = {n: _placeholder(source.tensors[n]) for n in units["globals"]}
         self.num_experts, self.dtype, self.model_type = num_experts, dtype, model_type
         self.linears = {}  # linear -> (out, in, has bias), from the built module
         for name, (e, o, i, b) in switch_linears(get_module(model, switches[
@@ -146,7 +151,7 @@ class SanitizedExperts:
         specs, signatures = {}, {}
         for layer, sp in switches.items():
             names = units[layer]
-            sig = tuple(sorted((LAYER_RE.sub("layers.#.", n), source.tensors[n].dtype,
+            sig = tuple(sorted((self.layer_of.generic(n), source.tensors[n].dtype,
                                 tuple(source.tensors[n].shape)) for n in names))
             if sig in signatures:  # same tensors as an earlier layer: same sorting
                 earlier = signatures[sig]
@@ -167,7 +172,7 @@ class SanitizedExperts:
         if rename is not None:
             weights = {n.replace(rename[0], rename[1], 1): v for n, v in weights.items()}
         with _counts(self._holders, (self.num_experts, count), 1 if rename else None):
-            out = self.model.sanitize(dict(weights))
+            out = self.model.sanitize({**self.globals, **weights})
         if rename is not None:
             out = {n.replace(rename[1], rename[0], 1): v for n, v in out.items()}
         return out
@@ -190,7 +195,7 @@ class SanitizedExperts:
 
     def _sort(self, layer: int, sp: str, names: List[str]):
         E, src = self.num_experts, self.source
-        prefix_end = {n: LAYER_RE.search(n).end() for n in names}
+        prefix_end = {n: self.layer_of.end(n) for n in names}
         stems: Dict[str, Dict[int, str]] = {}
         for n in names:
             m = EXPERT_INDEX.search(n, prefix_end[n] - 1)
@@ -211,15 +216,22 @@ class SanitizedExperts:
                       and src.tensors[n].shape[0] == E]
         rename = None
         full = None
-        for variant in (None, (f"layers.{layer}.", "layers.0.")):
+        failed = []  # why sanitize refused the layer's tensors, by variant
+        for variant in (None, self.layer_of.rename(names, layer)):
             try:
                 weights, out = self._dry(names, E, variant)
-            except Exception:
+            except Exception as e:
+                failed.append(e)
                 continue
             got = self._under(out, sp)
             if got and all(v.shape and v.shape[0] == E for v in got.values()):
                 rename, full = variant, (weights, out, got)
                 break
+        if full is None and failed:
+            e = failed[0]
+            raise ConvertError(f"layer {layer}: mlx-lm's {self.model_type} sanitize fails on the "
+                               f"layer's tensors ({type(e).__name__}: {e}), so its experts "
+                               "cannot be found") from None
         if full is None:
             self._no_experts(layer, sp, names, candidates)
         weights, out, got = full
@@ -255,15 +267,15 @@ class SanitizedExperts:
         old = self.layers[earlier]
 
         def moved(n):
-            return n.replace(f"layers.{earlier}.", f"layers.{layer}.", 1)
+            return self.layer_of.moved(n, layer)
 
         found = LayerExperts(sp, {e: [moved(n) for n in ns] for e, ns in old.per_expert.items()},
                              [moved(n) for n in old.stacked])
         if moved(old.switch) == sp and self.names_in(found) <= set(names):
             # Sanitize may take this layer's experts under their own names or only
             # as layer 0's (a class that looks for layer 0's names): a dry run says.
-            for rename in (old.rename and (f"layers.{layer}.", "layers.0."),
-                           None if old.rename else (f"layers.{layer}.", "layers.0.")):
+            for rename in (old.rename and self.layer_of.rename(names, layer),
+                           None if old.rename else self.layer_of.rename(names, layer)):
                 found.rename = rename
                 try:
                     self._check_groups(layer, found, spec)
@@ -399,20 +411,31 @@ class SanitizedExperts:
         needs converting at all (qwen3_next shifts its norms by one only when it sees
         `mlp.experts.0.up_proj.weight`), so sanitize also sees lazy placeholders of
         this layer's and the first MoE layer's expert tensors, never evaluated; what it
-        makes of them is dropped. A class that cannot take them so (one that converts
-        every layer at once) gets the unit's tensors alone, as it then needs nothing
-        more."""
+        makes of them is dropped; a layer's tensors also have the globals' placeholders
+        beside them (`self.globals`), and only what sanitize puts in that layer is kept.
+        A class that cannot take them so (one that converts every layer at once) gets
+        the unit's tensors alone (with the globals' placeholders), as it then needs
+        nothing more."""
         first = next(iter(self.layers))
         context = self.names(unit) | self.names(first)
         holders = {n: _placeholder(self.source.tensors[n]) for n in context}
+        if unit != "globals":
+            holders = {**self.globals, **holders}
         try:
             out = self.model.sanitize({**holders, **raw})
         except Exception:
-            return self.model.sanitize(raw)
+            try:
+                out = self.model.sanitize({**(self.globals if unit != "globals" else {}),
+                                           **raw})
+            except Exception as e:
+                where = "the globals" if unit == "globals" else f"layer {unit}"
+                raise ConvertError(f"{where}: mlx-lm's {self.model_type} sanitize fails on its "
+                                   f"tensors ({type(e).__name__}: {e})") from None
         passed = {id(v) for v in holders.values()}
         switches = tuple(sp + "." for sp in self.switches.values())
+        inside = "" if unit == "globals" else self.paths[unit] + "."
         return {n: v for n, v in out.items()
-                if id(v) not in passed and not n.startswith(switches)}
+                if id(v) not in passed and not n.startswith(switches) and n.startswith(inside)}
 
     def names(self, layer) -> set:
         found = self.layers.get(layer)
@@ -456,7 +479,7 @@ class SanitizedExperts:
         weights = {}
         for e in range(e0, e1):
             for n in found.per_expert[e]:
-                m = EXPERT_INDEX.search(n, LAYER_RE.search(n).end() - 1)
+                m = EXPERT_INDEX.search(n, self.layer_of.end(n) - 1)
                 weights[f"{n[:m.start()]}.{e - e0}.{n[m.end():]}"] = self.source.load(n)
         for n in found.stacked:
             weights[n] = self._rows(n, e0, e1)
@@ -501,7 +524,7 @@ class SanitizedExperts:
         out = {}
         for n in found.per_expert[expert]:
             t = self.source.tensors[n]
-            m = EXPERT_INDEX.search(n, LAYER_RE.search(n).end() - 1)
+            m = EXPERT_INDEX.search(n, self.layer_of.end(n) - 1)
             out[n[:m.start()] + ".{}." + n[m.end():]] = (t.shard, t.offset, t.nbytes)
         for n in found.stacked:
             t = self.source.tensors[n]

@@ -188,7 +188,7 @@ def resolve_source(src: str, revision: Optional[str] = None,
 CONFIG_INTS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_experts_per_tok",
                "num_experts_per_token", "n_routed_experts", "num_experts", "num_local_experts",
                "moe_intermediate_size", "intermediate_size", "num_attention_heads",
-               "num_key_value_heads", "first_k_dense_replace", "moe_layer_freq")
+               "num_key_value_heads", "first_k_dense_replace")
 
 
 def check_config(config: dict, config_path: Path):
@@ -204,6 +204,13 @@ def check_config(config: dict, config_path: Path):
             if key in c and not (_int(c[key]) and 0 <= c[key] < 1 << 40):
                 raise ConvertError(f"{config_path}: {key} is {c[key]!r:.60}, "
                                    "not a non-negative integer")
+        # mlx-lm takes an every-Nth-layer integer (deepseek_v3) or one flag per layer
+        # (mimo_v2_flash, minimax_m3_vl).
+        freq = c.get("moe_layer_freq")
+        if freq is not None and not (_int(freq) and 0 <= freq < 1 << 40) and not (
+                isinstance(freq, list) and all(_int(f) and 0 <= f < 1 << 40 for f in freq)):
+            raise ConvertError(f"{config_path}: moe_layer_freq is {freq!r:.60}, not a "
+                               "non-negative integer or a list of them")
         qc = c.get("quantization_config")
         if qc is not None and not isinstance(qc, dict):
             raise ConvertError(f"{config_path}: quantization_config must be an object")

@@ -14,9 +14,11 @@ at a time instead, each group at most a chunk's tokens.
 """
 
 import copy
+import inspect
 from contextlib import contextmanager
 
 import mlx.core as mx
+import mlx.nn as nn
 
 
 def chunk_bounds(tokens: int, step: int):
@@ -40,6 +42,23 @@ def chunk_mask(mask, start: int, end: int, tokens: int, linear: bool):
         return mask[..., start:end]
     offset = mask.shape[-1] - tokens
     return mask[..., start:end, : offset + end]
+
+
+def chunkable(module) -> bool:
+    """Whether `module` is called as mlx-lm's attention modules mostly are,
+    `(x, mask, cache, ...)` with a cache that positions each call itself, which is
+    what taking a call in chunks relies on. Others (deepseek_v41's keyword-only
+    `start_pos`/`window_idx` and its own layer cache) are left whole: they run as
+    mlx-lm runs them, one attention call per pass."""
+    if not isinstance(module, nn.Module):
+        return False
+    try:
+        params = list(inspect.signature(type(module).__call__).parameters.values())[1:4]
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return (len(params) == 3 and all(p.kind in positional for p in params)
+            and [p.name for p in params[1:]] == ["mask", "cache"])
 
 
 def chunk_attention(module, step: int, linear: bool = False):

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from deltafin_mlx.format.bank import BankError, read_layout
 from deltafin_mlx.format.dtypes import mlx_dtype, to_mlx
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
-from deltafin_mlx.engine.chunked_attention import chunk_attention
+from deltafin_mlx.engine.chunked_attention import chunk_attention, chunkable
 from deltafin_mlx.engine.wired import wire
 from deltafin_mlx.format.manifest import ModelError
 from deltafin_mlx.format.model_dir import open_model_dir
@@ -415,9 +415,13 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     # A prefill pass goes through each layer whole; attention takes it in chunks.
     for p in paths:
         layer = get_module(model, p)
-        if getattr(layer, "self_attn", None) is not None:
-            chunk_attention(layer.self_attn, plan.prefill_step,
-                            linear=bool(getattr(layer, "is_linear", False)))
+        attention = getattr(layer, "self_attn", None)
+        # A layer may hold several attention modules (longcat_flash: a list of two,
+        # each with its own cache): each takes its calls in chunks.
+        for module in attention if isinstance(attention, (list, tuple)) else [attention]:
+            if chunkable(module):
+                chunk_attention(module, plan.prefill_step,
+                                linear=bool(getattr(layer, "is_linear", False)))
     if plan.slots >= plan.num_experts * plan.moe_layers:
         cache.preload_all(_progress("loading experts") if o.progress else None)
     model.eval()
@@ -461,13 +465,15 @@ def switch_shapes(model: nn.Module, manifest) -> dict:
     from deltafin_mlx.model.modules import switch_classes, switch_linears
 
     shapes = {}
+    paths = layer_paths(model)
     for layer in manifest.moe_layers:
         sp = manifest.switch_path(layer)
         try:
             switch = get_module(model, sp)
         except (KeyError, IndexError, ValueError, AttributeError, TypeError):
             switch = None
-        if not isinstance(switch, switch_classes()):
+        inside = layer < len(paths) and sp.startswith(paths[layer] + ".")
+        if not inside or not isinstance(switch, switch_classes()):
             raise ModelError(f"{manifest.path / 'config.json'}: layer {layer} of the model it "
                              f"builds has no routed experts at {sp}, the manifest has a bank")
         shapes[sp] = switch_linears(switch)

@@ -317,13 +317,14 @@ def _check_fields(d: dict):
                   f"{header_size + n * record_size}")
         sp = entry.get("switch_path")
         _need(isinstance(sp, str)
-              and re.fullmatch(rf"(?:(?:{_NAME})\.)*layers\.{key}\.(?:(?:{_NAME})\.)*(?:{_NAME})", sp)
+              and re.fullmatch(rf"(?:(?:{_NAME})\.)+{key}\.(?:(?:{_NAME})\.)*(?:{_NAME})", sp)
               is not None,
               f"switch_path {sp!r:.200} of layer {key}")
-        block = sp.rsplit(".", 1)[0]
-        # The MoE block holding the experts also holds its router: trunk tensors.
-        _need(any(p == block or p.startswith(block + ".") for p in prefixes),
-              f"switch_path {sp!r} of layer {key}: no trunk tensors under {block!r}")
+        # The routed-expert module's parameters are the bank's records, never trunk
+        # tensors (its parent may be a wrapper holding nothing else, or the MoE block
+        # with its router).
+        _need(not any(p == sp or p.startswith(sp + ".") for p in prefixes),
+              f"switch_path {sp!r} of layer {key}: the trunk holds tensors under it")
 
     tok = d["tokenizer"]
     _need(isinstance(tok, dict) and isinstance(tok.get("kind"), str)

@@ -4,8 +4,6 @@ mlx-lm's Kimi K3 and multimodal configs nest the language model's keys under
 `text_config`; every other architecture keeps them at the top level.
 """
 
-import re
-
 from deltafin_mlx.errors import ModelError
 
 # model_type -> the name users know; what the converter accepts and `info` prints.
@@ -16,10 +14,6 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3-MoE",
     "mixtral": "Mixtral",
 }
-
-# A decoder layer's index in a tensor or module path ("model.layers.12.mlp...").
-LAYER_RE = re.compile(r"\blayers\.(\d+)\.")
-
 
 def text_config(config: dict) -> dict:
     """The language model's keys of a config.json."""

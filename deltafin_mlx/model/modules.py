@@ -1,5 +1,7 @@
 """Finding and replacing modules inside an mlx-lm model by their parameter paths."""
 
+import re
+
 import mlx.nn as nn
 
 
@@ -27,6 +29,43 @@ def layer_paths(model: nn.Module) -> list:
         if id(module) in ids:
             paths[ids[id(module)]] = path
     return paths
+
+
+class LayerIndex:
+    """Which decoder layer a tensor or module name belongs to, read as the built
+    model names its layers: the index after the name of the list that holds them
+    (`model.layers.12.`, phi's `transformer.h.3.`), wherever that list sits (a
+    source may nest it elsewhere, `model.language_model.layers.12.`, for its
+    sanitize to move). The one rule for a name's layer."""
+
+    def __init__(self, paths: list):
+        lists = sorted({p.split(".")[-2] for p in paths if "." in p})
+        # After a dot or at the start: `h.3.` is no layer inside `mlp.gh.3.`.
+        self.pattern = re.compile(r"(?<![^.])(" + "|".join(map(re.escape, lists)) + r")\.(\d+)\."
+                                  if lists else r"(?!)")
+
+    def index(self, name: str):
+        """The layer `name` lies in, or None (a global)."""
+        m = self.pattern.search(name)
+        return None if m is None else int(m.group(2))
+
+    def end(self, name: str) -> int:
+        """Where the layer's part of `name` ends (`name` lies in a layer)."""
+        return self.pattern.search(name).end()
+
+    def generic(self, name: str) -> str:
+        """`name` with its layer index as `#` (the same tensor of every layer)."""
+        return self.pattern.sub(r"\1.#.", name)
+
+    def moved(self, name: str, layer: int) -> str:
+        """`name` as the same tensor of `layer` (only its first layer index changes)."""
+        return self.pattern.sub(lambda m: f"{m.group(1)}.{layer}.", name, count=1)
+
+    def rename(self, names: list, layer: int):
+        """(`layers.L.`, `layers.0.`) in `names`' own spelling: layer L's names as layer
+        0's of a one-layer model, for a sanitize that looks at layer 0 only."""
+        m = next(m for m in map(self.pattern.search, names) if m is not None)
+        return (f"{m.group(1)}.{layer}.", f"{m.group(1)}.0.")
 
 
 def switch_classes():

@@ -6,6 +6,7 @@ lazily (no weight is ever allocated) and applying the converter's own cast and
 quantization rules to it.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -16,8 +17,9 @@ from deltafin_mlx.format.dtypes import FLOATS, ITEMSIZE, name_of
 from deltafin_mlx.plan.slots import slot_bytes
 from deltafin_mlx.format.record import expert_sections, linear_quant
 from deltafin_mlx.model.build import build_model, expert_recipe, quantize_like_mlx_lm, source_dtype
-from deltafin_mlx.model.config import LAYER_RE, experts_per_token, tied_embeddings
-from deltafin_mlx.model.modules import get_module, layer_paths, switch_linears, switch_path
+from deltafin_mlx.model.config import experts_per_token, tied_embeddings
+from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, switch_linears,
+                                        switch_path)
 from deltafin_mlx.model.quantization import check_quantization, expert_quantization
 from deltafin_mlx.model.shard import expert_layout
 
@@ -92,6 +94,12 @@ def _matrix_elements(name: str, dtype: str, shape, quant: Optional[dict]) -> int
     return rows * cols
 
 
+def _generic(name: str, key: str) -> str:
+    """A unit's tensor name with its layer index as `#` (the same tensor of every
+    layer): the name's first path component that is the unit's index."""
+    return name if key == "globals" else re.sub(rf"(?<![^.]){key}\.", "#.", name, count=1)
+
+
 def _build(units_tensors: Dict[str, List[tuple]], act: mx.Dtype) -> Dict[str, Unit]:
     units = {}
     for key, tensors in units_tensors.items():
@@ -99,7 +107,7 @@ def _build(units_tensors: Dict[str, List[tuple]], act: mx.Dtype) -> Dict[str, Un
         disk = sum(_tensor_disk(d, s) for _, d, s, _ in tensors)
         weights = sum(_matrix_elements(n, d, s, q) for n, d, s, q in tensors
                       if "embed_tokens" not in n)
-        sig = tuple(sorted((LAYER_RE.sub("layers.#.", n), d, tuple(s)) for n, d, s, _ in tensors))
+        sig = tuple(sorted((_generic(n, key), d, tuple(s)) for n, d, s, _ in tensors))
         units[key] = Unit(key, mem, disk, weights, sig)
     return units
 
@@ -155,6 +163,7 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     model = build_model(config)
     dtype = source_dtype(config)
     paths = layer_paths(model)
+    layer_of = LayerIndex(paths)
     switches = {}
     for i, p in enumerate(paths):
         sp = switch_path(get_module(model, p))
@@ -172,8 +181,8 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     source_units: Dict[str, int] = {}
     for name, a in tree_flatten(model.parameters()):
         if not skip(name):
-            m = LAYER_RE.search(name)
-            key = m.group(1) if m else "globals"
+            i = layer_of.index(name)
+            key = "globals" if i is None else str(i)
             source_units[key] = source_units.get(key, 0) + a.nbytes
     trunk_quant = {"group_size": group_size, "bits": bits, "mode": "affine"} if bits else None
     quantized = quantize_like_mlx_lm(model, model, "", skip, trunk_quant)
@@ -183,8 +192,8 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     for name, a in tree_flatten(model.parameters()):
         if skip(name):
             continue
-        m = LAYER_RE.search(name)
-        key = m.group(1) if m else "globals"
+        i = layer_of.index(name)
+        key = "globals" if i is None else str(i)
         d = name_of(a.dtype)
         by_unit.setdefault(key, []).append((name, d, tuple(a.shape),
                                             quantized.get(name.rsplit(".", 1)[0])))
