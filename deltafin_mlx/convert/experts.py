@@ -444,8 +444,11 @@ class SanitizedExperts:
         cannot take them so (one that converts every layer's experts at once) gets
         the trunk placeholders alone, then the unit's tensors beside the globals'."""
         if self._trunk is None:
-            self._trunk = {n: _placeholder(self.source.tensors[n]) for u, ns in
-                           self.units.items() for n in ns if n not in self.names(u)}
+            self._trunk = {}
+            for u, ns in self.units.items():
+                experts = self.names(u)
+                self._trunk.update((n, _placeholder(self.source.tensors[n]))
+                                   for n in ns if n not in experts)
         first = next(iter(self.layers))
         experts = {n: _placeholder(self.source.tensors[n])
                    for n in self.names(unit) | self.names(first)}
