@@ -63,6 +63,19 @@ def _placeholder(t) -> mx.array:
     return mx.zeros(tuple(t.shape), dtype=getattr(mx, dtype))
 
 
+def companions(name: str, names) -> List[str]:
+    """The tensors a release stores beside `name` for it: an FP8 weight's
+    `_scale_inv` and static `activation_scale`, INT4's `weight_scale`/`weight_shape`,
+    a quantized module's `scales`/`biases`. They extend its module's prefix (`x.` for
+    `x.weight`, `x.weight_packed`) or, for a tensor named as a module's parameter
+    (`experts.down_proj`), its own name (`experts.down_proj_scale_inv`). Sanitize
+    consumes them with it, so they are sorted with it: a weight without its scale,
+    or a scale without its weight, is no layout sanitize takes."""
+    leaf = name.rsplit(".", 1)[-1]
+    base = name[:len(name) - len(leaf)] if leaf.startswith("weight") else name + "_"
+    return [m for m in names if m != name and m.startswith(base)]
+
+
 def _arg_holders(model) -> list:
     """Every arguments object the model's modules hold (and the nested per-part
     configs in them), where sanitize reads counts from."""
@@ -125,6 +138,9 @@ class LayerExperts:
     stacked: List[str]  # source tensors with one row per expert
     rename: Optional[Tuple[str, str]] = None  # ("layers.L.", "layers.0.") for sanitize
     links: Dict[str, str] = field(default_factory=dict)  # section -> source stem (linking)
+    # Companions of stacked tensors without a row per expert (one FP8 scale for the
+    # whole stack): every group gets them whole.
+    whole: List[str] = field(default_factory=list)
 
 
 class SanitizedExperts:
@@ -142,6 +158,8 @@ class SanitizedExperts:
         # (qwen3_vl_moe's lm_head): every sanitize of a layer's tensors sees lazy
         # placeholders of the globals beside them, never evaluated.
         self.globals = {n: _placeholder(source.tensors[n]) for n in units["globals"]}
+        self.units = units
+        self._trunk = None  # every unit's trunk tensors as placeholders (sanitize_trunk)
         self.num_experts, self.dtype, self.model_type = num_experts, dtype, model_type
         self.linears = {}  # linear -> (out, in, has bias), from the built module
         for name, (e, o, i, b) in switch_linears(get_module(model, switches[
@@ -236,19 +254,24 @@ class SanitizedExperts:
             self._no_experts(layer, sp, names, candidates)
         weights, out, got = full
         passed = {id(v) for n, v in out.items() if not n.startswith(sp + ".")}
-        stacked = []
+        rest = [n for n in names if n not in own]
+        experts = set()  # stacked expert tensors and their companions
         for n in candidates:
             if id(weights[n]) in passed:
                 continue  # passed through to the trunk (a router's weight)
+            family = {n, *companions(n, rest)}
             try:
-                _, without = self._dry([m for m in names if m != n], E, rename)
-                changed = {k: v.shape for k, v in self._under(without, sp).items()} != \
-                    {k: v.shape for k, v in got.items()}
+                _, without = self._dry([m for m in names if m not in family], E, rename)
+                changed = {k: (v.shape, v.dtype) for k, v in self._under(without, sp).items()} \
+                    != {k: (v.shape, v.dtype) for k, v in got.items()}
             except Exception:
                 changed = True
             if changed:
-                stacked.append(n)
-        trunk = [n for n in names if n not in own and n not in stacked]
+                experts |= family
+        stacked = [n for n in rest if n in experts and src.tensors[n].shape
+                   and src.tensors[n].shape[0] == E]
+        whole = [n for n in rest if n in experts and n not in stacked]
+        trunk = [n for n in rest if n not in experts]
         try:
             _, trunk_out = self._dry(trunk, E, rename)
         except Exception as e:
@@ -257,7 +280,7 @@ class SanitizedExperts:
         leak = self._under(trunk_out, sp)
         if leak:
             self._no_experts(layer, sp, names, candidates)
-        found = LayerExperts(sp, per_expert, stacked, rename)
+        found = LayerExperts(sp, per_expert, stacked, rename, whole=whole)
         spec = {k: (name_of(v.dtype), tuple(v.shape[1:])) for k, v in got.items()}
         self._check_groups(layer, found, spec)
         return found, spec
@@ -270,7 +293,8 @@ class SanitizedExperts:
             return self.layer_of.moved(n, layer)
 
         found = LayerExperts(sp, {e: [moved(n) for n in ns] for e, ns in old.per_expert.items()},
-                             [moved(n) for n in old.stacked])
+                             [moved(n) for n in old.stacked],
+                             whole=[moved(n) for n in old.whole])
         if moved(old.switch) == sp and self.names_in(found) <= set(names):
             # Sanitize may take this layer's experts under their own names or only
             # as layer 0's (a class that looks for layer 0's names): a dry run says.
@@ -286,7 +310,8 @@ class SanitizedExperts:
 
     @staticmethod
     def names_in(found: LayerExperts) -> set:
-        return {n for ns in found.per_expert.values() for n in ns} | set(found.stacked)
+        return ({n for ns in found.per_expert.values() for n in ns} | set(found.stacked)
+                | set(found.whole))
 
     def _no_experts(self, layer, sp, names, candidates):
         """One line for a layer whose source tensors give its expert module nothing."""
@@ -312,7 +337,8 @@ class SanitizedExperts:
         self.layers[layer] = found
         G = self.group_size(layer)
         for size in sorted({G, E % G} - {0}):
-            names = [n for e in range(size) for n in found.per_expert[e]] + found.stacked
+            names = ([n for e in range(size) for n in found.per_expert[e]] + found.stacked
+                     + found.whole)
             try:
                 _, out = self._dry(names, size, found.rename,
                                    rows={n: size for n in found.stacked})
@@ -407,35 +433,48 @@ class SanitizedExperts:
 
     def sanitize_trunk(self, raw: Dict[str, mx.array], unit) -> Dict[str, mx.array]:
         """mlx-lm's sanitize of a unit's trunk tensors as it would be within the whole
-        checkpoint. Some classes decide from the experts' names whether a checkpoint
-        needs converting at all (qwen3_next shifts its norms by one only when it sees
-        `mlp.experts.0.up_proj.weight`), so sanitize also sees lazy placeholders of
-        this layer's and the first MoE layer's expert tensors, never evaluated; what it
-        makes of them is dropped; a layer's tensors also have the globals' placeholders
-        beside them (`self.globals`), and only what sanitize puts in that layer is kept.
-        A class that cannot take them so (one that converts every layer at once) gets
-        the unit's tensors alone (with the globals' placeholders), as it then needs
-        nothing more."""
+        checkpoint. Classes decide from witnesses anywhere in it whether a checkpoint
+        is a raw release that needs converting (qwen3_next shifts its norms by one
+        only when it sees `mlp.experts.0.up_proj.weight`, qwen3_5 only when some
+        linear-attention layer's conv1d is unconverted), so sanitize also sees lazy
+        placeholders, never evaluated, of every other unit's trunk tensors (a few
+        thousand names even for Kimi K3) and of this layer's and the first MoE
+        layer's expert tensors (not every layer's: K3 has 100k of them). Only what
+        sanitize puts in this unit and not in its expert module is kept. A class that
+        cannot take them so (one that converts every layer's experts at once) gets
+        the trunk placeholders alone, then the unit's tensors beside the globals'."""
+        if self._trunk is None:
+            self._trunk = {}
+            for u, ns in self.units.items():
+                experts = self.names(u)
+                self._trunk.update((n, _placeholder(self.source.tensors[n]))
+                                   for n in ns if n not in experts)
         first = next(iter(self.layers))
-        context = self.names(unit) | self.names(first)
-        holders = {n: _placeholder(self.source.tensors[n]) for n in context}
-        if unit != "globals":
-            holders = {**self.globals, **holders}
-        try:
-            out = self.model.sanitize({**holders, **raw})
-        except Exception:
+        experts = {n: _placeholder(self.source.tensors[n])
+                   for n in self.names(unit) | self.names(first)}
+        trunk = {n: v for n, v in self._trunk.items() if n not in raw}
+        globals_ = {} if unit == "globals" else self.globals
+        for i, holders in enumerate(({**trunk, **experts}, trunk, globals_)):
             try:
-                out = self.model.sanitize({**(self.globals if unit != "globals" else {}),
-                                           **raw})
+                out = self.model.sanitize({**holders, **raw})
+                break
             except Exception as e:
-                where = "the globals" if unit == "globals" else f"layer {unit}"
-                raise ConvertError(f"{where}: mlx-lm's {self.model_type} sanitize fails on its "
-                                   f"tensors ({type(e).__name__}: {e})") from None
+                if i == 2:
+                    where = "the globals" if unit == "globals" else f"layer {unit}"
+                    raise ConvertError(f"{where}: mlx-lm's {self.model_type} sanitize fails on "
+                                       f"its tensors ({type(e).__name__}: {e})") from None
         passed = {id(v) for v in holders.values()}
         switches = tuple(sp + "." for sp in self.switches.values())
-        inside = "" if unit == "globals" else self.paths[unit] + "."
+        if unit == "globals":
+            layers = tuple(p + "." for p in self.paths)
+
+            def inside(n):
+                return not n.startswith(layers)
+        else:
+            def inside(n):
+                return n.startswith(self.paths[unit] + ".")
         return {n: v for n, v in out.items()
-                if id(v) not in passed and not n.startswith(switches) and n.startswith(inside)}
+                if id(v) not in passed and not n.startswith(switches) and inside(n)}
 
     def names(self, layer) -> set:
         found = self.layers.get(layer)
@@ -444,7 +483,8 @@ class SanitizedExperts:
     def expert_nbytes(self, layer: int, expert: int = 0) -> int:
         found = self.layers[layer]
         return (sum(self.source.nbytes(n) for n in found.per_expert[expert])
-                + sum(self.source.nbytes(n) for n in found.stacked) // self.num_experts)
+                + sum(self.source.nbytes(n) for n in found.stacked + found.whole)
+                // self.num_experts)
 
     def nbytes(self, layer: int, expert: int) -> int:
         return self.expert_nbytes(layer, expert)
@@ -483,6 +523,8 @@ class SanitizedExperts:
                 weights[f"{n[:m.start()]}.{e - e0}.{n[m.end():]}"] = self.source.load(n)
         for n in found.stacked:
             weights[n] = self._rows(n, e0, e1)
+        for n in found.whole:
+            weights[n] = self.source.load(n)
         rows = self._under(self._sanitize(weights, e1 - e0, found.rename), found.switch)
         mx.eval(rows)
         return rows
