@@ -389,25 +389,15 @@ class StreamingSwitchGLU(nn.Module):
         size = room if not misses else max(1, min(room // 2, -(-order.size // 2)))
         groups = [order[s : s + size] for s in range(0, order.size, size)]
         piece = self._store.pass_piece_tokens * k
-        out = out_np = None
+        outputs = _PairOutputs(flat.size)
         jobs = cache.request(layer, groups[0], tokens)
         for i, group in enumerate(groups):
             cache.wait(jobs)
             if i + 1 < len(groups):  # the next group's reads, behind this group's arithmetic
                 keep = {cache.key(layer, e) for e in group}
                 jobs = cache.request(layer, groups[i + 1], 0, keep=keep)
-            chosen = np.isin(flat, group)
-            pairs = np.nonzero(chosen if real_pairs is None else chosen & real_pairs)[0]
-            emap = self._slot_map(cache, group)
-            for s in range(0, pairs.size, piece):
-                part = pairs[s : s + piece]
-                y = self._pair_outputs(xs, flat, k, emap, part)
-                mx.eval(y)
-                if out is None:
-                    out = mx.zeros((flat.size, y.shape[-1]), dtype=y.dtype)
-                    mx.eval(out)
-                    out_np = to_numpy(out)
-                out_np[part] = to_numpy(y)
+            self._group_pairs(outputs, xs, flat, k, self._slot_map(cache, group), group,
+                              real_pairs, piece)
         if prefill:
             # A pass allocates arrays of many sizes; MLX keeps freed ones for reuse,
             # which at a pass's sizes would hold memory the plan does not count.
@@ -415,8 +405,16 @@ class StreamingSwitchGLU(nn.Module):
             if self._store.on_pass_layer is not None:
                 self._store.on_pass_layer(self._store.layers.index(layer) + 1,
                                           len(self._store.layers))
-        return out.reshape(*lead, k, -1)
+        return outputs.array(x).reshape(*lead, k, -1)
 
+    def _group_pairs(self, outputs, xs, flat, k, emap, group, real_pairs, piece, inner=None):
+        """The outputs of the real pairs whose expert is in `group`, computed in
+        pieces of `piece` pairs and written into `outputs`."""
+        chosen = np.isin(flat, group)
+        pairs = np.nonzero(chosen if real_pairs is None else chosen & real_pairs)[0]
+        for s in range(0, pairs.size, piece):
+            part = pairs[s : s + piece]
+            outputs.write(part, self._pair_outputs(xs, flat, k, emap, part, inner))
 
     def _pass(self, x, idx, needed, real):
         """A pass's MoE layer with the cache given back (ExpertStore.begin_pass):
@@ -450,7 +448,7 @@ class StreamingSwitchGLU(nn.Module):
                     raise job.error
 
         piece = store.pass_piece_tokens * k
-        out = out_np = None
+        outputs = _PairOutputs(flat.size)
         jobs, first = read(0)
         double = pool.slots >= 2 * half
         for i, group in enumerate(groups):
@@ -459,25 +457,37 @@ class StreamingSwitchGLU(nn.Module):
             emap[group] = first + np.arange(group.size)
             if double and i + 1 < len(groups):  # the next group's reads, behind this one's pairs
                 jobs, first = read(i + 1)
-            chosen = np.isin(flat, group)
-            pairs = np.nonzero(chosen if real_pairs is None else chosen & real_pairs)[0]
-            for s in range(0, pairs.size, piece):
-                part = pairs[s : s + piece]
-                y = self._pair_outputs(xs, flat, k, emap, part, inner)
-                mx.eval(y)
-                if out is None:
-                    out = mx.zeros((flat.size, y.shape[-1]), dtype=y.dtype)
-                    mx.eval(out)
-                    out_np = to_numpy(out)
-                out_np[part] = to_numpy(y)
+            self._group_pairs(outputs, xs, flat, k, emap, group, real_pairs, piece, inner)
             if not double and i + 1 < len(groups):
                 jobs, first = read(i + 1)
-        if out is None:  # no real token in the call: every output is a pad's zeros
-            out = mx.zeros((flat.size, x.shape[-1]), dtype=x.dtype)
+        out = outputs.array(x)
         mx.clear_cache()  # as `_grouped`: a pass's many array sizes are not kept for reuse
         if store.on_pass_layer is not None:
             store.on_pass_layer(store.layers.index(layer) + 1, len(store.layers))
         return out.reshape(*lead, k, -1)
+
+
+class _PairOutputs:
+    """One buffer for a call's (token, expert) pair outputs, written a piece at a
+    time through a zero-copy view (allocated at the first piece, when the output
+    width and dtype are known)."""
+
+    def __init__(self, size: int):
+        self.size, self.out, self.view = size, None, None
+
+    def write(self, part: np.ndarray, y: mx.array):
+        mx.eval(y)
+        if self.out is None:
+            self.out = mx.zeros((self.size, y.shape[-1]), dtype=y.dtype)
+            mx.eval(self.out)
+            self.view = to_numpy(self.out)
+        self.view[part] = to_numpy(y)
+
+    def array(self, x: mx.array) -> mx.array:
+        """The outputs (a call with no real token: every output a pad's zeros)."""
+        if self.out is None:
+            return mx.zeros((self.size, x.shape[-1]), dtype=x.dtype)
+        return self.out
 
 
 def _read_order(needed: np.ndarray, held: np.ndarray, idx: np.ndarray) -> np.ndarray:
