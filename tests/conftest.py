@@ -32,6 +32,17 @@ def sources(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def eight_layers(tmp_path_factory):
+    """K3's layout with 8 layers, converted (its source beside it, `src`): a whole-prompt prefill or a long text
+    in one pass needs far more memory than the model itself (hundreds of MB over a
+    floor of ~18 MB), so passes show in its peaks."""
+    root = tmp_path_factory.mktemp("eight_layers")
+    src = make_source(root / "src", "kimi_k3", num_layers=8)
+    convert(str(src), root / "model", ConvertOptions(progress=False))
+    return root / "model"
+
+
+@pytest.fixture(scope="session")
 def converted(tmp_path_factory, sources):
     root = tmp_path_factory.mktemp("converted")
     cache = {}

@@ -42,14 +42,6 @@ def wide_experts(tmp_path_factory):
     return root / "model"
 
 
-@pytest.fixture(scope="module")
-def eight_layers(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eight_layers")
-    src = make_source(root / "src", "kimi_k3", num_layers=8)
-    convert(str(src), root / "model", ConvertOptions(progress=False))
-    return root / "model"
-
-
 def test_a_1030_token_prompt_at_40mb_is_one_pass_reading_at_most_1_1x_its_union(
         wide_experts):
     """The pass gets the cache's slots, so the prompt is one pass (beside the

@@ -7,11 +7,8 @@ still counts the RSS of the process that spawned it, here pytest's.)"""
 import json
 import subprocess
 
-import pytest
 
 from bench.lib import worker
-from helpers import make_source
-from deltafin_mlx.convert.convert import ConvertOptions, convert
 
 PROMPT_TOKENS = 3000
 
@@ -22,16 +19,6 @@ def measure(model, budget, step):
                        capture_output=True, text=True, timeout=600, env=worker.environment())
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def eight_layers(tmp_path_factory):
-    # K3's layout with 8 layers: a whole-prompt prefill of 3,000 tokens needs far
-    # more memory than the model itself (hundreds of MB over a floor of ~18 MB).
-    root = tmp_path_factory.mktemp("eight_layers")
-    src = make_source(root / "src", "kimi_k3", num_layers=8)
-    convert(str(src), root / "model", ConvertOptions(progress=False))
-    return root / "model"
 
 
 def test_a_3000_token_prompt_stays_within_a_budget_it_would_overrun_in_one_pass(

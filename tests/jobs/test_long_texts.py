@@ -10,11 +10,8 @@ import json
 import subprocess
 
 import numpy as np
-import pytest
 
 from bench.lib import worker
-from conftest import make_source
-from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.engine.runtime import runtime
 from deltafin_mlx.jobs.score import ScoreOptions, Sizing, iter_passes, prepare_all
@@ -54,14 +51,6 @@ def test_a_long_text_across_passes_scores_as_in_one_pass(converted, references):
     ref = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     np.testing.assert_allclose(across.token_logprobs[1:],
                                ref[np.arange(TOKENS - 1), tokens[1:]], atol=1e-4)
-
-
-@pytest.fixture(scope="module")
-def eight_layers(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eight_layers")
-    src = make_source(root / "src", "kimi_k3", num_layers=8)
-    convert(str(src), root / "model", ConvertOptions(progress=False))
-    return root / "model"
 
 
 def test_a_long_texts_peak_stays_within_the_budget(eight_layers):
