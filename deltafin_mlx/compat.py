@@ -54,6 +54,8 @@ PRIVATE = (
     ("mlx_lm.generate", "BatchGenerator._counters"),
     # make_sampler's closure cells `sampling_methods` and `temp`: read by sampler_chain
     # (checked by tests/structure/test_mlx_lm_surface.py calling it)
+    # generate_step's prefill loop, which never reads a chunk's logits: read by
+    # prefill_chunk_follows (tests/engine/test_unread_last_layer.py runs it poisoned)
 )
 
 
@@ -161,6 +163,16 @@ def generation_stopping(response_generator) -> bool:
 def generation_thread_alive(response_generator) -> bool:
     """Whether mlx-lm's ResponseGenerator's generation thread is running."""
     return response_generator._generation_thread.is_alive()
+
+
+def prefill_chunk_follows(processed: int, total: int) -> bool:
+    """Whether mlx-lm's `generate_step`, having reported `processed` of `total` prompt
+    tokens to its prompt_progress_callback, next calls the model on a prefill chunk
+    whose logits it never reads: its loop prefills while more than one token
+    remains and evaluates only the caches; the last token goes through `_step`,
+    whose logits it samples (checked against the installed mlx-lm by
+    tests/engine/test_unread_last_layer.py, with poisoned outputs, for every MoE type)."""
+    return total - processed > 1
 
 
 def body_and_head(model):

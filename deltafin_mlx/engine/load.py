@@ -395,6 +395,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     quantize_like_config(model, config)
     check_against_manifest(model, config, manifest, switches)
     paths = layer_paths(model)
+    store.final_layer = len(paths) - 1
     streamed = sorted(int(k) for k in plan.streamed)
     prefixes = tuple(paths[i] + "." for i in streamed)
     embed = find_path(model, "embed_tokens") if plan.embed_on_demand else None

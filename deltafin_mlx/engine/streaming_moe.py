@@ -73,6 +73,12 @@ class ExpertStore:
         self.pass_slots = 0  # the pass pool's slots; 0: passes run in the cache's slots
         self.release_above = 0  # a pass of more tokens than this gives the cache back
         self.pass_pool: Optional[PassPool] = None  # while a pass runs
+        # The last decoder layer's MoE output reaches only the logits. When the
+        # caller says nothing reads the next call's logits (mlx-lm's prefill
+        # chunks, generation/stream.unread_logits_hint), that layer's experts are
+        # neither read nor computed, as mlx-lm's lazy graph never computes them.
+        self.final_layer: Optional[int] = None  # set by `load`
+        self.logits_unread = False
 
     @property
     def bytes_read(self) -> int:
@@ -247,6 +253,8 @@ class StreamingSwitchGLU(nn.Module):
         per_sequence = indices.shape[-2] if indices.ndim >= 3 else indices.size // max(
             indices.shape[-1], 1)
         long_call = per_sequence > 1
+        if long_call and store.logits_unread and layer == store.final_layer:
+            return self._unread(x, indices)
         if long_call:
             store.begin_pass(indices.size // max(indices.shape[-1], 1))
         elif store.pass_pool is not None:
@@ -303,6 +311,22 @@ class StreamingSwitchGLU(nn.Module):
         emap = np.zeros(cache.num_experts, dtype=np.int64)
         emap[needed] = cache.slots_of(layer, needed)
         return self._inner(x, mx.array(emap[idx].astype(np.uint32)))
+
+    def _unread(self, x, indices) -> mx.array:
+        """The last layer's MoE output of a call whose logits nobody reads: zeros,
+        with nothing read or computed (its routing is still reported)."""
+        store = self._store
+        store.logits_unread = False  # for this call only
+        self._moe_input = None
+        if store.on_route is not None:
+            routed = np.array(indices).astype(np.int64)
+            real = store.token_mask
+            if real is not None and real.shape == routed.shape[:-1]:
+                routed = routed[real][None]
+            store.on_route(self._layer, routed)
+        if store.on_pass_layer is not None:
+            store.on_pass_layer(store.layers.index(self._layer) + 1, len(store.layers))
+        return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
 
     def _lazy_pieces(self, x, slots) -> mx.array:
         """A pass with every expert resident: SwitchGLU over pieces of at most

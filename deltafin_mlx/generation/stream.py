@@ -8,6 +8,7 @@ from typing import List, Optional, Sequence, Union
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
+from deltafin_mlx.compat import prefill_chunk_follows
 from deltafin_mlx.errors import ContextError  # noqa: F401 - callers catch it from here
 from deltafin_mlx.generation.request import fit_max_tokens
 from deltafin_mlx.units import human_bytes
@@ -256,6 +257,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tok
     if layers is not None:  # a long prefill shows the layer each pass is at
         progress.pass_tokens = kwargs["prefill_step_size"]
         state.store.on_pass_layer = layers
+    kwargs["prompt_progress_callback"] = unread_logits_hint(model, progress)
     try:
         for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
                                         sampler=sampler, **kwargs):
@@ -263,8 +265,30 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tok
             r.deltafin = meter.now(r.generation_tokens, r.prompt_tokens)
             yield r
     finally:
+        if state is not None:
+            state.store.logits_unread = False
         if layers is not None:
             state.store.on_pass_layer = None
+
+
+def unread_logits_hint(model, callback=None):
+    """A prompt_progress_callback for mlx-lm's `generate_step` over `model`: calls
+    `callback`, then tells the engine whether the model's next call is a prefill
+    chunk whose logits mlx-lm never reads (compat.prefill_chunk_follows), so that
+    the last layer's MoE block is not computed for it (ExpertStore.logits_unread),
+    as mlx-lm's own lazy prefill never computes it. The caller clears the hint
+    when generation ends or fails."""
+    state = find_runtime(model)
+    if state is None:
+        return callback
+
+    def on_progress(processed, total):
+        state.store.logits_unread = False
+        if callback is not None:
+            callback(processed, total)
+        state.store.logits_unread = prefill_chunk_follows(processed, total)
+
+    return on_progress
 
 
 @dataclass

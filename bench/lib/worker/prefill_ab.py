@@ -9,7 +9,8 @@ the experts, the budget otherwise large: the disk is not the bound) or a budget
 such as `40MB` (the memory plan's cache, passes and trunk at that budget).
 
 Both run mlx-lm's own `generate_step` (mlx-lm at its default prefill step, Deltafin
-at the plan's pass), greedy; a run's time is its time to first token. Each repeat
+at the plan's pass with the progress callback its stream_generate passes), greedy; a
+run's time is its time to first token. Each repeat
 is a new prompt (random token ids; the caches keep what the previous one left, as
 a next prompt finds them) run by mlx-lm, then by every configuration; a
 configuration's ratio in a repeat is mlx-lm's time over its time, so the load other
@@ -37,12 +38,17 @@ def _first_token(model, prompt, step: int, on_first=None):
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
+    from deltafin_mlx.generation.stream import unread_logits_hint
+
     cache = make_prompt_cache(model)
     tokens, logprobs, first = [], [], None
     start = time.perf_counter()
+    # Deltafin's stream_generate passes the hint (its last layer is not computed for
+    # a prefill chunk, as mlx-lm's lazy graph skips it); a model not Deltafin's gets None.
     for y, lp in generate_step(mx.array(prompt), model, max_tokens=DECODED,
                                sampler=make_sampler(0.0), prompt_cache=cache,
-                               prefill_step_size=step):
+                               prefill_step_size=step,
+                               prompt_progress_callback=unread_logits_hint(model)):
         if first is None:
             first = time.perf_counter() - start
             if on_first is not None:
