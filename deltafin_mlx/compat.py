@@ -54,6 +54,8 @@ PRIVATE = (
     ("mlx_lm.generate", "BatchGenerator._counters"),
     # make_sampler's closure cells `sampling_methods` and `temp`: read by sampler_chain
     # (checked by tests/structure/test_mlx_lm_surface.py calling it)
+    ("mlx_lm.generate", "PromptProcessingBatch.prompt"),  # wrapped: unread_logits_in_prompt_batches
+    ("mlx_lm.generate", "PromptProcessingBatch.model"),   # read there
     # generate_step's prefill loop, which never reads a chunk's logits: read by
     # prefill_chunk_follows (tests/engine/test_unread_last_layer.py runs it poisoned)
 )
@@ -173,6 +175,31 @@ def prefill_chunk_follows(processed: int, total: int) -> bool:
     whose logits it samples (checked against the installed mlx-lm by
     tests/engine/test_unread_last_layer.py, with poisoned outputs, for every MoE type)."""
     return total - processed > 1
+
+
+def unread_logits_in_prompt_batches(set_unread):
+    """Make mlx-lm's BatchGenerator tell the engine that nothing reads the logits of
+    its prompt chunks (once per process): `PromptProcessingBatch.prompt` runs every
+    chunk of every prompt but the last token, which its GenerationBatch decodes, and
+    evaluates only the caches. The wrapper calls `set_unread(model, True)` before
+    and `set_unread(model, False)` after, however the chunk ends (checked with
+    poisoned outputs by tests/engine/test_unread_last_layer.py)."""
+    from mlx_lm.generate import PromptProcessingBatch
+
+    prompt = PromptProcessingBatch.prompt
+    if getattr(prompt, "_deltafin_unread", False):
+        return
+
+    def wrapped(self, *args, **kwargs):
+        set_unread(self.model, True)
+        try:
+            return prompt(self, *args, **kwargs)
+        finally:
+            set_unread(self.model, False)
+
+    wrapped._deltafin_unread = True
+    wrapped.__wrapped__ = prompt
+    PromptProcessingBatch.prompt = wrapped
 
 
 def body_and_head(model):

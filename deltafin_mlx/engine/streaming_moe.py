@@ -316,7 +316,6 @@ class StreamingSwitchGLU(nn.Module):
         """The last layer's MoE output of a call whose logits nobody reads: zeros,
         with nothing read or computed (its routing is still reported)."""
         store = self._store
-        store.logits_unread = False  # for this call only
         self._moe_input = None
         if store.on_route is not None:
             routed = np.array(indices).astype(np.int64)

@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence, Union
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
-from deltafin_mlx.compat import prefill_chunk_follows
+from deltafin_mlx.compat import prefill_chunk_follows, unread_logits_in_prompt_batches
 from deltafin_mlx.errors import ContextError  # noqa: F401 - callers catch it from here
 from deltafin_mlx.generation.request import fit_max_tokens
 from deltafin_mlx.units import human_bytes
@@ -269,6 +269,18 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tok
             state.store.logits_unread = False
         if layers is not None:
             state.store.on_pass_layer = None
+
+
+def hint_prompt_batches():
+    """mlx-lm's BatchGenerator (batch, serve) says its prompt chunks' logits go
+    unread, as unread_logits_hint does for generate_step."""
+
+    def set_unread(model, unread: bool):
+        state = find_runtime(model)
+        if state is not None:
+            state.store.logits_unread = unread
+
+    unread_logits_in_prompt_batches(set_unread)
 
 
 def unread_logits_hint(model, callback=None):

@@ -34,7 +34,7 @@ from deltafin_mlx.jobs.batch_lines import Request, batch_request, read_requests
 from deltafin_mlx.jobs.job_options import check_options
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.engine.runtime import find_runtime
-from deltafin_mlx.generation.stream import StatsMeter, planned_pass
+from deltafin_mlx.generation.stream import StatsMeter, hint_prompt_batches, planned_pass
 from deltafin_mlx.model.modules import model_vocab
 from deltafin_mlx.generation.logprobs import top_logprobs
 from deltafin_mlx.generation.render import Render, thinking_opened
@@ -310,6 +310,7 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
 
 
 def _generator(model, tokenizer, B: int, opts: BatchOptions) -> BatchGenerator:
+    hint_prompt_batches()
     return BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
                           sampler=greedy, completion_batch_size=B,
                           prefill_batch_size=min(B, PREFILL_BATCH),

@@ -114,3 +114,76 @@ def test_deltafin_skips_the_last_layer_of_a_prefill_chunk_and_matches_mlx_lm(con
         assert read[True] < read[False]
     finally:
         runtime(model).close()
+
+
+def batch_run(model, prompts, step, steps=3):
+    """mlx-lm's BatchGenerator over `prompts` together: each one's tokens and
+    log-probabilities."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=steps, prefill_step_size=step,
+                         prefill_batch_size=len(prompts), completion_batch_size=len(prompts))
+    uids = gen.insert(prompts, [steps] * len(prompts))
+    out = {u: ([], []) for u in uids}
+    done = set()
+    while len(done) < len(uids):
+        _, responses = gen.next()
+        for r in responses:
+            out[r.uid][0].append(r.token)
+            out[r.uid][1].append(np.array(r.logprobs.astype(mx.float32)))
+            if r.finish_reason is not None:
+                done.add(r.uid)
+    gen.close()
+    return [out[u] for u in uids]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral"])
+def test_mlx_lms_batch_generator_never_reads_its_prompt_chunks_logits(model_type, monkeypatch):
+    """The same rule for batch and serve: every call PromptProcessingBatch.prompt
+    makes is a prompt chunk (prompts of different lengths, right-padded) whose
+    last layer's output reaches nothing that is read."""
+    from mlx_lm.generate import PromptProcessingBatch
+
+    from deltafin_mlx.compat import unread_logits_in_prompt_batches
+
+    own = PromptProcessingBatch.prompt  # mlx-lm's own, without Deltafin's hint if installed
+    monkeypatch.setattr(PromptProcessingBatch, "prompt", getattr(own, "__wrapped__", own))
+    model = zoo.build(zoo.config(model_type, 300))
+    model.set_dtype(mx.float32)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, 290, n).tolist() for n in (14, 9)]
+    want = batch_run(model, prompts, 4)
+    unread = [False, 0]
+    assert poison_the_last_layer(model, unread)
+    unread_logits_in_prompt_batches(lambda m, on: unread.__setitem__(0, on))
+    got = batch_run(model, prompts, 4)
+    assert unread[1] >= 3
+    for (gt, gl), (wt, wl) in zip(got, want):
+        assert gt == wt
+        assert all(np.array_equal(a, b) for a, b in zip(gl, wl))
+
+
+def test_deltafin_batches_skip_the_last_layer_of_their_prompt_chunks(converted):
+    from deltafin_mlx.generation.stream import generate
+    from deltafin_mlx.jobs.batch import batch_generate
+
+    path = converted("kimi_k3")
+    model, tok = load(path, "200MB", cache_slots=16)
+    try:
+        store = runtime(model).store
+        switch = store.switches[store.final_layer]
+        calls = []
+        unread = switch._unread
+        switch._unread = lambda *a: calls.append(1) or unread(*a)
+        texts = [tok.decode(np.random.default_rng(i).integers(1, 200, 120 + 30 * i).tolist())
+                 for i in range(2)]
+        results = batch_generate(model, tok, [{"id": i, "prompt": t} for i, t in
+                                              enumerate(texts)], raw=True, max_tokens=4,
+                                 batch_size=2, prefill_step_size=32)
+        assert calls  # the prompt chunks' last layer was skipped
+        assert not store.logits_unread
+        for text, r in zip(texts, results):
+            alone = generate(model, tok, tok.encode(text), 4).tokens
+            assert r["tokens"] == alone[: len(r["tokens"])]
+    finally:
+        runtime(model).close()
