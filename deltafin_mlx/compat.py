@@ -52,10 +52,10 @@ PRIVATE = (
     ("mlx_lm.generate", "BatchGenerator._unprocessed_sequences"),
     ("mlx_lm.generate", "BatchGenerator._currently_processing"),
     ("mlx_lm.generate", "BatchGenerator._counters"),
-    # make_sampler's closure cells `sampling_methods` and `temp`: read by sampler_chain
-    # (checked by tests/structure/test_mlx_lm_surface.py calling it)
     ("mlx_lm.generate", "PromptProcessingBatch.prompt"),  # wrapped: unread_logits_in_prompt_batches
     ("mlx_lm.generate", "PromptProcessingBatch.model"),   # read there
+    # make_sampler's closure cells `sampling_methods` and `temp`: read by sampler_chain
+    # (checked by tests/structure/test_mlx_lm_surface.py calling it)
     # generate_step's prefill loop, which never reads a chunk's logits: read by
     # prefill_chunk_follows (tests/engine/test_unread_last_layer.py runs it poisoned)
 )
