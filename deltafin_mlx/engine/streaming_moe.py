@@ -80,6 +80,19 @@ class ExpertStore:
         self.final_layer: Optional[int] = None  # set by `load`
         self.logits_unread = False
 
+    def real_routing(self, idx: np.ndarray):
+        """(mask, routing) of a call's real tokens: `token_mask` where it fits the
+        call (a scoring pass's rows), else every token (mask None)."""
+        real = self.token_mask
+        if real is None or real.shape != idx.shape[:-1]:
+            return None, idx
+        return real, idx[real][None]
+
+    def pass_layer_done(self, layer: int):
+        """Report that a pass is done with `layer` (on_pass_layer), if anyone listens."""
+        if self.on_pass_layer is not None:
+            self.on_pass_layer(self.layers.index(layer) + 1, len(self.layers))
+
     @property
     def bytes_read(self) -> int:
         return self.reader.bytes_read
@@ -281,10 +294,7 @@ class StreamingSwitchGLU(nn.Module):
         self._moe_input = None
         mx.eval(indices, predicted) if predicted is not None else mx.eval(indices)
         idx = np.array(indices).astype(np.int64)
-        real = store.token_mask
-        if real is not None and real.shape != idx.shape[:-1]:
-            real = None
-        routed = idx[real][None] if real is not None else idx  # the real tokens' routing
+        real, routed = store.real_routing(idx)
         if routed.size and (routed.min() < 0 or routed.max() >= cache.num_experts):
             raise ValueError(f"layer {layer}: router chose an expert out of range")
         needed = np.unique(routed)
@@ -318,13 +328,9 @@ class StreamingSwitchGLU(nn.Module):
         store = self._store
         self._moe_input = None
         if store.on_route is not None:
-            routed = np.array(indices).astype(np.int64)
-            real = store.token_mask
-            if real is not None and real.shape == routed.shape[:-1]:
-                routed = routed[real][None]
+            _, routed = store.real_routing(np.array(indices).astype(np.int64))
             store.on_route(self._layer, routed)
-        if store.on_pass_layer is not None:
-            store.on_pass_layer(store.layers.index(self._layer) + 1, len(store.layers))
+        store.pass_layer_done(self._layer)
         return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
 
     def _lazy_pieces(self, x, slots) -> mx.array:
@@ -425,9 +431,7 @@ class StreamingSwitchGLU(nn.Module):
             # A pass allocates arrays of many sizes; MLX keeps freed ones for reuse,
             # which at a pass's sizes would hold memory the plan does not count.
             mx.clear_cache()
-            if self._store.on_pass_layer is not None:
-                self._store.on_pass_layer(self._store.layers.index(layer) + 1,
-                                          len(self._store.layers))
+            self._store.pass_layer_done(layer)
         return outputs.array(x).reshape(*lead, k, -1)
 
     def _group_pairs(self, outputs, xs, flat, k, emap, group, real_pairs, piece, inner=None):
@@ -485,8 +489,7 @@ class StreamingSwitchGLU(nn.Module):
                 jobs, first = read(i + 1)
         out = outputs.array(x)
         mx.clear_cache()  # as `_grouped`: a pass's many array sizes are not kept for reuse
-        if store.on_pass_layer is not None:
-            store.on_pass_layer(store.layers.index(layer) + 1, len(store.layers))
+        store.pass_layer_done(layer)
         return out.reshape(*lead, k, -1)
 
 

@@ -15,12 +15,10 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model, quantize_model
 
-from deltafin_mlx import runtime
 from deltafin_mlx.convert.convert import ConvertOptions, convert
-from deltafin_mlx.engine.load import load
 from deltafin_mlx.format.manifest import read_manifest
 from deltafin_mlx.testing import zoo
-from deltafin_mlx.testing.decode import greedy
+from deltafin_mlx.testing.decode import greedy, greedy_streamed
 
 TYPES = zoo.moe_types()
 
@@ -88,18 +86,6 @@ def oracle(src, rolled=False):
     return model
 
 
-def streamed_tokens(out, x, steps):
-    m = read_manifest(out)
-    slots = max(m.experts["num_experts"] * len(m.moe_layers) // 4, 1)
-    model, _ = load(out, cache_slots=slots, tokenizer=False)
-    try:
-        tokens, logits = greedy(model, x, steps)
-        assert runtime(model).stats.misses > 0  # the experts streamed
-    finally:
-        runtime(model).close()
-    return tokens, logits
-
-
 @pytest.mark.parametrize("model_type", [t for t in TYPES if t not in CANNOT_PASS])
 def test_every_moe_type_streams_to_mlx_lms_tokens(model_type, tmp_path, steps=8):
     for bits in (None, 4):
@@ -116,6 +102,6 @@ def test_every_moe_type_streams_to_mlx_lms_tokens(model_type, tmp_path, steps=8)
         convert(str(src), out, ConvertOptions(progress=False))
         carried = read_manifest(out).quantization["experts"].get("carried_over", False)
         assert carried == (bits is not None)
-        tokens, logits = streamed_tokens(out, x, steps)
+        tokens, logits = greedy_streamed(out, x, steps)  # asserts experts were read
         assert tokens.tolist() == want.tolist(), bits
         assert mx.allclose(logits, want_logits, atol=1e-4).item(), bits

@@ -27,11 +27,9 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import load_model, quantize_model
 
-from deltafin_mlx import runtime
 from deltafin_mlx.convert.convert import ConvertOptions, convert
-from deltafin_mlx.engine.load import load
 from deltafin_mlx.format.manifest import read_manifest
-from deltafin_mlx.testing.decode import greedy
+from deltafin_mlx.testing.decode import greedy, greedy_streamed
 from deltafin_mlx.testing.fake_hub import FakeHub
 from deltafin_mlx.testing.mlx_lm_format import write_mlx_lm_format
 from deltafin_mlx.testing.original_layouts import SOURCES, built_model, write_original
@@ -124,14 +122,7 @@ def test_mlx_lm_loads_each_release_as_the_model_it_was_built_from(source, releas
 def assert_same_greedy(out, expected, steps=16):
     """The conversion at `out`, streamed with an expert cache of a quarter of its
     experts, gives `expected`'s greedy tokens and bit-identical logits."""
-    m = read_manifest(out)
-    slots = m.experts["num_experts"] * len(m.moe_layers) // 4
-    model, _ = load(out, cache_slots=slots, tokenizer=False)
-    try:
-        tokens, logits = greedy(model, prompt(), steps)
-        assert runtime(model).stats.misses > 0  # the experts streamed
-    finally:
-        runtime(model).close()
+    tokens, logits = greedy_streamed(out, prompt(), steps)  # asserts experts were read
     ref_tokens, ref_logits = greedy(expected, prompt(), steps)
     assert (tokens == ref_tokens).all()
     assert mx.array_equal(logits, ref_logits).item()  # bit-identical, not just close

@@ -52,6 +52,21 @@ def score_items(data: np.ndarray):
             for i, row in enumerate(data)]
 
 
+def score_job(model, items):
+    """Score `items` with Deltafin's scoring passes: (seconds, sweeps, union bytes,
+    tokens of each pass, summed log-probability)."""
+    from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
+
+    t = time.perf_counter()
+    sweeps, union, pass_tokens, logprob = 0, 0, [], 0.0
+    for results, stats in iter_passes(model, items, ScoreOptions()):
+        sweeps += stats.passes  # a text longer than a pass is scored across several
+        union += stats.union_bytes
+        pass_tokens.append(stats.tokens / stats.passes)
+        logprob += sum(r.logprob for r in results)
+    return time.perf_counter() - t, sweeps, union, pass_tokens, logprob
+
+
 def _load_config(path: str, config: str, args):
     """A Deltafin model for a side-by-side configuration: `all` (every expert held),
     `S%` (an expert cache of S% of the experts, the budget otherwise large) or a
@@ -78,7 +93,6 @@ def ab(args) -> int:
 
     from deltafin_mlx.engine.load import load_resident
     from deltafin_mlx.engine.runtime import runtime
-    from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
 
     reference = load_resident(args.model)
     models = {c: _load_config(args.model, c, args) for c in args.configs}
@@ -97,14 +111,7 @@ def ab(args) -> int:
             state, row = runtime(model), rows[c]
             e0 = state.store.bytes_read
             t0 = state.trunk.bytes_read if state.trunk is not None else 0
-            t = time.perf_counter()
-            sweeps, union, tokens, logprob = 0, 0, [], 0.0
-            for results, stats in iter_passes(model, items, ScoreOptions()):
-                sweeps += stats.passes  # a text longer than a pass is scored across several
-                union += stats.union_bytes
-                tokens.append(stats.tokens / stats.passes)
-                logprob += sum(r.logprob for r in results)
-            seconds = time.perf_counter() - t
+            seconds, sweeps, union, tokens, logprob = score_job(model, items)
             if not rep:
                 continue
             row["seconds"].append(seconds)
@@ -186,7 +193,6 @@ def main(argv=None) -> int:
 
     from deltafin_mlx.engine.load import load
     from deltafin_mlx.engine.runtime import runtime
-    from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
 
     model, _ = load(args.model, args.budget, cache_slots=args.cache_slots, tokenizer=False,
                     warm_start=False, context=1024)
@@ -197,14 +203,7 @@ def main(argv=None) -> int:
         with open(args.throttle[0], "w") as f:
             f.write(args.throttle[1])
     read0 = state.store.bytes_read
-    t = time.perf_counter()
-    sweeps, union, pass_tokens, logprob = 0, 0, [], 0.0
-    for results, stats in iter_passes(model, items, ScoreOptions()):
-        sweeps += stats.passes  # a text longer than a pass is scored across several
-        union += stats.union_bytes
-        pass_tokens.append(stats.tokens / stats.passes)
-        logprob += sum(s.logprob for s in results)
-    seconds = time.perf_counter() - t
+    seconds, sweeps, union, pass_tokens, logprob = score_job(model, items)
     read = state.store.bytes_read - read0
     scored = sum(it.scored_tokens for it in items)
     decode = decode_rate(model, data[0][:16], args.decode_tokens) if args.decode_tokens else None
