@@ -47,6 +47,7 @@ PRIVATE = (
     ("mlx_lm.server", "APIHandler.max_tokens"),         # cut to the context: dropin/guard.py
     ("mlx_lm.server", "APIHandler.response_generator"),
     ("mlx_lm.server", "BatchGenerator"),                # replaced: use_server_batch_generator
+    ("mlx_lm.server", "stream_generate"),               # wrapped: use_server_stream_generate
     ("mlx_lm.generate", "BatchGenerator._next"),        # overridden: server/generation.py
     ("mlx_lm.generate", "BatchGenerator._generation_batch"),  # read there
     ("mlx_lm.generate", "BatchGenerator._unprocessed_sequences"),
@@ -150,6 +151,21 @@ def use_server_batch_generator(cls):
     import mlx_lm.server as server
 
     server.BatchGenerator = cls
+
+
+def use_server_stream_generate(wrap):
+    """Make mlx_lm.server's single-sequence path (a model whose caches cannot be
+    batched) call `wrap(stream_generate)` in place of mlx-lm's stream_generate,
+    which mlx_lm.server imported by name (once per process)."""
+    import mlx_lm.server as server
+
+    current = server.stream_generate
+    if getattr(current, "_deltafin_wrapped", False):
+        return
+    wrapped = wrap(current)
+    wrapped._deltafin_wrapped = True
+    wrapped.__wrapped__ = current
+    server.stream_generate = wrapped
 
 
 def server_generation_loop(response_generator):

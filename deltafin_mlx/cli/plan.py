@@ -162,7 +162,10 @@ def format_plan(r: dict) -> str:
         f"prefill        passes of up to {r['prefill_pass']:,} tokens through each layer "
         f"(attention in chunks of {r['prefill_step']}), {human_bytes(r['prefill_bytes'])} "
         "of activations beyond the working buffers; each pass reads the experts its "
-        "tokens route to once",
+        "tokens route to once"
+        + (f"; a pass that gives the cache back streams the {r['pass_trunk_layers']} pinned "
+           f"trunk layers too ({human_bytes(r['pass_trunk_bytes'])} more for its tokens)"
+           if r["pass_trunk_layers"] else ""),
         "  first token  " + "; ".join(
             f"{q['prompt_tokens']:,} tokens: {_duration(q['seconds_to_first_token'])} "
             f"({q['passes']:,} pass{'es' if q['passes'] > 1 else ''}, "

@@ -30,6 +30,7 @@ from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_lay
 from deltafin_mlx.engine.hot_set import HotSet, hot_key
 from deltafin_mlx.engine.streaming_moe import ExpertStore, StreamingSwitchGLU, tap_moe_input
 from deltafin_mlx.engine.runtime import Runtime, attach
+from deltafin_mlx.engine.trunk_pass import PassTrunk
 from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
 from deltafin_mlx.engine.reader import RECORD_CHECKS
 from deltafin_mlx.errors import LoadOptionError, TokenIdError
@@ -413,6 +414,9 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     if streamed:
         trunk = TrunkStreamer(model, manifest, dict(enumerate(paths)), streamed,
                               activation_dtype)
+    if plan.pass_trunk:
+        store.trunk_pass = PassTrunk(model, manifest, dict(enumerate(paths)),
+                                     [int(k) for k in plan.pass_trunk], activation_dtype)
     # A prefill pass goes through each layer whole; attention takes it in chunks.
     for p in paths:
         layer = get_module(model, p)

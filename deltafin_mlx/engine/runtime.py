@@ -41,6 +41,14 @@ class Runtime:
         return self.store.stats
 
     @property
+    def trunk_bytes_read(self) -> int:
+        """Trunk bytes read since load: the streamed layers', and the pinned layers'
+        that passes streamed (engine/trunk_pass.py)."""
+        passes = self.store.trunk_pass
+        return ((self.trunk.bytes_read if self.trunk is not None else 0)
+                + (passes.bytes_read if passes is not None else 0))
+
+    @property
     def cache(self):
         return self.store.cache
 

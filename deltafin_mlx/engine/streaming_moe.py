@@ -73,6 +73,12 @@ class ExpertStore:
         self.pass_slots = 0  # the pass pool's slots; 0: passes run in the cache's slots
         self.release_above = 0  # a pass of more tokens than this gives the cache back
         self.pass_pool: Optional[PassPool] = None  # while a pass runs
+        self.resuming = False  # end_pass started and was stopped before it finished
+        # The pinned trunk layers such a pass streams (engine/trunk_pass.PassTrunk).
+        self.trunk_pass = None
+        # layer -> the experts the pass's last position routed to (each row's), the
+        # cache's first guesses when decoding resumes.
+        self.pass_last: Dict[int, np.ndarray] = {}
         # The last decoder layer's MoE output reaches only the logits. When the
         # caller says nothing reads the next call's logits (mlx-lm's prefill
         # chunks, generation/stream.unread_logits_hint), that layer's experts are
@@ -104,32 +110,52 @@ class ExpertStore:
         runs, where the cache holds every expert (the pass then reads nothing), or
         for a pass the plan's allowance holds beside the cache (`release_above`:
         the cache's experts then serve it and the decoding after it)."""
+        if self.resuming:
+            self.end_pass()
         if (self.pass_pool is not None or not self.pass_slots or self.cache.all_resident
                 or tokens <= self.release_above):
             return
         self.cache.release()
+        self.pass_last = {}
         for switch in self.switches.values():
             switch._inner = None
+        if self.trunk_pass is not None:
+            self.trunk_pass.release()
         mx.clear_cache()  # the freed arrays leave MLX's buffer cache too
         layout = self.cache.banks[self.layers[0]].layout
         self.pass_pool = PassPool(layout.held_sections, self.pass_slots,
                                   self.cache.activation_dtype, self.make_inner)
 
     def end_pass(self):
-        """Decoding resumes: the pass pool goes and the cache has its slots again,
-        empty."""
-        if self.pass_pool is None:
+        """Decoding resumes: the pass pool goes, the trunk layers the pass streamed
+        are pinned again and the cache has its slots again, its first guesses the
+        experts the pass's last position routed to (read behind every demand read,
+        as a warm start's: consecutive tokens share many experts, 44% of the next
+        token's on a trained model's routing, docs/LEARNED.md)."""
+        if self.pass_pool is None and not self.resuming:
             return
+        # A Ctrl-C in here (the trunk's read takes seconds on K3) leaves `resuming`
+        # set, and the next call finishes the job: each step can be redone.
+        self.resuming = True
         self.pass_pool = None
         mx.clear_cache()
+        if self.trunk_pass is not None:
+            self.trunk_pass.restore()
         self.cache.restore()
         for layer, switch in self.switches.items():
             switch._inner = self.make_inner(layer, *self.cache.arrays_of(layer))
+        self.resuming = False
+        last, self.pass_last = self.pass_last, {}
+        if self.reader.threads:  # without reader threads a guess would hold decoding up
+            self.cache.warm([(layer, int(e)) for layer in self.layers
+                             for e in last.get(layer, ())])
 
 
     def close(self):
         self.cache.drain()
         self.reader.close()
+        if self.trunk_pass is not None:
+            self.trunk_pass.close()
         for bank in self.cache.banks.values():
             bank.close()
 
@@ -270,7 +296,7 @@ class StreamingSwitchGLU(nn.Module):
             return self._unread(x, indices)
         if long_call:
             store.begin_pass(indices.size // max(indices.shape[-1], 1))
-        elif store.pass_pool is not None:
+        elif store.pass_pool is not None or store.resuming:
             store.end_pass()
         if cache.all_resident and store.on_route is None and store.token_mask is None:
             # Every expert is in memory: map ids to slots lazily, like mlx-lm
@@ -489,6 +515,7 @@ class StreamingSwitchGLU(nn.Module):
                 jobs, first = read(i + 1)
         out = outputs.array(x)
         mx.clear_cache()  # as `_grouped`: a pass's many array sizes are not kept for reuse
+        store.pass_last[layer] = np.unique(idx.reshape(-1, *idx.shape[-2:])[:, -1])
         store.pass_layer_done(layer)
         return out.reshape(*lead, k, -1)
 

@@ -81,7 +81,10 @@ class TrunkStreamer:
     """Feeds the plan's streamed decoder layers through shared buffers."""
 
     def __init__(self, model, manifest, layer_paths: Dict[int, str], streamed: List[int],
-                 act: mx.Dtype):
+                 act: mx.Dtype, tap: bool = True, first: int = None):
+        """`tap`: call `enter` as each streamed layer starts (without it the caller
+        does: engine/trunk_pass.py); `first`: the layer each shape's first read
+        starts at (the first of each shape from it on), where a pass joins midway."""
         self.act = act
         self.order = sorted(streamed)
         self.paths = layer_paths
@@ -112,12 +115,15 @@ class TrunkStreamer:
                                 dtype=np.uint8)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-trunk")
         for i in self.order:
-            _tap_layer(self.modules[i], self, i)
-            # Drop the skeleton's (never evaluated) initial weights.
+            if tap:
+                tap_layer(self.modules[i], self.enter, i)
+            # Drop the weights held so far (the skeleton's, never evaluated, or a
+            # pinned layer's a pass streams).
             self.modules[i].update(self.buffers[self.signature[i]][0].tree)
         # The first layer of each shape is read now; the rest follow one ahead.
         for sig, layers in self.group.items():
-            self._start(self.buffers[sig][0], layers[0])
+            later = [i for i in layers if first is None or i >= first]
+            self._start(self.buffers[sig][0], (later or layers)[0])
 
     def _start(self, buf: Buffer, layer: int):
         if buf.holds == layer:
@@ -197,12 +203,13 @@ def _state_arrays(cache):
     return out
 
 
-def _tap_layer(module: nn.Module, streamer: TrunkStreamer, layer: int):
+def tap_layer(module: nn.Module, enter, layer: int):
+    """Call `enter(layer, x, cache)` as the decoder layer `module` starts."""
     base = type(module)
 
     def __call__(self, x, *args, **kwargs):
         cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
-        streamer.enter(layer, x, cache)
+        enter(layer, x, cache)
         return base.__call__(self, x, *args, **kwargs)
 
     module.__class__ = type(f"Streamed{base.__name__}", (base,), {"__call__": __call__})

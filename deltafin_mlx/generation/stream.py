@@ -283,6 +283,28 @@ def hint_prompt_batches():
     unread_logits_in_prompt_batches(set_unread)
 
 
+def hinted_stream_generate(stream_generate):
+    """mlx-lm's `stream_generate` telling the engine which prompt chunks' logits go
+    unread (unread_logits_hint): serve's single-sequence path
+    (compat.use_server_stream_generate). With a draft model, mlx-lm's speculative
+    loop prefills: no hint."""
+
+    def generate(*args, **kwargs):
+        model = kwargs.get("model", args[0] if args else None)
+        state = find_runtime(model)
+        if state is None or kwargs.get("draft_model") is not None:
+            yield from stream_generate(*args, **kwargs)
+            return
+        kwargs["prompt_progress_callback"] = unread_logits_hint(
+            model, kwargs.get("prompt_progress_callback"))
+        try:
+            yield from stream_generate(*args, **kwargs)
+        finally:
+            state.store.logits_unread = False
+
+    return generate
+
+
 def unread_logits_hint(model, callback=None):
     """A prompt_progress_callback for mlx-lm's `generate_step` over `model`: calls
     `callback`, then tells the engine whether the model's next call is a prefill

@@ -278,6 +278,11 @@ class MemoryPlan:
     # Tokens a pass holds beside the cache: a call of no more keeps the cache (its
     # experts serve the pass and decoding after it, a warm start's among them).
     pass_kept_tokens: int = PREFILL_STEPS[-1]
+    # Pinned decoder layers a pass that gives the cache back streams too (each is
+    # used once per pass), and the bytes that gives the pass: their memory less
+    # the buffers they stream through (engine/trunk_pass.py).
+    pass_trunk: List[str] = field(default_factory=list)
+    pass_trunk_bytes: int = 0
 
     @property
     def cache_bytes(self) -> int:
@@ -326,6 +331,15 @@ def streamable_units(inv: Inventory) -> List[str]:
             count[u.signature] += 1
     keys = [k for k, u in inv.units.items() if k != "globals" and count[u.signature] > RING]
     return sorted(keys, key=int)
+
+
+def passable_units(inv: Inventory, pinned: List[str]) -> List[str]:
+    """Of the `pinned` streamable layers, those whose shape more than RING of them
+    share: streaming them through RING buffers frees memory."""
+    by_sig = defaultdict(list)
+    for key in pinned:
+        by_sig[inv.units[key].signature].append(key)
+    return sorted((key for keys in by_sig.values() if len(keys) > RING for key in keys), key=int)
 
 
 MAX_SEQUENCES = 32  # BatchGenerator's default completion batch size
@@ -415,8 +429,16 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     # of 2,136 tokens; the activations per token are underestimated.)
     pass_slots = 0 if slots >= all_experts else pass_pool_slots(int(slots), k)
     released = (int(slots) - pass_slots) * one if pass_slots else 0
+    # Such a pass streams the pinned layers of each shape that has more of them
+    # than its buffers, through buffers of its own (plan/passes.py).
+    pass_trunk, trunk_released = [], 0
+    if pass_slots:
+        pass_trunk = passable_units(inv, [key for key in candidates if key not in set(streamed)])
+        _, buffers, _ = _trunk_layout(inv, set(pass_trunk), False)
+        trunk_released = sum(inv.units[key].memory_bytes for key in pass_trunk) - buffers
     kept = passing
-    passing = pass_tokens(inv.config, step, context, inv.activation_dtype, allowance + released)
+    passing = pass_tokens(inv.config, step, context, inv.activation_dtype,
+                          allowance + released + trunk_released)
     return MemoryPlan(
         budget=budget, context=context, state_bytes=state, working_bytes=working,
         pinned=pinned, streamed=streamed, ring_bytes=ring, embed_on_demand=embed_on_demand,
@@ -426,6 +448,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         sequences=sequences, sequence_recurrent_bytes=recurrent, sequence_kv_bytes=kv,
         prefill_step=step, prefill_bytes=extra, prefill_pass=passing,
         pass_slots=pass_slots, pass_released_bytes=released, pass_kept_tokens=kept,
+        pass_trunk=pass_trunk, pass_trunk_bytes=trunk_released,
     )
 
 

@@ -20,9 +20,10 @@ except what the pass itself needs resident:
 The expert cache is decode's: it gives its slots back while a pass runs and decode's
 first token reads what it routes to. The figures are what a pass is sized to; a
 loaded model runs its passes in the memory plan's prefill allowance plus the cache's
-slots (plan/memory.py `pass_released_bytes`), beside the trunk as the memory plan
-pins it (streaming it through a pass is not done yet: docs/PERFORMANCE.md, "Pass
-plan").
+slots and the pinned trunk layers the pass streams (plan/memory.py
+`pass_released_bytes`, `pass_trunk_bytes`; engine/trunk_pass.py), which is smaller
+where the memory plan's shares (the attention chunk's, the logits') are: K3 at 56 GB,
+29,595 scored tokens a pass against these figures' 53,756 (docs/PERFORMANCE.md).
 """
 
 from dataclasses import dataclass

@@ -220,6 +220,8 @@ def plan_report(options: PlanOptions) -> dict:
         "prefill_step": plan.prefill_step,
         "prefill_pass": plan.prefill_pass,
         "prefill_bytes": plan.prefill_bytes,
+        "pass_trunk_layers": len(plan.pass_trunk),
+        "pass_trunk_bytes": plan.pass_trunk_bytes,
         "prefill_projection": [project_prefill(inv, plan, n, disk, batched)
                                for n in PROJECTED_PROMPTS],
         "scoring_pass_tokens": scoring.pass_tokens,

@@ -39,10 +39,12 @@ def scoring_allowance(plan: MemoryPlan) -> int:
     reuse, which the working buffers count: they stay in memory through a pass),
     the prefill activations beyond them, the KV/state reserved for decoding, which
     scoring never makes, whatever of the budget the plan left unused (a cache
-    that holds every expert), and the expert cache's slots, which it gives back
-    during a pass but for the pass's own groups of experts (engine/pass_pool.py)."""
+    that holds every expert), the expert cache's slots, which it gives back
+    during a pass but for the pass's own groups of experts (engine/pass_pool.py),
+    and the pinned trunk layers such a pass streams (engine/trunk_pass.py)."""
     return (WORKING_BYTES - plan.buffer_cache_bytes + plan.prefill_bytes + plan.state_bytes
-            + max(0, plan.budget - plan.used_bytes) + plan.pass_released_bytes)
+            + max(0, plan.budget - plan.used_bytes) + plan.pass_released_bytes
+            + plan.pass_trunk_bytes)
 
 
 def logit_rows(config: dict, allowance: int) -> int:

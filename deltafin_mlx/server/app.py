@@ -185,7 +185,7 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
     from deltafin_mlx.engine.load import LoadOptions, load
     from deltafin_mlx.engine.runtime import runtime
     from deltafin_mlx import compat
-    from deltafin_mlx.generation.stream import hint_prompt_batches
+    from deltafin_mlx.generation.stream import hint_prompt_batches, hinted_stream_generate
     from deltafin_mlx.server.generation import resilient_generator_class, turn_taking
     from deltafin_mlx.server.handler import make_handler
     from deltafin_mlx.model.modules import model_vocab
@@ -227,6 +227,7 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
 
     compat.use_server_batch_generator(turn_taking(server.BatchGenerator))
     hint_prompt_batches()
+    compat.use_server_stream_generate(hinted_stream_generate)
 
     def restarted():
         counters.generation_restarts += 1

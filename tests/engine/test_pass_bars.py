@@ -46,15 +46,22 @@ def test_a_1030_token_prompt_at_40mb_is_one_pass_reading_at_most_1_1x_its_union(
         wide_experts):
     """The pass gets the cache's slots, so the prompt is one pass (beside the
     cache: 368 tokens): each expert its tokens route to is read once, and the last
-    token (decode's first step, the cache taken back empty) reads its own."""
+    token (decode's first step, the cache taken back) reads its own; the cache's
+    first guesses are the experts of the pass's last position."""
     model, _ = load(wide_experts, str(BUDGET), context=2048, tokenizer=False,
                     warm_start=False)
     state = runtime(model)
     plan, store, cache = state.plan, state.store, state.cache
     assert plan.pass_slots == 2 * plan.experts_per_token and plan.pass_released_bytes > 0
     assert plan.prefill_pass >= 1029 > plan.pass_kept_tokens
-    routed, during = set(), []
-    store.on_route = lambda layer, idx: routed.update((layer, int(e)) for e in np.unique(idx))
+    routed, during, last = set(), [], {}
+
+    def route(layer, idx):
+        routed.update((layer, int(e)) for e in np.unique(idx))
+        if idx.shape[-2] > 1:
+            last[layer] = {int(e) for e in idx[..., -1, :].reshape(-1)}
+
+    store.on_route = route
     store.on_pass_layer = lambda done, layers: during.append(
         (cache.released, cache.chunk_arrays, store.pass_pool.slots))
     prompt = mx.array(np.random.default_rng(0).integers(1, 380, (1, 1030)).astype(np.int32))
@@ -64,6 +71,11 @@ def test_a_1030_token_prompt_at_40mb_is_one_pass_reading_at_most_1_1x_its_union(
     assert during and all(r and a == [] and s == plan.pass_slots for r, a, s in during)
     mx.eval(model(prompt[:, -1:], cache=kv))  # the last token: decode takes the cache back
     assert not cache.released and store.pass_pool is None
+    # ... its first guesses the experts the pass's last position routed to.
+    cache.drain()
+    assert last and cache.warm_issued > 0
+    assert all(cache.pool.slot_of(layer, e) is not None
+               for layer, experts in last.items() for e in experts)
     read = store.bytes_read - before
     assert read <= 1.10 * len(routed) * state.manifest.experts["record_size"], read
     state.close()

@@ -187,3 +187,41 @@ def test_deltafin_batches_skip_the_last_layer_of_their_prompt_chunks(converted):
             assert r["tokens"] == alone[: len(r["tokens"])]
     finally:
         runtime(model).close()
+
+
+def test_serves_single_sequence_path_skips_the_last_layer_of_its_prompt_chunks(
+        converted, monkeypatch):
+    """mlx_lm.server streams a model whose caches cannot be batched with mlx-lm's
+    own stream_generate: serve wraps it (compat.use_server_stream_generate) with
+    the same hint, and the tokens and log-probabilities stay mlx-lm's."""
+    import mlx_lm.server as server
+    from mlx_lm.generate import stream_generate
+
+    from deltafin_mlx.compat import use_server_stream_generate
+    from deltafin_mlx.generation.stream import hinted_stream_generate
+
+    monkeypatch.setattr(server, "stream_generate", stream_generate)  # undone after the test
+    use_server_stream_generate(hinted_stream_generate)
+    assert server.stream_generate is not stream_generate
+    path = converted("kimi_k3")
+    prompt = np.random.default_rng(1).integers(1, 200, 300).tolist()
+    want = run(load_resident(path), prompt, 64, steps=4)
+    model, tok = load(path, "200MB", cache_slots=16)
+    try:
+        store = runtime(model).store
+        switch = store.switches[store.final_layer]
+        calls, progress = [], []
+        unread = switch._unread
+        switch._unread = lambda *a: calls.append(1) or unread(*a)
+        got = [(r.token, np.array(r.logprobs.astype(mx.float32)))
+               for r in server.stream_generate(
+                   model=model, tokenizer=tok, prompt=prompt, max_tokens=4,
+                   sampler=make_sampler(0.0), prompt_cache=make_prompt_cache(model),
+                   prefill_step_size=64,
+                   prompt_progress_callback=lambda done, total: progress.append(done))]
+        assert len(calls) == 5 and progress  # chunks of 64 (four) and 43; the 300th is the step's
+        assert not store.logits_unread
+        assert [t for t, _ in got] == want[0]
+        assert all(np.array_equal(a, b) for (_, a), b in zip(got, want[1]))
+    finally:
+        runtime(model).close()

@@ -97,7 +97,7 @@ def main(argv):
                    "cache_fraction": plan.cache_fraction,
                    "all_experts": plan.num_experts * plan.moe_layers,
                    "tokens_per_pass": step, "passes": -(-(n - 1) // step),
-                   "trunk_streamed": state.trunk is not None, "identical": True,
+                   "trunk_streamed": bool(state.trunk or state.plan.pass_trunk), "identical": True,
                    "seconds": [], "ratios": [], "expert_bytes": [], "trunk_bytes": [],
                    "union_bytes": []}
     ref_s = []
@@ -108,7 +108,7 @@ def main(argv):
         for c, model in models.items():
             state, row = runtime(model), rows[c]
             e0 = state.store.bytes_read
-            t0 = state.trunk.bytes_read if state.trunk is not None else 0
+            t0 = state.trunk_bytes_read
             routed, marks = set(), {}
 
             def route(layer, idx):
@@ -117,7 +117,7 @@ def main(argv):
             def mark():  # the prefill ends at the first token
                 state.store.on_route = None
                 marks["e"] = state.store.bytes_read - e0
-                marks["t"] = (state.trunk.bytes_read if state.trunk is not None else 0) - t0
+                marks["t"] = state.trunk_bytes_read - t0
 
             if c != "all":  # with every expert held nothing is read, nothing to bound
                 state.store.on_route = route

@@ -110,7 +110,7 @@ def ab(args) -> int:
         for c, model in models.items():
             state, row = runtime(model), rows[c]
             e0 = state.store.bytes_read
-            t0 = state.trunk.bytes_read if state.trunk is not None else 0
+            t0 = state.trunk_bytes_read
             seconds, sweeps, union, tokens, logprob = score_job(model, items)
             if not rep:
                 continue
@@ -119,7 +119,7 @@ def ab(args) -> int:
             row["sweeps"].append(sweeps)
             row["pass_tokens"] = tokens
             row["expert_bytes"].append(state.store.bytes_read - e0)
-            row["trunk_bytes"].append((state.trunk.bytes_read if state.trunk is not None else 0) - t0)
+            row["trunk_bytes"].append(state.trunk_bytes_read - t0)
             row["union_bytes"].append(union)
             row["logprob"] = logprob
         if rep:
@@ -132,7 +132,7 @@ def ab(args) -> int:
         e, u = row["expert_bytes"], row["union_bytes"]
         row.update({
             "slots": plan.slots, "all_experts": plan.num_experts * plan.moe_layers,
-            "budget_bytes": plan.budget, "trunk_streamed": runtime(models[c]).trunk is not None,
+            "budget_bytes": plan.budget, "trunk_streamed": bool(runtime(models[c]).trunk or plan.pass_trunk),
             "tokens_per_s": scored / med(row["seconds"]),
             "tokens_per_s_range": [scored / max(row["seconds"]), scored / min(row["seconds"])],
             "median_ratio": med(row["ratios"]), "ratio_range": [min(row["ratios"]), max(row["ratios"])],
