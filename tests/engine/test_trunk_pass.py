@@ -39,6 +39,17 @@ def loaded(path, **options):
                 warm_start=False, **options)
 
 
+def long_prompt_run(wide_trunk, steps):
+    """A 700-token prompt (beyond what fits beside the cache), mlx-lm's greedy tokens
+    and logits for it, and the loaded model, its runtime and its PassTrunk."""
+    path, reference = wide_trunk
+    prompt = prompt_of(700)
+    want = greedy(reference, prompt, steps)
+    model, _ = loaded(path)
+    state = runtime(model)
+    return prompt, want, model, state, state.store.trunk_pass
+
+
 def weights_of(model, layer):
     path = f"model.layers.{layer}.self_attn.q_proj.weight"
     return dict(tree_flatten(model.parameters()))[path]
@@ -62,12 +73,7 @@ def test_the_plan_gives_a_pass_the_pinned_layers_it_streams(wide_trunk):
 
 
 def test_a_long_prompt_streams_the_trunk_then_decoding_pins_it_again(wide_trunk):
-    path, reference = wide_trunk
-    prompt = prompt_of(700)
-    want_tokens, want_logits = greedy(reference, prompt, 4)
-    model, _ = loaded(path)
-    state = runtime(model)
-    trunk = state.store.trunk_pass
+    prompt, (want_tokens, want_logits), model, state, trunk = long_prompt_run(wide_trunk, 4)
     before = [weights_of(model, i) for i in range(8)]
     during = []
 
@@ -139,12 +145,8 @@ def test_scoring_passes_stream_the_trunk_and_score_as_with_it_pinned(wide_trunk)
 def test_a_stop_while_the_trunk_is_read_back_leaves_the_model_right(wide_trunk, monkeypatch):
     """A Ctrl-C while decoding reads the trunk back (seconds on K3) leaves the
     layers streamed and the store resuming; the next call finishes the job."""
-    path, reference = wide_trunk
-    prompt = prompt_of(700)
-    want_tokens, want_logits = greedy(reference, prompt, 3)
-    model, _ = loaded(path)
-    state = runtime(model)
-    trunk = state.store.trunk_pass
+    prompt, (want_tokens, want_logits), model, state, trunk = long_prompt_run(wide_trunk, 3)
+    reference = wide_trunk[1]
     cache = make_prompt_cache(model)
     mx.eval(model(prompt[:, :-1], cache=cache))
 
