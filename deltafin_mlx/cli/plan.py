@@ -170,7 +170,9 @@ def format_plan(r: dict) -> str:
             f"{q['prompt_tokens']:,} tokens: {_duration(q['seconds_to_first_token'])} "
             f"({q['passes']:,} pass{'es' if q['passes'] > 1 else ''}, "
             f"{human_bytes(q['read_bytes'])} read)" for q in r["prefill_projection"])
-        + " (uniform routing, the cache's share held; longer prompts need --context)",
+        + "".join(f"; {n:,} tokens: needs --context {n} or more"
+                  for n in r["prefill_needs_context"])
+        + " (uniform routing, the cache's share held)",
         f"scoring        passes of up to {r['scoring_pass_tokens']:,} tokens (texts within an "
         f"attention chunk; no KV kept), logits in blocks of {r['scoring_logit_rows']:,} "
         f"positions: {r['scoring_projection']['tokens_per_second']:.3g} scored tok/s "

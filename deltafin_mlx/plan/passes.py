@@ -22,8 +22,8 @@ first token reads what it routes to. The figures are what a pass is sized to; a
 loaded model runs its passes in the memory plan's prefill allowance plus the cache's
 slots and the pinned trunk layers the pass streams (plan/memory.py
 `pass_released_bytes`, `pass_trunk_bytes`; engine/trunk_pass.py), which is smaller
-where the memory plan's shares (the attention chunk's, the logits') are: K3 at 56 GB,
-29,595 scored tokens a pass against these figures' 53,756 (docs/PERFORMANCE.md).
+by the scoring allowance's shares for an attention call and a logits block (plan/
+scoring.py; their figures are in docs/PERFORMANCE.md).
 """
 
 from dataclasses import dataclass

@@ -222,8 +222,11 @@ def plan_report(options: PlanOptions) -> dict:
         "prefill_bytes": plan.prefill_bytes,
         "pass_trunk_layers": len(plan.pass_trunk),
         "pass_trunk_bytes": plan.pass_trunk_bytes,
+        # A prompt longer than the context cannot be run with this plan at all: its
+        # KV/state is planned for --context tokens, so it gets no projection.
         "prefill_projection": [project_prefill(inv, plan, n, disk, batched)
-                               for n in PROJECTED_PROMPTS],
+                               for n in PROJECTED_PROMPTS if n <= plan.context],
+        "prefill_needs_context": [n for n in PROJECTED_PROMPTS if n > plan.context],
         "scoring_pass_tokens": scoring.pass_tokens,
         "scoring_logit_rows": scoring.logit_rows,
         "scoring_projection": project_scoring(inv, plan, scoring.pass_tokens, disk, batched),

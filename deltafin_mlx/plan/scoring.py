@@ -21,8 +21,14 @@ from deltafin_mlx.plan.memory import (MemoryPlan, WORKING_BYTES, pass_bytes_per_
                                       prefill_bytes, sequence_state)
 
 MAX_SCORING_PASS = 65536  # tokens: past this a pass's bookkeeping outweighs a sweep saved
-LOGIT_SHARE = 8  # of the scoring allowance, for one block of logits and its log-softmax
-ATTENTION_SHARE = 3  # of the scoring allowance, for one attention call's activations
+# Shares of the scoring allowance for the pass's two transient blocks, each capped:
+# past the caps bigger blocks only take tokens from the pass, which are what saves
+# reads (uncapped, a third and an eighth held K3 at 56 GB to 29,595 tokens a pass,
+# docs/LEARNED.md). At small budgets the shares bind, not the caps.
+LOGIT_SHARE = 8  # one block of logits and its log-softmax
+ATTENTION_SHARE = 3  # one attention call's activations
+MAX_LOGIT_ROWS = 256  # positions: already one matrix product's worth of rows
+MAX_ATTENTION_TOKENS = 1024  # rows of one attention call: many texts at once
 
 
 @dataclass
@@ -50,8 +56,16 @@ def scoring_allowance(plan: MemoryPlan) -> int:
 def logit_rows(config: dict, allowance: int) -> int:
     """Positions per block of logits: a block is float32 logits, their log-softmax
     and a sort's worth of scratch (4 copies of vocab floats per position)."""
-    vocab = text_config(config).get("vocab_size", 1)
-    return int(max(1, min(4096, allowance // LOGIT_SHARE // (16 * max(vocab, 1)))))
+    return int(max(1, min(MAX_LOGIT_ROWS, allowance // LOGIT_SHARE // _row_bytes(config))))
+
+
+def logits_bytes(config: dict, allowance: int) -> int:
+    """What a block of `logit_rows` positions holds."""
+    return logit_rows(config, allowance) * _row_bytes(config)
+
+
+def _row_bytes(config: dict) -> int:
+    return 16 * max(text_config(config).get("vocab_size", 1), 1)
 
 
 def attention_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype,
@@ -59,12 +73,12 @@ def attention_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype,
     """Tokens per attention call in a scoring pass: rows are attended together
     (fewer, bigger calls: on the CPU K3's KDA recurrence loops over positions
     once per call, whatever the rows), as many as fit in ATTENTION_SHARE of the
-    allowance at the activations of a chunk of `longest` tokens' context; at
-    least the plan's attention chunk."""
+    allowance at the activations of a chunk of `longest` tokens' context, at
+    most MAX_ATTENTION_TOKENS; at least the plan's attention chunk."""
     room = scoring_allowance(plan) // ATTENTION_SHARE
     context = max(plan.prefill_step, longest)
     per_token = max(prefill_bytes(config, 1, context, activation_dtype), 1)
-    return int(min(max(plan.prefill_step, room // per_token), MAX_SCORING_PASS))
+    return int(max(plan.prefill_step, min(room // per_token, MAX_ATTENTION_TOKENS)))
 
 
 def scoring_pass_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype,
@@ -87,7 +101,7 @@ def scoring_pass_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dty
         layers = max(text_config(config).get("num_hidden_layers", 1), 1)
         per_token += -(-(recurrent + kv) // (longest * layers))
     room = (allowance - prefill_bytes(config, group, max(step, longest), activation_dtype)
-            - allowance // LOGIT_SHARE)
+            - logits_bytes(config, allowance))
     n = min(room // max(per_token, 1), MAX_SCORING_PASS)
     return int(max(max(longest, step), n))
 
@@ -105,7 +119,7 @@ def long_text_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype,
     # mlx-lm's KV cache grows by copying into a bigger buffer: twice the KV at peak.
     room = (allowance - recurrent - 2 * kv - prefill_bytes(config, step, max(step, length),
                                                          activation_dtype)
-            - allowance // LOGIT_SHARE)
+            - logits_bytes(config, allowance))
     n = room // max(pass_bytes_per_token(config, activation_dtype), 1)
     return int(max(step, min(n, MAX_SCORING_PASS) // step * step))
 

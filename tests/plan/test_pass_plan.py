@@ -50,6 +50,32 @@ def test_k3_at_12gb_scores_6000_tokens_a_pass(k3_inventory):
     assert pass_plan(k3_inventory, plan).scoring_tokens(k3_inventory) >= 6_000
 
 
+@pytest.mark.parametrize("budget, tokens", [("56GB", 30_000), ("12GB", 6_000)])
+def test_k3_as_loaded_scores_the_bars_tokens_a_pass(k3_inventory, budget, tokens):
+    """Not only the pass plan: the passes a loaded model runs (the memory plan's
+    allowance, its shares for a logits block and an attention call) are as big."""
+    r = plan_json(K3, "--bits", "4", "--dtype", "bfloat16", *MAC_64GB, "--budget", budget)
+    assert r["scoring_pass_tokens"] >= tokens
+
+
+def test_k3_as_loaded_prefills_30000_tokens_in_one_pass_given_the_context(k3_inventory):
+    r = plan_json(K3, "--bits", "4", "--dtype", "bfloat16", *MAC_64GB)
+    # At the default context a 30,000-token prompt cannot run: no projection.
+    assert r["prefill_needs_context"] == [30_000]
+    assert [p["prompt_tokens"] for p in r["prefill_projection"]] == [300, 3000]
+    r = plan_json(K3, "--bits", "4", "--dtype", "bfloat16", *MAC_64GB, "--context", 32768)
+    thirty = next(p for p in r["prefill_projection"] if p["prompt_tokens"] == 30_000)
+    assert thirty["passes"] == 1 and r["prefill_needs_context"] == []
+
+
+def test_plan_says_what_context_a_longer_prompt_needs(k3_inventory):
+    out = subprocess.run([sys.executable, "-m", "deltafin_mlx.cli.main", "plan", str(K3),
+                          "--bits", "4", "--dtype", "bfloat16", *MAC_64GB],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "30,000 tokens: needs --context 30000 or more" in out.stdout
+
+
 def test_a_pass_and_what_it_keeps_fit_the_budget(k3_inventory):
     for budget, context in (("4GB", 4096), ("12GB", 30_000), ("56GB", 30_000)):
         plan = plan_memory(k3_inventory, budget, context=context)
