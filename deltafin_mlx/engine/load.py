@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from deltafin_mlx.format.bank import BankError, read_layout
 from deltafin_mlx.format.dtypes import mlx_dtype, to_mlx
+from deltafin_mlx.engine.allocator import tune_malloc
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
 from deltafin_mlx.engine.chunked_attention import chunk_attention, chunkable
 from deltafin_mlx.engine.wired import wire
@@ -290,6 +291,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     if memory_budget is not None:
         kwargs["memory_budget"] = memory_budget
     o = LoadOptions.of(options, **kwargs)
+    tune_malloc()  # before the reader threads: RSS stays with MLX's allocations
     reader_threads, verify, stream_trunk = o.reader_threads, o.verify, o.stream_trunk
     model_dir = open_model_dir(path)
     path, manifest, config = model_dir.path, model_dir.manifest, model_dir.config

@@ -124,27 +124,6 @@ def mlx_lm_args(cfg: ServeConfig, plan, sequences: int) -> argparse.Namespace:
         allowed_origins=list(cfg.allowed_origins), log_level=cfg.log_level)
 
 
-def tune_malloc(arenas: int = 2, mmap_threshold: int = 256 << 10, trim_threshold: int = 1 << 20):
-    """glibc's allocator keeps what a server frees outside the plan
-    (docs/PERFORMANCE.md, "Serving memory"): each thread that allocates gets its own
-    arena (up to 8 per core) holding what it freed, and after a large block is freed
-    glibc raises its mmap threshold, so later large blocks come from the heap and
-    stay there as free chunks. Cap the arenas, fix the threshold (large blocks are
-    mapped and unmapped), and trim the heap's top past 1 MiB. Elsewhere (macOS,
-    musl) nothing."""
-    import ctypes
-    import ctypes.util
-
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        for option, value in ((M_ARENA_MAX, arenas), (M_MMAP_THRESHOLD, mmap_threshold),
-                              (M_TRIM_THRESHOLD, trim_threshold)):
-            libc.mallopt(ctypes.c_int(option), ctypes.c_int(value))
-    except (OSError, AttributeError):
-        pass
-
-
 class PerRequestLog(logging.Filter):
     """One log line per request (counters.request_line): mlx-lm's server logs
     each prefill chunk's progress and its prompt cache's sizes for every request
@@ -164,7 +143,9 @@ def serve(cfg: ServeConfig) -> int:
     logging.basicConfig(level=getattr(logging, cfg.log_level),
                         format="%(asctime)s - %(levelname)s - %(message)s")
     logging.getLogger().addFilter(PerRequestLog())
-    tune_malloc()  # before any handler thread exists
+    from deltafin_mlx.engine.allocator import tune_malloc
+
+    tune_malloc()  # before any handler thread exists (load sets it again: the same)
     from deltafin_mlx.model.shard import detect_group
 
     group = detect_group("auto")

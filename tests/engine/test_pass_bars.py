@@ -92,16 +92,14 @@ def measure(*args):
 def test_a_long_text_at_40mb_stays_within_the_budget_and_scores_as_at_a_large_one(
         eight_layers, tmp_path, tokens):
     """Scored across passes keeping its KV (jobs/score_sweep.run_long): the peak
-    stays near the budget over the baseline, and the log-probabilities are those of
-    the text in one pass at 2 GB. Measured on the pass31 branch: 39.76 MB at 3,000
-    tokens, 40.01 MB at 20,000. The same worker on the same model varies from run to
-    run: 15 runs at 3,000 tokens on 2026-12-03 gave 38.8-45.1 MB (most 39-41, the
-    same spread with the machine idle or loaded; thread timing and the allocator,
-    not pinned down: docs/LEARNED.md), so the allowance is 25% (the prefill
-    memory test's, tests/engine/test_prefill_memory.py, is 50%)."""
+    over the baseline stays within the budget, and the log-probabilities are those of
+    the text in one pass at 2 GB. Measured 2026-12-04: 32.6, 32.6 and 32.7 MB at
+    3,000 tokens, 39.1 MB at 20,000 (1,250 passes). Before glibc was kept from
+    holding what MLX frees (engine/allocator.py) the same worker gave 38.8-45.1 MB
+    at 3,000 tokens and 46.9 MB at 20,000 (docs/LEARNED.md)."""
     small = measure("score-text", eight_layers, BUDGET, tokens, tmp_path / "small.npy")
     assert small["passes"] > 1 and small["budget"] == BUDGET
-    assert small["over_baseline"] <= 1.25 * BUDGET, small
+    assert small["over_baseline"] <= BUDGET, small
     large = measure("score-text", eight_layers, "2GB", tokens, tmp_path / "large.npy")
     assert large["passes"] == 1
     got, want = np.load(tmp_path / "small.npy"), np.load(tmp_path / "large.npy")
@@ -111,7 +109,8 @@ def test_a_long_text_at_40mb_stays_within_the_budget_and_scores_as_at_a_large_on
 # What a score job holds of its input beside the budget: the window of prepared
 # texts (jobs/score.py WINDOW_PASSES passes' tokens, each text with its parsed line:
 # about 1,600 texts of 2-4 tokens at 40 MB), the ids it has seen, one line.
-# Measured 2.34 MB over the budget (40,000 texts, 109 sweeps, 2026-12-03).
+# Measured 2.34 MB over the budget (40,000 texts, 109 sweeps, 2026-12-03); since glibc
+# is kept from holding what MLX frees (engine/allocator.py), 37.6 MB in all (2026-12-04).
 READER_BOUND = 4_000_000
 
 

@@ -26,7 +26,10 @@ def test_a_3000_token_prompt_stays_within_a_budget_it_would_overrun_in_one_pass(
     budget = 40_000_000  # the issue's --budget 40MB
     whole = measure(eight_layers, str(budget), str(PROMPT_TOKENS + 1))  # the prompt in one pass
     assert whole["prompt"] == PROMPT_TOKENS
-    assert whole["over_baseline"] > 1.5 * budget  # the scenario: one pass does not fit
+    # The scenario: one pass does not fit (53.3 MB over the baseline, 2026-12-04).
+    assert whole["over_baseline"] > budget
     planned = measure(eight_layers, str(budget), "plan")
     assert planned["budget"] == budget and planned["pass"] < PROMPT_TOKENS
-    assert planned["over_baseline"] <= 1.5 * budget, planned
+    # Measured 32.1 and 32.2 MB (2026-12-04). The test allowed 1.5x until glibc was
+    # kept from holding what MLX frees (engine/allocator.py, docs/LEARNED.md).
+    assert planned["over_baseline"] <= budget, planned
