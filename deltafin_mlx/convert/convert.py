@@ -37,7 +37,8 @@ from deltafin_mlx.model.quantization import (check_quantization, mlx_lm_quantiza
 from .experts import SanitizedExperts, linkable
 from .linked import LinkWriter, linked_manifest_entry
 from .scratch import SCRATCH_NAME, check_scratch_limit, disk_in_use, open_hub_scratch, plan_scratch
-from .source import ConvertError, Source, free_bytes, open_source, read_source, tokenizer_files
+from .source import (ConvertError, Source, copy_tokenizer_file, free_bytes, open_source, read_source,
+                     tokenizer_files, without_code)
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.format.hub import looks_like_hub_id
 from deltafin_mlx.units import human_bytes
@@ -230,7 +231,7 @@ def check_source_tokenizer(path: Path, tok_files, config: dict):
     # model directory's reader rightly refuses (tokenizer_files checked them).
     with tempfile.TemporaryDirectory(prefix="deltafin-tokenizer-") as copy:
         for name in tok_files:
-            shutil.copyfile(path / name, Path(copy) / name)
+            copy_tokenizer_file(path / name, Path(copy) / name)
         try:
             read_tokenizer(Path(copy), tokenizer_kind(tok_files), config)
         except ModelError as e:
@@ -671,7 +672,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
     for path in moe_layers.values():
         for p in record_linears(s.name for s in sections):
             quantization[f"{path}.{p}"] = linear_quant(expert_quant, p)
-    mlx_config = dict(config)
+    mlx_config = without_code(config)  # nothing a model carries runs (tokenizer files too)
     mlx_config["quantization"] = quantization
     mlx_config["quantization_config"] = quantization
     # The mlx-lm drop-in (deltafin_mlx/mlx_lm_shim.py): mlx-lm imports this file
@@ -685,7 +686,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
 
     tok_files = tokenizer_files(source.path, source.root)
     for name in tok_files:
-        shutil.copyfile(source.path / name, out / (name + ".tmp"))
+        copy_tokenizer_file(source.path / name, out / (name + ".tmp"))
         os.replace(out / (name + ".tmp"), out / name)
         files[name] = (out / name).stat().st_size
     files["config.json"] = (out / "config.json").stat().st_size

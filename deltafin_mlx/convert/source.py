@@ -8,6 +8,7 @@ reported in one line instead of failing half-way through.
 import hashlib
 import json
 import os
+import shutil
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,19 +316,36 @@ def _blob_names(path: Path, root: Path, shards) -> Dict[str, str]:
 
 
 def tokenizer_files(path: Path, root: Optional[Path] = None):
+    """The source's tokenizer files, each checked (inside, a regular file). Code a
+    release carries (tokenization_*.py and the like) is never among them: nothing
+    that comes with a model runs, and none of it is copied into the output."""
     names = [n for n in TOKENIZER_FILES if os.path.lexists(path / n)]
     for n in names:
         regular_file_inside(path, n, "tokenizer file", root)
-    # The release's own tokenizer code (e.g. K3's tokenization_kimi.py, encoding_k3.py)
-    # is carried along for users of other tools; Deltafin itself never runs it.
-    code = sorted(
-        p.name
-        for p in path.glob("*.py")
-        if p.name.startswith(("tokenization_", "encoding_"))
-    )
-    for n in code:
-        regular_file_inside(path, n, "tokenizer file", root)
-    return names + code
+    return names
+
+
+def without_code(obj):
+    """A config's JSON with every "auto_map" (transformers' pointer to code the
+    model carries, which it runs with trust_remote_code) taken out, at any depth:
+    K3's config names it inside text_config too."""
+    if isinstance(obj, dict):
+        return {k: without_code(v) for k, v in obj.items() if k != "auto_map"}
+    if isinstance(obj, list):
+        return [without_code(v) for v in obj]
+    return obj
+
+
+def copy_tokenizer_file(src: Path, dst: Path):
+    """One tokenizer file copied, a JSON one without its code references."""
+    if src.suffix != ".json":
+        shutil.copyfile(src, dst)
+        return
+    try:
+        data = json.loads(src.read_bytes())
+    except (ValueError, RecursionError):
+        raise ConvertError(f"{src.name}: not valid JSON") from None
+    dst.write_text(json.dumps(without_code(data), indent=2, ensure_ascii=False))
 
 
 def free_bytes(path: Path) -> int:

@@ -26,7 +26,7 @@ from typing import Dict, Optional
 from deltafin_mlx.errors import HubError
 
 # What a conversion fetches of a repository (weights, configs, tokenizer files).
-SOURCE_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+SOURCE_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
 def looks_like_hub_id(src: str) -> bool:

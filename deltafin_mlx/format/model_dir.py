@@ -91,19 +91,14 @@ def read_config(path: Path, manifest: Manifest) -> dict:
     return config
 
 
-def code_outside(path) -> List[str]:
-    """What config.json names as code to execute that lies outside the model
-    directory at `path`: its "model_file" (mlx-lm executes it with
-    --trust-remote-code, before any Deltafin code runs, so no check of ours can stop
-    it) and its "auto_map" modules (transformers' remote code: a module resolving
-    outside, or `repo--module.Class`, code from another hub repository). One line
-    each; [] for a config.json that cannot be read (the other checks say why)."""
-    try:
-        config = json.loads(read_inside(path, "config.json", CONFIG_MAX_BYTES))
-    except (ModelError, ValueError, RecursionError):
-        return []
-    if not isinstance(config, dict):
-        return []
+def code_named(path) -> List[str]:
+    """Code the model directory at `path` carries or points to, which some tool
+    would execute: config.json's "model_file" other than the drop-in (mlx-lm
+    executes it with --trust-remote-code before any Deltafin code runs, so no check
+    of ours can stop it), any "auto_map" in config.json or tokenizer_config.json
+    (transformers runs those modules with trust_remote_code; Deltafin never does,
+    and deltafin-convert writes none), and any Python file beside the drop-in. One
+    line each; a file that cannot be read adds nothing (the other checks say why)."""
     root = os.path.realpath(path)
 
     def outside(rel) -> bool:
@@ -114,24 +109,50 @@ def code_outside(path) -> List[str]:
         return os.path.commonpath([root, real]) != root
 
     found = []
+    config = _json_inside(path, "config.json")
     named = config.get("model_file")
     if named is not None and (not isinstance(named, str) or outside(named)):
         found.append(f'config.json: "model_file" names {named!r:.200}, outside the model '
                      "directory: mlx-lm executes it (--trust-remote-code) before any Deltafin "
                      "code runs; do not load this model with mlx-lm")
-    auto = config.get("auto_map")
-    refs = []
-    if isinstance(auto, dict):
-        for v in auto.values():
-            refs += [r for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
-    for ref in refs:
-        if "--" in ref:
-            found.append(f'config.json: "auto_map" names {ref!r:.200}, code from another hub '
-                         "repository: transformers would execute it with trust_remote_code")
-        elif outside(ref.rsplit(".", 1)[0] + ".py"):
-            found.append(f'config.json: "auto_map" names {ref!r:.200}, a module outside the '
-                         "model directory: transformers would execute it with trust_remote_code")
+    for name, doc in (("config.json", config),
+                      ("tokenizer_config.json", _json_inside(path, "tokenizer_config.json"))):
+        for ref in _auto_map_refs(doc):
+            where = ("code from another hub repository" if "--" in ref else
+                     "a module outside the model directory" if outside(ref.rsplit(".", 1)[0] + ".py")
+                     else "code the model carries")
+            found.append(f'{name}: "auto_map" names {ref!r:.200}, {where}: transformers would '
+                         "execute it with trust_remote_code")
+    try:
+        code = sorted(e.name for e in os.scandir(root)
+                      if e.name.endswith(".py") and e.name != SHIM_FILE)
+    except OSError:
+        code = []
+    found += [f"{name!r:.200}: Python code in the model directory (deltafin-convert writes "
+              "none but the drop-in): other tools may execute it" for name in code[:20]]
     return found
+
+
+def _json_inside(path, name) -> dict:
+    try:
+        doc = json.loads(read_inside(path, name, CONFIG_MAX_BYTES))
+    except (ModelError, ValueError, RecursionError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _auto_map_refs(doc, depth=0) -> List[str]:
+    """Every module reference under an "auto_map" key, at any depth of `doc`."""
+    refs = []
+    if depth > 8 or not isinstance(doc, dict):
+        return refs
+    for key, value in doc.items():
+        if key == "auto_map" and isinstance(value, dict):
+            for v in value.values():
+                refs += [r for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
+        elif isinstance(value, dict):
+            refs += _auto_map_refs(value, depth + 1)
+    return refs
 
 
 def _check_model_file(config: dict, cpath: Path, manifest: Manifest):

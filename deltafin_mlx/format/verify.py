@@ -23,7 +23,7 @@ from deltafin_mlx.format.bank import BankError, read_layout
 from deltafin_mlx.format.integrity import (CHUNK, check_file, file_checksum, parse_checksum,
                                           resolve_inside)
 from deltafin_mlx.format.manifest import read_manifest
-from deltafin_mlx.format.model_dir import code_outside, read_config
+from deltafin_mlx.format.model_dir import code_named, read_config
 from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.links import check_linked_sources, read_links
 
@@ -52,7 +52,7 @@ def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) ->
     m = read_manifest(path, check_files=False)
     report = VerifyReport(path)
     real = {rel: resolve_inside(m.path, rel) for rel in m.files}  # raises on escapes
-    report.dangers = code_outside(m.path)
+    report.dangers = code_named(m.path)
     try:
         _check_config(m)
     except ModelError as e:

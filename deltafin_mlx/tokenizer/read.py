@@ -24,7 +24,10 @@ def read_tokenizer(path: Path, kind: str, config: dict):
         else:
             from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
-            tokenizer = load_hf_tokenizer(Path(path), eos_token_ids=eos)
+            # Remote code off, always: transformers would otherwise ask on a terminal
+            # (or read the answer from stdin) and run a module the model carries.
+            tokenizer = load_hf_tokenizer(Path(path), {"trust_remote_code": False},
+                                          eos_token_ids=eos)
         check_tokenizer(tokenizer, text_config(config).get("vocab_size"), path)
         return tokenizer
     except (KeyboardInterrupt, SystemExit):

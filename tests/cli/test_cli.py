@@ -221,15 +221,15 @@ def test_mlx_lm_server_replies_equal_deltafin_run(server, converted):
 
 
 def test_mlx_lm_load_uses_deltafin_tokenizer_and_never_remote_tokenizer_code(converted, copy_of):
-    """K3 ships tokenization_kimi.py for transformers; mlx-lm loading a Deltafin
-    directory must use Deltafin's tokenizer instead, even with remote code allowed
-    for the model and refused for the tokenizer."""
+    """K3 ships tokenization_kimi.py for transformers (the conversion copies neither it
+    nor its `auto_map`); mlx-lm loading a Deltafin directory must use Deltafin's
+    tokenizer, even with remote code allowed for the model and a module planted."""
     import mlx_lm
 
     from deltafin_mlx.tokenizer.kimi import KimiTokenizer
 
     path = copy_of(converted("kimi_k3"))
-    assert "tokenization_kimi" in (path / "tokenizer_config.json").read_text()  # auto_map
+    assert "auto_map" not in (path / "tokenizer_config.json").read_text()
     (path / "tokenization_kimi.py").write_text("raise RuntimeError('remote tokenizer code ran')\n")
     os.environ["DELTAFIN_BUDGET"] = "200MB"
     try:
