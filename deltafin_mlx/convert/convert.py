@@ -255,26 +255,106 @@ def convert(src: str, out, options: Optional[ConvertOptions] = None) -> Manifest
         raise
 
 
+@dataclass
+class Layout:
+    """What a conversion writes, decided from the source before anything is written:
+    mlx-lm's model built from config.json, the source tensors sorted into units (one
+    per decoder layer, then "globals"), the routed-expert modules and their records."""
+
+    source: Source
+    config: dict
+    model: object
+    paths: list  # each decoder layer's module path in mlx-lm's model
+    units: dict  # unit -> its source tensor names
+    moe_layers: dict  # layer -> its SwitchGLU/SwitchMLP module path
+    experts: SanitizedExperts
+    num_experts: int
+    sections: list
+    record_size: int
+    trunk_quant: Optional[dict]
+    saved_quant: Optional[dict]  # the source's, where mlx_lm.convert quantized it
+    dtype: object
+    notes: list
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.paths)
+
+    def __post_init__(self):
+        # Source bytes of each unit's trunk tensors (a unit's experts are apart).
+        self.trunk_bytes = {
+            u: sum(self.source.nbytes(n) for n in names if n not in self.experts.names(u))
+            for u, names in self.units.items()}
+
+    def source_bytes(self, unit) -> int:
+        """Source bytes a unit reads: its trunk tensors and, for a layer, its experts."""
+        if unit == "globals":
+            return self.trunk_bytes[unit]
+        return self.trunk_bytes[unit] + sum(self.source.nbytes(n)
+                                            for n in self.experts.names(unit))
+
+
 def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
     options.check()
-    hub = None
-    if options.scratch:
-        if Path(src).expanduser().exists() or not looks_like_hub_id(src):
-            raise ConvertError(f"--scratch-limit: {src} is not a hub id (a local source is "
-                               "read where it is, with no scratch)")
-        if out.exists() and not out.is_dir():
-            raise ConvertError(f"{out}: exists and is not a directory")
-        hub = open_hub_scratch(src, options.revision, out, options.progress)
-        source = read_source(src, hub.dir, Path(os.path.realpath(hub.dir)), remote=hub)
-    else:
+    source, hub = _open(src, out, options)
+    layout = _layout(src, source, options)
+    state = prepare_output(out, source, options)
+    if state.get("finished"):
+        if hub is not None:
+            hub.remove()
+        # Opened as every command opens it: an edited config.json is not "this conversion".
+        return open_model_dir(out).manifest
+    scratch_plan = _check_disk(out, layout, state, hub, options)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomic_json(out / PARTIAL_NAME, state)
+    (out / "trunk").mkdir(exist_ok=True)
+    (out / "experts").mkdir(exist_ok=True)
+    if options.progress:
+        for n in layout.notes + _resume_notes(out, layout, state):
+            print(f"note: {n}", file=sys.stderr, flush=True)
+
+    bar = ConvertProgress({u: layout.source_bytes(u) for u in layout.units}, state["done"],
+                          options.progress)
+    if hub is not None:
+        bar.status = lambda: (f"download {human_bytes(hub.download_rate)}/s "
+                              f"({human_bytes(hub.downloaded)} so far), disk in use "
+                              f"{human_bytes(disk_in_use(out))}")
+        hub.on_download = lambda n: bar.show_status(every=0.5)  # a shard takes minutes
+    try:
+        _convert_units(out, layout, state, bar, hub, scratch_plan)
+    except BaseException:
+        bar.close(failed=True)
+        raise
+    bar.close()
+    manifest = _finish(out, layout, state, options)
+    if hub is not None:
+        hub.remove()
+    return manifest
+
+
+def _open(src: str, out: Path, options: ConvertOptions):
+    """The source, checked, and the hub scratch it is read through (None but with
+    --scratch-limit)."""
+    if not options.scratch:
         source = open_source(src, options.revision, options.progress)
         check_out_apart(source.path, out)
-    tok_files = tokenizer_files(source.path, source.root)  # regular files inside SRC
+        return source, None
+    if Path(src).expanduser().exists() or not looks_like_hub_id(src):
+        raise ConvertError(f"--scratch-limit: {src} is not a hub id (a local source is "
+                           "read where it is, with no scratch)")
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"{out}: exists and is not a directory")
+    hub = open_hub_scratch(src, options.revision, out, options.progress)
+    return read_source(src, hub.dir, Path(os.path.realpath(hub.dir)), remote=hub), hub
+
+
+def _layout(src: str, source: Source, options: ConvertOptions) -> Layout:
+    """Everything about the output that the source and the options settle, each
+    refusal said before any work."""
     config = dict(source.config)
-    check_source_tokenizer(source.path, tok_files, config)  # before any work
+    check_source_tokenizer(source.path, tokenizer_files(source.path, source.root), config)
     model_type = config.get("model_type")
-    # A model mlx_lm.convert quantized keeps its quantized trunk as it is.
-    saved_quant = mlx_lm_quantization(config)
+    saved_quant = mlx_lm_quantization(config)  # mlx_lm.convert's trunk is kept as saved
     if saved_quant is not None:
         if (options.bits, options.group_size) != (ConvertOptions.bits, ConvertOptions.group_size):
             raise ConvertError(
@@ -288,16 +368,32 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
     dtype = source_dtype(config)
     model = build_model(config)
     paths = layer_paths(model)
+    units, notes = _sort_units(source, paths)
+    moe_layers = _moe_layers(model, paths, model_type)
+    first_switch = get_module(model, next(iter(moe_layers.values())))
+    num_experts = next(iter(switch_linears(first_switch).values()))[0]
+    float_quant = {"mode": "affine", "bits": options.expert_bits,
+                   "group_size": options.expert_group_size}
+    experts = SanitizedExperts(source, model, units, moe_layers, num_experts,
+                               float_quant, saved_quant, dtype, model_type)
+    _check_experts(src, experts, moe_layers, options)
+    sections = _sections(experts, options.ranks)
+    return Layout(source, config, model, paths, units, moe_layers, experts, num_experts,
+                  sections, record_size_of(sections) * options.ranks, trunk_quant,
+                  saved_quant, dtype, notes)
+
+
+def _sort_units(source: Source, paths: list):
+    """The source tensors sorted into units, one per decoder layer, then "globals";
+    and notes on what is left out."""
     num_layers = len(paths)
     layer_of = LayerIndex(paths)
-
-    # Sort the source tensors into units: one per decoder layer, then the globals.
-    skipped = [n for n in source.tensors if n.startswith(SKIPPED_PREFIXES)]
     units = {i: [] for i in range(num_layers)}
     units["globals"] = []
-    dropped = []
+    skipped, dropped = 0, 0
     for name in source.tensors:
         if name.startswith(SKIPPED_PREFIXES):
+            skipped += 1
             continue
         i = layer_of.index(name)
         if i is None:
@@ -305,9 +401,17 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
         elif i < num_layers:
             units[i].append(name)
         else:
-            dropped.append(name)  # e.g. multi-token-prediction layers mlx-lm drops
+            dropped += 1  # e.g. multi-token-prediction layers mlx-lm drops
+    notes = []
+    if skipped:
+        notes.append(f"skipping {skipped} vision/projector tensors (text model only)")
+    if dropped:
+        notes.append(f"skipping {dropped} tensors of layers beyond num_hidden_layers")
+    return units, notes
 
-    # Every routed-expert module (mlx-lm's SwitchGLU/SwitchMLP) is streamed.
+
+def _moe_layers(model, paths: list, model_type) -> dict:
+    """Every routed-expert module (mlx-lm's SwitchGLU/SwitchMLP), which is streamed."""
     moe_layers = {}
     try:
         for i, path in enumerate(paths):
@@ -321,13 +425,11 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
             f"{model_type}: mlx-lm's model has no SwitchGLU/SwitchMLP modules; Deltafin "
             "streams routed experts that are such modules, and this configuration's are not "
             "(or it has no MoE layers)")
-    first_switch = get_module(model, next(iter(moe_layers.values())))
-    num_experts = next(iter(switch_linears(first_switch).values()))[0]
-    float_quant = {"mode": "affine", "bits": options.expert_bits,
-                   "group_size": options.expert_group_size}
-    experts = SanitizedExperts(source, model, units, moe_layers, num_experts,
-                               float_quant, saved_quant, dtype,
-                               model_type)
+    return moe_layers
+
+
+def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
+                   options: ConvertOptions):
     expert_quant = experts.quant
     if expert_quant.get("carried_over") and (options.expert_bits, options.expert_group_size) \
             != (ConvertOptions.expert_bits, ConvertOptions.expert_group_size):
@@ -349,212 +451,98 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
                 f"{group} (choose another --expert-group-size)"
             )
     if options.link_experts:  # a section sanitize changes cannot be linked: said now
-        first = next(iter(moe_layers))
-        experts.locations(first, 0)
+        experts.locations(next(iter(moe_layers)), 0)
+
+
+def _sections(experts: SanitizedExperts, slices: int) -> list:
+    """A record's sections, cut into `slices` rank slices where asked."""
     sections = experts.sections
-    slices = options.ranks
-    if slices > 1:
-        try:
-            check_glu_sections(sections)
-        except ModelError as e:
-            raise ConvertError(f"--ranks {slices}: {e}") from None
-        # Each rank's slice of the intermediate dimension is whole quantization
-        # groups of down_proj's input (mlx-lm's sharded-to-all split).
-        hidden = experts.linears["gate_proj"][0]
-        group = linear_quant(expert_quant, "down_proj")["group_size"]
-        if hidden % (slices * group):
-            raise ConvertError(
-                f"--ranks {slices}: the experts' intermediate size {hidden} does not split "
-                f"into {slices} slices of whole quantization groups of {group}")
-        sections = slice_sections(sections, slices)
-    record_size = record_size_of(sections) * slices
-    state = prepare_output(out, source, options)
-    if state.get("finished"):
-        if hub is not None:
-            hub.remove()
-        # Opened as every command opens it: an edited config.json is not "this conversion".
-        return open_model_dir(out).manifest
-
-    # Disk, checked before anything is written: banks are exact; the trunk needs
-    # at most its source size.
-    trunk_src = {
-        u: sum(source.nbytes(n) for n in names if n not in experts.names(u))
-        for u, names in units.items()
-    }
-    bank_bytes = {
-        layer: (LinkWriter.size(num_experts, sections) if options.link_experts else
-                bank_header_size(layer, num_experts, sections, slices)
-                + num_experts * record_size)
-        for layer in moe_layers
-    }
-    needed = sum(
-        trunk_src[u] + bank_bytes.get(u, 0) for u in units if str(u) not in state["done"]
-    )
-    free = free_bytes(_existing_parent(out))
-    scratch_plan = None
-    if hub is not None:
-        order = [u for u in list(range(num_layers)) + ["globals"] if str(u) not in state["done"]]
-        needs = {u: {source.tensors[n].shard for n in units[u]} for u in order}
-        scratch_plan = plan_scratch(order, needs, hub.shard_sizes)
-        held = sum(hub.shard_sizes[s] for s in hub.shards if hub.present(s))
-        check_scratch_limit(scratch_plan, options.scratch_limit, free + held, needed,
-                            hub.small_bytes)
-        for s in hub.shards:  # what a killed run left that no unit left to do reads
-            if s not in scratch_plan.last_use:
-                hub.release(s)
-    elif needed > free:
-        raise ConvertError(
-            f"not enough free disk space in {out}: the conversion needs up to {needed} bytes "
-            f"({needed / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    _write_atomic_json(out / PARTIAL_NAME, state)
-    (out / "trunk").mkdir(exist_ok=True)
-    (out / "experts").mkdir(exist_ok=True)
-
-    notes = []
-    if skipped:
-        notes.append(f"skipping {len(skipped)} vision/projector tensors (text model only)")
-    if dropped:
-        notes.append(f"skipping {len(dropped)} tensors of layers beyond num_hidden_layers")
-    done_layers = sorted(int(k) for k in state["done"] if k != "globals")
-    if state["done"]:
-        todo = [i for i in range(num_layers) if str(i) not in state["done"]]
-        notes.append(
-            f"resuming {out}: {len(done_layers)} of {num_layers} layers already converted, "
-            + (f"picking up at layer {todo[0]} (layers are numbered 0-{num_layers - 1})" if todo
-               else "only the embeddings/head and the manifest are left")
-        )
-    if options.progress:
-        for n in notes:
-            print(f"note: {n}", file=sys.stderr, flush=True)
-
-    bar = ConvertProgress(
-        {u: _unit_source_bytes(source, trunk_src, experts, u) for u in units},
-        state["done"], options.progress)
-    if hub is not None:
-        bar.status = lambda: (f"download {human_bytes(hub.download_rate)}/s "
-                              f"({human_bytes(hub.downloaded)} so far), disk in use "
-                              f"{human_bytes(disk_in_use(out))}")
-        hub.on_download = lambda n: bar.show_status(every=0.5)  # a shard takes minutes
+    if slices == 1:
+        return sections
     try:
-        _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
-                       num_layers, num_experts, sections, trunk_quant, saved_quant,
-                       dtype, state, bar, hub, scratch_plan)
-    except BaseException:
-        bar.close(failed=True)
-        raise
-    bar.close()
-    manifest = _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
-                       num_layers, moe_layers, num_experts, record_size, sections)
-    if hub is not None:
-        hub.remove()
-    return manifest
+        check_glu_sections(sections)
+    except ModelError as e:
+        raise ConvertError(f"--ranks {slices}: {e}") from None
+    # Each rank's slice of the intermediate dimension is whole quantization
+    # groups of down_proj's input (mlx-lm's sharded-to-all split).
+    hidden = experts.linears["gate_proj"][0]
+    group = linear_quant(experts.quant, "down_proj")["group_size"]
+    if hidden % (slices * group):
+        raise ConvertError(
+            f"--ranks {slices}: the experts' intermediate size {hidden} does not split "
+            f"into {slices} slices of whole quantization groups of {group}")
+    return slice_sections(sections, slices)
 
 
-def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_src,
-                   num_layers, num_experts, sections, trunk_quant, saved_quant,
-                   dtype, state, bar, hub=None, scratch_plan=None):
-    _write_atomic_json(out / PARTIAL_NAME, state)
+def _check_disk(out: Path, layout: Layout, state: dict, hub, options: ConvertOptions):
+    """Disk, checked before anything is written: banks are exact; the trunk needs at
+    most its source size. With a hub scratch, the plan of which shards to hold when."""
+    bank_bytes = {
+        layer: (LinkWriter.size(layout.num_experts, layout.sections) if options.link_experts
+                else bank_header_size(layer, layout.num_experts, layout.sections, options.ranks)
+                + layout.num_experts * layout.record_size)
+        for layer in layout.moe_layers
+    }
+    needed = sum(layout.trunk_bytes[u] + bank_bytes.get(u, 0)
+                 for u in layout.units if str(u) not in state["done"])
+    free = free_bytes(_existing_parent(out))
+    if hub is None:
+        if needed > free:
+            raise ConvertError(
+                f"not enough free disk space in {out}: the conversion needs up to {needed} "
+                f"bytes ({needed / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free")
+        return None
+    source = layout.source
+    order = [u for u in list(range(layout.num_layers)) + ["globals"]
+             if str(u) not in state["done"]]
+    needs = {u: {source.tensors[n].shard for n in layout.units[u]} for u in order}
+    scratch_plan = plan_scratch(order, needs, hub.shard_sizes)
+    held = sum(hub.shard_sizes[s] for s in hub.shards if hub.present(s))
+    check_scratch_limit(scratch_plan, options.scratch_limit, free + held, needed,
+                        hub.small_bytes)
+    for s in hub.shards:  # what a killed run left that no unit left to do reads
+        if s not in scratch_plan.last_use:
+            hub.release(s)
+    return scratch_plan
 
+
+def _resume_notes(out: Path, layout: Layout, state: dict) -> list:
+    if not state["done"]:
+        return []
+    n = layout.num_layers
+    done = sum(1 for k in state["done"] if k != "globals")
+    todo = [i for i in range(n) if str(i) not in state["done"]]
+    return [f"resuming {out}: {done} of {n} layers already converted, "
+            + (f"picking up at layer {todo[0]} (layers are numbered 0-{n - 1})" if todo
+               else "only the embeddings/head and the manifest are left")]
+
+
+def _convert_units(out: Path, layout: Layout, state: dict, bar, hub=None, scratch_plan=None):
     partial_path = out / PARTIAL_NAME
-    order = list(range(num_layers)) + ["globals"]
-    for unit in order:
+    _write_atomic_json(partial_path, state)
+    source = layout.source
+    for unit in list(range(layout.num_layers)) + ["globals"]:
         key = str(unit)
-        needed = {source.tensors[n].shard for n in units[unit]}
-        if hub is not None and key in state["done"] and not all(map(hub.present, needed)):
-            # Its shards were deleted once it was durably written: its files are
-            # checked, its source is the pinned commit's (sha256-checked) bytes.
-            fingerprint = state["done"][key].get("source_fingerprint")
-        else:
-            if hub is not None:
-                hub.ensure(needed)
-                bar.show_status()
-            verified = state.setdefault("verified_blobs", {})
-            for shard in sorted(needed):
-                if shard in source.blob_sha256 and verified.get(shard) != source.blob_sha256[shard]:
-                    source.check_blob(shard)  # hub downloads are not checked by the hub client
-                    verified[shard] = source.blob_sha256[shard]
-                    _write_atomic_json(partial_path, state)
-            fingerprint = source.content_fingerprint(units[unit])
+        fingerprint = _unit_fingerprint(layout, unit, state, bar, hub, partial_path)
         if key in state["done"]:
             stale = _stale_unit(out, state["done"][key], fingerprint)
             if stale is None:
                 if unit != "globals":
-                    release(get_module(model, paths[unit]))
+                    release(get_module(layout.model, layout.paths[unit]))
                 continue
             bar.redo(unit, f"note: redoing {'layer ' + key if unit != 'globals' else 'the globals'}: "
                      f"{stale}")
             del state["done"][key]
             _write_atomic_json(partial_path, state)
         bar.start_unit(unit)
-        result = {"files": {}, "tensors": {}, "quantized": {}}
-
-        # Trunk.
-        expert_names = experts.names(unit)
-        raw = {n: source.load(n) for n in units[unit] if n not in expert_names}
-        weights = experts.sanitize_trunk(raw, unit)
-        if unit == "globals":
-            prefix, module = "", model
-            layer_prefixes = tuple(p + "." for p in paths)
-            rel = "trunk/globals.safetensors"
-
-            def skip(p):
-                return p.startswith(layer_prefixes)
-
-        else:
-            prefix, module = paths[unit], get_module(model, paths[unit])
-            rel = f"trunk/layer-{unit:05d}.safetensors"
-            switch = moe_layers.get(unit)
-
-            def skip(p):
-                return switch is not None and (p == switch or p.startswith(switch + "."))
-
-        params, quantized = convert_unit(model, prefix, module, weights, skip, trunk_quant, dtype,
-                                         saved_quant)
-        _save_safetensors(out / rel, params)
-        result["files"][rel] = (out / rel).stat().st_size
-        result["checksums"] = {rel: format_checksum(file_checksum(out / rel))}
+        result = _write_trunk(out, layout, unit)
         result["source_fingerprint"] = fingerprint
-        result["tensors"] = {k: _tensor_info(k, v, rel, quantized) for k, v in params.items()}
-        result["quantized"] = quantized
-        del params, weights, raw
-        bar.update(trunk_src[unit])
-
-        # Experts.
-        if unit in moe_layers and state["options"].get("link_experts"):
-            rel = f"experts/layer-{unit:05d}.links"
-            writer = LinkWriter(source, unit, num_experts, sections)
-            for e in range(num_experts):
-                writer.add(e, experts.record(unit, e), experts.locations(unit, e))
-                bar.update(experts.nbytes(unit, e))
-            writer.write(out / rel)
-            result["files"][rel] = (out / rel).stat().st_size
-            result["checksums"][rel] = format_checksum(file_checksum(out / rel))
-            result["bank"] = {"links": rel, "switch_path": moe_layers[unit]}
-            result["linked_files"] = writer.files
-        elif unit in moe_layers:
-            rel = f"experts/layer-{unit:05d}.bank"
-            tmp = out / (rel + ".tmp")
-            writer = BankWriter(tmp, unit, num_experts, sections, state["options"].get("ranks", 1))
-            try:
-                for e in range(num_experts):
-                    writer.write_record(experts.record(unit, e))
-                    bar.update(experts.nbytes(unit, e))
-                writer.close()
-            except BaseException:
-                writer.abort()
-                raise
-            os.replace(tmp, out / rel)
-            result["files"][rel] = (out / rel).stat().st_size
-            result["checksums"][rel] = format_checksum(file_checksum(out / rel))
-            result["bank"] = {
-                "bank": rel,
-                "switch_path": moe_layers[unit],
-                "header_size": writer.header_size,
-            }
+        bar.update(layout.trunk_bytes[unit])
+        if unit in layout.moe_layers:
+            result.update(_write_experts(out, layout, unit, state["options"], bar,
+                                         result["files"], result["checksums"]))
         if unit != "globals":
-            release(module)
+            release(get_module(layout.model, layout.paths[unit]))
         state["done"][key] = result
         _write_atomic_json(partial_path, state)
         if hub is not None:  # durably recorded: the shards no later unit reads can go
@@ -566,11 +554,92 @@ def _convert_units(out, source, model, paths, units, experts, moe_layers, trunk_
         bar.end_unit(unit)
 
 
-def _unit_source_bytes(source, trunk_src, experts, unit) -> int:
-    """Source bytes a unit reads: its trunk tensors and, for a layer, its experts."""
+def _unit_fingerprint(layout: Layout, unit, state: dict, bar, hub, partial_path: Path):
+    """The content fingerprint of a unit's source tensors, its hub shards fetched and
+    their sha256 checked first where they are needed."""
+    source = layout.source
+    key = str(unit)
+    needed = {source.tensors[n].shard for n in layout.units[unit]}
+    if hub is not None and key in state["done"] and not all(map(hub.present, needed)):
+        # Its shards were deleted once it was durably written: its files are
+        # checked, its source is the pinned commit's (sha256-checked) bytes.
+        return state["done"][key].get("source_fingerprint")
+    if hub is not None:
+        hub.ensure(needed)
+        bar.show_status()
+    verified = state.setdefault("verified_blobs", {})
+    for shard in sorted(needed):
+        if shard in source.blob_sha256 and verified.get(shard) != source.blob_sha256[shard]:
+            source.check_blob(shard)  # hub downloads are not checked by the hub client
+            verified[shard] = source.blob_sha256[shard]
+            _write_atomic_json(partial_path, state)
+    return source.content_fingerprint(layout.units[unit])
+
+
+def _write_trunk(out: Path, layout: Layout, unit) -> dict:
+    """A unit's trunk tensors (all but its routed experts), sanitized, cast and
+    quantized, in one safetensors file: its part of the conversion's record."""
+    experts = layout.experts
+    expert_names = experts.names(unit)
+    raw = {n: layout.source.load(n) for n in layout.units[unit] if n not in expert_names}
+    weights = experts.sanitize_trunk(raw, unit)
     if unit == "globals":
-        return trunk_src[unit]
-    return trunk_src[unit] + sum(source.nbytes(n) for n in experts.names(unit))
+        prefix, module = "", layout.model
+        layer_prefixes = tuple(p + "." for p in layout.paths)
+        rel = "trunk/globals.safetensors"
+
+        def skip(p):
+            return p.startswith(layer_prefixes)
+
+    else:
+        prefix, module = layout.paths[unit], get_module(layout.model, layout.paths[unit])
+        rel = f"trunk/layer-{unit:05d}.safetensors"
+        switch = layout.moe_layers.get(unit)
+
+        def skip(p):
+            return switch is not None and (p == switch or p.startswith(switch + "."))
+
+    params, quantized = convert_unit(layout.model, prefix, module, weights, skip,
+                                     layout.trunk_quant, layout.dtype, layout.saved_quant)
+    _save_safetensors(out / rel, params)
+    return {"files": {rel: (out / rel).stat().st_size},
+            "checksums": {rel: format_checksum(file_checksum(out / rel))},
+            "tensors": {k: _tensor_info(k, v, rel, quantized) for k, v in params.items()},
+            "quantized": quantized}
+
+
+def _write_experts(out: Path, layout: Layout, unit, recorded: dict, bar, files: dict,
+                   checksums: dict) -> dict:
+    """A MoE layer's experts: a bank of records, or with --link-experts the table of
+    where each lies in the source. Adds its file to `files`/`checksums`."""
+    experts, n = layout.experts, layout.num_experts
+    if recorded.get("link_experts"):
+        rel = f"experts/layer-{unit:05d}.links"
+        writer = LinkWriter(layout.source, unit, n, layout.sections)
+        for e in range(n):
+            writer.add(e, experts.record(unit, e), experts.locations(unit, e))
+            bar.update(experts.nbytes(unit, e))
+        writer.write(out / rel)
+        entry = {"bank": {"links": rel, "switch_path": layout.moe_layers[unit]},
+                 "linked_files": writer.files}
+    else:
+        rel = f"experts/layer-{unit:05d}.bank"
+        tmp = out / (rel + ".tmp")
+        writer = BankWriter(tmp, unit, n, layout.sections, recorded.get("ranks", 1))
+        try:
+            for e in range(n):
+                writer.write_record(experts.record(unit, e))
+                bar.update(experts.nbytes(unit, e))
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        os.replace(tmp, out / rel)
+        entry = {"bank": {"bank": rel, "switch_path": layout.moe_layers[unit],
+                          "header_size": writer.header_size}}
+    files[rel] = (out / rel).stat().st_size
+    checksums[rel] = format_checksum(file_checksum(out / rel))
+    return entry
 
 
 class ConvertProgress:
@@ -654,8 +723,12 @@ def _existing_parent(p: Path) -> Path:
     return p
 
 
-def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtype,
-            num_layers, moe_layers, num_experts, record_size, sections):
+def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> Manifest:
+    """config.json in mlx-lm's form, the drop-in, the tokenizer files and, last, the
+    manifest: the conversion is finished when the manifest is written."""
+    source, config, dtype = layout.source, layout.config, layout.dtype
+    trunk_quant, expert_quant = layout.trunk_quant, layout.experts.quant
+    num_layers, sections = layout.num_layers, layout.sections
     done = state["done"]
     files, tensors, quantized, checksums = {}, {}, {}, {}
     for unit in done.values():
@@ -669,7 +742,7 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
     default = trunk_quant or {k: expert_quant[k] for k in ("group_size", "bits", "mode")}
     quantization = dict(default)
     quantization.update(quantized)
-    for path in moe_layers.values():
+    for path in layout.moe_layers.values():
         for p in record_linears(s.name for s in sections):
             quantization[f"{path}.{p}"] = linear_quant(expert_quant, p)
     mlx_config = without_code(config)  # nothing a model carries runs (tokenizer files too)
@@ -707,11 +780,11 @@ def _finish(out, source, config, state, options, expert_quant, trunk_quant, dtyp
         },
         tensors=tensors,
         experts={
-            "num_experts": num_experts,
+            "num_experts": layout.num_experts,
             "experts_per_token": experts_per_token(config),
-            "record_size": record_size,
+            "record_size": layout.record_size,
             "sections": [s.to_dict() for s in sections],
-            "layers": {str(u): done[str(u)]["bank"] for u in moe_layers},
+            "layers": {str(u): done[str(u)]["bank"] for u in layout.moe_layers},
             **({"slices": options.ranks} if options.ranks > 1 else {}),
             **({"linked": linked_manifest_entry(source, done)} if options.link_experts else {}),
         },
