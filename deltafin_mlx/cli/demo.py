@@ -58,7 +58,7 @@ def demo_argv(argv: list, parser) -> list:
     if any(a in ("-h", "--help") for a in rest):
         return rest  # the command's own help, without building anything
     model_dir = open_model_dir(prepare(demo_root(where)))
-    takes_budget = "--budget" in parser._option_string_actions
-    if takes_budget and not any(a == "--budget" or a.startswith("--budget=") for a in rest):
+    if "--budget" in parser._option_string_actions and not any(
+            a == "--budget" or a.startswith("--budget=") for a in rest):
         rest += ["--budget", str(demo_plan(model_dir).budget)]
     return [str(model_dir.path)] + rest

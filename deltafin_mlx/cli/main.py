@@ -1,12 +1,9 @@
 """`deltafin-run`: run, chat, plan, bench, describe and verify a Deltafin model,
 run batch jobs, serve it, or try the demo.
 
-This module only dispatches, from one table (COMMANDS): a subcommand goes to its
-module's `cmd_*`, imported only when it runs; anything else is the default path,
-`MODEL PROMPT`, `MODEL --chat` or `--demo`. Adding a command is one entry there and
-its module. Every failure is one line on stderr (cli/common.py's `guarded`) unless
---debug is given.
-"""
+This module only dispatches, from one table (COMMANDS: a new command is one entry and its
+module): a command's module is imported only when it runs; anything else is the default path,
+`MODEL PROMPT`, `MODEL --chat` or `--demo`. Every failure is one line (cli/common.py's `guarded`)."""
 
 import signal
 import sys
@@ -42,10 +39,9 @@ if _sigint is not None:  # imported: Ctrl-C is KeyboardInterrupt again, for guar
 
 @dataclass(frozen=True)
 class Command:
-    """A command of deltafin-run, in the one table its usage, help, dispatch and
-    `--demo` come from. `run` and `parser` name "module:function" in cli/, imported
-    only when it runs; `run` takes the arguments after the name (the default path's
-    modes: the parsed arguments and the demo's model directory)."""
+    """A command of deltafin-run. `run` and `parser` name "module:function" in cli/,
+    imported only when it runs; `run` takes the arguments after the name (the default
+    path's modes: the parsed arguments and the demo's model directory)."""
     name: str  # the word after deltafin-run; for the default path's two modes, what they take
     run: str
     parser: str  # what the command takes (--budget) is read from it
@@ -86,8 +82,7 @@ COMMANDS = (
 
 
 def subcommands() -> dict:
-    """The commands typed after deltafin-run, by name; anything else is the default
-    path (MODEL PROMPT, MODEL --chat, --demo)."""
+    """The commands typed after deltafin-run, by name (the rest is the default path)."""
     return {c.name: c for c in COMMANDS if " " not in c.name}
 
 
@@ -185,9 +180,7 @@ def run_default(argv) -> int:
     refuse_ignored_options(args)
     model_dir = None
     if args.demo:  # the demo's model, then an ordinary run or chat of it
-        from deltafin_mlx.cli.demo import demo_model
-
-        model_dir = demo_model(args)
+        model_dir = command("demo:demo_model")(args)
     elif args.model is None:
         raise UsageError("no model given (try 'deltafin-run --demo', or see --help)")
     mode = next(c for c in COMMANDS if c.name == ("MODEL --chat" if args.chat else "MODEL PROMPT"))
@@ -228,9 +221,7 @@ def dispatch(argv) -> int:
         return run_default(argv)
     rest = argv[1:]
     if "--demo" in rest and sub.model:  # `deltafin-run plan --demo`: the demo's model is MODEL
-        from deltafin_mlx.cli.demo import demo_argv
-
-        rest = demo_argv(rest, command(sub.parser)())
+        rest = command("demo:demo_argv")(rest, command(sub.parser)())
     return command(sub.run)(rest)
 
 
