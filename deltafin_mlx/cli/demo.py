@@ -38,14 +38,10 @@ def demo_model(args):
     return model_dir
 
 
-# Subcommands whose options include --budget: the demo gives them its own budget.
-BUDGETED = {"plan", "bench", "batch", "serve"}
-
-
-def demo_argv(command: str, argv: list) -> list:
+def demo_argv(argv: list, parser) -> list:
     """A subcommand's arguments with `--demo [--demo-dir DIR]` replaced by the demo
-    model's directory (built on first use) as its MODEL, and, where the command
-    takes one and none is given, the demo's budget (a quarter of its experts)."""
+    model's directory (built on first use) as its MODEL, and, where the command's
+    `parser` has --budget and none is given, the demo's budget (a quarter of its experts)."""
     rest, where = [], None
     it = iter(argv)
     for a in it:
@@ -62,6 +58,7 @@ def demo_argv(command: str, argv: list) -> list:
     if any(a in ("-h", "--help") for a in rest):
         return rest  # the command's own help, without building anything
     model_dir = open_model_dir(prepare(demo_root(where)))
-    if command in BUDGETED and not any(a == "--budget" or a.startswith("--budget=") for a in rest):
+    if "--budget" in parser._option_string_actions and not any(
+            a == "--budget" or a.startswith("--budget=") for a in rest):
         rest += ["--budget", str(demo_plan(model_dir).budget)]
     return [str(model_dir.path)] + rest

@@ -1,10 +1,9 @@
 """`deltafin-run`: run, chat, plan, bench, describe and verify a Deltafin model,
-run batch jobs, serve it, or try the demo (the commands are listed in COMMANDS).
+run batch jobs, serve it, or try the demo.
 
-This module only dispatches: a subcommand goes to its module's `cmd_*` (SUBCOMMANDS,
-imported only when it runs); anything else is the default path, `MODEL PROMPT`,
-`MODEL --chat` or `--demo` (MODES). Every failure is one line on stderr (cli/common.py's `guarded`) unless --debug is given.
-"""
+This module only dispatches, from one table (COMMANDS: a new command is one entry and its
+module): a command's module is imported only when it runs; anything else is the default path,
+`MODEL PROMPT`, `MODEL --chat` or `--demo`. Every failure is one line (cli/common.py's `guarded`)."""
 
 import signal
 import sys
@@ -24,7 +23,9 @@ except ValueError:  # imported outside the main thread: its signals are not ours
     _sigint = None
 
 import importlib  # noqa: E402
+import textwrap  # noqa: E402
 import threading  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 from deltafin_mlx.cli.common import add_version, guarded, quiet_broken_pipe  # noqa: E402
 from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens,  # noqa: E402
@@ -35,75 +36,75 @@ from deltafin_mlx.errors import UsageError  # noqa: E402
 if _sigint is not None:  # imported: Ctrl-C is KeyboardInterrupt again, for guarded
     signal.signal(signal.SIGINT, _sigint)
 
-USAGE = """deltafin-run MODEL PROMPT [options]
-       deltafin-run MODEL --chat [options]
-       deltafin-run plan MODEL|CONFIG.json|HUB_ID [options]
-       deltafin-run bench MODEL [options]
-       deltafin-run batch MODEL IN.jsonl -o OUT.jsonl [options]
-       deltafin-run score MODEL IN.jsonl -o OUT.jsonl [options]
-       deltafin-run perplexity MODEL FILE [options]
-       deltafin-run serve MODEL [options]
-       deltafin-run info MODEL
-       deltafin-run verify MODEL
-       deltafin-run list [DIR]
-       deltafin-run rm MODEL|--demo [--yes]
-       deltafin-run --demo [PROMPT] [options]"""
 
-COMMANDS = """commands:
-  MODEL PROMPT      generate from one prompt ('-' reads it from stdin)
-  MODEL --chat      an interactive chat
-  plan              the memory plan and a projected speed, without loading weights
-                    (of a converted model, a source config.json or a hub id)
-  bench             a short decode benchmark
-  batch             answer every prompt of a JSONL file, decoded together (resumable)
-  score             teacher-forced log-probs (and top-K) of every text of a JSONL file,
-                    many texts per sweep over the experts (resumable)
-  perplexity        perplexity of a text file in windows (llama-perplexity's), and the
-                    KL divergence from a reference run (--kl-divergence-base/--kl-divergence)
-  serve             an OpenAI-compatible HTTP server (mlx_lm.server's), every request
-                    checked before it reaches the model
-  info              what a converted model is: architecture, experts, quantization,
-                    sizes, source, when it was converted
-  verify            check every file and every expert record's checksum
-  list              the converted models under a directory: size, architecture, floor
-  rm                delete a converted model (nothing else), or the demo's cache (--demo)
-  --demo            build a small synthetic K3-layout model and run it streaming; with
-                    a command (plan, bench, batch, info, verify, serve) it is the MODEL
+@dataclass(frozen=True)
+class Command:
+    """A command of deltafin-run. `run` and `parser` name "module:function" in cli/,
+    imported only when it runs; `run` takes the arguments after the name (the default
+    path's modes: the parsed arguments and the demo's model directory)."""
+    name: str  # the word after deltafin-run; for the default path's two modes, what they take
+    run: str
+    parser: str  # what the command takes (--budget) is read from it
+    args: str  # what usage shows after the name
+    help: str
+    model: bool = True  # takes a MODEL, which `--demo` stands for (rm: --demo is its own)
+    loads_model: bool = True  # False: never run under mlx.launch (its output is not a rank's)
+
+
+COMMANDS = (
+    Command("MODEL PROMPT", "run:cmd_run", "main:run_parser", "[options]",
+            "generate from one prompt ('-' reads it from stdin)"),
+    Command("MODEL --chat", "chat:cmd_chat", "main:run_parser", "[options]", "an interactive chat"),
+    Command("plan", "plan:cmd_plan", "plan:plan_parser", "MODEL|CONFIG.json|HUB_ID [options]",
+            "the memory plan and a projected speed, without loading weights (of a converted "
+            "model, a source config.json or a hub id)", loads_model=False),
+    Command("bench", "bench:cmd_bench", "bench:bench_parser", "MODEL [options]",
+            "a short decode benchmark"),
+    Command("batch", "batch:cmd_batch", "batch:batch_parser", "MODEL IN.jsonl -o OUT.jsonl [options]",
+            "answer every prompt of a JSONL file, decoded together (resumable)"),
+    Command("score", "score:cmd_score", "score:score_parser", "MODEL IN.jsonl -o OUT.jsonl [options]",
+            "teacher-forced log-probs (and top-K) of every text of a JSONL file, many texts per "
+            "sweep over the experts (resumable)"),
+    Command("perplexity", "perplexity:cmd_perplexity", "perplexity:perplexity_parser",
+            "MODEL FILE [options]", "perplexity of a text file in windows (llama-perplexity's), "
+            "and the KL divergence from a reference run (--kl-divergence-base/--kl-divergence)"),
+    Command("serve", "serve:cmd_serve", "serve:parser", "MODEL [options]", "an OpenAI-compatible "
+            "HTTP server (mlx_lm.server's), every request checked before it reaches the model"),
+    Command("info", "info:cmd_info", "info:info_parser", "MODEL", "what a converted model is: "
+            "architecture, experts, quantization, sizes, source, when it was converted"),
+    Command("verify", "verify:cmd_verify", "verify:verify_parser", "MODEL",
+            "check every file and every expert record's checksum"),
+    Command("list", "list_models:cmd_list", "list_models:list_parser", "[DIR]", "the converted "
+            "models under a directory: size, architecture, floor", model=False, loads_model=False),
+    Command("rm", "remove:cmd_rm", "remove:rm_parser", "MODEL|--demo [--yes]", "delete a converted "
+            "model (nothing else), or the demo's cache (--demo)", model=False, loads_model=False),
+)
+
+
+def subcommands() -> dict:
+    """The commands typed after deltafin-run, by name (the rest is the default path)."""
+    return {c.name: c for c in COMMANDS if " " not in c.name}
+
+
+def usage_and_epilog() -> tuple:
+    """`deltafin-run --help`'s usage lines and command list."""
+    demo = ("--demo [PROMPT]", "build a small synthetic K3-layout model and run it streaming; "
+            f"with a command ({', '.join(n for n, c in subcommands().items() if c.model)}) it "
+            "is the MODEL, with the demo's budget where the command takes --budget")
+    usage = "\n       ".join([f"deltafin-run {c.name} {c.args}" for c in COMMANDS]
+                             + [f"deltafin-run {demo[0]} [options]"])
+    listed = [textwrap.fill(text, 88, initial_indent=f"  {name:<18}", subsequent_indent=" " * 20,
+                            break_on_hyphens=False)
+              for name, text in [(c.name, c.help) for c in COMMANDS] + [demo]]
+    return usage, "\n".join(["commands:"] + listed) + """
 
 'deltafin-run COMMAND --help' shows a command's options. MODEL is a directory
 written by deltafin-convert (convert a Hugging Face checkpoint with it first)."""
 
-# Each takes the arguments after its name. A command's module is imported only when
-# it runs (as mlx-lm's cli.py does): `--help`, `--version`, `list` and `rm` load
-# neither MLX's models nor mlx-lm nor transformers.
-SUBCOMMANDS = {
-    "plan": "deltafin_mlx.cli.plan:cmd_plan",
-    "bench": "deltafin_mlx.cli.bench:cmd_bench",
-    "batch": "deltafin_mlx.cli.batch:cmd_batch",
-    "score": "deltafin_mlx.cli.score:cmd_score",
-    "perplexity": "deltafin_mlx.cli.perplexity:cmd_perplexity",
-    "serve": "deltafin_mlx.cli.serve:cmd_serve",
-    "info": "deltafin_mlx.cli.info:cmd_info",
-    "verify": "deltafin_mlx.cli.verify:cmd_verify",
-    "list": "deltafin_mlx.cli.list_models:cmd_list",
-    "rm": "deltafin_mlx.cli.remove:cmd_rm",
-}
-# The default path's modes; each takes the parsed arguments (and the opened model
-# directory, for the demo's).
-MODES = {
-    "run": "deltafin_mlx.cli.run:cmd_run",
-    "chat": "deltafin_mlx.cli.chat:cmd_chat",
-    "demo": "deltafin_mlx.cli.demo:demo_model",
-    "demo_argv": "deltafin_mlx.cli.demo:demo_argv",
-}
-# Load no model, so never run under mlx.launch: their output is not a rank's.
-NOT_DISTRIBUTED = {"plan", "list", "rm"}
-# Take --demo themselves (rm --demo removes the demo's cache).
-OWN_DEMO = {"rm"}
-
 
 def run_parser():
-    p = Parser(prog="deltafin-run", usage=USAGE, epilog=COMMANDS,
+    usage, epilog = usage_and_epilog()
+    p = Parser(prog="deltafin-run", usage=usage, epilog=epilog,
                description="Run a Deltafin model: MoE experts stream from disk, the output is\n"
                "identical to running it fully in memory. Try 'deltafin-run --demo' first.")
     p.add_argument("model", nargs="?", help="a directory written by deltafin-convert")
@@ -179,16 +180,17 @@ def run_default(argv) -> int:
     refuse_ignored_options(args)
     model_dir = None
     if args.demo:  # the demo's model, then an ordinary run or chat of it
-        model_dir = command(MODES["demo"])(args)
+        model_dir = command("demo:demo_model")(args)
     elif args.model is None:
         raise UsageError("no model given (try 'deltafin-run --demo', or see --help)")
-    return command(MODES["chat" if args.chat else "run"])(args, model_dir)
+    mode = next(c for c in COMMANDS if c.name == ("MODEL --chat" if args.chat else "MODEL PROMPT"))
+    return command(mode.run)(args, model_dir)
 
 
 def command(target: str):
-    """The function "module:function" names, its module imported now."""
+    """The function "module:function" names (a module of cli/), imported now."""
     module, _, function = target.partition(":")
-    return getattr(importlib.import_module(module), function)
+    return getattr(importlib.import_module(f"deltafin_mlx.cli.{module}"), function)
 
 
 @quiet_broken_pipe
@@ -209,18 +211,18 @@ def _main(argv=None):
 
 
 def dispatch(argv) -> int:
-    name = argv[0] if argv else None
+    sub = subcommands().get(argv[0]) if argv else None
     asks_help = any(a in ("-h", "--help", "--version") for a in argv)
-    if name not in NOT_DISTRIBUTED and not asks_help:
+    if (sub is None or sub.loads_model) and not asks_help:
         from deltafin_mlx.model.shard import quiet_other_ranks
 
         quiet_other_ranks()  # under mlx.launch: one output, from rank 0
-    if name in SUBCOMMANDS:
-        rest = argv[1:]
-        if "--demo" in rest and name not in OWN_DEMO:  # `deltafin-run plan --demo`: the demo model is MODEL
-            rest = command(MODES["demo_argv"])(name, rest)
-        return command(SUBCOMMANDS[name])(rest)
-    return run_default(argv)
+    if sub is None:
+        return run_default(argv)
+    rest = argv[1:]
+    if "--demo" in rest and sub.model:  # `deltafin-run plan --demo`: the demo's model is MODEL
+        rest = command("demo:demo_argv")(rest, command(sub.parser)())
+    return command(sub.run)(rest)
 
 
 if __name__ == "__main__":

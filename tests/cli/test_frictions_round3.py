@@ -282,12 +282,14 @@ def test_plan_shows_seconds_per_token_below_one_token_a_second(converted, capsys
 
 def test_serve_with_demo_gets_the_demo_model_and_budget(demo):
     from deltafin_mlx.cli.demo import demo_argv
+    from deltafin_mlx.cli.info import info_parser
+    from deltafin_mlx.cli.serve import parser as serve_parser
 
     root, model = demo
-    argv = demo_argv("serve", ["--demo", "--demo-dir", str(root), "--port", "8081"])
+    argv = demo_argv(["--demo", "--demo-dir", str(root), "--port", "8081"], serve_parser())
     assert argv[:3] == [str(model), "--port", "8081"] and argv[3] == "--budget"
-    assert demo_argv("info", ["--demo", f"--demo-dir={root}"]) == [str(model)]
-    assert demo_argv("serve", ["--demo", "--demo-dir", str(root), "--budget", "1GB"])[1:] == [
+    assert demo_argv(["--demo", f"--demo-dir={root}"], info_parser()) == [str(model)]
+    assert demo_argv(["--demo", "--demo-dir", str(root), "--budget", "1GB"], serve_parser())[1:] == [
         "--budget", "1GB"]
 
 
