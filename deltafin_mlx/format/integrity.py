@@ -118,10 +118,6 @@ def check_if_present(manifest, rel, limit: int) -> bool:
     return True
 
 
-def checksum_bytes(data, crc: int = 0) -> int:
-    return zlib.crc32(data, crc) & 0xFFFFFFFF
-
-
 def format_checksum(crc: int) -> str:
     return f"{CHECKSUM_ALGORITHM}:{crc:08x}"
 
