@@ -2,7 +2,7 @@
 the one learned for its prompt, or be a clean HTTP error (for hostile requests,
 the expected one); the server must stay up and its peak memory within the budget
 plus a margin. bench.studies.stress_server is its command line;
-tests/test_server_load.py runs it for a few seconds. Every loop is bounded in
+tests/server/test_server_load.py runs it for a few seconds. Every loop is bounded in
 count and time.
 """
 

@@ -3,7 +3,7 @@ chunk: one pass, mlx-lm's default 2048, smaller chunks, and the memory plan's.
 
     .venv/bin/python -m bench.studies.prefill_memory [MODEL] [--budget 40MB] [--tokens 3000]
 
-MODEL defaults to a synthetic K3 layout of 8 layers (tests/test_prefill_memory.py's),
+MODEL defaults to a synthetic K3 layout of 8 layers (tests/engine/test_prefill_memory.py's),
 generated under /tmp/deltafin-bench/prefill. Each measurement runs in a fresh process
 (`bench.lib.worker prefill-peak`, the test's measurement too). Writes
 bench/results/prefill_memory.json and .md.

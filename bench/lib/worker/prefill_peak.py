@@ -1,6 +1,6 @@
 """Peak RSS of a long prompt's prefill over the interpreter's baseline, at one
 prefill pass (an integer) or the memory plan's ("plan"). Shared by
-bench.studies.prefill_memory and tests/test_prefill_memory.py, so that both
+bench.studies.prefill_memory and tests/engine/test_prefill_memory.py, so that both
 measure the same thing.
 
     python -m bench.lib.worker prefill-peak MODEL BUDGET TOKENS STEP|plan
