@@ -135,3 +135,11 @@ def test_the_check_sees_paths_in_each_form(tmp_path):
                      "tests/structure": True, "engine/nowhere.py": False,
                      "deltafin_mlx/plan/gone.py": False, "bench.studies.gone": False,
                      "engine/load.model_config": False}
+
+
+def test_the_package_and_the_tests_name_no_file_beside_the_repository():
+    """A clean clone has nothing beside it: what the code points to is inside."""
+    outside = re.compile(r"\.\./shared\b|/work/shared\b")
+    found = [f"{p.relative_to(REPO)}" for p in code_files()
+             if p.parts[len(REPO.parts)] != "bench" and outside.search(code_text(p))]
+    assert found == []
