@@ -1,5 +1,5 @@
 """Every repository path the prose names exists: in README.md, docs/*.md and
-bench/README.md, and in the comments and strings of deltafin_mlx/, bench/ and tests/.
+bench/README.md, and in the comments and docstrings of deltafin_mlx/, bench/ and tests/.
 
 A path named is a token rooted at the repository (`deltafin_mlx/engine/load.py`,
 `tests/plan/`, `bench/results/latest.json`, `docs/LEARNED.md`), a stage-relative one
@@ -9,6 +9,7 @@ A path named is a token rooted at the repository (`deltafin_mlx/engine/load.py`,
 (`~/models/...`, `../shared/...`, `OUT.jsonl`), placeholders (`<stage>`, `NAME`) and
 glob patterns are not the repository's and are left alone."""
 
+import ast
 import io
 import re
 import tokenize
@@ -39,11 +40,14 @@ def code_files():
 
 
 def code_text(path: Path) -> str:
-    """A module's comments and string literals: where its prose is."""
-    out = []
-    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
-        if tok.type in (tokenize.COMMENT, tokenize.STRING):
-            out.append(tok.string)
+    """A module's prose: its comments and docstrings (a string standing as a statement),
+    not the strings its code computes with."""
+    text = path.read_text()
+    out = [tok.string for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+           if tok.type == tokenize.COMMENT]
+    out += [node.value.value for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)]
     return "\n".join(out)
 
 
