@@ -12,8 +12,6 @@ called, so the package's front door stays light. Checked against mlx-lm 0.32.x
 (pyproject.toml pins `mlx-lm>=0.32.2,<0.33`).
 """
 
-CHECKED_VERSIONS = ">=0.32.2,<0.33"
-
 # (module, dotted name): mlx-lm's private or undocumented names Deltafin relies on.
 # A name the class itself does not hold is an instance attribute its methods set
 # (`self.NAME = ...`), which Deltafin reads or sets.

@@ -152,7 +152,7 @@ def projection_table(p) -> list:
 def simulation_table(sim) -> list:
     if not sim:
         return []
-    L = ["Hit rate against cache size (bench.lib.cache_simulator; per-layer caches, "
+    L = ["Hit rate against cache size (deltafin_mlx.testing.cache_simulator; per-layer caches, "
          "demand fetching):\n"]
     grid = sim["grid"]
     L.append("| routing | policy | " + " | ".join(f"{g:.0%}" for g in grid) + " |")

@@ -1,11 +1,11 @@
-"""Hit rate against cache size, from bench.lib.cache_simulator (used unchanged):
+"""Hit rate against cache size, from deltafin_mlx.testing.cache_simulator (used unchanged):
 on generated routing at Kimi K3's size (896 experts, 16 per token) and on routing
 traces recorded from the bench models. Part of bench.run's report and of the K3
 projection."""
 
 from pathlib import Path
 
-from bench.lib import cache_simulator as sc
+from deltafin_mlx.testing import cache_simulator as sc
 
 GRID = [0.02, 0.05, 0.10, 0.25, 0.50, 0.75]
 SIZES = {"quick": dict(tokens=1024, layers=2), "full": dict(tokens=2048, layers=4)}

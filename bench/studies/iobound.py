@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.lib import cache_simulator as sc
+from deltafin_mlx.testing import cache_simulator as sc
 from bench.lib import common
 
 BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")

@@ -210,7 +210,7 @@ def project(workdir: Path, disk: dict, mode: str = "quick", drops: bool = True) 
     floor = trunk + K3["k"] * K3["record_size"]
     bw = disk["qd1"]["gbps_median"] * 1e9
 
-    # Hit rates from the cache simulator (bench.lib.cache_simulator, SlotMap policy,
+    # Hit rates from the cache simulator (deltafin_mlx.testing.cache_simulator, SlotMap policy,
     # "skewed" routing preset: Zipf 1.0, ~35% overlap with the previous token).
     from bench.lib.simulate import k3_hit_rates
 

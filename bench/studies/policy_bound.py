@@ -1,6 +1,6 @@
 """How close can an online cache policy get to Belady on a routing trace?
 
-The shipped policy (the runtime's ExpertPool, through bench.lib.cache_simulator)
+The shipped policy (the runtime's ExpertPool, through deltafin_mlx.testing.cache_simulator)
 against the best member of a broad family of online policies, each tuned in
 hindsight on the trace itself: an upper bound for online policies of these kinds,
 not something a runtime could ship (its parameters are chosen by looking at the
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib import cache_simulator as sc
+from deltafin_mlx.testing import cache_simulator as sc
 from deltafin_mlx.engine.policy import SlotMap
 
 

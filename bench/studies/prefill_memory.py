@@ -3,9 +3,9 @@ chunk: one pass, mlx-lm's default 2048, smaller chunks, and the memory plan's.
 
     .venv/bin/python -m bench.studies.prefill_memory [MODEL] [--budget 40MB] [--tokens 3000]
 
-MODEL defaults to a synthetic K3 layout of 8 layers (tests/test_prefill_memory.py's),
+MODEL defaults to a synthetic K3 layout of 8 layers (tests/engine/test_prefill_memory.py's),
 generated under /tmp/deltafin-bench/prefill. Each measurement runs in a fresh process
-(`bench.lib.worker prefill-peak`, the test's measurement too). Writes
+(`deltafin_mlx.testing.peak prefill-peak`, the test's measurement too). Writes
 bench/results/prefill_memory.json and .md.
 """
 
@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.lib import ROOT, worker
+from bench.lib import ROOT
+from deltafin_mlx.testing import peak
 
 
 def fixture(root: Path) -> Path:
@@ -43,9 +44,8 @@ def main(argv=None):
         runs = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            out = subprocess.run(worker.command("prefill-peak", model, args.budget,
-                                                args.tokens, step),
-                                 capture_output=True, text=True, env=worker.environment())
+            out = subprocess.run(peak.command("prefill-peak", model, args.budget, args.tokens, step),
+                                 capture_output=True, text=True)
             if out.returncode:
                 sys.exit(out.stderr.strip().splitlines()[-1])
             r = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,5 +1,5 @@
 """Simulate expert caches on a routing trace and compare policies (the simulator
-is bench.lib.cache_simulator; its docstring says what it models).
+is deltafin_mlx.testing.cache_simulator; its docstring says what it models).
 
     python -m bench.studies.simulate_cache                       # all presets, both sizes
     python -m bench.studies.simulate_cache --preset skewed --experts 64 --k 4
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.cache_simulator import (FRACTIONS, PRESETS, SIZES, generate_trace, load_trace,
-                                       overlap, run)
+from deltafin_mlx.testing.cache_simulator import (FRACTIONS, PRESETS, SIZES, generate_trace,
+                                                  load_trace, overlap, run)
 
 
 def format_table(name: str, rows: dict) -> str:

@@ -27,7 +27,8 @@ import json
 import sys
 from pathlib import Path
 
-from bench.lib.server_stress import healthy, run
+from bench.lib.server import sampling
+from deltafin_mlx.testing.server_stress import healthy, run
 
 
 def main():
@@ -47,7 +48,8 @@ def main():
     if a.samples and a.server != "deltafin":
         p.error("--samples needs --server deltafin")
     r = run(a.model, a.clients, a.seconds, a.budget, a.max_tokens, server=a.server,
-            hostile_fraction=a.hostile, context=a.context, samples=a.samples)
+            hostile_fraction=a.hostile, context=a.context, samples=a.samples,
+            launcher=sampling(a.samples) if a.samples else None)
     print(json.dumps(r, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))

@@ -1,5 +1,5 @@
 """`deltafin-run batch MODEL IN.jsonl -o OUT.jsonl`: every prompt of a JSONL file,
-decoded together; rerunning the same command resumes (deltafin_mlx/batch.py)."""
+decoded together; rerunning the same command resumes (deltafin_mlx/jobs/batch.py)."""
 
 import sys
 

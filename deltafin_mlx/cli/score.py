@@ -1,6 +1,6 @@
 """`deltafin-run score MODEL IN.jsonl -o OUT.jsonl`: teacher-forced log-probs of
 every text of a JSONL file, many texts per sweep over the experts; rerunning the
-same command resumes (deltafin_mlx/score/)."""
+same command resumes (deltafin_mlx/jobs/score.py)."""
 
 import json
 import os

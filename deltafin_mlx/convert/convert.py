@@ -748,7 +748,7 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
     mlx_config = without_code(config)  # nothing a model carries runs (tokenizer files too)
     mlx_config["quantization"] = quantization
     mlx_config["quantization_config"] = quantization
-    # The mlx-lm drop-in (deltafin_mlx/mlx_lm_shim.py): mlx-lm imports this file
+    # The mlx-lm drop-in (deltafin_mlx/dropin/shim.py): mlx-lm imports this file
     # with --trust-remote-code; Deltafin itself builds mlx-lm's class from model_type.
     mlx_config["model_file"] = SHIM_FILE
     _write_atomic_json(out / "config.json", mlx_config)

@@ -8,7 +8,7 @@ passes mlx-lm's own stacked format through. Every module of the built model that
 a SwitchGLU or SwitchMLP is a routed-expert module; its parameters, one row per
 expert, are what a record holds (format/record.py).
 
-A layer's experts are never held whole (one Kimi K3 layer's are 15.7 GB). Per MoE
+A layer's experts are never held whole (a large release's outgrow memory). Per MoE
 layer the source tensors are sorted first, by dry runs of `sanitize` on lazy
 placeholders that are never evaluated: a tensor with an expert index in its name
 (`experts.<e>.`) belongs to expert e; another whose first axis is the expert count
@@ -437,9 +437,9 @@ class SanitizedExperts:
         is a raw release that needs converting (qwen3_next shifts its norms by one
         only when it sees `mlp.experts.0.up_proj.weight`, qwen3_5 only when some
         linear-attention layer's conv1d is unconverted), so sanitize also sees lazy
-        placeholders, never evaluated, of every other unit's trunk tensors (a few
-        thousand names even for Kimi K3) and of this layer's and the first MoE
-        layer's expert tensors (not every layer's: K3 has 100k of them). Only what
+        placeholders, never evaluated, of every other unit's trunk tensors (names and
+        shapes only) and of this layer's and the first MoE layer's expert tensors (not
+        every layer's: a large release has too many, docs/LEARNED.md). Only what
         sanitize puts in this unit and not in its expert module is kept. A class that
         cannot take them so (one that converts every layer's experts at once) gets
         the trunk placeholders alone, then the unit's tensors beside the globals'."""

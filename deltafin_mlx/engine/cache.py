@@ -7,11 +7,11 @@ expert -> slot index and nothing is stacked or copied per token. One pool, not o
 per layer, so that a small budget needs room for only one layer's experts at a time
 and a large one goes where the traffic is.
 
-Reads write into the slot arrays through zero-copy numpy views (see
-../shared/NOTES.md). A slot is only written when no pending computation can read
-it: a layer's computation is evaluated before the next layer's router (whose input
-depends on it), the experts of the call in flight are protected from eviction, and
-so are slots that reads are filling.
+Reads write into the slot arrays through zero-copy numpy views (`np.asarray` of an
+evaluated array), and MLX tracks no dependency on such writes, so a slot is only
+written when no pending computation can read it: a layer's computation is evaluated
+before the next layer's router (whose input depends on it), the experts of the call
+in flight are protected from eviction, and so are slots that reads are filling.
 """
 
 import copy

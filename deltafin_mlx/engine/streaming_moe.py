@@ -130,8 +130,8 @@ class ExpertStore:
         """Decoding resumes: the pass pool goes, the trunk layers the pass streamed
         are pinned again and the cache has its slots again, its first guesses the
         experts the pass's last position routed to (read behind every demand read,
-        as a warm start's: consecutive tokens share many experts, 44% of the next
-        token's on a trained model's routing, docs/LEARNED.md)."""
+        as a warm start's: consecutive tokens share many experts on a trained model's
+        routing, docs/LEARNED.md)."""
         if self.pass_pool is None and not self.resuming:
             return
         # A Ctrl-C in here (the trunk's read takes seconds on K3) leaves `resuming`
@@ -170,7 +170,7 @@ class IORates:
     SMOOTH = 0.25  # weight of the newest call in the running means
     # Guesses only while calls stall on reads for more than this share of their
     # time: below it they cost more arithmetic than the stalls they could remove
-    # (compute-bound runs stall 11-13% and lose 9-16% with guesses).
+    # (compute-bound runs stall less and lose with guesses: docs/LEARNED.md).
     STALL_FLOOR = 0.25
 
     def __init__(self):

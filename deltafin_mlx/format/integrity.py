@@ -10,8 +10,8 @@ on its size. The manifest records a checksum of every file (`checksums`, see
 docs/FORMAT.md): small files are checked at every load, the rest by
 `deltafin-run verify` and, with `--verify`, as they are read.
 
-The checksum is zlib's CRC-32, as the bank records use: about 3 GB/s on one core
-here, faster than the disk (docs/PERFORMANCE.md), with no new dependency.
+The checksum is zlib's CRC-32, as the bank records use: faster on one core than
+the disk reads (docs/PERFORMANCE.md), with no new dependency.
 It finds damage, not an adversary: whoever can edit a file can reseal the
 manifest, so what a file says is also validated on its own (tokenizer, config).
 """
@@ -25,7 +25,8 @@ from typing import Callable, Optional
 from deltafin_mlx.errors import ModelError
 
 CHECKSUM_ALGORITHM = "crc32"
-# Files up to this size are checksummed at every load (64 MiB: ~20 ms here).
+# Files up to this size are checksummed at every load (a small share of a load's
+# time: docs/PERFORMANCE.md).
 SMALL_FILE_BYTES = 64 << 20
 MANIFEST_MAX_BYTES = 256 << 20
 CONFIG_MAX_BYTES = 16 << 20
@@ -116,10 +117,6 @@ def check_if_present(manifest, rel, limit: int) -> bool:
     with open_inside(root, rel, limit):
         pass
     return True
-
-
-def checksum_bytes(data, crc: int = 0) -> int:
-    return zlib.crc32(data, crc) & 0xFFFFFFFF
 
 
 def format_checksum(crc: int) -> str:

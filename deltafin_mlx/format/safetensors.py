@@ -20,7 +20,7 @@ from typing import Dict, Tuple
 from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.dtypes import ITEMSIZE, SAFETENSORS
 
-# Far above any real header (K3's largest shard's is ~100 KB), far below memory.
+# Far above any real header (docs/LEARNED.md has K3's), far below memory.
 MAX_HEADER_BYTES = 1 << 28
 
 

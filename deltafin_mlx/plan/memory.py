@@ -170,7 +170,7 @@ def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dt
     mlx-lm runs as a loop over tokens (`gated_delta_ops`, copies of the state per
     token), and intermediates that grow with the number of layers. The CPU terms
     are an upper bound fitted to measured peak RSS of synthetic K3 layouts of 4 and
-    8 layers (tests/test_prefill_memory.py), not a model of MLX's allocator; on a
+    8 layers (tests/engine/test_prefill_memory.py), not a model of MLX's allocator; on a
     GPU (fused attention and recurrence kernels) only the first terms apply.
     """
     tc = text_config(config)
@@ -425,8 +425,8 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     # The cache is decode's: during a pass each expert is read once whatever it
     # holds, so it gives its slots back (engine/pass_pool.py) and the pass has them
     # but for its own groups of experts. A cache of every expert stays. (Giving a
-    # prefill pass the unused budget too overran: 53 MB at 40 MB, K3 layout, passes
-    # of 2,136 tokens; the activations per token are underestimated.)
+    # prefill pass the unused budget too overran the budget, docs/LEARNED.md: the
+    # activations per token are underestimated.)
     pass_slots = 0 if slots >= all_experts else pass_pool_slots(int(slots), k)
     released = (int(slots) - pass_slots) * one if pass_slots else 0
     # Such a pass streams the pinned layers of each shape that has more of them

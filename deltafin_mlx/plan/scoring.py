@@ -23,8 +23,8 @@ from deltafin_mlx.plan.memory import (MemoryPlan, WORKING_BYTES, pass_bytes_per_
 MAX_SCORING_PASS = 65536  # tokens: past this a pass's bookkeeping outweighs a sweep saved
 # Shares of the scoring allowance for the pass's two transient blocks, each capped:
 # past the caps bigger blocks only take tokens from the pass, which are what saves
-# reads (uncapped, a third and an eighth held K3 at 56 GB to 29,595 tokens a pass,
-# docs/LEARNED.md). At small budgets the shares bind, not the caps.
+# reads (uncapped, they took half of K3's pass tokens: docs/LEARNED.md). At small
+# budgets the shares bind, not the caps.
 LOGIT_SHARE = 8  # one block of logits and its log-softmax
 ATTENTION_SHARE = 3  # one attention call's activations
 MAX_LOGIT_ROWS = 256  # positions: already one matrix product's worth of rows

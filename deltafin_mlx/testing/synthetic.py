@@ -74,7 +74,7 @@ class SyntheticConfig:
     a_log_pad_to: int = 128  # A_log rounds heads up to this (release: 96 -> 128)
     # Spread of the Kimi routers' score-correction bias. Random weights route
     # almost uniformly; a larger spread makes a few experts popular, as trained
-    # routers are (bench/iobound.py uses it to get skewed routing).
+    # routers are (bench/studies/iobound.py uses it to get skewed routing).
     router_bias_std: float = 0.1
 
 

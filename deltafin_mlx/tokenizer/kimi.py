@@ -492,10 +492,6 @@ class KimiStreamingDetokenizer(StreamingDetokenizer):
         self.text += self._utf8.decode(b"", final=True)
 
 
-def is_kimi_tokenizer(model_dir):
-    return (Path(model_dir) / "tiktoken.model").is_file()
-
-
 def _config_eos_token_ids(model_dir):
     # The stop token of a chat turn (K3's <|end_of_msg|>) is the model
     # config's eos, not the tokenizer's.

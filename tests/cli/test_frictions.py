@@ -227,12 +227,8 @@ def test_plan_floor_parts_add_up_and_every_size_is_in_a_fitting_unit(converted, 
 
 
 def test_k3_floor_parts_add_up_in_the_budget_error(capsys):
-    from deltafin_mlx.testing.shared import EXPERT, STATE_4K, k3_config
+    from deltafin_mlx.testing.kimi_k3 import CONFIG as K3_CONFIG, EXPERT, STATE_4K
 
-    K3_CONFIG = k3_config()
-
-    if not K3_CONFIG.exists():
-        pytest.skip(f"{K3_CONFIG} not present (set DELTAFIN_K3_CONFIG)")
     r = plan_json(K3_CONFIG, "--dtype", "bfloat16", "--budget", "16GB", "--disk-gbps", "5",
                   "--compute-gwps", "400")
     assert sum(r["floor_parts"].values()) == r["floor_bytes"]
@@ -313,15 +309,6 @@ def test_plan_piped_to_head_prints_no_traceback(converted):
     p = subprocess.run(f"{BIN / 'deltafin-run'} plan {converted('kimi_k3')} --disk-gbps 2 "
                        "--compute-gwps 3 | head -1", shell=True, capture_output=True, text=True)
     assert p.stdout.startswith("model") and p.stderr == ""
-
-
-def test_k3_tests_follow_the_config_path_in_the_environment(tmp_path):
-    elsewhere = tmp_path / "k3" / "config.json"
-    p = subprocess.run([sys.executable, "-c", "import test_plan; print(test_plan.K3_CONFIG)"],
-                       cwd=REPO / "tests" / "plan", capture_output=True, text=True,
-                       env={**os.environ, "DELTAFIN_K3_CONFIG": str(elsewhere)})
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == str(elsewhere)
 
 
 # --- the converter ---------------------------------------------------------------------
@@ -469,9 +456,9 @@ def readme_blocks(lang):
 # Lines the test does not run, and why.
 NOT_RUN = {
     "python3 -m venv": "the set-up itself (this test runs inside it)",
-    "mlx_lm.server": "a server runs until stopped (tests/test_cli.py serves requests)",
+    "mlx_lm.server": "a server runs until stopped (tests/cli/test_cli.py serves requests)",
     "deltafin-run serve": "a server runs until stopped (tests/test_server_*.py serve requests)",
-    "curl -s localhost:8080": "requests to that server (tests/test_server_endpoints.py sends them)",
+    "curl -s localhost:8080": "requests to that server (tests/server/test_server_endpoints.py sends them)",
     "pip install -q \".[eval]\"": "the test extra already holds lm-eval",
     "deltafin-lm-eval": "its tasks download datasets (tests/jobs/test_lm_eval.py runs a local task)",
 }

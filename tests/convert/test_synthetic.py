@@ -1,12 +1,10 @@
 import json
 import math
-import os
 import re
 import struct
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,9 +13,9 @@ import pytest
 from mlx_lm.utils import load_model
 from safetensors import safe_open
 
+from deltafin_mlx.testing.kimi_k3 import CONFIG as K3_CONFIG
 from deltafin_mlx.testing.synthetic import ARCHITECTURES, checkpoint_size, make_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
 TOKENS = [1, 5, 9, 200, 300, 17, 42, 99]
 _ITEMSIZE = {"BF16": 2, "F32": 4, "U8": 1}
 _SHARD_RE = {
@@ -245,16 +243,7 @@ def test_kimi_k3_layout(checkpoints):
 
 
 def test_kimi_k3_config_matches_release(checkpoints):
-    candidates = [
-        Path(os.environ.get("DELTAFIN_K3_CONFIG", "")),
-        REPO.parent / "shared/kimi-k3/config.json",
-        REPO / "shared/kimi-k3/config.json",
-        Path("/work/shared/kimi-k3/config.json"),
-    ]
-    release = next((p for p in candidates if p.is_file()), None)
-    if release is None:
-        pytest.skip("the release config.json is not available here (set DELTAFIN_K3_CONFIG)")
-    real = json.loads(release.read_text())
+    real = json.loads(K3_CONFIG.read_text())
     ours = json.loads((checkpoints["kimi_k3"] / "config.json").read_text())
 
     def differing(a, b, prefix=""):
@@ -389,7 +378,8 @@ def test_memory_stays_bounded(tmp_path):
     script = textwrap.dedent(
         f"""
         import resource, sys
-        from deltafin_mlx.testing.synthetic import make_checkpoint
+        from deltafin_mlx.testing.kimi_k3 import CONFIG as K3_CONFIG
+from deltafin_mlx.testing.synthetic import make_checkpoint
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         make_checkpoint({str(tmp_path)!r}, "qwen3_moe", vocab_size=65536,
                         hidden_size=1024, num_layers=1, num_experts=4)

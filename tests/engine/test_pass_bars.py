@@ -4,14 +4,11 @@ its slot arrays back and the pass reads into a pool of its own groups of experts
 prefill allowance (plan/memory.py `pass_released_bytes`; a pass that fits beside the
 cache keeps it). Decoding takes the cache back, empty.
 
-Measured in fresh processes (tests/peak_worker.py): peak RSS over the interpreter's
+Measured in fresh processes (deltafin_mlx/testing/peak.py): peak RSS over the interpreter's
 baseline, as tests/engine/test_prefill_memory.py measures it."""
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -20,9 +17,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from deltafin_mlx import load, runtime
 from deltafin_mlx.convert.convert import ConvertOptions, convert
+from deltafin_mlx.testing.peak import measure
 from helpers import make_source
 
-WORKER = Path(__file__).resolve().parents[1] / "peak_worker.py"
 BUDGET = 40_000_000  # the issue's --budget 40MB
 # The issue's full-size bars take 10-20 minutes each on a 2-core machine: the suite
 # runs the same checks at a tenth of the size, DELTAFIN_FULL_BARS=1 at full size.
@@ -81,26 +78,18 @@ def test_a_1030_token_prompt_at_40mb_is_one_pass_reading_at_most_1_1x_its_union(
     state.close()
 
 
-def measure(*args):
-    p = subprocess.run([sys.executable, str(WORKER), *map(str, args)], capture_output=True,
-                       text=True, timeout=3000)
-    assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("tokens", [3000, pytest.param(20_000, marks=FULL_SIZE)])
 def test_a_long_text_at_40mb_stays_within_the_budget_and_scores_as_at_a_large_one(
         eight_layers, tmp_path, tokens):
     """Scored across passes keeping its KV (jobs/score_sweep.run_long): the peak
     over the baseline stays within the budget, and the log-probabilities are those of
-    the text in one pass at 2 GB. Measured 2026-12-04: 32.6, 32.6 and 32.7 MB at
-    3,000 tokens, 39.1 MB at 20,000 (1,250 passes). Before glibc was kept from
-    holding what MLX frees (engine/allocator.py) the same worker gave 38.8-45.1 MB
-    at 3,000 tokens and 46.9 MB at 20,000 (docs/LEARNED.md)."""
-    small = measure("score-text", eight_layers, BUDGET, tokens, tmp_path / "small.npy")
+    the text in one pass at 2 GB. Within the budget itself since glibc is kept from
+    holding what MLX frees (engine/allocator.py); the figures, before and after, are
+    in docs/PERFORMANCE.md and docs/LEARNED.md."""
+    small = measure("score-peak", eight_layers, BUDGET, tokens, tmp_path / "small.npy")
     assert small["passes"] > 1 and small["budget"] == BUDGET
     assert small["over_baseline"] <= BUDGET, small
-    large = measure("score-text", eight_layers, "2GB", tokens, tmp_path / "large.npy")
+    large = measure("score-peak", eight_layers, "2GB", tokens, tmp_path / "large.npy")
     assert large["passes"] == 1
     got, want = np.load(tmp_path / "small.npy"), np.load(tmp_path / "large.npy")
     np.testing.assert_allclose(got[1:], want[1:], atol=1e-4)
@@ -108,9 +97,8 @@ def test_a_long_text_at_40mb_stays_within_the_budget_and_scores_as_at_a_large_on
 
 # What a score job holds of its input beside the budget: the window of prepared
 # texts (jobs/score.py WINDOW_PASSES passes' tokens, each text with its parsed line:
-# about 1,600 texts of 2-4 tokens at 40 MB), the ids it has seen, one line.
-# Measured 2.34 MB over the budget (40,000 texts, 109 sweeps, 2026-12-03); since glibc
-# is kept from holding what MLX frees (engine/allocator.py), 37.6 MB in all (2026-12-04).
+# about 1,600 texts of 2-4 tokens at 40 MB), the ids it has seen, one line
+# (docs/PERFORMANCE.md has what it measured).
 READER_BOUND = 4_000_000
 
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.lib import cache_simulator as sim
+from deltafin_mlx.testing import cache_simulator as sim
 from deltafin_mlx.engine.policy import SlotMap
 
 

@@ -1,4 +1,4 @@
-"""The stop-string rule (deltafin_mlx/stops.py), as a run, a chat, a batch and
+"""The stop-string rule (deltafin_mlx/generation/stops.py), as a run, a chat, a batch and
 `generate` apply it: the text ends just before the earliest occurrence of any stop
 string, however the text was cut into segments as it streamed."""
 

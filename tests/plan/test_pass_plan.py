@@ -13,9 +13,8 @@ import pytest
 from deltafin_mlx.plan.footprint import inventory_from_config
 from deltafin_mlx.plan.memory import plan_memory
 from deltafin_mlx.plan.passes import pass_plan
-from deltafin_mlx.testing.shared import k3_config
+from deltafin_mlx.testing.kimi_k3 import CONFIG as K3
 
-K3 = k3_config()
 MAC_64GB = ("--budget", "56GB", "--disk-gbps", "5.4", "--compute-gwps", "515")
 
 
@@ -28,8 +27,6 @@ def plan_json(*args):
 
 @pytest.fixture(scope="module")
 def k3_inventory():
-    if not K3.exists():
-        pytest.skip(f"{K3} not present (set DELTAFIN_K3_CONFIG to K3's config.json)")
     return inventory_from_config(json.loads(K3.read_text()), mx.bfloat16, bits=4)
 
 

@@ -10,10 +10,8 @@ import pytest
 
 from deltafin_mlx.cli.main import main
 from deltafin_mlx import runtime
-from deltafin_mlx.testing.shared import EXPERT, STATE_4K, k3_config
+from deltafin_mlx.testing.kimi_k3 import CONFIG as K3_CONFIG, EXPERT, STATE_4K
 
-# Kimi K3's release config.json: $DELTAFIN_K3_CONFIG, else shared/kimi-k3/ above the checkout.
-K3_CONFIG = k3_config()
 GB = 1e9
 
 
@@ -58,8 +56,6 @@ def plan_json(*args):
 
 @pytest.fixture(scope="module")
 def k3():
-    if not K3_CONFIG.exists():
-        pytest.skip(f"{K3_CONFIG} not present (set DELTAFIN_K3_CONFIG to K3's config.json)")
     return plan_json(K3_CONFIG, "--bits", "4", "--dtype", "bfloat16", "--budget", "16GB")
 
 

@@ -2,7 +2,7 @@
 bounded time: every request answered correctly (or refused cleanly), memory within
 budget, no crash."""
 
-from bench.lib import server_stress
+from deltafin_mlx.testing import server_stress
 
 
 def test_eight_concurrent_clients_are_all_answered_correctly(converted, capsys):

@@ -51,7 +51,7 @@ def imports_of(name: str, path: Path, known) -> set:
 def graph():
     known = modules()
     g = {n: imports_of(n, p, known) for n, p in known.items()}
-    # `import deltafin_mlx.x` names the package too: the package's __init__ is a
+    # `import deltafin_mlx.engine` names the package too: the package's __init__ is a
     # façade over the modules, not a dependency of them.
     for n in g:
         g[n].discard("deltafin_mlx")

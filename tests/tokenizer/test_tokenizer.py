@@ -13,7 +13,6 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from deltafin_mlx.tokenizer.kimi import (
     KimiStreamingDetokenizer,
-    is_kimi_tokenizer,
     kimi_encoding,
     load_kimi_tokenizer,
     read_tiktoken_ranks,
@@ -120,11 +119,6 @@ def test_tokenizer_config_has_the_release_shape(tmp_path):
     for key in ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length"):
         assert key in config
     assert "chat_template" not in config  # K3 renders prompts in code
-
-
-def test_is_kimi_tokenizer(tmp_path, k3_dir):
-    assert is_kimi_tokenizer(k3_dir)
-    assert not is_kimi_tokenizer(tmp_path)
 
 
 # Special tokens

@@ -3,18 +3,15 @@
     python -m bench.lib.worker decode --model DIR --mode resident     # profiled decode
     python -m bench.lib.worker read-mode MODEL FRACTION MODE PIPELINE TOKENS
     python -m bench.lib.worker budget-decode MODEL MODE BUDGET TOKENS
-    python -m bench.lib.worker prefill-peak MODEL BUDGET TOKENS STEP
-    python -m bench.lib.worker score-peak MODEL BUDGET TOKENS
     python -m bench.lib.worker prefill-run MODEL TOKENS SLOTS DECODE [THROTTLE_FILE VALUE]
     python -m bench.lib.worker prefill-ab MODEL TOKENS REPEATS CONFIG...
-    python -m bench.lib.worker server-baseline
     python -m bench.lib.worker sampled-serve FILE serve MODEL [serve options...]
     python -m bench.lib.worker score --model DIR --mode deltafin|mlx-lm [--cache-slots N]
     python -m bench.lib.worker expert-reads MODEL PASSES [THROTTLE_FILE VALUE]
 
 Each mode prints its result as one JSON line (the last line of stdout), except
-server-baseline, which prints a number of KiB, and sampled-serve, a server that
-writes memory samples to FILE. A fresh process per measurement
+sampled-serve, a server that writes memory samples to FILE (the peak-memory
+measurements the tests share are deltafin_mlx/testing/peak.py). A fresh process per measurement
 keeps one run's memory, caches and patches out of the next.
 """
 
@@ -29,10 +26,7 @@ MODES = {
     "decode": "decode",
     "read-mode": "read_mode",
     "budget-decode": "budget_decode",
-    "prefill-peak": "prefill_peak",
-    "score-peak": "score_peak",
     "prefill-run": "prefill_run",
-    "server-baseline": "server_baseline",
     "sampled-serve": "sampled_serve",
     "score": "score",
     "expert-reads": "expert_reads",

@@ -224,7 +224,7 @@ def decode(argv=None):
     ap.add_argument("--throttle", nargs=2, metavar=("FILE", "VALUE"),
                     help="write VALUE into FILE (a blkio throttle) when timing starts")
     ap.add_argument("--trace-out",
-                    help="write the routing trace (bench.lib.cache_simulator's JSONL)")
+                    help="write the routing trace (deltafin_mlx.testing.cache_simulator's JSONL)")
     ap.add_argument("--routing", action="store_true",
                     help="record routing (overlap with the previous token) via on_route")
     ap.add_argument("--experiment", choices=sorted(EXPERIMENTS),

@@ -2,7 +2,7 @@
 the one learned for its prompt, or be a clean HTTP error (for hostile requests,
 the expected one); the server must stay up and its peak memory within the budget
 plus a margin. bench.studies.stress_server is its command line;
-tests/test_server_load.py runs it for a few seconds. Every loop is bounded in
+tests/server/test_server_load.py runs it for a few seconds. Every loop is bounded in
 count and time.
 """
 
@@ -15,8 +15,8 @@ import time
 import urllib.error
 from pathlib import Path
 
-from bench.lib.server import (baseline_rss, chat, free_port, get, peak_rss, start_server,
-                              stop_server)
+from deltafin_mlx.testing.peak import baseline_rss, peak_rss
+from deltafin_mlx.testing.server import chat, free_port, get, start_server, stop_server
 
 PROMPTS = [
     "Hello there",
@@ -131,15 +131,17 @@ def percentile(xs, q):
 
 
 def run(model, clients=8, seconds=60.0, budget="200MB", max_tokens=12, max_requests=10_000,
-        seed=0, server="mlx_lm", hostile_fraction=0.0, context=4096, extra=(), samples=None):
-    """`samples`: a file for the server's memory samples (`deltafin` only); the
-    report's `peak_sample` is the one at the highest VmRSS."""
+        seed=0, server="mlx_lm", hostile_fraction=0.0, context=4096, extra=(), samples=None,
+        launcher=None):
+    """`launcher`: how `deltafin-run serve` starts (deltafin_mlx.testing.server's
+    start_server); `samples`: the file where that server writes its memory samples, if
+    it does; the report's `peak_sample` is the one at the highest VmRSS."""
     import tempfile
 
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="deltafin-stress-")) / "server.log"
     proc = start_server(model, port, budget, log_path, server, context, extra=extra,
-                        samples=samples)
+                        launcher=launcher)
     vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1 << 17)
     try:
         expected = {p: chat(port, p, max_tokens, stream=False) for p in PROMPTS}
