@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from deltafin_mlx.convert.convert import ConvertOptions, convert
-from helpers import make_source, reference_model
+from deltafin_mlx.engine.load import load
+
+from helpers import FAST, close, first_logits, make_source, reference_model
 
 
 @pytest.fixture(autouse=True)
@@ -79,6 +81,45 @@ def copy_of(tmp_path):
     return copy
 
 
+@pytest.fixture
+def no_disk_measurement(monkeypatch):
+    """bench's projection needs a disk rate: a fixed one here, not a scratch file's."""
+    import deltafin_mlx.plan.report as plan_cli
+
+    monkeypatch.setattr(plan_cli, "measure_disk_gbps", lambda *a, **k: 2.0)
+
+
+@pytest.fixture
+def src_copy(sources, tmp_path):
+    dst = tmp_path / "src"
+    shutil.copytree(sources("kimi_k3"), dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def k3(converted):
+    return converted("kimi_k3")
+
+
+@pytest.fixture(scope="module")
+def clean(k3):
+    model, _ = load(k3, **FAST)
+    out = first_logits(model)
+    close(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def work(k3, tmp_path_factory):
+    """A copy of the model to damage (restored after each case) next to a decoy
+    directory holding valid copies of its files, which hostile paths point at."""
+    root = tmp_path_factory.mktemp("fuzz")
+    shutil.copytree(k3, root / "model")
+    shutil.copytree(k3 / "experts", root / "decoy")
+    shutil.copytree(k3 / "trunk", root / "decoy", dirs_exist_ok=True)
+    return root / "model"
+
+
 # End-to-end tests, marked `e2e` here in one table rather than by decorators spread
 # over the files. They run whole commands in fresh processes (each pays the runtime's
 # imports, a second of CPU, before it does anything), start servers or mlx.launch ranks,
@@ -100,18 +141,17 @@ E2E = [
     "tests/convert/test_original_layouts.py::test_a_release_converts_from_the_hub_*",
     "tests/dropin/*::*",
     # the README and the demo
-    "tests/cli/test_frictions.py::test_readme_examples_run_verbatim",
-    "tests/cli/test_frictions.py::test_demo_*",
-    "tests/cli/test_frictions_round3.py::test_*demo*",
+    "tests/cli/test_readme.py::test_readme_examples_run_verbatim",
+    "tests/cli/test_demo.py::*",
     "tests/cli/test_cli.py::test_demo_builds_converts_and_streams",
     # Ctrl-C, SIGKILL and kill-and-resume loops; fuzzing
     "tests/*::test_ctrl_c_*",
     "tests/*::test_*killed*",
-    "tests/cli/test_reliability.py::test_sigkill_*",
-    "tests/cli/test_reliability.py::test_fuzzed_*",
-    "tests/cli/test_reliability.py::test_random_byte_damage_to_the_manifest",
-    "tests/cli/test_reliability.py::test_disk_full_mid_conversion_is_one_line_and_resumable",
-    "tests/cli/test_reliability.py::test_too_little_space_up_front_*",
+    "tests/convert/test_killed_conversions.py::test_sigkill_*",
+    "tests/format/test_damaged_files.py::test_fuzzed_*",
+    "tests/format/test_damaged_files.py::test_random_byte_damage_to_the_manifest",
+    "tests/convert/test_killed_conversions.py::test_disk_full_mid_conversion_is_one_line_and_resumable",
+    "tests/convert/test_killed_conversions.py::test_too_little_space_up_front_*",
     "tests/convert/test_convert.py::test_killed_conversion_resumes",
     "tests/convert/test_convert.py::test_peak_memory_is_bounded_by_the_largest_layer",
     "tests/convert/test_synthetic.py::test_memory_stays_bounded",
@@ -126,13 +166,14 @@ E2E = [
     "tests/cli/test_cli.py::test_bad_input_is_one_line_and_a_non_zero_exit",
     "tests/cli/test_cli.py::test_mlx_lm_generate_runs_a_converted_directory",
     "tests/cli/test_cli.py::test_*serve*",
-    "tests/cli/test_frictions.py::test_verify_names_every_damaged_file_and_record",
-    "tests/cli/test_frictions.py::test_load_and_the_cli_expand_a_tilde",
-    "tests/cli/test_frictions.py::test_output_into_a_closed_pipe_ends_quietly",
-    "tests/cli/test_hostile.py::test_oddly_*",
-    "tests/cli/test_hostile.py::test_out_*",
-    "tests/cli/test_hostile.py::test_src_inside_out_is_refused_even_with_force",
-    "tests/cli/test_hostile.py::test_emptied_special_token_resealed_is_one_line_not_a_hang",
+    "tests/format/test_verify.py::test_verify_names_every_damaged_file_and_record",
+    "tests/cli/test_paths.py::test_load_and_the_cli_expand_a_tilde",
+    "tests/cli/test_output.py::test_output_into_a_closed_pipe_ends_quietly",
+    "tests/convert/test_source_checks.py::test_oddly_*",
+    "tests/engine/test_token_ids.py::test_out_*",
+    "tests/convert/test_source_checks.py::test_out_*",
+    "tests/convert/test_source_checks.py::test_src_inside_out_is_refused_even_with_force",
+    "tests/tokenizer/test_tokenizer_files.py::test_emptied_special_token_resealed_is_one_line_not_a_hang",
     "tests/chat/test_chat.py::test_cli_chat_commands_multiline_and_a_resumed_session",
     "tests/convert/test_linked.py::test_a_linked_source_*",
     "tests/convert/test_linked.py::test_linked_experts_*",
@@ -148,10 +189,10 @@ E2E = [
     "tests/tokenizer/test_tokenizer.py::test_encoding_from_hundreds_of_threads_keeps_memory_flat",
     "tests/cli/test_cli.py::test_sampling_options_are_reproducible_with_a_seed",
     "tests/cli/test_cli.py::test_no_think_changes_the_prompt",
-    "tests/cli/test_frictions.py::test_plan_takes_a_hub_id_fetching_only_its_config",
-    "tests/cli/test_frictions.py::test_stop_before_the_prompt_takes_one_value_and_repeats",
-    "tests/cli/test_frictions_round3.py::test_bench_*",
-    "tests/cli/test_frictions_round3.py::test_penalties_in_run_chat_and_batch_give_mlx_lm_s_tokens",
+    "tests/plan/test_plan_command.py::test_plan_takes_a_hub_id_fetching_only_its_config",
+    "tests/cli/test_options.py::test_stop_before_the_prompt_takes_one_value_and_repeats",
+    "tests/plan/test_bench_command.py::test_bench_*",
+    "tests/generation/test_penalties.py::test_penalties_in_run_chat_and_batch_give_mlx_lm_s_tokens",
     "tests/jobs/test_score.py::test_fifo_or_directory_input_and_output_are_one_line_errors",
     # in one process, but sweeps of several seconds each (measured: CPU time above ~3.5 s
     # on a loaded 2-core machine); the fast run keeps one exactness check per stage
@@ -184,7 +225,7 @@ E2E = [
     # issue 30: every mlx-lm MoE type (2-10 s each, ~4 min loaded); commands and servers
     # on a new family
     "tests/convert/test_every_moe_type.py::test_every_moe_type_streams_to_mlx_lms_tokens",
-    "tests/cli/test_new_family_commands.py::*",
+    "tests/convert/test_every_command_on_a_new_family.py::*",
     # issue 31's measured bars, in fresh processes (at full size, DELTAFIN_FULL_BARS=1,
     # the 20,000-token text takes ~20 min at 40 MB on a loaded 2-core machine)
     "tests/engine/test_pass_bars.py::test_a_long_text_*",

@@ -3,9 +3,16 @@ pytest puts tests/ on the import path (pyproject.toml), and tests/model/dist_wor
 which mlx.launch starts outside pytest, gets it through PYTHONPATH. Fixtures live in
 conftest.py; what a test or a worker calls directly lives here."""
 
+import contextlib
 import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -13,6 +20,14 @@ import mlx.core as mx
 from mlx.utils import tree_map_with_path
 from mlx_lm.utils import load_model, quantize_model
 
+import deltafin_mlx.cli.main as cli
+import deltafin_mlx.engine.reader as reader_mod
+from deltafin_mlx import runtime
+from deltafin_mlx.cli.main import main
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.format.integrity import file_checksum, format_checksum
+from deltafin_mlx.format.manifest import MANIFEST_NAME
+from deltafin_mlx.testing.decode import greedy
 from deltafin_mlx.testing.synthetic import make_checkpoint
 
 # The installed commands (deltafin-run, deltafin-convert) beside the running python.
@@ -98,3 +113,155 @@ def fill(fs: Path) -> Path:
                         raise
                     break
     return filler
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+FAKE_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def run_command(args, stdin=None, env=None, cwd=None, tool="deltafin-run", timeout=300):
+    return subprocess.run([str(BIN / tool), *map(str, args)], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd, env={**os.environ, **(env or {})})
+
+
+def one_error_line(p_or_err, *words):
+    err = (p_or_err if isinstance(p_or_err, str) else p_or_err.stderr).strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert " error: " in err, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def fake_hub_cache(hf_home: Path, repo: str, files_from: Path, only=None):
+    """A Hugging Face hub cache holding `repo` as if downloaded earlier: with
+    HF_HUB_OFFLINE=1 the hub client resolves it without any network."""
+    base = hf_home / "hub" / f"models--{repo.replace('/', '--')}"
+    snap = base / "snapshots" / FAKE_COMMIT
+    snap.mkdir(parents=True)
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text(FAKE_COMMIT)
+    for f in files_from.iterdir():
+        if only is None or f.name in only:
+            shutil.copy(f, snap / f.name)
+    return snap
+
+
+def run_json(capsys, *args):
+    capsys.readouterr()
+    assert main([*map(str, args), "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+LOAD = dict(tokenizer=False, cache_slots=4, reader_threads=0, lookahead=False)
+
+
+def reseal(path: Path, *rels):
+    """Record the current size and checksum of `rels` in the manifest (and the
+    config hash for config.json): what someone editing a file on purpose does."""
+    d = json.loads((path / MANIFEST_NAME).read_text())
+    for rel in rels:
+        d["files"][rel] = (path / rel).stat().st_size
+        d["checksums"][rel] = format_checksum(file_checksum(path / rel))
+        if rel == "config.json":
+            d["source"]["config_sha256"] = hashlib.sha256((path / rel).read_bytes()).hexdigest()
+    (path / MANIFEST_NAME).write_text(json.dumps(d))
+
+
+def run_cli(*args, env=None, timeout=120):
+    p = subprocess.run([str(BIN / "deltafin-run"), *map(str, args)], capture_output=True,
+                       text=True, timeout=timeout, env=env)
+    return p.returncode, p.stderr
+
+
+def only_stderr_line(stderr: str) -> str:
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def overwrite_bytes(p: Path, offset: int, data: bytes):
+    with open(p, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def run_main(capsys, *args):
+    """deltafin-run in this process: (exit status, its one stderr line)."""
+    code = cli.main(list(map(str, args)))
+    return code, only_stderr_line(capsys.readouterr().err)
+
+
+PROMPT = mx.array([[1, 5, 9, 200, 17, 33]])
+
+
+# Few slots, reads in the caller, no speculation: every run reads the same records.
+FAST = dict(cache_slots=4, reader_threads=0, lookahead=False, verify=True,
+            activation_dtype=mx.float32, memory_budget="2GB", tokenizer=False)
+
+
+FIGURES = Counter()
+
+
+def report(name, n):
+    FIGURES[name] += n
+    print(f"\n[reliability] {name}: {n}")
+
+
+@contextlib.contextmanager
+def no_hang(seconds=30):
+    """Fail (instead of hanging the suite) if the block runs longer than `seconds`."""
+
+    def expired(*_):
+        raise TimeoutError(f"no result after {seconds} s (hang?)")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def first_logits(model):
+    y = model(PROMPT)
+    mx.eval(y)
+    return y
+
+
+def close(model):
+    runtime(model).close()
+
+
+def demanded_records(path, **settings_):
+    """(bank path, expert) of every record a clean greedy run reads, in order."""
+    seen = []
+    real = reader_mod.read_record
+
+    def spy(bank, expert, *a, **k):
+        seen.append((bank.path, expert))
+        return real(bank, expert, *a, **k)
+
+    reader_mod.read_record = spy
+    try:
+        model, _ = load(path, **{**FAST, **settings_})
+        greedy(model, PROMPT, 4)
+        close(model)
+    finally:
+        reader_mod.read_record = real
+    return seen
+
+
+def run_tool(*args, stdin=None, timeout=300):
+    return subprocess.run([str(BIN / args[0]), *map(str, args[1:])], input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(out) -> str:
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    return out.stderr

@@ -7,7 +7,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
+import deltafin_mlx.cli.main as cli
 from deltafin_mlx.generation.sampling import KeyedSampler, Sampling
+
+from helpers import only_stderr_line
 
 
 @pytest.mark.parametrize("options", [
@@ -33,3 +36,13 @@ def test_greedy_options_need_no_key():
     logprobs = mx.array([[0.1, 2.0, -1.0]])
     assert KeyedSampler(Sampling(), seed=3)(logprobs).item() == 1
     assert make_sampler(0.0)(logprobs).item() == 1
+
+
+@pytest.mark.parametrize("args", [["--temp", "nan"], ["--temp", "-0.5"], ["--temp", "inf"],
+                                  ["--top-p", "-0.1"], ["--top-p", "1.01"], ["--top-p", "nan"],
+                                  ["-n", "-1"], ["--top-k", "-2"]])
+def test_bad_sampling_options_are_refused(converted, args, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([str(converted("kimi_k3")), "hi", *args])
+    assert e.value.code == 2
+    assert "error: argument" in only_stderr_line(capsys.readouterr().err)

@@ -6,6 +6,7 @@ of a job that scored no token reports no perplexity."""
 import json
 
 from deltafin_mlx.cli.main import main
+from deltafin_mlx.jobs.batch import summary_line as batch_summary
 
 
 def last_line(capsys):
@@ -65,3 +66,10 @@ def test_jobs_with_some_error_lines_exit_3_and_say_how_many(converted, tmp_path,
                str(tmp_path / "s.jsonl"), "--budget", "200MB"])
     assert rc == 3
     assert "1 of 2 lines failed" in last_line(capsys)
+
+
+def test_the_batch_summary_says_which_rate_is_which():
+    line = batch_summary({"requests": 2, "answered": 2, "errors": 0, "skipped": 0, "tokens": 8,
+                          "seconds": 2.0, "tokens_per_second": 4.0, "batch_size": 2,
+                          "expert_bytes_read": 0})
+    assert "4.00 tok/s aggregate" in line and "stats.tokens_per_second is its own" in line

@@ -236,3 +236,47 @@ def test_ctrl_c_with_a_request_in_flight_exits_cleanly(serve):
     s.close()
     text = log.read_text()
     assert "stopping" in text and "terminate called" not in text, text[-2000:]
+
+
+def _tcp_pair():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    listener.close()
+    return server, client
+
+
+def test_a_client_that_resets_stops_its_generation_one_that_half_closes_does_not():
+    import struct
+
+    from deltafin_mlx.server.handler import ClientGone, _Watched
+
+    class Ctx:
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+
+    class Inner:
+        def generate(self, request, args, progress):
+            return ctx, iter(range(100))
+
+    class Handler:
+        def __init__(self, sock):
+            self.connection = sock
+
+    ctx = Ctx()
+    server, client = _tcp_pair()
+    _, responses = _Watched(Inner(), Handler(server), None).generate(None, None)
+    assert next(responses) == 0
+    client.shutdown(socket.SHUT_WR)  # sent its request, still reading
+    assert next(responses) == 1 and not ctx.stopped
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()  # a reset
+    time.sleep(0.2)
+    with pytest.raises(ClientGone):
+        next(responses)
+    assert ctx.stopped
+    server.close()

@@ -1,9 +1,6 @@
-"""Every command downstream of conversion runs on a family the project did not
-convert before issue 30: gpt-oss (SwitchGLU experts with per-expert biases, attention
-sinks), from the 4-bit directory `mlx_lm.convert -q` writes (as mlx-community
-publishes it). plan (before and after conversion), info, verify, batch, score, serve
-and `mlx_lm.server` through the drop-in each answer, and what they answer is
-mlx-lm's or deltafin-run's own."""
+"""Every command downstream of conversion runs on a family the project did not convert
+before (gpt_oss through mlx-lm's own class): plan, info, verify, score, batch, serve
+and the mlx-lm drop-in."""
 
 import json
 
@@ -17,8 +14,8 @@ from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.format.manifest import read_manifest
 from deltafin_mlx.format.verify import verify_model
 from deltafin_mlx.testing import zoo
-from deltafin_mlx.testing.server import (chat, expected_reply, free_port, start_server,
-                                         stop_server)
+from deltafin_mlx.testing.server import chat, expected_reply, free_port, start_server, stop_server
+
 
 FAMILY = "gpt_oss"
 
