@@ -2,9 +2,9 @@
 
 Deltafin runs mlx-lm's own model classes, generation, prompt caches and server; a
 few of the hooks it needs are not public. PRIVATE lists every one the code reads
-or overrides: the functions here reach the ones it calls or reads, and the server
-(server/app.py, server/handler.py, server/generation.py) and the drop-in
-(dropin/guard.py) subclass or wrap the server classes at the hooks listed.
+or overrides, and only this module touches them: its functions call or read them,
+its mixins override them for the server's classes (server/generation.py,
+server/handler.py), and it wraps them for the drop-in (dropin/guard.py).
 tests/structure/test_mlx_lm_surface.py checks each against the installed mlx-lm,
 so a release that renames one fails there, in one line naming it (`missing`).
 Importing this module imports nothing of mlx-lm: each function imports it when
@@ -16,50 +16,52 @@ CHECKED_VERSIONS = ">=0.32.2,<0.33"
 
 # (module, dotted name): mlx-lm's private or undocumented names Deltafin relies on.
 # A name the class itself does not hold is an instance attribute its methods set
-# (`self.NAME = ...`), which Deltafin reads or sets. Every one is read, called or
-# overridden in this module only; the server's classes (server/generation.py,
-# server/handler.py) subclass mlx-lm's through the mixins below.
+# (`self.NAME = ...`), which Deltafin reads or sets.
 PRIVATE = (
     ("mlx_lm.utils", "_get_classes"),                   # model_classes
     ("mlx_lm.utils", "_decode_tagged_floats"),          # decode_tagged_floats
     ("mlx_lm.utils", "_FLOAT_TAG_KEY"),                 # its tag: FLOAT_TAG
     ("mlx_lm.tokenizer_utils", "TokenizerWrapper._tokenizer"),  # wrapped_tokenizer
-    ("mlx_lm.server", "ResponseGenerator._tokenize"),   # server_prompt_tokens, ResponseGeneratorHooks
-    ("mlx_lm.server", "ResponseGenerator._next_request"),  # gate_server_requests, ResponseGeneratorHooks
-    ("mlx_lm.server", "ResponseGenerator._run_generate"),  # ResponseGeneratorHooks
-    ("mlx_lm.server", "ResponseGenerator._generate"),   # ResponseGeneratorHooks
-    ("mlx_lm.server", "ResponseGenerator._await_response"),  # ResponseGeneratorHooks
-    ("mlx_lm.server", "ResponseGenerator._stop"),       # ResponseGeneratorHooks
-    ("mlx_lm.server", "ResponseGenerator.generate"),    # overridden: server/generation.py
-    ("mlx_lm.server", "ResponseGenerator.generation_available"),  # read there
-    ("mlx_lm.server", "ResponseGenerator.is_healthy"),  # read: server/handler.py
-    ("mlx_lm.server", "ModelProvider.load"),            # overridden: server/generation.py
-    ("mlx_lm.server", "ModelProvider.model_key"),       # set there
+    # server_prompt_tokens, gate_server_requests; the rest ResponseGeneratorHooks's:
+    ("mlx_lm.server", "ResponseGenerator._tokenize"),
+    ("mlx_lm.server", "ResponseGenerator._next_request"),
+    ("mlx_lm.server", "ResponseGenerator._run_generate"),
+    ("mlx_lm.server", "ResponseGenerator._generate"),
+    ("mlx_lm.server", "ResponseGenerator._await_response"),
+    ("mlx_lm.server", "ResponseGenerator._stop"),
+    # server/generation.py overrides `generate` and ModelProvider.load, sets the
+    # provider's fields; server/handler.py and dropin/guard.py read and override the
+    # handler's (`_set_completion_headers`: set_completion_headers, CompletionStatusHook)
+    ("mlx_lm.server", "ResponseGenerator.generate"),
+    ("mlx_lm.server", "ResponseGenerator.generation_available"),
+    ("mlx_lm.server", "ResponseGenerator.is_healthy"),
+    ("mlx_lm.server", "ModelProvider.load"),
+    ("mlx_lm.server", "ModelProvider.model_key"),
     ("mlx_lm.server", "ModelProvider.processor"),
     ("mlx_lm.server", "ModelProvider.draft_model"),
     ("mlx_lm.server", "ModelProvider.is_batchable"),
-    ("mlx_lm.server", "APIHandler._set_completion_headers"),  # set_completion_headers,
-                                                        # CompletionStatusHook
-    ("mlx_lm.server", "APIHandler.handle_completion"),  # overridden/wrapped: handler, guard
-    ("mlx_lm.server", "APIHandler.validate_model_parameters"),  # wrapped: dropin/guard.py
-    ("mlx_lm.server", "APIHandler.generate_response"),  # overridden: server/handler.py
-    ("mlx_lm.server", "APIHandler.completion_usage_response"),  # overridden: server/handler.py
-    ("mlx_lm.server", "APIHandler.body"),               # read: dropin/guard.py
-    ("mlx_lm.server", "APIHandler.stream"),             # read: server/handler.py
-    ("mlx_lm.server", "APIHandler.max_tokens"),         # cut to the context: handler, guard
-    ("mlx_lm.server", "APIHandler.chat_template_kwargs"),  # read: server/handler.py
+    ("mlx_lm.server", "APIHandler._set_completion_headers"),
+    ("mlx_lm.server", "APIHandler.handle_completion"),
+    ("mlx_lm.server", "APIHandler.validate_model_parameters"),
+    ("mlx_lm.server", "APIHandler.generate_response"),
+    ("mlx_lm.server", "APIHandler.completion_usage_response"),
+    ("mlx_lm.server", "APIHandler.body"),
+    ("mlx_lm.server", "APIHandler.stream"),
+    ("mlx_lm.server", "APIHandler.max_tokens"),
+    ("mlx_lm.server", "APIHandler.chat_template_kwargs"),
     ("mlx_lm.server", "APIHandler.response_generator"),
     ("mlx_lm.server", "BatchGenerator"),                # replaced: use_server_batch_generator
     ("mlx_lm.server", "stream_generate"),               # wrapped: use_server_stream_generate
-    ("mlx_lm.generate", "BatchGenerator._next"),        # BatchGeneratorTurns
-    ("mlx_lm.generate", "BatchGenerator._generation_batch"),  # read and set aside there
+    # BatchGeneratorTurns's; `prompt` wrapped by unread_logits_in_prompt_batches
+    ("mlx_lm.generate", "BatchGenerator._next"),
+    ("mlx_lm.generate", "BatchGenerator._generation_batch"),
     ("mlx_lm.generate", "BatchGenerator._prompt_batch"),
     ("mlx_lm.generate", "BatchGenerator._unprocessed_sequences"),
     ("mlx_lm.generate", "BatchGenerator._currently_processing"),
-    ("mlx_lm.generate", "GenerationBatch.empty"),       # what stands in there
+    ("mlx_lm.generate", "GenerationBatch.empty"),
     ("mlx_lm.generate", "PromptProcessingBatch.empty"),
-    ("mlx_lm.generate", "PromptProcessingBatch.prompt"),  # wrapped: unread_logits_in_prompt_batches
-    ("mlx_lm.generate", "PromptProcessingBatch.model"),   # read there
+    ("mlx_lm.generate", "PromptProcessingBatch.prompt"),
+    ("mlx_lm.generate", "PromptProcessingBatch.model"),
     # make_sampler's closure cells `sampling_methods` and `temp`: read by sampler_chain
     # (checked by tests/structure/test_mlx_lm_surface.py calling it)
     # generate_step's prefill loop, which never reads a chunk's logits: read by
@@ -250,26 +252,17 @@ def sampler_chain(sampler):
     return list(cells["sampling_methods"]), cells["temp"]
 
 
-# --- mixins for subclasses of mlx_lm.server's classes ------------------------------
-# Each goes before mlx-lm's class in a subclass's bases (server/generation.py,
-# server/handler.py) and overrides mlx-lm's private hooks, calling mlx-lm's own code
-# and handing Deltafin's decision to a public method the subclass defines.
+# --- mixins: each goes before mlx-lm's class in a server class's bases --------------
 
 
 class ResponseGeneratorHooks:
-    """For a subclass of mlx_lm.server.ResponseGenerator that defines
-    `loop_failed(error)`, `request_taken(response_queue)`, `thread_stopped()` and
-    `split_prompt(tokenizer, request, args, segments, types)`:
-
-    - mlx-lm's generation loop (`_generate`, its thread's body) runs again after an
-      exception, once `loop_failed(error)` has returned, until `stop_and_join`;
-    - every request the loop takes (`_next_request`) is first shown to
-      `request_taken` by its response queue;
-    - a stopped generation thread, which mlx-lm reports by a RuntimeError while a
-      handler waits (`_await_response`), raises `thread_stopped()` instead;
-    - a prompt's segments and their types (`_tokenize`'s second and third items;
-      mlx-lm's prompt cache keeps the state at each segment's end) are what
-      `split_prompt` returns, unless the prompt holds images."""
+    """For a mlx_lm.server.ResponseGenerator subclass defining `loop_failed(error)`
+    (then mlx-lm's loop, `_generate`, runs again until `stop_and_join`),
+    `request_taken(response_queue)` (each request the loop takes),
+    `thread_stopped()` (the error raised where mlx-lm's `_await_response` finds its
+    thread stopped) and `split_prompt(tokenizer, request, args, segments, types)`
+    (a prompt's segments, where mlx-lm's prompt cache keeps state, unless it holds
+    images; `_tokenize` returns (prompt, segments, types, state, vision))."""
 
     def _run_generate(self):
         while not self._stop:
@@ -288,7 +281,7 @@ class ResponseGeneratorHooks:
     def _await_response(self, response_queue):
         try:
             return super()._await_response(response_queue)
-        except RuntimeError:  # mlx-lm's only: its thread is not running
+        except RuntimeError:  # mlx-lm's only one: its thread is not running
             raise self.thread_stopped() from None
 
     def _tokenize(self, tokenizer, request, args):
@@ -299,13 +292,11 @@ class ResponseGeneratorHooks:
 
 
 class BatchGeneratorTurns:
-    """For a subclass of mlx_lm.generate.BatchGenerator that defines
-    `turn(generating, prefilling, full) -> "decode" | "prefill" | "both"`: each step
-    (`_next`) runs mlx-lm's own, with the prompts set aside for a decode step alone
-    and the generating sequences set aside for a prefill pass alone (a prompt that
-    finishes joins them). `generating`: the sequences generating; `prefilling`:
-    whether a prompt waits or is being prefilled; `full`: whether mlx-lm's step
-    would only decode (as many generating as it decodes at once, none prefilling)."""
+    """For a mlx_lm.generate.BatchGenerator subclass defining `turn(generating,
+    prefilling, full)` -> "decode", "prefill" or "both": each step (`_next`) is
+    mlx-lm's own, with the prompts set aside for a decode step alone and the
+    generating sequences for a prefill pass alone (a prompt that finishes joins
+    them). `full`: mlx-lm's step would only decode."""
 
     def _next(self):
         generating = self._generation_batch
@@ -314,9 +305,7 @@ class BatchGeneratorTurns:
         step = self.turn(len(generating), prefilling, full)
         if step == "decode":
             return self.decode_alone()
-        if step == "prefill":
-            return self.prefill_alone()
-        return super()._next()
+        return self.prefill_alone() if step == "prefill" else super()._next()
 
     def decode_alone(self):
         from collections import deque
@@ -337,19 +326,17 @@ class BatchGeneratorTurns:
         generating = self._generation_batch
         self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
         try:
-            prompt_responses, _ = super()._next()
+            return super()._next()[0], []
         finally:
             joined, self._generation_batch = self._generation_batch, generating
             if len(joined):
                 generating.extend(joined)
-        return prompt_responses, []
 
 
 class CompletionStatusHook:
-    """For a subclass of mlx_lm.server.APIHandler that defines
-    `completion_status(status) -> int`: the status its JSON answers start with
-    (`_set_completion_headers`; mlx-lm answers a request its generation refused
-    with 404)."""
+    """For a mlx_lm.server.APIHandler subclass defining `completion_status(status)`:
+    the status its JSON answers start with (mlx-lm answers 404 to a request its
+    generation refused)."""
 
     def _set_completion_headers(self, status_code: int = 200):
         super()._set_completion_headers(self.completion_status(status_code))

@@ -118,9 +118,11 @@ class Connection:
         log.debug("%s %s", self.address_string(), format % args)
 
     def send_json(self, status: int, payload, extra_headers=()):
-        data = json.dumps(payload).encode()
+        self.send_body(status, json.dumps(payload).encode(), "application/json", extra_headers)
+
+    def send_body(self, status: int, data: bytes, content_type: str, extra_headers=()):
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for k, v in extra_headers:
             self.send_header(k, v)
@@ -268,22 +270,14 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
             ok = self.response_generator.is_healthy
             return self.send_json(200 if ok else 503, {"status": "ok" if ok else "unavailable"})
         if path == "/metrics":
-            return self.send_metrics()
+            metrics = self.settings.counters.metrics_text(self.settings.admission, self.server)
+            return self.send_body(200, metrics.encode(), "text/plain; version=0.0.4")
         self.refuse(404, f"no such path {path[:80]!r}")
 
     def model_card(self):
         return {"id": self.settings.model_id, "object": "model",
                 "created": self.settings.created, "owned_by": "deltafin",
                 "context_length": self.settings.limits.context}
-
-    def send_metrics(self):
-        settings = self.settings
-        data = settings.counters.metrics_text(settings.admission, self.server).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     # --- POST --------------------------------------------------------------
 
@@ -316,7 +310,9 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
             return
         try:
             if path == "/tokenize":
-                return self.answer_tokenize(body)
+                content, special = schema.check_tokenize(body, self.settings.limits)
+                tokens = self.settings.tokenizer.encode(content, add_special_tokens=special)
+                return self.send_json(200, {"tokens": list(tokens), "count": len(tokens)})
             if path == "/detokenize":
                 tokens = schema.check_detokenize(body, self.settings.limits)
                 return self.send_json(200, {"content": self.settings.tokenizer.decode(tokens)})
@@ -325,11 +321,6 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
             self.settings.counters.outcome("refused")
             return self.refuse(400, str(e))
         self.hand_to_mlx_lm(path, request)
-
-    def answer_tokenize(self, body):
-        content, special = schema.check_tokenize(body, self.settings.limits)
-        tokens = self.settings.tokenizer.encode(content, add_special_tokens=special)
-        return self.send_json(200, {"tokens": list(tokens), "count": len(tokens)})
 
     def hand_to_mlx_lm(self, path, request):
         """mlx-lm's do_POST on the checked body, once it has a generation place,
@@ -397,9 +388,9 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
         """The prompt's length, tokenized as mlx-lm's generation thread will
         (the text is already bounded by what the context can hold)."""
         try:
+            # mlx-lm's tokenizing reads `args.chat_template_kwargs`: the handler's
             prompt = compat.server_prompt_tokens(self.response_generator,
-                                                 self.settings.tokenizer, request,
-                                                 _TemplateArgs(self.chat_template_kwargs))
+                                                 self.settings.tokenizer, request, self)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # template errors of any kind
@@ -465,13 +456,6 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
         response = super().completion_usage_response(*args, **kwargs)
         response["model"] = self.settings.model_id
         return response
-
-
-class _TemplateArgs:
-    """What mlx-lm's tokenizing reads of a request's generation arguments."""
-
-    def __init__(self, chat_template_kwargs):
-        self.chat_template_kwargs = chat_template_kwargs
 
 
 def _token_text(tokenizer, token: int) -> str:
