@@ -87,11 +87,8 @@ def bind(host: str, port: int, backlog: int, max_connections: int = 256) -> Delt
                                     flags=socket.AI_PASSIVE)[0][0]
     except socket.gaierror as e:
         raise UsageError(f"--host {host}: {e.strerror}") from None
-    cls = type("Server", (DeltafinHTTPServer,), {"address_family": family,
-                                                 "request_queue_size": backlog,
-                                                 "max_connections": max_connections})
     try:
-        return cls((host, port), None)
+        return DeltafinHTTPServer((host, port), family, backlog, max_connections)
     except OSError as e:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 

@@ -1,25 +1,20 @@
-"""mlx-lm's server classes as `deltafin-run serve` runs them. Its ModelProvider
-hands every request the model serve loaded. Its generation thread is made to survive: an exception inside it fails the
-requests it had taken (each gets the error, answered HTTP 500) and the loop
-starts again, so one request can never stop generation for every client.
-mlx-lm's own thread dies on the first exception and /health stays 503 until a
-restart.
+"""mlx-lm's server classes as `deltafin-run serve` runs them: its ModelProvider over
+the model serve loaded, and:
 
-The requests a loop had taken are known by their response queues: a request
-still waiting in the queue is served by the next loop as if nothing happened.
+`ResilientGenerator`: an exception inside mlx-lm's generation loop fails the
+requests that loop had taken (known by their response queues; each gets the error,
+answered HTTP 500) and the loop starts again, serving those still queued: one request
+never stops generation for every client (mlx-lm's own thread dies, /health 503).
+It also splits a chat prompt with no system message of its own where the chat
+template's preamble ends (K3's opens every conversation with a long system message
+of its own): mlx-lm's prompt cache keeps the state at a segment's end, so each new
+conversation starts from the cached preamble. A prompt is always prefilled in the
+same segments, cached or not, so a reply is the same either way.
 
-It also splits a chat prompt at the end of the chat template's preamble when the
-conversation has no system message of its own (K3's template opens every
-conversation with a ~345-token system message of its own): mlx-lm's prompt cache
-keeps the state at the end of a prompt's first segment, so every new conversation
-starts from the cached preamble instead of prefilling it again. A prompt is always
-prefilled in the same segments, cached or not, so a reply is the same either way.
-
-`TurnTakingBatchGenerator` makes mlx-lm's batch generator alternate between a
-decode step and a prefill pass when it has both to do: mlx-lm runs a pass of the next prompt in the
-same call as the decode step and hands the step's tokens to the server only after
-it, so each client already generating would wait a whole pass per token, and a
-client whose prompt was just prefilled would wait one more for its first token.
+`TurnTakingBatchGenerator`: mlx-lm's batch generator runs a pass of the next prompt
+in the same call as the decode step and hands the step's tokens out only after it,
+so each client already generating would wait a whole pass per token, and a client
+whose prompt was just prefilled one more for its first token; this one takes turns.
 """
 
 import json
@@ -27,8 +22,8 @@ import logging
 import threading
 import weakref
 
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.server import CompletionRequest, ModelProvider, ResponseGenerator
 
 from deltafin_mlx import compat
