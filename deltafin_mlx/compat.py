@@ -2,9 +2,9 @@
 
 Deltafin runs mlx-lm's own model classes, generation, prompt caches and server; a
 few of the hooks it needs are not public. PRIVATE lists every one the code reads
-or overrides: the functions here reach the ones it calls or reads, and the server
-(server/app.py, server/handler.py, server/generation.py) and the drop-in
-(dropin/guard.py) subclass or wrap the server classes at the hooks listed.
+or overrides, and only this module touches them: its functions call or read them,
+its mixins override them for the server's classes (server/generation.py,
+server/handler.py), and it wraps them for the drop-in (dropin/guard.py).
 tests/structure/test_mlx_lm_surface.py checks each against the installed mlx-lm,
 so a release that renames one fails there, in one line naming it (`missing`).
 Importing this module imports nothing of mlx-lm: each function imports it when
@@ -19,44 +19,53 @@ PRIVATE = (
     ("mlx_lm.utils", "_get_classes"),                   # model_classes
     ("mlx_lm.utils", "_decode_tagged_floats"),          # decode_tagged_floats
     ("mlx_lm.utils", "_FLOAT_TAG_KEY"),                 # its tag: FLOAT_TAG
-    ("mlx_lm.server", "ResponseGenerator._tokenize"),   # server_prompt_tokens
-    ("mlx_lm.server", "ResponseGenerator._next_request"),  # wrapped: gate_server_requests;
-                                                        # overridden: server/generation.py
-    ("mlx_lm.server", "ResponseGenerator._run_generate"),  # overridden: server/generation.py
-    ("mlx_lm.server", "ResponseGenerator._generate"),   # server_generation_loop
-    ("mlx_lm.server", "ResponseGenerator._stop"),       # generation_stopping
-    ("mlx_lm.server", "ResponseGenerator._generation_thread"),  # generation_thread_alive
-    ("mlx_lm.server", "ResponseGenerator.requests"),    # its queue, fed by server/generation.py
-    ("mlx_lm.server", "ResponseGenerator.generate"),    # overridden: server/generation.py
-    ("mlx_lm.server", "ResponseGenerator.is_healthy"),  # overridden: server/generation.py
-    ("mlx_lm.server", "ModelProvider.load"),            # overridden: server/app.py
-    ("mlx_lm.server", "ModelProvider._load"),           # overridden: server/app.py
-    ("mlx_lm.server", "ModelProvider.model_key"),       # set by that _load
+    ("mlx_lm.tokenizer_utils", "TokenizerWrapper._tokenizer"),  # wrapped_tokenizer
+    # server_prompt_tokens, gate_server_requests; the rest ResponseGeneratorHooks's:
+    ("mlx_lm.server", "ResponseGenerator._tokenize"),
+    ("mlx_lm.server", "ResponseGenerator._next_request"),
+    ("mlx_lm.server", "ResponseGenerator._run_generate"),
+    ("mlx_lm.server", "ResponseGenerator._generate"),
+    ("mlx_lm.server", "ResponseGenerator._await_response"),
+    ("mlx_lm.server", "ResponseGenerator._stop"),
+    # server/generation.py overrides `generate` and ModelProvider.load, sets the
+    # provider's fields; server/handler.py and dropin/guard.py read and override the
+    # handler's (`_set_completion_headers`: set_completion_headers, CompletionStatusHook)
+    ("mlx_lm.server", "ResponseGenerator.generate"),
+    ("mlx_lm.server", "ResponseGenerator.generation_available"),
+    ("mlx_lm.server", "ResponseGenerator.is_healthy"),
+    ("mlx_lm.server", "ModelProvider.load"),
+    ("mlx_lm.server", "ModelProvider.model_key"),
     ("mlx_lm.server", "ModelProvider.processor"),
     ("mlx_lm.server", "ModelProvider.draft_model"),
     ("mlx_lm.server", "ModelProvider.is_batchable"),
-    ("mlx_lm.server", "APIHandler._set_completion_headers"),  # overridden: server/handler.py
-    ("mlx_lm.server", "APIHandler.handle_completion"),  # overridden/wrapped: handler, guard
-    ("mlx_lm.server", "APIHandler.validate_model_parameters"),  # wrapped: dropin/guard.py
-    ("mlx_lm.server", "APIHandler.generate_response"),  # overridden: server/handler.py
-    ("mlx_lm.server", "APIHandler.completion_usage_response"),  # overridden: server/handler.py
-    ("mlx_lm.server", "APIHandler.body"),               # read: dropin/guard.py
-    ("mlx_lm.server", "APIHandler.stream"),             # read: server/handler.py
-    ("mlx_lm.server", "APIHandler.max_tokens"),         # cut to the context: dropin/guard.py
+    ("mlx_lm.server", "APIHandler._set_completion_headers"),
+    ("mlx_lm.server", "APIHandler.handle_completion"),
+    ("mlx_lm.server", "APIHandler.validate_model_parameters"),
+    ("mlx_lm.server", "APIHandler.generate_response"),
+    ("mlx_lm.server", "APIHandler.completion_usage_response"),
+    ("mlx_lm.server", "APIHandler.body"),
+    ("mlx_lm.server", "APIHandler.stream"),
+    ("mlx_lm.server", "APIHandler.max_tokens"),
+    ("mlx_lm.server", "APIHandler.chat_template_kwargs"),
     ("mlx_lm.server", "APIHandler.response_generator"),
     ("mlx_lm.server", "BatchGenerator"),                # replaced: use_server_batch_generator
     ("mlx_lm.server", "stream_generate"),               # wrapped: use_server_stream_generate
-    ("mlx_lm.generate", "BatchGenerator._next"),        # overridden: server/generation.py
-    ("mlx_lm.generate", "BatchGenerator._generation_batch"),  # read there
+    # BatchGeneratorTurns's; `prompt` wrapped by unread_logits_in_prompt_batches
+    ("mlx_lm.generate", "BatchGenerator._next"),
+    ("mlx_lm.generate", "BatchGenerator._generation_batch"),
+    ("mlx_lm.generate", "BatchGenerator._prompt_batch"),
     ("mlx_lm.generate", "BatchGenerator._unprocessed_sequences"),
     ("mlx_lm.generate", "BatchGenerator._currently_processing"),
-    ("mlx_lm.generate", "BatchGenerator._counters"),
-    ("mlx_lm.generate", "PromptProcessingBatch.prompt"),  # wrapped: unread_logits_in_prompt_batches
-    ("mlx_lm.generate", "PromptProcessingBatch.model"),   # read there
+    ("mlx_lm.generate", "GenerationBatch.empty"),
+    ("mlx_lm.generate", "PromptProcessingBatch.empty"),
+    ("mlx_lm.generate", "PromptProcessingBatch.prompt"),
+    ("mlx_lm.generate", "PromptProcessingBatch.model"),
     # make_sampler's closure cells `sampling_methods` and `temp`: read by sampler_chain
     # (checked by tests/structure/test_mlx_lm_surface.py calling it)
     # generate_step's prefill loop, which never reads a chunk's logits: read by
     # prefill_chunk_follows (tests/engine/test_unread_last_layer.py runs it poisoned)
+    # _tokenize's result, (prompt, segments, segment types, state, vision): read by
+    # ResponseGeneratorHooks (tests/structure/test_mlx_lm_surface.py splits one)
 )
 
 
@@ -142,13 +151,22 @@ def gate_server_requests(check):
 
 def use_server_batch_generator(cls):
     """Make mlx_lm.server's generation loop build its batches with `cls`, a
-    BatchGenerator subclass (server/generation.py's turn_taking, which overrides
-    `_next` and reads `_generation_batch`, `_unprocessed_sequences`,
-    `_currently_processing` and `_counters`): the loop names the class that
-    mlx_lm.server imported."""
+    BatchGenerator subclass (server/generation.py's TurnTakingBatchGenerator): the
+    loop names the class that mlx_lm.server imported."""
     import mlx_lm.server as server
 
     server.BatchGenerator = cls
+
+
+def wrapped_tokenizer(tokenizer):
+    """The tokenizer mlx-lm's TokenizerWrapper wraps (its `_tokenizer`: names
+    beginning with `_` are not forwarded to it), or `tokenizer` itself."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def set_completion_headers(handler, status: int):
+    """mlx-lm's APIHandler starting a JSON answer with `status` (its CORS headers too)."""
+    handler._set_completion_headers(status)
 
 
 def use_server_stream_generate(wrap):
@@ -164,21 +182,6 @@ def use_server_stream_generate(wrap):
     wrapped._deltafin_wrapped = True
     wrapped.__wrapped__ = current
     server.stream_generate = wrapped
-
-
-def server_generation_loop(response_generator):
-    """mlx-lm's generation loop (its thread's body), run in the calling thread."""
-    response_generator._generate()
-
-
-def generation_stopping(response_generator) -> bool:
-    """Whether mlx-lm's ResponseGenerator has been asked to stop (its `_stop` flag)."""
-    return response_generator._stop
-
-
-def generation_thread_alive(response_generator) -> bool:
-    """Whether mlx-lm's ResponseGenerator's generation thread is running."""
-    return response_generator._generation_thread.is_alive()
 
 
 def prefill_chunk_follows(processed: int, total: int) -> bool:
@@ -245,3 +248,93 @@ def sampler_chain(sampler):
                            "'sampling_methods' and 'temp': generation/sampling.py's "
                            "KeyedSampler needs updating for this mlx-lm")
     return list(cells["sampling_methods"]), cells["temp"]
+
+
+# --- mixins: each goes before mlx-lm's class in a server class's bases --------------
+
+
+class ResponseGeneratorHooks:
+    """For a mlx_lm.server.ResponseGenerator subclass defining `loop_failed(error)`
+    (then mlx-lm's loop, `_generate`, runs again until `stop_and_join`),
+    `request_taken(response_queue)` (each request the loop takes),
+    `thread_stopped()` (the error raised where mlx-lm's `_await_response` finds its
+    thread stopped) and `split_prompt(tokenizer, request, args, segments, types)`
+    (a prompt's segments, where mlx-lm's prompt cache keeps state, unless it holds
+    images; `_tokenize` returns (prompt, segments, types, state, vision))."""
+
+    def _run_generate(self):
+        while not self._stop:
+            try:
+                self._generate()
+                return
+            except Exception as e:  # noqa: BLE001 - the subclass decides
+                self.loop_failed(e)
+
+    def _next_request(self, timeout=None):
+        item = super()._next_request(timeout)
+        if item is not None:
+            self.request_taken(item[0])
+        return item
+
+    def _await_response(self, response_queue):
+        try:
+            return super()._await_response(response_queue)
+        except RuntimeError:  # mlx-lm's only one: its thread is not running
+            raise self.thread_stopped() from None
+
+    def _tokenize(self, tokenizer, request, args):
+        prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+        if vision is None:
+            segments, types = self.split_prompt(tokenizer, request, args, segments, types)
+        return prompt, segments, types, state, vision
+
+
+class BatchGeneratorTurns:
+    """For a mlx_lm.generate.BatchGenerator subclass defining `turn(generating,
+    prefilling, full)` -> "decode", "prefill" or "both": each step (`_next`) is
+    mlx-lm's own, with the prompts set aside for a decode step alone and the
+    generating sequences for a prefill pass alone (a prompt that finishes joins
+    them). `full`: mlx-lm's step would only decode."""
+
+    def _next(self):
+        generating = self._generation_batch
+        prefilling = bool(self._unprocessed_sequences or self._currently_processing)
+        full = not self._currently_processing and len(generating) >= self.completion_batch_size
+        step = self.turn(len(generating), prefilling, full)
+        if step == "decode":
+            return self.decode_alone()
+        return self.prefill_alone() if step == "prefill" else super()._next()
+
+    def decode_alone(self):
+        from collections import deque
+
+        from mlx_lm.generate import PromptProcessingBatch
+
+        prompts = self._prompt_batch, self._unprocessed_sequences, self._currently_processing
+        self._prompt_batch = PromptProcessingBatch.empty(self.model, self.sampler)
+        self._unprocessed_sequences, self._currently_processing = deque(), []
+        try:
+            return super()._next()
+        finally:
+            self._prompt_batch, self._unprocessed_sequences, self._currently_processing = prompts
+
+    def prefill_alone(self):
+        from mlx_lm.generate import GenerationBatch
+
+        generating = self._generation_batch
+        self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
+        try:
+            return super()._next()[0], []
+        finally:
+            joined, self._generation_batch = self._generation_batch, generating
+            if len(joined):
+                generating.extend(joined)
+
+
+class CompletionStatusHook:
+    """For a mlx_lm.server.APIHandler subclass defining `completion_status(status)`:
+    the status its JSON answers start with (mlx-lm answers 404 to a request its
+    generation refused)."""
+
+    def _set_completion_headers(self, status_code: int = 200):
+        super()._set_completion_headers(self.completion_status(status_code))

@@ -99,7 +99,7 @@ def install_checks():
                        "tokens (DELTAFIN_CONTEXT=N plans for more)"
                        if n + 1 > limits.context else None)
             if why is not None:
-                self._set_completion_headers(400)
+                compat.set_completion_headers(self, 400)
                 self.end_headers()
                 self.wfile.write(json.dumps({"error": why}).encode())
                 return

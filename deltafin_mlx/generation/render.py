@@ -10,6 +10,7 @@ thinking on (`thinking_opened`); a text completion's reply starts in the answer.
 
 from typing import List, Optional, Sequence, Tuple
 
+from deltafin_mlx import compat
 from deltafin_mlx.generation.stops import StopMatcher
 
 
@@ -33,7 +34,7 @@ class Channels:
     def __init__(self, tokenizer, thinking: bool = True):
         self.tokenizer = tokenizer
         self.special = set(getattr(tokenizer, "all_special_ids", None) or [])
-        inner = getattr(tokenizer, "_tokenizer", tokenizer)
+        inner = compat.wrapped_tokenizer(tokenizer)
         self.special |= set(getattr(inner, "_special_ids", ()) or ())
         self.detok = tokenizer.detokenizer
         self.detok.reset()

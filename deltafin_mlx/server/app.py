@@ -87,11 +87,8 @@ def bind(host: str, port: int, backlog: int, max_connections: int = 256) -> Delt
                                     flags=socket.AI_PASSIVE)[0][0]
     except socket.gaierror as e:
         raise UsageError(f"--host {host}: {e.strerror}") from None
-    cls = type("Server", (DeltafinHTTPServer,), {"address_family": family,
-                                                 "request_queue_size": backlog,
-                                                 "max_connections": max_connections})
     try:
-        return cls((host, port), None)
+        return DeltafinHTTPServer((host, port), family, backlog, max_connections)
     except OSError as e:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
@@ -161,14 +158,14 @@ def serve(cfg: ServeConfig) -> int:
 
 def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
     import mlx_lm.server as server
-    from mlx_lm.models.cache import make_prompt_cache
 
     from deltafin_mlx.engine.load import LoadOptions, load
     from deltafin_mlx.engine.runtime import runtime
     from deltafin_mlx import compat
     from deltafin_mlx.generation.stream import hint_prompt_batches, hinted_stream_generate
-    from deltafin_mlx.server.generation import resilient_generator_class, turn_taking
-    from deltafin_mlx.server.handler import make_handler
+    from deltafin_mlx.server.generation import (LoadedModelProvider, ResilientGenerator,
+                                                TurnTakingBatchGenerator)
+    from deltafin_mlx.server.handler import DeltafinHandler
     from deltafin_mlx.model.modules import model_vocab
     from deltafin_mlx.tokenizer.text_bound import max_text_bytes
 
@@ -194,28 +191,16 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
                                           body_bytes=max_body * (plan.sequences + 1)))
     args = mlx_lm_args(cfg, plan, plan.sequences)
 
-    class DeltafinProvider(server.ModelProvider):
-        def _load(self, model_path, adapter_path=None, draft_model_path=None):
-            self.model_key = (model_path, adapter_path, draft_model_path)
-            self.model, self.tokenizer = model, tokenizer
-            self.processor, self.draft_model = None, None
-            self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
-
-        def load(self, model_path, adapter_path=None, draft_model_path=None):
-            if self.model is None:
-                self._load("default_model")
-            return self.model, self.tokenizer
-
-    compat.use_server_batch_generator(turn_taking(server.BatchGenerator))
+    compat.use_server_batch_generator(TurnTakingBatchGenerator)
     hint_prompt_batches()
     compat.use_server_stream_generate(hinted_stream_generate)
 
     def restarted():
         counters.generation_restarts += 1
 
-    generator = resilient_generator_class(server.ResponseGenerator)(
-        DeltafinProvider(args), server.LRUPromptCache(args.prompt_cache_size),
-        on_restart=restarted)
+    generator = ResilientGenerator(LoadedModelProvider(args, model, tokenizer),
+                                   server.LRUPromptCache(args.prompt_cache_size),
+                                   on_restart=restarted)
     try:
         if httpd is None:  # another rank of mlx.launch: rank 0 serves HTTP
             generator.join()
@@ -226,10 +211,9 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
                                  counters=counters, socket_timeout=cfg.socket_timeout,
                                  header_timeout=cfg.header_timeout,
                                  chat_template_args=cfg.chat_template_args or {})
-        handler = make_handler(server.APIHandler, settings)
         fingerprint = server.get_system_fingerprint()
-        httpd.RequestHandlerClass = lambda *a, **k: handler(
-            generator, *a, system_fingerprint=fingerprint, **k)
+        httpd.RequestHandlerClass = lambda *a, **k: DeltafinHandler(
+            generator, *a, settings=settings, system_fingerprint=fingerprint, **k)
         log.info("deltafin-run serve: %s on http://%s:%d, budget %s, context %d tokens, "
                  "%d request%s at once (%d more may wait), %d expert slots (%.0f%% of the "
                  "experts), bodies up to %s", cfg.model, cfg.host, cfg.port,

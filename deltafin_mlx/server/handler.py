@@ -20,6 +20,8 @@ import select
 import socket
 import time
 
+from mlx_lm.server import APIHandler
+
 from deltafin_mlx import compat
 from deltafin_mlx.errors import ContextError, RequestError
 from deltafin_mlx.generation.render import Render, thinking_opened
@@ -41,6 +43,7 @@ LINGER_BYTES = 256 << 20
 # never holds one of those).
 BODY_GRACE_SECONDS = 5.0
 BODY_MIN_RATE = 16 << 10  # bytes/s
+REFUSED = object()  # what a read answered with a refusal returns
 
 
 def peer_reset(sock) -> bool:
@@ -88,358 +91,371 @@ class DeadlineReader(socket.SocketIO):
         return super().readinto(b)
 
 
-def make_handler(base, settings):
-    """A subclass of mlx-lm's APIHandler (`base`) for `settings`
-    (server/app.py's ServeSettings)."""
+class Connection:
+    """The connection side of Deltafin's handler (a mixin before http.server's
+    handler, reading `self.settings`): a deadline for a request's line and headers,
+    bodies read at a byte-rate floor, and JSON answers that survive a client gone."""
 
-    class DeltafinHandler(base):
-        timeout = settings.socket_timeout  # a client that stops sending is dropped
+    def setup(self):
+        super().setup()
+        self.rfile.close()  # the socket's own reader, replaced by one with a deadline
+        self.reader = DeadlineReader(self.connection, "rb")
+        self.rfile = io.BufferedReader(self.reader)
 
-        # --- answers -----------------------------------------------------------
+    def handle_one_request(self):
+        # A client gets less time for its request line and headers, in all, than
+        # for a body or a reply: an idle or trickling connection frees its thread.
+        self.reader.deadline = time.monotonic() + self.settings.header_timeout
+        super().handle_one_request()
 
-        def _send_json(self, status: int, payload, extra_headers=()):
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in extra_headers:
-                self.send_header(k, v)
-            try:
-                self.end_headers()
-                self.wfile.write(data)
-                self.wfile.flush()
-            except (ConnectionError, TimeoutError) as e:
-                log.info("client went away before its answer (%d): %s", status,
-                         type(e).__name__)
-                self.close_connection = True
+    def parse_request(self):
+        ok = super().parse_request()  # has read the headers
+        self.reader.deadline = None
+        self.connection.settimeout(self.settings.socket_timeout)
+        return ok
 
-        # --- reading a request ------------------------------------------------
+    def log_message(self, format, *args):  # noqa: A002 - http.server's signature
+        log.debug("%s %s", self.address_string(), format % args)
 
-        def setup(self):
-            super().setup()
-            self.rfile.close()  # the socket's own reader, replaced by one with a deadline
-            self._reader = DeadlineReader(self.connection, "rb")
-            self.rfile = io.BufferedReader(self._reader)
+    def send_json(self, status: int, payload, extra_headers=()):
+        self.send_body(status, json.dumps(payload).encode(), "application/json", extra_headers)
 
-        def handle_one_request(self):
-            # A client gets less time for its request line and headers, in all, than
-            # for a body or a reply: an idle or trickling connection frees its thread.
-            self._reader.deadline = time.monotonic() + settings.header_timeout
-            super().handle_one_request()
+    def send_body(self, status: int, data: bytes, content_type: str, extra_headers=()):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in extra_headers:
+            self.send_header(k, v)
+        try:
+            self.end_headers()
+            self.wfile.write(data)
+            self.wfile.flush()
+        except (ConnectionError, TimeoutError) as e:
+            log.info("client went away before its answer (%d): %s", status,
+                     type(e).__name__)
+            self.close_connection = True
 
-        def parse_request(self):
-            ok = super().parse_request()  # has read the headers
-            self._reader.deadline = None
-            self.connection.settimeout(settings.socket_timeout)
-            return ok
+    def refuse(self, status: int, message: str, extra_headers=()):
+        log.info("refused (%d): %s", status, message)
+        kind = {400: "invalid_request_error", 503: "server_busy"}.get(status, "error")
+        self.send_json(status, {"error": {"message": message, "type": kind,
+                                          "code": status}}, extra_headers)
 
-        def _refuse(self, status: int, message: str, extra_headers=()):
-            log.info("refused (%d): %s", status, message)
-            kind = {400: "invalid_request_error", 503: "server_busy"}.get(status, "error")
-            self._send_json(status, {"error": {"message": message, "type": kind,
-                                               "code": status}}, extra_headers)
+    def content_length(self):
+        """The body's length, or a refusal (None): missing, invalid, or more than
+        this server's planned context can use."""
+        length = self.headers.get("Content-Length")
+        try:
+            length = int(length)
+        except (TypeError, ValueError):
+            self.close_connection = True
+            return self.refuse(411 if length is None else 400,
+                               "a valid Content-Length header is required")
+        if length < 0:
+            self.close_connection = True
+            return self.refuse(400, f"Content-Length {length} is negative")
+        if length > self.settings.max_body:
+            self.close_connection = True
+            self.refuse(413, f"the body is {length} bytes, more than the "
+                             f"{self.settings.max_body} this server's planned context can use")
+            return self.linger(length)
+        return length
 
-        def _set_completion_headers(self, status_code: int = 200):
-            # mlx-lm answers a request its generation thread refused with 404.
-            if status_code == 404 and getattr(self, "_generation_status", None):
-                status_code = self._generation_status
-            super()._set_completion_headers(status_code)
+    def length_or_none(self):
+        try:
+            n = int(self.headers.get("Content-Length"))
+        except (TypeError, ValueError):
+            return None
+        return n if 0 <= n <= self.settings.max_body else None
 
-        def log_message(self, format, *args):  # noqa: A002 - http.server's signature
-            log.debug("%s %s", self.address_string(), format % args)
+    def drain(self, length):
+        """Read and drop a body (so closing does not reset the connection)."""
+        if length is None:
+            self.close_connection = True
+            return
+        while length > 0:
+            chunk = self.rfile.read(min(length, DRAIN_CHUNK))
+            if not chunk:
+                break
+            length -= len(chunk)
 
-        # --- GET ---------------------------------------------------------------
-
-        def do_GET(self):
-            path = self.path.split("?", 1)[0]
-            if path in ("/v1/models", "/models"):
-                return self._send_json(200, {"object": "list", "data": [self._model_card()]})
-            if path.startswith(("/v1/models/", "/models/")):
-                name = path.split("/models/", 1)[1]
-                if name == settings.model_id:
-                    return self._send_json(200, self._model_card())
-                return self._refuse(404, f"no model {name[:80]!r}; this server serves "
-                                         f"{settings.model_id!r}")
-            if path == "/health":
-                ok = self.response_generator.is_healthy
-                return self._send_json(200 if ok else 503,
-                                       {"status": "ok" if ok else "unavailable"})
-            if path == "/metrics":
-                data = settings.counters.metrics_text(settings.admission, self.server).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                return
-            self._refuse(404, f"no such path {path[:80]!r}")
-
-        def _model_card(self):
-            return {"id": settings.model_id, "object": "model", "created": settings.created,
-                    "owned_by": "deltafin", "context_length": settings.limits.context}
-
-        # --- POST --------------------------------------------------------------
-
-        def do_POST(self):
-            path = self.path.split("?", 1)[0]
-            if path not in COMPLETIONS and path not in ("/tokenize", "/detokenize"):
-                self._drain(self._length_or_none())
-                return self._refuse(404, f"no such path {path[:80]!r}")
-            length = self.headers.get("Content-Length")
-            try:
-                length = int(length)
-            except (TypeError, ValueError):
-                self.close_connection = True
-                return self._refuse(411 if length is None else 400,
-                                    "a valid Content-Length header is required")
-            if length < 0:
-                self.close_connection = True
-                return self._refuse(400, f"Content-Length {length} is negative")
-            if length > settings.max_body:
-                self.close_connection = True
-                self._refuse(413, f"the body is {length} bytes, more than the "
-                                  f"{settings.max_body} this server's planned context can use")
-                return self._linger(length)
-            has_room = False
-            try:
-                with settings.admission.body(length):
-                    has_room = True
-                    self._admitted(path, length)
-            except Busy as e:
-                settings.counters.outcome("busy")
-                if not has_room:  # refused with its body unread
-                    self.close_connection = True
-                self._refuse(503, str(e), [("Retry-After", "1")])
-                if not has_room:
-                    self._linger(length)
-
-        def _length_or_none(self):
-            try:
-                n = int(self.headers.get("Content-Length"))
-            except (TypeError, ValueError):
-                return None
-            return n if 0 <= n <= settings.max_body else None
-
-        def _drain(self, length):
-            """Read and drop a body (so closing does not reset the connection)."""
-            if length is None:
-                self.close_connection = True
-                return
-            while length > 0:
-                chunk = self.rfile.read(min(length, DRAIN_CHUNK))
+    def linger(self, length):
+        """After refusing a body unread: drop what the client still sends, for a
+        bounded time and size, so it can read the answer (closing now would
+        reset the connection under it)."""
+        try:
+            self.connection.settimeout(LINGER_SECONDS)
+            left = min(length, LINGER_BYTES)
+            while left > 0:
+                chunk = self.rfile.read1(min(left, DRAIN_CHUNK))
                 if not chunk:
                     break
-                length -= len(chunk)
+                left -= len(chunk)
+        except OSError:
+            pass
 
-        def _linger(self, length):
-            """After refusing a body unread: drop what the client still sends, for a
-            bounded time and size, so it can read the answer (closing now would
-            reset the connection under it)."""
-            try:
-                self.connection.settimeout(LINGER_SECONDS)
-                left = min(length, LINGER_BYTES)
-                while left > 0:
-                    chunk = self.rfile.read1(min(left, DRAIN_CHUNK))
-                    if not chunk:
-                        break
-                    left -= len(chunk)
-            except OSError:
-                pass
+    def read_body(self, length: int) -> bytes:
+        """The body, as long as it keeps to the byte-rate floor: after
+        BODY_GRACE_SECONDS, BODY_MIN_RATE bytes/s on average since the start."""
+        parts, got, start = [], 0, time.monotonic()
+        try:
+            while got < length:
+                left = start + BODY_GRACE_SECONDS + got / BODY_MIN_RATE - time.monotonic()
+                if left <= 0:
+                    break
+                self.connection.settimeout(min(left, self.settings.socket_timeout))
+                chunk = self.rfile.read1(min(length - got, DRAIN_CHUNK))
+                if not chunk:
+                    break
+                parts.append(chunk)
+                got += len(chunk)
+        except OSError:
+            pass
+        finally:
+            self.connection.settimeout(self.settings.socket_timeout)
+        return b"".join(parts)
 
-        def _read_body(self, length: int) -> bytes:
-            """The body, as long as it keeps to the byte-rate floor: after
-            BODY_GRACE_SECONDS, BODY_MIN_RATE bytes/s on average since the start."""
-            parts, got, start = [], 0, time.monotonic()
-            try:
-                while got < length:
-                    left = start + BODY_GRACE_SECONDS + got / BODY_MIN_RATE - time.monotonic()
-                    if left <= 0:
-                        break
-                    self.connection.settimeout(min(left, settings.socket_timeout))
-                    chunk = self.rfile.read1(min(length - got, DRAIN_CHUNK))
-                    if not chunk:
-                        break
-                    parts.append(chunk)
-                    got += len(chunk)
-            except OSError:
-                pass
-            finally:
-                self.connection.settimeout(settings.socket_timeout)
-            return b"".join(parts)
+    def read_json(self, length: int):
+        """The body as JSON, or a refusal (REFUSED)."""
+        started = time.monotonic()
+        raw = self.read_body(length)
+        if len(raw) < length:
+            self.close_connection = True
+            took = time.monotonic() - started
+            if took >= BODY_GRACE_SECONDS:
+                self.refuse(408, f"the body came slower than the {BODY_MIN_RATE >> 10} KiB/s "
+                                 f"this server takes ({len(raw)} of {length} bytes in "
+                                 f"{took:.0f} s)")
+                return REFUSED
+            self.refuse(400, f"the body ended after {len(raw)} of {length} bytes")
+            return REFUSED
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            self.refuse(400, "the body is not UTF-8 text")
+        except (ValueError, RecursionError) as e:
+            self.refuse(400, f"the body is not valid JSON ({type(e).__name__}: {str(e)[:200]})")
+        return REFUSED
 
-        def _admitted(self, path, length):
-            """A request whose body has room: read and check it, then answer it
-            (a completion once it has a generation place)."""
-            started = time.monotonic()
-            raw = self._read_body(length)
-            if len(raw) < length:
+
+class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
+    """mlx-lm's APIHandler for `deltafin-run serve`, made for each connection with
+    `settings` (server/app.py's ServeSettings)."""
+
+    def __init__(self, response_generator, *args, settings, **kwargs):
+        self.settings = settings
+        self.timeout = settings.socket_timeout  # a client that stops sending is dropped
+        self.generation_status = None  # the HTTP status of a generation that failed
+        super().__init__(response_generator, *args, **kwargs)
+
+    def completion_status(self, status: int) -> int:
+        # mlx-lm answers a request its generation thread refused with 404.
+        if status == 404 and self.generation_status:
+            return self.generation_status
+        return status
+
+    # --- GET ---------------------------------------------------------------
+
+    def do_GET(self):
+        path = self.path.split("?", 1)[0]
+        if path in ("/v1/models", "/models"):
+            return self.send_json(200, {"object": "list", "data": [self.model_card()]})
+        if path.startswith(("/v1/models/", "/models/")):
+            name = path.split("/models/", 1)[1]
+            if name == self.settings.model_id:
+                return self.send_json(200, self.model_card())
+            return self.refuse(404, f"no model {name[:80]!r}; this server serves "
+                                    f"{self.settings.model_id!r}")
+        if path == "/health":
+            ok = self.response_generator.is_healthy
+            return self.send_json(200 if ok else 503, {"status": "ok" if ok else "unavailable"})
+        if path == "/metrics":
+            metrics = self.settings.counters.metrics_text(self.settings.admission, self.server)
+            return self.send_body(200, metrics.encode(), "text/plain; version=0.0.4")
+        self.refuse(404, f"no such path {path[:80]!r}")
+
+    def model_card(self):
+        return {"id": self.settings.model_id, "object": "model",
+                "created": self.settings.created, "owned_by": "deltafin",
+                "context_length": self.settings.limits.context}
+
+    # --- POST --------------------------------------------------------------
+
+    def do_POST(self):
+        path = self.path.split("?", 1)[0]
+        if path not in COMPLETIONS and path not in ("/tokenize", "/detokenize"):
+            self.drain(self.length_or_none())
+            return self.refuse(404, f"no such path {path[:80]!r}")
+        length = self.content_length()
+        if length is None:
+            return
+        has_room = False
+        try:
+            with self.settings.admission.body(length):
+                has_room = True
+                self.admitted(path, length)
+        except Busy as e:
+            self.settings.counters.outcome("busy")
+            if not has_room:  # refused with its body unread
                 self.close_connection = True
-                took = time.monotonic() - started
-                if took >= BODY_GRACE_SECONDS:
-                    return self._refuse(408, f"the body came slower than the "
-                                             f"{BODY_MIN_RATE >> 10} KiB/s this server "
-                                             f"takes ({len(raw)} of {length} bytes in "
-                                             f"{took:.0f} s)")
-                return self._refuse(400, f"the body ended after {len(raw)} of {length} bytes")
-            try:
-                body = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                return self._refuse(400, "the body is not UTF-8 text")
-            except (ValueError, RecursionError) as e:
-                return self._refuse(400, f"the body is not valid JSON ({type(e).__name__}: "
-                                         f"{str(e)[:200]})")
-            del raw
-            try:
-                if path == "/tokenize":
-                    content, special = schema.check_tokenize(body, settings.limits)
-                    tokens = settings.tokenizer.encode(content, add_special_tokens=special)
-                    return self._send_json(200, {"tokens": list(tokens), "count": len(tokens)})
-                if path == "/detokenize":
-                    tokens = schema.check_detokenize(body, settings.limits)
-                    return self._send_json(200, {"content": settings.tokenizer.decode(tokens)})
-                request = schema.read_completion(body, COMPLETIONS[path], settings.limits)
-            except RequestError as e:
-                settings.counters.outcome("refused")
-                return self._refuse(400, str(e))
-            self._legacy_logprobs = not COMPLETIONS[path] and request.logprobs
-            self._want_logprobs = request.logprobs
-            self._streamed = []  # responses not yet in a streamed chunk (for logprobs)
-            self._request = request
-            data = json.dumps(request.mlx_lm_body()).encode()
-            # mlx-lm's handler reads and parses the body itself: it gets the checked one.
-            del self.headers["Content-Length"]
-            self.headers["Content-Length"] = str(len(data))
-            self.rfile = io.BytesIO(data)
-            with settings.admission.place():
-                self._generate()
+            self.refuse(503, str(e), [("Retry-After", "1")])
+            if not has_room:
+                self.linger(length)
 
-        def _generate(self):
-            """mlx-lm's do_POST on the checked body, counted."""
-            path = self.path.split("?", 1)[0]
-            self._meter = settings.counters.start(path)
-            self._outcome = "refused"
+    def admitted(self, path, length):
+        """A request whose body has room: read and check it, then answer it
+        (a completion once it has a generation place)."""
+        body = self.read_json(length)
+        if body is REFUSED:
+            return
+        try:
+            if path == "/tokenize":
+                content, special = schema.check_tokenize(body, self.settings.limits)
+                tokens = self.settings.tokenizer.encode(content, add_special_tokens=special)
+                return self.send_json(200, {"tokens": list(tokens), "count": len(tokens)})
+            if path == "/detokenize":
+                tokens = schema.check_detokenize(body, self.settings.limits)
+                return self.send_json(200, {"content": self.settings.tokenizer.decode(tokens)})
+            request = schema.read_completion(body, COMPLETIONS[path], self.settings.limits)
+        except RequestError as e:
+            self.settings.counters.outcome("refused")
+            return self.refuse(400, str(e))
+        self.hand_to_mlx_lm(path, request)
+
+    def hand_to_mlx_lm(self, path, request):
+        """mlx-lm's do_POST on the checked body, once it has a generation place,
+        counted."""
+        self.legacy_logprobs = not COMPLETIONS[path] and request.logprobs
+        self.want_logprobs = request.logprobs
+        self.streamed = []  # responses not yet in a streamed chunk (for logprobs)
+        self.checked = request  # (self.request is the socket, socketserver's)
+        data = json.dumps(request.mlx_lm_body()).encode()
+        # mlx-lm's handler reads and parses the body itself: it gets the checked one.
+        del self.headers["Content-Length"]
+        self.headers["Content-Length"] = str(len(data))
+        self.rfile = io.BytesIO(data)
+        with self.settings.admission.place():
+            self.meter = self.settings.counters.start(path)
+            self.outcome = "refused"
             try:
                 super().do_POST()
             finally:
-                settings.counters.finish(self._meter, self._outcome)
+                self.settings.counters.finish(self.meter, self.outcome)
 
-        # --- a completion ------------------------------------------------------
+    # --- a completion ------------------------------------------------------
 
-        def handle_completion(self, request, stop_words):
-            try:
-                n = self._prompt_tokens(request)
-            except RequestError as e:
-                return self._refuse(400, str(e))
-            if n == 0:
-                return self._refuse(400, "the prompt is empty (no tokens)")
-            try:
-                self.max_tokens = fit_max_tokens(n, self.max_tokens, settings.limits.context)
-            except ContextError as e:
-                return self._refuse(400, str(e))
-            self._meter.prompt_tokens = n
-            chat = request.request_type == "chat"
-            template_kwargs = {**(settings.chat_template_args or {}),
-                               **(self._request.chat_template_kwargs or {})}
-            self._render = Render(settings.tokenizer, stop=stop_words,
-                                  thinking=thinking_opened(chat, template_kwargs))
-            self._rendered = {"answer": "", "think": ""}  # not yet in a response
-            real = self.response_generator
-            self.response_generator = _Watched(real, self, settings.counters)
-            try:
-                super().handle_completion(request, stop_words)
-                self._outcome = "ok" if not getattr(self, "_generation_status", None) \
-                    else "failed"
-            except (ClientGone, BrokenPipeError, ConnectionResetError):
-                log.info("client disconnected; its generation was stopped")
-                self._outcome = "gone"
-                self.close_connection = True
-            except GenerationFailed as e:
-                self._outcome = "failed"
-                self._failed_midway(e)
-            finally:
-                self.response_generator = real
-
-        def _failed_midway(self, error):
+    def handle_completion(self, request, stop_words):
+        if not self.fit_to_context(request):
+            return
+        chat = request.request_type == "chat"
+        template_kwargs = {**(self.settings.chat_template_args or {}),
+                           **(self.checked.chat_template_kwargs or {})}
+        self.render = Render(self.settings.tokenizer, stop=stop_words,
+                             thinking=thinking_opened(chat, template_kwargs))
+        self.rendered = {"answer": "", "think": ""}  # not yet in a response
+        real = self.response_generator
+        self.response_generator = _Watched(real, self, self.settings.counters)
+        try:
+            super().handle_completion(request, stop_words)
+            self.outcome = "ok" if not self.generation_status else "failed"
+        except (ClientGone, BrokenPipeError, ConnectionResetError):
+            log.info("client disconnected; its generation was stopped")
+            self.outcome = "gone"
             self.close_connection = True
-            try:
-                if self.stream:  # the headers are out: say it in the stream
-                    event = {"error": {"message": str(error), "type": "server_error",
-                                       "code": 500}}
-                    self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-                    self.wfile.flush()
-                else:  # mlx-lm's 200 is still in the header buffer
-                    self._headers_buffer = []
-                    self._refuse(500, str(error))
-            except OSError:
-                pass
+        except GenerationFailed as e:
+            self.outcome = "failed"
+            self.failed_midway(e)
+        finally:
+            self.response_generator = real
 
-        def _prompt_tokens(self, request) -> int:
-            """The prompt's length, tokenized as mlx-lm's generation thread will
-            (the text is already bounded by what the context can hold)."""
-            try:
-                prompt = compat.server_prompt_tokens(self.response_generator,
-                                                     settings.tokenizer, request,
-                                                     _TemplateArgs(self.chat_template_kwargs))
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as e:  # template errors of any kind
-                raise RequestError(f"cannot build the prompt ({type(e).__name__}: "
-                                   f"{str(e)[:200]})") from None
-            return len(prompt)
+    def fit_to_context(self, request) -> bool:
+        """Whether the prompt's tokens leave room in the context (the reply's
+        max_tokens cut to it); if not, the request is refused."""
+        try:
+            n = self.prompt_length(request)
+        except RequestError as e:
+            return self.refuse(400, str(e))
+        if n == 0:
+            return self.refuse(400, "the prompt is empty (no tokens)")
+        try:
+            self.max_tokens = fit_max_tokens(n, self.max_tokens, self.settings.limits.context)
+        except ContextError as e:
+            return self.refuse(400, str(e))
+        self.meter.prompt_tokens = n
+        return True
 
-        # --- logprobs as OpenAI reports them ------------------------------------
+    def prompt_length(self, request) -> int:
+        """The prompt's length, tokenized as mlx-lm's generation thread will
+        (the text is already bounded by what the context can hold)."""
+        try:
+            # mlx-lm's tokenizing reads `args.chat_template_kwargs`: the handler's
+            prompt = compat.server_prompt_tokens(self.response_generator,
+                                                 self.settings.tokenizer, request, self)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # template errors of any kind
+            raise RequestError(f"cannot build the prompt ({type(e).__name__}: "
+                               f"{str(e)[:200]})") from None
+        return len(prompt)
 
-        def generate_response(self, text, finish_reason, prompt_token_count=None,
-                              completion_token_count=None, prompt_cache_count=None,
-                              token_logprobs=None, top_tokens=None, tokens=None, **kwargs):
-            if not kwargs.get("tool_calls"):
-                # The text is generation/render.py's, as run and batch write it (a tool
-                # call's reply keeps mlx-lm's parse).
-                text, kwargs["reasoning_text"] = self._rendered_text(finish_reason)
-            response = super().generate_response(
-                text, finish_reason, prompt_token_count, completion_token_count,
-                prompt_cache_count, token_logprobs=token_logprobs, top_tokens=top_tokens,
-                tokens=tokens, **kwargs)
-            response["model"] = settings.model_id  # whatever name the client used
-            choice = response["choices"][0]
-            choice.pop("logprobs", None)
-            if self.stream and self._want_logprobs and self._streamed:
-                # mlx-lm streams no logprobs: the chunk's own tokens, as collected.
-                tokens = [r.token for r in self._streamed]
-                token_logprobs = [r.logprob for r in self._streamed]
-                top_tokens = [r.top_tokens for r in self._streamed]
-                self._streamed = []
-            if tokens and token_logprobs:
-                choice["logprobs"] = logprobs_block(
-                    settings.tokenizer, tokens, token_logprobs, top_tokens or [],
-                    legacy=self._legacy_logprobs)
-            elif not self.stream and "logprobs" not in choice:
-                choice["logprobs"] = None
-            return response
+    def failed_midway(self, error):
+        self.close_connection = True
+        try:
+            if self.stream:  # the headers are out: say it in the stream
+                event = {"error": {"message": str(error), "type": "server_error",
+                                   "code": 500}}
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+            else:  # mlx-lm's 200 is still in the header buffer
+                self._headers_buffer = []  # http.server's
+                self.refuse(500, str(error))
+        except OSError:
+            pass
 
-        def _rendered_text(self, finish_reason):
-            """(answer, thinking) rendered since the last response; at the end of
-            the reply, with what was held back in case a stop string began there."""
-            if finish_reason is not None:
-                for channel, piece in self._render.finish():
-                    self._rendered[channel] += piece
-            answer, thinking = self._rendered["answer"], self._rendered["think"]
-            self._rendered = {"answer": "", "think": ""}
-            return answer, thinking
+    # --- logprobs as OpenAI reports them ------------------------------------
 
-        def completion_usage_response(self, *args, **kwargs):
-            response = super().completion_usage_response(*args, **kwargs)
-            response["model"] = settings.model_id
-            return response
+    def generate_response(self, text, finish_reason, prompt_token_count=None,
+                          completion_token_count=None, prompt_cache_count=None,
+                          token_logprobs=None, top_tokens=None, tokens=None, **kwargs):
+        if not kwargs.get("tool_calls"):
+            # The text is generation/render.py's, as run and batch write it (a tool
+            # call's reply keeps mlx-lm's parse).
+            text, kwargs["reasoning_text"] = self.rendered_text(finish_reason)
+        response = super().generate_response(
+            text, finish_reason, prompt_token_count, completion_token_count,
+            prompt_cache_count, token_logprobs=token_logprobs, top_tokens=top_tokens,
+            tokens=tokens, **kwargs)
+        response["model"] = self.settings.model_id  # whatever name the client used
+        choice = response["choices"][0]
+        choice.pop("logprobs", None)
+        if self.stream and self.want_logprobs and self.streamed:
+            # mlx-lm streams no logprobs: the chunk's own tokens, as collected.
+            tokens = [r.token for r in self.streamed]
+            token_logprobs = [r.logprob for r in self.streamed]
+            top_tokens = [r.top_tokens for r in self.streamed]
+            self.streamed = []
+        if tokens and token_logprobs:
+            choice["logprobs"] = logprobs_block(
+                self.settings.tokenizer, tokens, token_logprobs, top_tokens or [],
+                legacy=self.legacy_logprobs)
+        elif not self.stream and "logprobs" not in choice:
+            choice["logprobs"] = None
+        return response
 
-    return DeltafinHandler
+    def rendered_text(self, finish_reason):
+        """(answer, thinking) rendered since the last response; at the end of
+        the reply, with what was held back in case a stop string began there."""
+        if finish_reason is not None:
+            for channel, piece in self.render.finish():
+                self.rendered[channel] += piece
+        answer, thinking = self.rendered["answer"], self.rendered["think"]
+        self.rendered = {"answer": "", "think": ""}
+        return answer, thinking
 
-
-class _TemplateArgs:
-    """What mlx-lm's tokenizing reads of a request's generation arguments."""
-
-    def __init__(self, chat_template_kwargs):
-        self.chat_template_kwargs = chat_template_kwargs
+    def completion_usage_response(self, *args, **kwargs):
+        response = super().completion_usage_response(*args, **kwargs)
+        response["model"] = self.settings.model_id
+        return response
 
 
 def _token_text(tokenizer, token: int) -> str:
@@ -493,51 +509,50 @@ class _Watched:
     during prompt processing), counts the tokens, and keeps a failure's status."""
 
     def __init__(self, inner, handler, counters):
-        self._inner = inner
-        self._counters = counters
-        self._handler = handler
-        self._sock = handler.connection
+        self.inner = inner
+        self.counters = counters
+        self.handler = handler
+        self.sock = handler.connection
 
     def __getattr__(self, name):
-        return getattr(self._inner, name)
+        return getattr(self.inner, name)
 
     def generate(self, request, args, progress_callback=None):
         holder = {}
-        handler = self._handler
+        handler = self.handler
 
         def progress(done, total):
-            if peer_reset(self._sock) and "ctx" in holder:
+            if peer_reset(self.sock) and "ctx" in holder:
                 holder["ctx"].stop()
             if progress_callback is not None:
                 progress_callback(done, total)
 
         try:
-            ctx, responses = self._inner.generate(request, args, progress)
+            ctx, responses = self.inner.generate(request, args, progress)
         except GenerationFailed:
-            handler._generation_status = 500
+            handler.generation_status = 500
             raise
         except Exception:
-            handler._generation_status = 400
+            handler.generation_status = 400
             raise
         holder["ctx"] = ctx
-        meter = getattr(handler, "_meter", None)
+        meter = getattr(handler, "meter", None)
         if meter is not None:
             meter.cached_tokens = max(ctx.prompt_cache_count, 0)
 
         def watched():
             for r in responses:
-                if peer_reset(self._sock):
+                if peer_reset(self.sock):
                     ctx.stop()
                     raise ClientGone()
                 if meter is not None:
-                    self._counters.token(meter)
-                if getattr(handler, "_want_logprobs", False) and handler.stream:
-                    handler._streamed.append(r)
-                render = getattr(handler, "_render", None)
+                    self.counters.token(meter)
+                if getattr(handler, "want_logprobs", False) and handler.stream:
+                    handler.streamed.append(r)
+                render = getattr(handler, "render", None)
                 if render is not None:
                     for channel, piece in render.add(r.token, final=r.finish_reason is not None):
-                        handler._rendered[channel] += piece
+                        handler.rendered[channel] += piece
                 yield r
 
         return ctx, watched()
-

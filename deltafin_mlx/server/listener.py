@@ -21,14 +21,16 @@ DRAIN_LIMIT = 1 << 20  # what a refused connection may already have sent
 class DeltafinHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
-    max_connections = 256  # set per server by bind()
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, address, family, backlog: int, max_connections: int):
+        """Listening at `address` (of socket `family`), the handler to be set."""
+        self.address_family, self.request_queue_size = family, backlog
+        self.max_connections = max_connections
         self.open_connections = 0
         self.refused_connections = 0
         self._count_lock = threading.Lock()
         self._last_refusal_log = -1e9
-        super().__init__(*args, **kwargs)
+        super().__init__(address, None)
 
     def _enter(self) -> bool:
         with self._count_lock:

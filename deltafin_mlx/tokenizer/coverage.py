@@ -11,6 +11,7 @@ tiktoken files are checked for their bytes where they are read (tokenizer/kimi.p
 import json
 from typing import List, Optional
 
+from deltafin_mlx import compat
 from deltafin_mlx.errors import TokenizerError
 from deltafin_mlx.tokenizer.kimi import byte_token_strings
 
@@ -18,7 +19,7 @@ from deltafin_mlx.tokenizer.kimi import byte_token_strings
 def check_tokenizer(tokenizer, vocab_rows: Optional[int], where):
     """TokenizerError unless `tokenizer` (mlx-lm's TokenizerWrapper or what it
     wraps) encodes every byte and has ids only below `vocab_rows`."""
-    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    inner = compat.wrapped_tokenizer(tokenizer)
     top = _largest_id(inner)
     if isinstance(vocab_rows, int) and top is not None and top >= vocab_rows:
         raise TokenizerError(f"{where}: the tokenizer has ids up to {top}, beyond the "

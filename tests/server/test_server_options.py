@@ -85,24 +85,14 @@ def test_requests_beyond_the_places_get_503_and_the_server_goes_on(converted, tm
 
 
 def test_a_failing_generation_loop_fails_its_requests_only_and_restarts():
-    """server/generation.py over a stand-in for mlx-lm's ResponseGenerator whose
-    loop raises on one request: that request gets the error, the next is answered
-    and the loop's thread is alive."""
-    from deltafin_mlx.server.generation import GenerationFailed, resilient_generator_class
+    """server/generation.py's ResilientGenerator (mlx-lm's ResponseGenerator, its
+    queue, request taking and waiting) over a stand-in for mlx-lm's generation
+    loop that raises on one request: that request gets the error, the next is
+    answered and the loop's thread is alive."""
+    from deltafin_mlx.server.generation import GenerationFailed, ResilientGenerator
 
-    class StandIn:  # the parts of mlx-lm's ResponseGenerator the subclass uses
-        def __init__(self, provider, cache):
-            self.requests, self._stop = Queue(), False
-            self._generation_thread = threading.Thread(target=self._run_generate, daemon=True)
-            self._generation_thread.start()
-
-        def _next_request(self, timeout=None):
-            try:
-                return self.requests.get(timeout=timeout)
-            except Exception:
-                return None
-
-        def _generate(self):
+    class StandIn(ResilientGenerator):
+        def _generate(self):  # mlx-lm's loop: take a request, answer on its queue
             while not self._stop:
                 r = self._next_request(0.05)
                 if r is None:
@@ -115,14 +105,19 @@ def test_a_failing_generation_loop_fails_its_requests_only_and_restarts():
                 q.put(None)
 
     restarts = []
-    gen = resilient_generator_class(StandIn)(None, None, on_restart=lambda: restarts.append(1))
-    ctx, replies = gen.generate("poison", None)
-    with pytest.raises(GenerationFailed):
-        list(replies)
-    ctx, replies = gen.generate("hello", None)
-    assert list(replies) == ["reply to hello"] and restarts == [1]
-    assert gen.is_healthy
-    gen._stop = True
+    gen = StandIn(None, None, on_restart=lambda: restarts.append(1))
+    try:
+        ctx, replies = gen.generate("poison", None)
+        with pytest.raises(GenerationFailed):
+            list(replies)
+        ctx, replies = gen.generate("hello", None)
+        assert list(replies) == ["reply to hello"] and restarts == [1]
+        assert gen.is_healthy
+    finally:
+        gen.stop_and_join()
+    assert not gen.is_healthy
+    with pytest.raises(GenerationFailed):  # a stopped thread: HTTP 500, never a hang
+        gen.generate("late", None)
 
 
 def test_a_config_naming_another_model_file_is_refused_before_serving(converted, copy_of):
