@@ -16,7 +16,7 @@ import deltafin_mlx.jobs.batch as batch
 import deltafin_mlx.jobs.results_file as batch_io
 from deltafin_mlx.jobs.results_file import Results
 from deltafin_mlx.cli.main import main
-from deltafin_mlx.errors import BatchError
+from deltafin_mlx.errors import JobError
 
 
 def write_lines(path, *specs):
@@ -99,7 +99,7 @@ def test_an_output_line_longer_than_any_result_is_refused(tmp_path, monkeypatch)
     monkeypatch.setattr(batch_io, "LINE_MAX_BYTES", 100)
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps({"id": 1, "text": "y" * 500}) + "\n")
-    with pytest.raises(BatchError, match="line 1 is not a batch result"):
+    with pytest.raises(JobError, match="line 1 is not a batch result"):
         Results(out).scan()
 
 
