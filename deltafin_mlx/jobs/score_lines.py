@@ -8,7 +8,7 @@
     {"id": ..., "tokens": [...]}                    token ids as they are, every one scored
                                                     (a text already tokenized)
 
-Lines are read as batch jobs read them (batch_requests.read_requests: JSON objects with a
+Lines are read as batch jobs read them (batch_lines.read_requests: JSON objects with a
 string or integer id, duplicate ids refused before anything runs); a line that
 cannot be scored becomes an error line, never a stopped job. The first token of a
 sequence has no prediction, so it is never scored.
