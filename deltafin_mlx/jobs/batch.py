@@ -345,7 +345,8 @@ def run_job(model, tokenizer, job: Job, opts: BatchOptions,
     """The batch job: answer what its output does not answer yet, appending each
     result as it finishes (and counting it in `outcome`)."""
     show = sys.stderr.isatty() if show_progress is None else show_progress
-    progress = Progress(len(job.requests), job.skipped, show)
+    outcome = Outcome("batch") if outcome is None else outcome
+    progress = Progress(len(job.requests), job.skipped, show, outcome)
     meter = StatsMeter(model)
     state = find_runtime(model) if show else None
     if state is not None:  # prefill steps report their layers
@@ -355,15 +356,13 @@ def run_job(model, tokenizer, job: Job, opts: BatchOptions,
         for result in iter_batch(model, tokenizer, job.todo, opts, progress):
             job.results.write(result)
             progress.finished(result)
-            if outcome is not None:
-                outcome.add(result)
     finally:
         if state is not None:
             state.store.on_pass_layer = None
         progress.close()
     s = meter.now(progress.tokens)
     return {"requests": len(job.requests), "skipped": job.skipped,
-            "answered": progress.done, "errors": progress.errors, "tokens": progress.tokens,
+            "answered": outcome.answered, "errors": outcome.errors, "tokens": progress.tokens,
             "seconds": s.seconds, "tokens_per_second": s.tokens_per_second,
             "batch_size": opts.batch_size, "expert_bytes_read": s.bytes_read}
 

@@ -27,7 +27,7 @@ class Outcome:
     """What a run of a job did with its lines: how many it answered now and how
     many of those are error lines, for its last line and exit status."""
 
-    label: str  # "batch" or "score"
+    label: str  # the job: "batch", "score" or "perplexity" (whose lines are windows)
     answered: int = 0  # error lines included
     errors: int = 0
     not_json: int = 0

@@ -39,6 +39,7 @@ import numpy as np
 
 from deltafin_mlx.units import count
 from deltafin_mlx.errors import JobError
+from deltafin_mlx.jobs.outcome import Outcome
 from deltafin_mlx.jobs.progress import Progress
 from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
 from deltafin_mlx.jobs.score_lines import ScoreItem
@@ -146,7 +147,7 @@ def perplexity(model, tokenizer, text: str, opts: PerplexityOptions,
     top_vals = np.zeros((len(items), n, top_k), np.float32) if top_k else None
     asked = np.zeros((len(items), n, at_ids[0].shape[1]), np.float32) if at_ids else None
     passes = []
-    progress = Progress(len(items), 0, show_progress, label="perplexity", items="windows")
+    progress = Progress(len(items), 0, show_progress, Outcome("perplexity"), items="windows")
     start = time.perf_counter()
     try:
         for results, stats in iter_passes(model, items, score_opts, at_ids):
@@ -231,9 +232,8 @@ def read_reference(path) -> Reference:
 
 def reference_windows(ref: Reference, path, context: Optional[int] = None,
                       stride: Optional[int] = None, chunks: Optional[int] = None):
-    """The windows and chunks a run against the reference at `path` scores: the
-    reference's own. A context, stride or chunks given (not None) other than the
-    reference's is refused, whether the command's flag or the library's option."""
+    """The windows and chunks a run against the reference at `path` scores: its own;
+    any other given (not None), by the command's flags or the library's options, is refused."""
     for flag, given, theirs in (("-c", context, ref.windows.context),
                                 ("--stride", stride, ref.windows.stride),
                                 ("--chunks", chunks, ref.chunks)):

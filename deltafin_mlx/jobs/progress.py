@@ -3,17 +3,18 @@
 import sys
 import time
 
+from deltafin_mlx.jobs.outcome import Outcome
+
 
 class Progress:
-    """Requests done/total, the prefill's tokens while prompts are read, aggregate
-    tokens/s and ETA, on one stderr line (`label` and `items` name the job and what
-    it counts: a score job counts texts)."""
+    """The lines `outcome` counts done and failed of `total` (`items` names them: a
+    score job counts texts), the prefill's tokens while prompts are read, aggregate
+    tokens/s and ETA, on one stderr line."""
 
-    def __init__(self, total: int, skipped: int, show: bool, label: str = "batch",
+    def __init__(self, total: int, skipped: int, show: bool, outcome: Outcome,
                  items: str = "requests"):
         self.total, self.skipped, self.show = total, skipped, show
-        self.label, self.items = label, items
-        self.done = self.errors = self.tokens = 0
+        self.outcome, self.items, self.tokens = outcome, items, 0
         self.prefill = {}  # uid -> (prompt tokens done, of total), while prefilling
         self.in_layer = ""  # where the prefill step now running is (the engine says)
         self.start = time.perf_counter()
@@ -34,8 +35,7 @@ class Progress:
         self._draw()
 
     def finished(self, result: dict):
-        self.done += 1
-        self.errors += "error" in result
+        self.outcome.add(result)
         self._draw(force=True)
 
     @property
@@ -48,9 +48,10 @@ class Progress:
         if not self.show or (not force and now - self.last < 0.5):
             return
         self.last = now
-        done = self.skipped + self.done
+        answered = self.outcome.answered
+        done = self.skipped + answered
         left = self.total - done
-        eta = (now - self.start) / self.done * left if self.done else float("nan")
+        eta = (now - self.start) / answered * left if answered else float("nan")
         eta = "?" if eta != eta else f"{int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
         reading = f", prefilling{self.in_layer}" if self.in_layer else ""
         if self.prefill:
@@ -58,7 +59,8 @@ class Progress:
             want = sum(p[1] for p in self.prefill.values())
             reading = (f", prefill {have}/{want} tokens of {len(self.prefill)} prompts"
                        f"{self.in_layer}")
-        print(f"\r\033[K[{self.label}] {done}/{self.total} {self.items} ({self.errors} errors){reading}, "
+        print(f"\r\033[K[{self.outcome.label}] {done}/{self.total} {self.items} "
+              f"({self.outcome.errors} errors){reading}, "
               f"{self.tokens_per_second:.2f} tok/s, ETA {eta}", end="", file=sys.stderr,
               flush=True)
 

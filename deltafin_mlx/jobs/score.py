@@ -130,8 +130,7 @@ def prepare_all(requests: Sequence[Request], tokenizer, opts: ScoreOptions,
 
 
 def within(item: ScoreItem, limit=None) -> ScoreItem:
-    """`item`, unless it is longer than the model's longest sequence, `limit`
-    (ValueError says so)."""
+    """`item`, unless longer than the model's longest sequence `limit` (ValueError)."""
     if isinstance(limit, int) and len(item.tokens) > limit:
         raise ValueError(f"{len(item.tokens)} tokens, beyond this model's maximum "
                          f"of {limit} (max_position_embeddings)")
@@ -253,7 +252,7 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
     total, skipped = len(keys), sum(1 for key in keys if key in out.done)
     del keys
     show = sys.stderr.isatty() if show_progress is None else show_progress
-    progress = Progress(total, skipped, show, label="score", items="texts")
+    progress = Progress(total, skipped, show, outcome, items="texts")
     totals = Totals()
     start = time.perf_counter()
     sizing = Sizing(model)
@@ -263,7 +262,6 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
             for e in errors:
                 out.write_error(e)
                 progress.finished(e)
-                outcome.add(e)
             totals.errors += len(errors)
             for results, stats in iter_passes(model, items, opts):
                 out.write_pass(results)
@@ -271,7 +269,6 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
                 progress.tokens += sum(s.item.scored_tokens for s in results)
                 for s in results:
                     progress.finished({})
-                    outcome.add({})
     finally:
         out.close()
         progress.close()

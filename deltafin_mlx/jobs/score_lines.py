@@ -38,8 +38,7 @@ class ScoreItem:
 
     @classmethod
     def scored_from(cls, id, tokens: List[int], start: int) -> "ScoreItem":
-        """`tokens` with every position from `start` on scored but the first
-        (the first token has no prediction)."""
+        """`tokens` scored from `start` on, never the first (it has no prediction)."""
         scored = np.arange(len(tokens)) >= max(start, 1)
         return cls(id, [int(t) for t in tokens], scored)
 
