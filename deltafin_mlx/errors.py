@@ -63,8 +63,9 @@ class SessionSaveError(SessionError):
     """A chat session that could not be saved (a full disk): the chat goes on."""
 
 
-class BatchError(DeltafinError, ValueError):
-    """A batch job that cannot start."""
+class JobError(DeltafinError, ValueError):
+    """A batch, score, perplexity or lm-eval job that cannot start or go on: its
+    input, its output, its options or a reference that does not fit."""
 
 
 class RequestError(DeltafinError, ValueError):

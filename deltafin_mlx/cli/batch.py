@@ -54,7 +54,8 @@ def recorded_options(args) -> dict:
 
 
 def cmd_batch(argv) -> int:
-    from deltafin_mlx.jobs.batch import Outcome, open_job, run_job, summary_line
+    from deltafin_mlx.jobs.batch import open_job, run_job, summary_line
+    from deltafin_mlx.jobs.outcome import Outcome
 
     args = batch_parser().parse_args(argv)
     check_request_flags(args)

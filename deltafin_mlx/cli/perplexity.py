@@ -46,24 +46,19 @@ def perplexity_parser():
 def cmd_perplexity(argv) -> int:
     from deltafin_mlx.errors import UsageError
     from deltafin_mlx.jobs.perplexity import (PerplexityOptions, Windows, perplexity,
-                                              read_reference, read_text, summary_lines)
+                                              read_reference, read_text, reference_windows,
+                                              summary_lines)
 
     args = perplexity_parser().parse_args(argv)
     text = read_text(args.file)  # before the model loads, not after
-    windows = Windows(args.context or 512, args.stride)
+    windows, chunks = Windows(args.context or 512, args.stride), args.chunks
     if args.kl_top_k is not None and not args.kl_divergence_base:
         raise UsageError("--kl-top-k is what --kl-divergence-base keeps: it goes with it")
-    if args.kl_divergence:
-        # a bad reference is refused before the model loads
-        ref = read_reference(args.kl_divergence)
-        for flag, given, theirs in (("-c", args.context, ref.windows.context),
-                                    ("--stride", args.stride, ref.windows.stride),
-                                    ("--chunks", args.chunks, ref.chunks)):
-            if given is not None and given != theirs:
-                raise UsageError(f"{flag} {given}: {args.kl_divergence} was written with "
-                                 f"{flag} {theirs or 'unset'}, and --kl-divergence scores "
-                                 f"the windows of its reference (leave {flag} out)")
-    opts = PerplexityOptions(windows=windows, chunks=args.chunks,
+    if args.kl_divergence:  # a bad reference is refused before the model loads
+        windows, chunks = reference_windows(read_reference(args.kl_divergence),
+                                            args.kl_divergence, args.context, args.stride,
+                                            args.chunks)
+    opts = PerplexityOptions(windows=windows, chunks=chunks,
                              max_pass_tokens=args.pass_tokens,
                              kl_base=args.kl_divergence_base,
                              kl_reference=args.kl_divergence, top_k=args.kl_top_k or 32)

@@ -42,7 +42,7 @@ def score_parser():
 
 def cmd_score(argv) -> int:
     from deltafin_mlx.jobs.results_file import check_not_input, check_regular
-    from deltafin_mlx.jobs.batch import Outcome
+    from deltafin_mlx.jobs.outcome import Outcome
     from deltafin_mlx.jobs.job_options import check_options
     from deltafin_mlx.jobs.score import ScoreOptions, run_job, summary_line
 

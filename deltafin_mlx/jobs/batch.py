@@ -28,10 +28,12 @@ from typing import Iterator, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from deltafin_mlx.jobs.results_file import (STDOUT, Results, check_not_input, open_input,
-                                            read_lines, result_key)
+from deltafin_mlx.jobs.results_file import (Results, check_not_input, open_input, read_lines,
+                                            result_key)
 from deltafin_mlx.jobs.batch_lines import Request, batch_request, read_requests
 from deltafin_mlx.jobs.job_options import check_options
+from deltafin_mlx.jobs.outcome import Outcome, error_line
+from deltafin_mlx.jobs.progress import Progress
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.generation.stream import StatsMeter, hint_prompt_batches, planned_pass
@@ -175,59 +177,6 @@ class Running:
         return out
 
 
-def error_line(req: Request, message: str) -> dict:
-    out = {"id": req.id, "line": req.line, "error": message}
-    if req.custom_id:
-        out["custom_id"] = req.id
-    return out
-
-
-# Exit statuses of batch and score jobs (README, "Exit statuses"): 0 every line
-# answered; 1 the job could not run, or every line it tried failed; 3 it finished
-# with some lines answered by error lines.
-FAILED, PARTIAL = 1, 3
-
-
-@dataclass
-class Outcome:
-    """What a run of a job did with its lines: how many it answered now and how
-    many of those are error lines, for its last line and exit status."""
-
-    label: str  # "batch" or "score"
-    answered: int = 0  # error lines included
-    errors: int = 0
-    not_json: int = 0
-    first_error: str = ""
-
-    def add(self, result: dict):
-        self.answered += 1
-        if "error" in result:
-            self.errors += 1
-            self.not_json += ": not JSON (" in result["error"]
-            self.first_error = self.first_error or result["error"]
-
-    @property
-    def status(self) -> int:
-        if not self.errors:
-            return 0
-        return FAILED if self.errors == self.answered else PARTIAL
-
-    def last_line(self, out_path, hint: str = "") -> Optional[str]:
-        """The line that ends a run with errors (None without): why every line
-        failed, or how many did."""
-        out_path = "stdout" if out_path == STDOUT else out_path
-        if self.status == FAILED:
-            if self.not_json == self.errors:
-                return (f"every line is not JSON: {self.label} takes JSONL, one object per "
-                        f"line (see deltafin-run {self.label} --help){hint}")
-            return (f"every line failed ({self.errors} error lines in {out_path}; the first: "
-                    f"{self.first_error})")
-        if self.status == PARTIAL:
-            return (f"{self.errors} of {self.answered} lines failed (error lines in "
-                    f"{out_path}); exit status {PARTIAL}")
-        return None
-
-
 def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions,
                progress=None) -> Iterator[dict]:
     """Results (dicts) as requests finish, errors included, in finishing order."""
@@ -355,69 +304,6 @@ def batch_generate(model, tokenizer, requests: Sequence, **options) -> List[dict
     return results
 
 
-class Progress:
-    """Requests done/total, the prefill's tokens while prompts are read, aggregate
-    tokens/s and ETA, on one stderr line (`label` and `items` name the job and what
-    it counts: a score job counts texts)."""
-
-    def __init__(self, total: int, skipped: int, show: bool, label: str = "batch",
-                 items: str = "requests"):
-        self.total, self.skipped, self.show = total, skipped, show
-        self.label, self.items = label, items
-        self.done = self.errors = self.tokens = 0
-        self.prefill = {}  # uid -> (prompt tokens done, of total), while prefilling
-        self.in_layer = ""  # where the prefill step now running is (the engine says)
-        self.start = time.perf_counter()
-        self.last = 0.0
-
-    def step(self, tokens: int, prompt_responses=()):
-        self.tokens += tokens
-        for r in prompt_responses:
-            self.prefill[r.uid] = tuple(r.progress)
-        self.prefill = {u: p for u, p in self.prefill.items() if p[0] < p[1]}
-        self.in_layer = ""
-        self._draw()
-
-    def layer(self, finished: int, layers: int):
-        """A prefill step has finished `finished` of the model's `layers` MoE layers
-        (the first step of a job can take long before any prompt reports)."""
-        self.in_layer = f" (MoE layer {finished}/{layers})"
-        self._draw()
-
-    def finished(self, result: dict):
-        self.done += 1
-        self.errors += "error" in result
-        self._draw(force=True)
-
-    @property
-    def tokens_per_second(self) -> float:
-        t = time.perf_counter() - self.start
-        return self.tokens / t if t > 0 else 0.0
-
-    def _draw(self, force=False):
-        now = time.perf_counter()
-        if not self.show or (not force and now - self.last < 0.5):
-            return
-        self.last = now
-        done = self.skipped + self.done
-        left = self.total - done
-        eta = (now - self.start) / self.done * left if self.done else float("nan")
-        eta = "?" if eta != eta else f"{int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
-        reading = f", prefilling{self.in_layer}" if self.in_layer else ""
-        if self.prefill:
-            have = sum(p[0] for p in self.prefill.values())
-            want = sum(p[1] for p in self.prefill.values())
-            reading = (f", prefill {have}/{want} tokens of {len(self.prefill)} prompts"
-                       f"{self.in_layer}")
-        print(f"\r\033[K[{self.label}] {done}/{self.total} {self.items} ({self.errors} errors){reading}, "
-              f"{self.tokens_per_second:.2f} tok/s, ETA {eta}", end="", file=sys.stderr,
-              flush=True)
-
-    def close(self):
-        if self.show:
-            print(file=sys.stderr)
-
-
 @dataclass
 class Job:
     """A job's requests, the ones its output does not answer yet, and the output,
@@ -459,7 +345,8 @@ def run_job(model, tokenizer, job: Job, opts: BatchOptions,
     """The batch job: answer what its output does not answer yet, appending each
     result as it finishes (and counting it in `outcome`)."""
     show = sys.stderr.isatty() if show_progress is None else show_progress
-    progress = Progress(len(job.requests), job.skipped, show)
+    outcome = Outcome("batch") if outcome is None else outcome
+    progress = Progress(len(job.requests), job.skipped, show, outcome)
     meter = StatsMeter(model)
     state = find_runtime(model) if show else None
     if state is not None:  # prefill steps report their layers
@@ -469,15 +356,13 @@ def run_job(model, tokenizer, job: Job, opts: BatchOptions,
         for result in iter_batch(model, tokenizer, job.todo, opts, progress):
             job.results.write(result)
             progress.finished(result)
-            if outcome is not None:
-                outcome.add(result)
     finally:
         if state is not None:
             state.store.on_pass_layer = None
         progress.close()
     s = meter.now(progress.tokens)
     return {"requests": len(job.requests), "skipped": job.skipped,
-            "answered": progress.done, "errors": progress.errors, "tokens": progress.tokens,
+            "answered": outcome.answered, "errors": outcome.errors, "tokens": progress.tokens,
             "seconds": s.seconds, "tokens_per_second": s.tokens_per_second,
             "batch_size": opts.batch_size, "expert_bytes_read": s.bytes_read}
 

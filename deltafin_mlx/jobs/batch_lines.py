@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, List, Optional, Union
 
-from deltafin_mlx.errors import BatchError
+from deltafin_mlx.errors import JobError
 from deltafin_mlx.generation.request import GenerationRequest, RequestLimits, unbounded
 
 ALIASES = {"temp": "temperature"}  # Deltafin's own name, in its own lines
@@ -59,7 +59,7 @@ def iter_requests(lines: Iterable[Union[str, bytes, None]],
         req = _read_line(n, text, spec_of or batch_spec)
         if req.id is not None:
             if req.key in seen:
-                raise BatchError(f"id {req.key} appears on lines {seen[req.key]} and {n}: ids "
+                raise JobError(f"id {req.key} appears on lines {seen[req.key]} and {n}: ids "
                                  "must be unique (the output is matched to the input by id)")
             seen[req.key] = n
         yield req

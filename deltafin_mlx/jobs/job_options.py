@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from deltafin_mlx.errors import BatchError
+from deltafin_mlx.errors import JobError
 from deltafin_mlx.jobs.results_file import write_failed
 
 SUFFIX = ".options.json"
@@ -39,7 +39,7 @@ def _shown(flag: str, value) -> str:
 def check_options(out_path, options: dict, started: bool) -> Optional[str]:
     """Check `options` ({flag: value}, JSON-able) against OUT's record, or write the
     record; `started`: OUT already holds results. Returns a note to show, if any;
-    raises BatchError when the record differs."""
+    raises JobError when the record differs."""
     path = record_path(out_path)
     wanted = json.loads(json.dumps(options))  # as it reads back (tuples as lists)
     try:
@@ -47,7 +47,7 @@ def check_options(out_path, options: dict, started: bool) -> Optional[str]:
     except FileNotFoundError:
         recorded = None
     except (OSError, ValueError) as e:
-        raise BatchError(f"{path}: cannot read the options this output was written with "
+        raise JobError(f"{path}: cannot read the options this output was written with "
                          f"({e}); delete it to resume without checking them") from None
     if started and recorded is not None:
         differ = [k for k in sorted(set(wanted) | set(recorded))
@@ -55,7 +55,7 @@ def check_options(out_path, options: dict, started: bool) -> Optional[str]:
         if differ:
             was = ", ".join(_shown(k, recorded.get(k)) for k in differ)
             now = ", ".join(_shown(k, wanted.get(k)) for k in differ)
-            raise BatchError(f"{out_path} was written with {was}; this run asks for {now}: "
+            raise JobError(f"{out_path} was written with {was}; this run asks for {now}: "
                              "rerun with the same options, or write to another output file")
         return None
     _write(path, wanted)

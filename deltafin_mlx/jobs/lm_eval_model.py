@@ -10,8 +10,8 @@ stock `lm_eval` command cannot see it. In Python, import this module and call
 `lm_eval.simple_evaluate(model="deltafin", model_args="model=DIR", ...)`.
 
 The requests run through Deltafin's jobs, so the experts stream once per pass:
-    loglikelihood          (context, continuation) pairs scored as the
-                           {"prompt", "completion"} lines of a score job
+    loglikelihood          (context, continuation) pairs tokenized and scored as
+                           the {"prompt", "completion"} lines of a score job are
                            (deltafin_mlx.score: the same values), many per pass,
                            the choices of one context packed one after another,
                            so they share passes
@@ -28,22 +28,18 @@ window; default: context), max_gen_toks (256, unless a task gives its own).
 This module needs lm-eval; `import deltafin_mlx` never imports it.
 """
 
-import json
 from typing import List, Optional, Tuple
 
-import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.engine.runtime import runtime
-from deltafin_mlx.errors import DeltafinError
+from deltafin_mlx.errors import JobError
 from deltafin_mlx.jobs.batch import batch_generate
-from deltafin_mlx.jobs.batch_lines import Request, read_requests
-from deltafin_mlx.jobs.score import ScoreOptions, Sizing, iter_passes, prepare_all
-from deltafin_mlx.jobs.score_lines import ScoreItem
-from deltafin_mlx.model.modules import model_vocab
+from deltafin_mlx.jobs.score import ScoreOptions, Sizing, iter_passes, within
+from deltafin_mlx.jobs.score_lines import ScoreItem, completion_item
 
 
 @register_model("deltafin")
@@ -55,7 +51,7 @@ class DeltafinLM(LM):
         # model: here the memory plan sizes passes and batches, and MLX picks the device.
         super().__init__()
         if unused:
-            raise DeltafinError(f"deltafin model_args: unknown {', '.join(sorted(unused))} "
+            raise JobError(f"deltafin model_args: unknown {', '.join(sorted(unused))} "
                                 "(known: model, budget, context, max_length, max_gen_toks)")
         self.path = str(model)
         # as many sequences as the budget allows, for generate_until's batches
@@ -81,29 +77,28 @@ class DeltafinLM(LM):
 
     def _check(self, result: dict) -> dict:
         if "error" in result:
-            raise DeltafinError(f"deltafin: a request cannot run: {result['error']}")
+            raise JobError(f"deltafin: a request cannot run: {result['error']}")
         return result
 
     def loglikelihood(self, requests) -> List[Tuple[float, bool]]:
-        lines, contexts = [], []
+        items, contexts = [], []
+        limit = Sizing(self.model).limit
         for n, (context, continuation) in enumerate(r.args for r in requests):
-            if context:
-                lines.append({"id": n, "prompt": context, "completion": continuation})
-            else:  # lm-eval's rule: the continuation given the end-of-text token alone
-                cont = self.tokenizer.encode(continuation, add_special_tokens=False)
-                lines.append({"id": n, "tokens": [self._prefix_token(), *map(int, cont)]})
+            try:  # the tokens deltafin_mlx.score gives a {"prompt", "completion"} line
+                if context:
+                    item = completion_item(n, self.tokenizer, context, continuation)
+                else:  # lm-eval's rule: the continuation given the end-of-text token alone
+                    cont = self.tokenizer.encode(continuation, add_special_tokens=False)
+                    item = ScoreItem.scored_from(n, [self._prefix_token(), *cont], 1)
+                items.append(within(item, limit))
+            except ValueError as e:
+                raise JobError(f"deltafin: a request cannot run: line {n + 1}: {e}") from None
             contexts.append(context)
-        # prepared as deltafin_mlx.score prepares its lines: the same tokens, the same values
-        reqs = read_requests((json.dumps(l) for l in lines), spec_of=dict)
-        items, errors = prepare_all(reqs, self.tokenizer, ScoreOptions(),
-                                    Sizing(self.model).limit, model_vocab(self.model))
-        for e in errors:
-            self._check(e)
         out = [None] * len(requests)
-        groups = [contexts[it.request.id] for it in items]  # a context's choices share passes
-        for results, _ in iter_passes(self.model, items, ScoreOptions(), groups=groups):
+        # a context's choices share passes
+        for results, _ in iter_passes(self.model, items, ScoreOptions(), groups=contexts):
             for s in results:
-                out[s.item.request.id] = (s.logprob, s.greedy)
+                out[s.item.id] = (s.logprob, s.greedy)
         return out
 
     def loglikelihood_rolling(self, requests) -> List[float]:
@@ -114,16 +109,13 @@ class DeltafinLM(LM):
                                                 prefix_token=self._prefix_token(),
                                                 max_seq_len=self.max_length, context_len=1)
             for context, continuation in map(make_disjoint_window, windows):
-                scored = np.zeros(len(context) + len(continuation), dtype=bool)
-                scored[len(context):] = True
-                i = len(items)
-                items.append(ScoreItem(Request(str(i), i, i + 1, {}),
-                                       [*context, *continuation], scored))
+                items.append(ScoreItem.scored_from(len(items), [*context, *continuation],
+                                                   len(context)))
                 owner.append(n)
         totals = [0.0] * len(requests)
         for results, _ in iter_passes(self.model, items, ScoreOptions()):
             for s in results:
-                totals[owner[s.item.request.id]] += s.logprob
+                totals[owner[s.item.id]] += s.logprob
         return totals
 
     def generate_until(self, requests) -> List[str]:

@@ -38,9 +38,9 @@ import mlx.core as mx
 import numpy as np
 
 from deltafin_mlx.units import count
-from deltafin_mlx.errors import BatchError
-from deltafin_mlx.jobs.batch import Progress
-from deltafin_mlx.jobs.batch_lines import Request
+from deltafin_mlx.errors import JobError
+from deltafin_mlx.jobs.outcome import Outcome
+from deltafin_mlx.jobs.progress import Progress
 from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
 from deltafin_mlx.jobs.score_lines import ScoreItem
 from deltafin_mlx.jobs.score_results import write_safetensors
@@ -55,9 +55,9 @@ class Windows:
 
     def check(self):
         if self.context < 2:
-            raise BatchError(f"-c/--context must be 2 or more (got {self.context})")
+            raise JobError(f"-c/--context must be 2 or more (got {self.context})")
         if self.stride is not None and not 1 <= self.stride <= self.context:
-            raise BatchError(f"--stride must be between 1 and the context, {self.context} "
+            raise JobError(f"--stride must be between 1 and the context, {self.context} "
                              f"(got {self.stride})")
 
     @property
@@ -79,7 +79,7 @@ class Windows:
 
 @dataclass
 class PerplexityOptions:
-    windows: Windows
+    windows: Windows  # with kl_reference, the reference's (a stride left None: its own)
     chunks: Optional[int] = None  # at most this many windows (llama-perplexity's --chunks)
     max_pass_tokens: Optional[int] = None  # tokens per pass at most (None: the plan's)
     kl_base: Optional[str] = None  # write the reference distributions here
@@ -91,10 +91,10 @@ def read_text(path) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise BatchError(f"{path}: not UTF-8 text (byte {e.start}); perplexity reads a text "
+        raise JobError(f"{path}: not UTF-8 text (byte {e.start}); perplexity reads a text "
                          "file") from None
     except OSError as e:
-        raise BatchError(f"{path}: cannot read it ({e.strerror or e})") from None
+        raise JobError(f"{path}: cannot read it ({e.strerror or e})") from None
 
 
 def window_items(tokens: List[int], windows: Windows, chunks: Optional[int] = None
@@ -102,15 +102,10 @@ def window_items(tokens: List[int], windows: Windows, chunks: Optional[int] = No
     """One ScoreItem per window: its tokens, the positions it scores."""
     starts = windows.starts(len(tokens), chunks)
     if not starts:
-        raise BatchError(f"the text has {len(tokens)} tokens, fewer than one window of "
+        raise JobError(f"the text has {len(tokens)} tokens, fewer than one window of "
                          f"{windows.context} (-c)")
-    items = []
-    for i, s in enumerate(starts):
-        scored = np.zeros(windows.context, dtype=bool)
-        scored[windows.first_scored:] = True
-        items.append(ScoreItem(Request(str(i), i, i + 1, {}), tokens[s : s + windows.context],
-                               scored))
-    return items
+    return [ScoreItem.scored_from(i, tokens[s : s + windows.context], windows.first_scored)
+            for i, s in enumerate(starts)]
 
 
 def tail_logprob(top_logprobs: np.ndarray) -> np.ndarray:
@@ -126,17 +121,19 @@ def perplexity(model, tokenizer, text: str, opts: PerplexityOptions,
     """The perplexity summary of `text` (and with opts.kl_reference, the KL one)."""
     opts.windows.check()
     if opts.kl_base and opts.kl_reference:
-        raise BatchError("--kl-divergence-base writes a reference and --kl-divergence "
+        raise JobError("--kl-divergence-base writes a reference and --kl-divergence "
                          "compares with one: give one of them")
     if opts.top_k < 1:
-        raise BatchError(f"--kl-top-k must be 1 or more (got {opts.top_k})")
+        raise JobError(f"--kl-top-k must be 1 or more (got {opts.top_k})")
     tokens = [int(t) for t in tokenizer.encode(text)]
     reference = None
     if opts.kl_reference:
         reference = read_reference(opts.kl_reference)
-        opts.windows, opts.chunks = reference.windows, reference.chunks
+        opts.windows, opts.chunks = reference_windows(reference, opts.kl_reference,
+                                                      opts.windows.context,
+                                                      opts.windows.stride, opts.chunks)
         if tokens[: len(reference.tokens)] != reference.tokens.tolist():
-            raise BatchError(f"{opts.kl_reference}: its tokens are not this text's (another "
+            raise JobError(f"{opts.kl_reference}: its tokens are not this text's (another "
                              "text, or a tokenizer that splits it otherwise)")
     items = window_items(tokens, opts.windows, opts.chunks)
     n = len(items[0].tokens) - opts.windows.first_scored  # scored tokens per window
@@ -150,13 +147,13 @@ def perplexity(model, tokenizer, text: str, opts: PerplexityOptions,
     top_vals = np.zeros((len(items), n, top_k), np.float32) if top_k else None
     asked = np.zeros((len(items), n, at_ids[0].shape[1]), np.float32) if at_ids else None
     passes = []
-    progress = Progress(len(items), 0, show_progress, label="perplexity", items="windows")
+    progress = Progress(len(items), 0, show_progress, Outcome("perplexity"), items="windows")
     start = time.perf_counter()
     try:
         for results, stats in iter_passes(model, items, score_opts, at_ids):
             passes.append(stats)
             for s in results:
-                w = s.item.request.id
+                w = s.item.id
                 nll[w] = -s.token_logprobs[opts.windows.first_scored:]
                 if top_k:
                     tops[w] = s.top_ids[opts.windows.first_scored:]
@@ -226,11 +223,25 @@ def read_reference(path) -> Reference:
         windows = Windows(int(meta["context"]), int(meta["stride"]) or None)
         chunks = int(meta["chunks"]) or None
         windows.check()
-    except (OSError, RuntimeError, ValueError, KeyError, BatchError) as e:
-        raise BatchError(f"{path}: not a KL reference written by --kl-divergence-base "
+    except (OSError, RuntimeError, ValueError, KeyError, JobError) as e:
+        raise JobError(f"{path}: not a KL reference written by --kl-divergence-base "
                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     return Reference(windows, chunks, t["tokens"], t["top_ids"], t["top_logprobs"],
                      t["tail_logprob"], t["token_logprobs"])
+
+
+def reference_windows(ref: Reference, path, context: Optional[int] = None,
+                      stride: Optional[int] = None, chunks: Optional[int] = None):
+    """The windows and chunks a run against the reference at `path` scores: its own;
+    any other given (not None), by the command's flags or the library's options, is refused."""
+    for flag, given, theirs in (("-c", context, ref.windows.context),
+                                ("--stride", stride, ref.windows.stride),
+                                ("--chunks", chunks, ref.chunks)):
+        if given is not None and given != theirs:
+            raise JobError(f"{flag} {given}: {path} was written with {flag} "
+                           f"{theirs or 'unset'}, and --kl-divergence scores the windows "
+                           f"of its reference (leave {flag} out)")
+    return ref.windows, ref.chunks
 
 
 def kl_summary(ref: Reference, at_logprobs: np.ndarray, top1: np.ndarray,
@@ -238,7 +249,7 @@ def kl_summary(ref: Reference, at_logprobs: np.ndarray, top1: np.ndarray,
     """KL(base || this) per scored position over the base's top K and the tail,
     and how often the most likely tokens agree."""
     if at_logprobs.shape != ref.top_logprobs.shape:
-        raise BatchError("the reference's positions are not this run's (another -c, "
+        raise JobError("the reference's positions are not this run's (another -c, "
                          "--stride or --chunks)")
     p_log = ref.top_logprobs.astype(np.float64)
     q_log = at_logprobs.astype(np.float64)

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from typing import Iterator, Optional, Set, Tuple
 
-from deltafin_mlx.errors import BatchError
+from deltafin_mlx.errors import JobError
 from deltafin_mlx.format.integrity import file_kind
 
 # One line of input or output at most: a result holds its text, tokens and, with
@@ -35,11 +35,11 @@ def _open_regular(path, flags: int, what: str) -> int:
     try:
         fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o644)
     except OSError as e:
-        raise BatchError(f"{path}: cannot open the {what} ({e.strerror or e})") from None
+        raise JobError(f"{path}: cannot open the {what} ({e.strerror or e})") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise BatchError(f"{path}: the {what} must be a regular file (this is {file_kind(mode)})")
+        raise JobError(f"{path}: the {what} must be a regular file (this is {file_kind(mode)})")
     os.set_blocking(fd, True)
     return fd
 
@@ -55,11 +55,11 @@ def check_regular(path, what: str, missing_ok: bool = False):
     except FileNotFoundError:
         if missing_ok:
             return
-        raise BatchError(f"{path}: no such {what} file") from None
+        raise JobError(f"{path}: no such {what} file") from None
     except OSError as e:
-        raise BatchError(f"{path}: cannot open the {what} ({e.strerror or e})") from None
+        raise JobError(f"{path}: cannot open the {what} ({e.strerror or e})") from None
     if not stat.S_ISREG(mode):
-        raise BatchError(f"{path}: the {what} must be a regular file (this is {file_kind(mode)})")
+        raise JobError(f"{path}: the {what} must be a regular file (this is {file_kind(mode)})")
 
 
 def check_not_input(in_path, out_path):
@@ -72,17 +72,17 @@ def check_not_input(in_path, out_path):
     except (OSError, ValueError):
         return  # an output not made yet (or unreadable: the open says so)
     if same:
-        raise BatchError(f"{out_path}: this is the input file {in_path}; results are "
+        raise JobError(f"{out_path}: this is the input file {in_path}; results are "
                          "appended to the output, so give another output file")
 
 
-def write_failed(path, e: OSError) -> BatchError:
+def write_failed(path, e: OSError) -> JobError:
     """A failed write as one line naming the file it was for: "disk full" when that
     is why (a rerun resumes where the job stopped)."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return BatchError(f"{path}: disk full, no space left to write it; free space and "
+        return JobError(f"{path}: disk full, no space left to write it; free space and "
                           "rerun to resume")
-    return BatchError(f"{path}: cannot write ({e.strerror or e}); rerun to resume")
+    return JobError(f"{path}: cannot write ({e.strerror or e}); rerun to resume")
 
 
 def read_lines(f, limit: Optional[int] = None) -> Iterator[Tuple[int, Optional[bytes], bool]]:
@@ -149,7 +149,7 @@ class Results:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self.fd)
-            raise BatchError(f"{path}: another batch job is writing to this output; wait for "
+            raise JobError(f"{path}: another batch job is writing to this output; wait for "
                              "it to finish or choose another output file") from None
 
     def scan(self) -> Set[str]:
@@ -177,8 +177,8 @@ class Results:
             os.fsync(self.fd)
         return keys
 
-    def _not_results(self, n: int) -> BatchError:
-        return BatchError(f"{self.path}: line {n} is not a batch result; not appending to it "
+    def _not_results(self, n: int) -> JobError:
+        return JobError(f"{self.path}: line {n} is not a batch result; not appending to it "
                           "(use another output file)")
 
     def write(self, result: dict):

@@ -19,12 +19,13 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 
 from deltafin_mlx.units import count
-from deltafin_mlx.jobs.batch import Outcome, Progress, error_line
+from deltafin_mlx.jobs.outcome import Outcome, error_line
+from deltafin_mlx.jobs.progress import Progress
 from deltafin_mlx.jobs.job_options import check_options
 from deltafin_mlx.jobs.results_file import check_not_input, open_input, read_lines
 from deltafin_mlx.jobs.batch_lines import Request, iter_requests, read_requests
 from deltafin_mlx.engine.runtime import find_runtime
-from deltafin_mlx.errors import BatchError
+from deltafin_mlx.errors import JobError
 from deltafin_mlx.model.config import max_context
 from deltafin_mlx.model.modules import model_vocab
 from deltafin_mlx.plan.scoring import (attention_tokens, logit_rows, long_text_tokens,
@@ -121,14 +122,19 @@ def prepare_all(requests: Sequence[Request], tokenizer, opts: ScoreOptions,
             errors.append(error_line(req, req.error))
             continue
         try:
-            item = prepare(req, tokenizer, opts.thinking, opts.content_only, vocab)
-            if isinstance(limit, int) and len(item.tokens) > limit:
-                raise ValueError(f"{len(item.tokens)} tokens, beyond this model's maximum "
-                                 f"of {limit} (max_position_embeddings)")
-            items.append(item)
+            items.append(within(prepare(req, tokenizer, opts.thinking, opts.content_only,
+                                        vocab), limit))
         except ValueError as e:
             errors.append(error_line(req, f"line {req.line}: {e}"))
     return items, errors
+
+
+def within(item: ScoreItem, limit=None) -> ScoreItem:
+    """`item`, unless longer than the model's longest sequence `limit` (ValueError)."""
+    if isinstance(limit, int) and len(item.tokens) > limit:
+        raise ValueError(f"{len(item.tokens)} tokens, beyond this model's maximum "
+                         f"of {limit} (max_position_embeddings)")
+    return item
 
 
 def iter_passes(model, items: Sequence[ScoreItem], opts: ScoreOptions, at_ids=None,
@@ -137,7 +143,7 @@ def iter_passes(model, items: Sequence[ScoreItem], opts: ScoreOptions, at_ids=No
     whose log-probabilities are wanted at each scored position (run_pass);
     `groups`: per item, a key whose items share passes (score_packing.pack)."""
     if opts.top_logprobs < 0:
-        raise BatchError(f"--top-logprobs must be 0 or more (got {opts.top_logprobs})")
+        raise JobError(f"--top-logprobs must be 0 or more (got {opts.top_logprobs})")
     sizing = Sizing(model)
     capacity = sizing.capacity
     if opts.max_pass_tokens:
@@ -190,7 +196,7 @@ def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
         results[order[f"line:{e['line']}" if e["id"] is None else json.dumps(e["id"])]] = e
     for done, _ in iter_passes(model, items, opts):
         for s in done:
-            results[order[s.item.request.key]] = result_line(s)
+            results[order[json.dumps(s.item.id)]] = result_line(s)
     return results
 
 
@@ -246,7 +252,7 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
     total, skipped = len(keys), sum(1 for key in keys if key in out.done)
     del keys
     show = sys.stderr.isatty() if show_progress is None else show_progress
-    progress = Progress(total, skipped, show, label="score", items="texts")
+    progress = Progress(total, skipped, show, outcome, items="texts")
     totals = Totals()
     start = time.perf_counter()
     sizing = Sizing(model)
@@ -256,7 +262,6 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
             for e in errors:
                 out.write_error(e)
                 progress.finished(e)
-                outcome.add(e)
             totals.errors += len(errors)
             for results, stats in iter_passes(model, items, opts):
                 out.write_pass(results)
@@ -264,7 +269,6 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
                 progress.tokens += sum(s.item.scored_tokens for s in results)
                 for s in results:
                     progress.finished({})
-                    outcome.add({})
     finally:
         out.close()
         progress.close()

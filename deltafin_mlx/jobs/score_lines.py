@@ -6,10 +6,9 @@
                                                     assistant turns' tokens scored (with
                                                     content_only, their content's alone)
     {"id": ..., "tokens": [...]}                    token ids as they are, every one scored
-                                                    (the windows of `perplexity`, lm-eval's
-                                                    requests: texts already tokenized)
+                                                    (a text already tokenized)
 
-Lines are read as batch jobs read them (batch_requests.read_requests: JSON objects with a
+Lines are read as batch jobs read them (batch_lines.read_requests: JSON objects with a
 string or integer id, duplicate ids refused before anything runs); a line that
 cannot be scored becomes an error line, never a stopped job. The first token of a
 sequence has no prediction, so it is never scored.
@@ -30,9 +29,18 @@ TEXT_KEYS = ({"id", "text"}, {"id", "prompt", "completion"}, {"id", "messages"},
 
 @dataclass
 class ScoreItem:
-    request: Request
+    """Tokens to score: a line of a job (`id` its id) or what a caller tokenized
+    itself (perplexity's windows, lm-eval's requests: `id` its own index)."""
+
+    id: object
     tokens: List[int]
     scored: np.ndarray  # (len(tokens),) bool: positions whose token is scored
+
+    @classmethod
+    def scored_from(cls, id, tokens: List[int], start: int) -> "ScoreItem":
+        """`tokens` scored from `start` on, never the first (it has no prediction)."""
+        scored = np.arange(len(tokens)) >= max(start, 1)
+        return cls(id, [int(t) for t in tokens], scored)
 
     @property
     def scored_tokens(self) -> int:
@@ -131,22 +139,26 @@ def prepare(req: Request, tokenizer, thinking: bool = True, content_only: bool =
                          '{"id", "messages"} or {"id", "tokens"} (got keys '
                          f'{", ".join(sorted(keys))})')
     if "tokens" in spec:
-        tokens = _token_ids(spec["tokens"], vocab)
-        scored = np.ones(len(tokens), dtype=bool)
+        item = ScoreItem.scored_from(req.id, _token_ids(spec["tokens"], vocab), 0)
     elif "text" in spec:
-        tokens = list(tokenizer.encode(_string(spec, "text")))
-        scored = np.ones(len(tokens), dtype=bool)
+        item = ScoreItem.scored_from(req.id, tokenizer.encode(_string(spec, "text")), 0)
     elif "prompt" in spec:
-        prompt = list(tokenizer.encode(_string(spec, "prompt")))
-        completion = list(tokenizer.encode(_string(spec, "completion"),
-                                           add_special_tokens=False))
-        if not completion:
-            raise ValueError('"completion" has no tokens')
-        tokens = prompt + completion
-        scored = np.arange(len(tokens)) >= len(prompt)
+        item = completion_item(req.id, tokenizer, _string(spec, "prompt"),
+                               _string(spec, "completion"))
     else:
         tokens, scored = _messages(tokenizer, spec["messages"], thinking, content_only)
-    if not tokens:
+        scored[0] = False
+        item = ScoreItem(req.id, [int(t) for t in tokens], scored)
+    if not item.tokens:
         raise ValueError("nothing to score: no tokens")
-    scored[0] = False
-    return ScoreItem(req, [int(t) for t in tokens], scored)
+    return item
+
+
+def completion_item(id, tokenizer, prompt: str, completion: str) -> ScoreItem:
+    """A completion's tokens scored given its prompt's: the prompt encoded as a text
+    is, the completion on its own with no special tokens (lm-eval's rule)."""
+    prompt = list(tokenizer.encode(prompt))
+    completion = list(tokenizer.encode(completion, add_special_tokens=False))
+    if not completion:
+        raise ValueError('"completion" has no tokens')
+    return ScoreItem.scored_from(id, prompt + completion, len(prompt))

@@ -31,7 +31,7 @@ from typing import List
 import numpy as np
 
 from deltafin_mlx.jobs.results_file import Results, read_lines, write_failed
-from deltafin_mlx.errors import BatchError
+from deltafin_mlx.errors import JobError
 from deltafin_mlx.format.dtypes import SAFETENSORS_CODE
 from deltafin_mlx.generation.logprobs import top_pairs
 from deltafin_mlx.jobs.score_sweep import Scored
@@ -45,7 +45,7 @@ def summary_fields(s: Scored) -> dict:
 
 def result_line(s: Scored) -> dict:
     scored = s.item.scored
-    line = {"id": s.item.request.id, "tokens": s.item.tokens,
+    line = {"id": s.item.id, "tokens": s.item.tokens,
             "token_logprobs": [float(v) if ok else None
                                for v, ok in zip(s.token_logprobs, scored)]}
     if s.top_ids is not None:
@@ -206,7 +206,7 @@ class ShardOutput:
                 if raw and raw.strip():
                     shard = json.loads(raw).get("shard")
                     if shard is not None and not isinstance(shard, str):
-                        raise BatchError(f"{self.index}: line {n}: \"shard\" must be a file "
+                        raise JobError(f"{self.index}: line {n}: \"shard\" must be a file "
                                          "name (a string); not appending to it (use another "
                                          "output file)")
                     named.add(shard)
@@ -225,7 +225,7 @@ class ShardOutput:
                 [s.top_logprobs for s in results]).astype(np.float16)
         while True:
             if self.next > 99999:
-                raise BatchError(f"{self.index}: 100,000 shards already; use another output file")
+                raise JobError(f"{self.index}: 100,000 shards already; use another output file")
             name = f"{self.index.name}.{self.next:05d}.safetensors"
             self.next += 1
             try:
@@ -237,7 +237,7 @@ class ShardOutput:
         offset = 0
         for s in results:
             n = len(s.item.tokens)
-            self.out.write({"id": s.item.request.id, "shard": name, "offset": offset,
+            self.out.write({"id": s.item.id, "shard": name, "offset": offset,
                             "length": n, **summary_fields(s)})
             offset += n
 
@@ -250,5 +250,5 @@ class ShardOutput:
 
 def open_output(path, fmt: str, top_k: int):
     if fmt not in FORMATS:
-        raise BatchError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+        raise JobError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
     return JsonlOutput(path) if fmt == "jsonl" else ShardOutput(path, top_k)

@@ -26,7 +26,7 @@ from deltafin_mlx.generation.render import render
 from deltafin_mlx import batch_generate
 from deltafin_mlx.jobs.results_file import Results
 from deltafin_mlx.jobs.batch_lines import read_requests
-from deltafin_mlx.errors import BatchError
+from deltafin_mlx.errors import JobError
 from deltafin_mlx.cli.main import main
 from deltafin_mlx.generation.stream import generate
 from deltafin_mlx.engine.load import load, load_resident
@@ -210,7 +210,7 @@ def test_duplicate_ids_refuse_the_job_before_it_starts(converted, tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "id 1 appears on lines 1 and 3" in err[0]
     assert not out.exists()
-    with pytest.raises(BatchError):
+    with pytest.raises(JobError):
         read_requests(['{"id": "x", "prompt": "a"}', '{"id": "x", "messages": []}'])
 
 

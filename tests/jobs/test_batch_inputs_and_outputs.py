@@ -13,10 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 import deltafin_mlx.jobs.batch as batch
+from deltafin_mlx.jobs.outcome import Outcome
+from deltafin_mlx.jobs.progress import Progress
 import deltafin_mlx.jobs.results_file as batch_io
 from deltafin_mlx.jobs.results_file import Results
 from deltafin_mlx.cli.main import main
-from deltafin_mlx.errors import BatchError
+from deltafin_mlx.errors import JobError
 
 
 def write_lines(path, *specs):
@@ -99,7 +101,7 @@ def test_an_output_line_longer_than_any_result_is_refused(tmp_path, monkeypatch)
     monkeypatch.setattr(batch_io, "LINE_MAX_BYTES", 100)
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps({"id": 1, "text": "y" * 500}) + "\n")
-    with pytest.raises(BatchError, match="line 1 is not a batch result"):
+    with pytest.raises(JobError, match="line 1 is not a batch result"):
         Results(out).scan()
 
 
@@ -246,7 +248,7 @@ def test_ctrl_c_says_how_to_resume_without_a_traceback(job, monkeypatch, capsys)
 
 
 def test_progress_shows_the_prefill_of_the_prompts_being_read(capsys):
-    progress = batch.Progress(total=4, skipped=0, show=True)
+    progress = Progress(total=4, skipped=0, show=True, outcome=Outcome("batch"))
     progress.layer(3, 60)  # the engine, inside the first step, before any prompt reports
     assert "[batch] 0/4 requests (0 errors), prefilling (MoE layer 3/60)" in (
         capsys.readouterr().err)

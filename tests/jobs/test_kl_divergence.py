@@ -13,6 +13,10 @@ from safetensors.numpy import load_file
 
 from deltafin_mlx.cli.main import main
 from deltafin_mlx.convert.convert import ConvertOptions, convert
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.engine.runtime import runtime
+from deltafin_mlx.errors import JobError
+from deltafin_mlx.jobs.perplexity import PerplexityOptions, Windows, perplexity
 
 ARGS = ["-c", "48", "--budget", "200MB", "--json"]
 
@@ -98,3 +102,26 @@ def test_a_reference_of_another_text_or_not_a_reference_is_refused(converted, ba
     assert main(["perplexity", str(converted("qwen3_moe")), str(text), "--kl-top-k", "8",
                  "--kl-divergence", str(ref)]) == 1
     assert "--kl-top-k is what --kl-divergence-base keeps" in capsys.readouterr().err
+
+
+def test_the_library_refuses_a_reference_of_other_windows_as_the_command_does(converted,
+                                                                                base):
+    """deltafin_mlx.jobs.perplexity compares with a reference on the reference's
+    windows: a context or stride other than its own is refused in the command's
+    words, and a stride left unset takes the reference's."""
+    text, ref = base
+    model, tok = load(converted("qwen3_moe"), "200MB", warm_start=False)
+    try:
+        with pytest.raises(JobError, match=f"^-c 64: {ref} was written with -c 48, and "
+                           "--kl-divergence scores the windows of its reference"):
+            perplexity(model, tok, text.read_text(),
+                       PerplexityOptions(Windows(64), kl_reference=str(ref)))
+        with pytest.raises(JobError, match=f"^--stride 16: {ref} was written with --stride "
+                           "unset"):
+            perplexity(model, tok, text.read_text(),
+                       PerplexityOptions(Windows(48, 16), kl_reference=str(ref)))
+        s = perplexity(model, tok, text.read_text(),
+                       PerplexityOptions(Windows(48), kl_reference=str(ref)))
+        assert s["context"] == 48 and s["kl"]["positions"] == s["scored_tokens"] > 100
+    finally:
+        runtime(model).close()

@@ -232,7 +232,6 @@ def test_batch_top_logprobs_equal_score_for_the_same_tokens(converted, arch):
     """batch --top-logprobs K gives, at each generated position, the top K that
     scoring the prompt plus the generated tokens gives there (within 1e-4, same
     ids), and the chosen token's log-probability equals score's."""
-    from deltafin_mlx.jobs.batch import Request
     from deltafin_mlx.jobs.score_lines import ScoreItem
     from deltafin_mlx.jobs.score import iter_passes
 
@@ -245,8 +244,8 @@ def test_batch_top_logprobs_equal_score_for_the_same_tokens(converted, arch):
         prompt = tok.encode(p)
         tokens = prompt + g["tokens"]
         scored = np.arange(len(tokens)) >= len(prompt)
-        items.append(ScoreItem(Request(str(i), i, i), tokens, scored))
-    scores = {s.item.request.id: s for results, _ in
+        items.append(ScoreItem(i, tokens, scored))
+    scores = {s.item.id: s for results, _ in
               iter_passes(model, items, ScoreOptions(top_logprobs=3)) for s in results}
     for i, g in enumerate(got):
         s, start = scores[i], len(tok.encode(prompts[i]))

@@ -140,7 +140,6 @@ def test_logprobs_equal_what_score_gives_for_the_same_tokens(serve, converted):
     plus the generated tokens: the same top 3 ids at each generated position and
     log-probabilities within 1e-4."""
     from deltafin_mlx import load, runtime
-    from deltafin_mlx.jobs.batch_lines import Request
     from deltafin_mlx.jobs.score_lines import ScoreItem
     from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
 
@@ -152,7 +151,7 @@ def test_logprobs_equal_what_score_gives_for_the_same_tokens(serve, converted):
     model, tok = load(converted("kimi_k3"), "200MB", cache_slots=12, warm_start=False)
     prompt_ids = list(tok.encode(prompt))
     tokens = prompt_ids + lp["token_ids"]
-    item = ScoreItem(Request("0", 0, 0), tokens, np.arange(len(tokens)) >= len(prompt_ids))
+    item = ScoreItem(0, tokens, np.arange(len(tokens)) >= len(prompt_ids))
     ((scored,),) = [results for results, _ in
                     iter_passes(model, [item], ScoreOptions(top_logprobs=3))]
     for j, token in enumerate(lp["token_ids"]):

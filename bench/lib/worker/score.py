@@ -44,11 +44,10 @@ def decode_rate(model, prompt: np.ndarray, steps: int) -> float:
 
 
 def score_items(data: np.ndarray):
-    from deltafin_mlx.jobs.batch_lines import Request
     from deltafin_mlx.jobs.score_lines import ScoreItem
 
     scored = np.arange(data.shape[1]) > 0  # every position but the first
-    return [ScoreItem(Request(str(i), i, i), row.tolist(), scored.copy())
+    return [ScoreItem(i, row.tolist(), scored.copy())
             for i, row in enumerate(data)]
 
 
