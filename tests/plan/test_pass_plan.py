@@ -122,10 +122,11 @@ def inventory_of(path):
 
 
 @pytest.mark.parametrize("budget", ["24MB", "40MB", "64MB", "128MB", "2GB"])
-@pytest.mark.parametrize("model", ["kimi_k3", "eight_layers", "demo_sized"])
+@pytest.mark.parametrize("model", ["kimi_k3", "eight_layers", "wide_experts", "demo_sized"])
 def test_a_scoring_pass_holds_at_least_a_prefill_pass(request, converted, model, budget):
-    """K3's layout (the fixture, eight layers of it, the demo's shape), from near
-    the floor to a budget that holds everything: a scoring pass keeps no KV."""
+    """K3's layout (the fixture, eight layers of it, many wide experts, the demo's
+    shape), from near the floor to a budget that holds everything: a scoring pass
+    keeps no KV."""
     path = converted(model) if model == "kimi_k3" else request.getfixturevalue(model)
     inv = inventory_of(path)
     for slots in (None, 16):  # a cache of every expert, and one a pass gives back
