@@ -1,7 +1,7 @@
-"""Passes at the pass plan's size (issue 31): while a pass runs the expert cache gives
+"""Passes of the one size (issues 31, 40): while a pass runs the expert cache gives
 its slot arrays back and the pass reads into a pool of its own groups of experts
-(engine/pass_pool.py), so the memory plan gives a pass the cache's slots beside its
-prefill allowance (plan/memory.py `pass_released_bytes`; a pass that fits beside the
+(engine/pass_pool.py), so a pass gets the cache's slots with the rest of the budget
+but what stays resident (plan/memory.py `pass_tokens`; a pass that fits beside the
 cache keeps it). Decoding takes the cache back, empty.
 
 Measured in fresh processes (tests/peak_worker.py): peak RSS over the interpreter's
