@@ -45,6 +45,18 @@ def eight_layers(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def wide_experts(tmp_path_factory):
+    """K3's layout with many experts for the experts a token uses (K3: 896 for 16),
+    each big beside a token's activations (418 KB): at 40 MB the cache holds 49 of
+    the 384 and a pass gets their memory."""
+    root = tmp_path_factory.mktemp("wide_experts")
+    src = make_source(root / "src", "kimi_k3", num_experts=128, experts_per_token=4,
+                      moe_intermediate_size=512, routed_expert_hidden_size=512)
+    convert(str(src), root / "model", ConvertOptions(progress=False))
+    return root / "model"
+
+
+@pytest.fixture(scope="session")
 def converted(tmp_path_factory, sources):
     root = tmp_path_factory.mktemp("converted")
     cache = {}

@@ -159,7 +159,7 @@ def format_plan(r: dict) -> str:
         f"{speed(p['real_routing_tokens_per_second'])} where reads overlap compute",
         f"  prefill      {r['prefill_gweights_per_second']:.3g} G weights/s in matrix products "
         f"of {PREFILL_BATCH} tokens ({r['prefill_rate_from']})",
-        f"prefill        passes of up to {r['prefill_pass']:,} tokens through each layer "
+        f"prefill        passes of up to {r['prefill_pass_tokens']:,} tokens through each layer "
         f"(attention in chunks of {r['prefill_step']}), {human_bytes(r['prefill_bytes'])} "
         "of activations beyond the working buffers; each pass reads the experts its "
         "tokens route to once"
@@ -178,31 +178,9 @@ def format_plan(r: dict) -> str:
         f"positions: {r['scoring_projection']['tokens_per_second']:.3g} scored tok/s "
         f"({_duration(r['scoring_projection']['pass_seconds'])} and "
         f"{human_bytes(r['scoring_projection']['pass_read_bytes'])} read per pass)",
-        *_format_passes(r["passes"]),
         *_format_routes(r.get("disk_routes")),
     ]
     return "\n".join(lines)
-
-
-def _format_passes(q: dict) -> list:
-    h = human_bytes
-    trunk = ("streamed a layer at a time" if q["trunk_streamed"] else "held whole")
-    s = q["scoring"]
-    return [
-        f"pass plan      a pass gets the budget: up to {q['prefill_tokens']:,} prompt tokens "
-        f"or {q['scoring_tokens']:,} scored tokens, beside the trunk {trunk} "
-        f"({h(q['trunk_bytes'])}), its groups of experts ({h(q['expert_group_bytes'])}), a "
-        f"logits block ({h(q['logits_bytes'])}) and the KV/state the prompt keeps; "
-        f"{h(q['token_bytes'])} per token",
-        f"  per pass     trunk {h(s['trunk_read_bytes'])} and experts "
-        f"{h(s['expert_read_bytes'])} read (each routed expert once, uniform routing)",
-        "  first token  " + "; ".join(
-            f"{p['prompt_tokens']:,} tokens: {_duration(p['seconds_to_first_token'])} "
-            f"({p['passes']:,} pass{'es' if p['passes'] > 1 else ''} of up to "
-            f"{p['pass_tokens']:,}, {h(p['read_bytes'])} read)" for p in q["prefill_projection"]),
-        f"  scoring      {s['tokens_per_second']:.3g} scored tok/s ({_duration(s['seconds'])} "
-        f"a pass, {'compute' if s['compute_seconds'] >= s['read_seconds'] else 'disk'} bound)",
-    ]
 
 
 def _format_routes(d):

@@ -141,7 +141,7 @@ class ExpertCache:
         self.arrays, self.views = self.chunk_arrays[0], self.chunk_views[0]
 
     def release(self):
-        """Give the slot arrays' memory back for a pass (plan/passes.py: during a
+        """Give the slot arrays' memory back for a pass (plan/memory.py pass_tokens: during a
         pass each expert is read once whatever the cache holds, so its memory is
         worth more as pass tokens): every read in flight is waited out or dropped,
         the pool starts empty and the arrays are dropped (the streaming modules

@@ -1,11 +1,11 @@
 """The slots a pass reads its experts into while the expert cache is given back.
 
 During a pass each expert its tokens route to is read once whatever the cache
-holds (plan/passes.py), so the cache's memory is worth more as pass tokens: the
+holds (plan/memory.py pass_tokens), so the cache's memory is worth more as pass tokens: the
 cache gives its slot arrays back when a pass starts (ExpertCache.release) and takes
 them again, empty, when decoding resumes (decode's first token reads what it
 routes to, as any miss). The pass reads into this pool instead: `slots` slots (the
-pass plan's expert groups, plan/memory.PASS_GROUPS), half of them computing
+memory plan's `pass_slots`, plan/memory.PASS_GROUPS), half of them computing
 while the other half is read.
 """
 

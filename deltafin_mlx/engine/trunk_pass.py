@@ -1,7 +1,7 @@
 """Pinned trunk layers streamed through a pass, so the pass gets their memory.
 
 During a pass each trunk layer is used once, so a pinned layer saves the pass no
-more than one read of it (plan/passes.py). A pass that gives the expert cache back
+more than one read of it (plan/memory.py pass_tokens). A pass that gives the expert cache back
 (ExpertStore.begin_pass) gives these layers back too: from the next layer a long
 call enters, they stream through buffers of their own (engine/trunk_stream.py's
 TrunkStreamer, its reads one layer ahead), and the memory plan sizes the pass with

@@ -29,7 +29,7 @@ from deltafin_mlx.errors import JobError
 from deltafin_mlx.model.config import max_context
 from deltafin_mlx.model.modules import model_vocab
 from deltafin_mlx.plan.scoring import (attention_tokens, logit_rows, long_text_tokens,
-                                       scoring_allowance, scoring_pass_tokens)
+                                       scoring_pass_tokens)
 from deltafin_mlx.jobs.score_lines import ScoreItem, prepare
 from deltafin_mlx.jobs.score_results import open_output, result_line
 from deltafin_mlx.jobs.score_packing import pack
@@ -87,9 +87,9 @@ class Sizing:
             return
         config, plan = state.model_dir.config, state.plan
         self.step = plan.prefill_step
-        self.rows = logit_rows(config, scoring_allowance(plan))
-        self.limit = max_context(config)
         act = state.activation_dtype
+        self.rows = logit_rows(config, plan, act)
+        self.limit = max_context(config)
         self._capacity = lambda longest: scoring_pass_tokens(config, plan, act, longest)
         self._attention = lambda longest: attention_tokens(config, plan, act, longest)
         self._segment = lambda length: long_text_tokens(config, plan, act, length)

@@ -28,6 +28,11 @@ from deltafin_mlx.plan.footprint import Inventory
 from deltafin_mlx.errors import BudgetError
 
 WORKING_BYTES = 16 << 20  # activations, router outputs and read bookkeeping of small models
+# What the process holds beside MLX's arrays once a model is loaded (mlx-lm's model
+# code, the tokenizer, the interpreter's heap): within the working buffers while
+# decoding, beside a pass, which takes them for its activations (docs/PERFORMANCE.md,
+# "One size of a pass").
+PROCESS_BYTES = 12 << 20
 # MLX keeps freed buffers for reuse; unbounded, what it keeps grows with every new
 # shape (a server's batches of different sizes) and lies outside the plan. A
 # quarter of the working buffers holds a decode step's (docs/PERFORMANCE.md,
@@ -46,8 +51,7 @@ HEADROOM = 0.85  # of available memory, for the default budget
 RING = 2  # buffers per streamed layer shape: one in use, one being read
 PREFILL_STEPS = (512, 256, 128, 64, 32, 16)  # prompt tokens per forward pass, largest first
 PREFILL_SHARE = 16  # up to 1/16 of the budget may hold a prefill chunk's activations
-MAX_PASS = 65536  # prompt tokens one prefill pass may take: past this its bookkeeping
-# outweighs a sweep saved (plan/passes.py's cap too)
+MAX_PASS = 65536  # tokens one pass may take: past this its bookkeeping outweighs a sweep saved
 # During a pass the expert cache gives its slots back and the pass reads into this
 # many groups of one token's experts: one computing, the next being read
 # (engine/pass_pool.py).
@@ -170,7 +174,7 @@ def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dt
     mlx-lm runs as a loop over tokens (`gated_delta_ops`, copies of the state per
     token), and intermediates that grow with the number of layers. The CPU terms
     are an upper bound fitted to measured peak RSS of synthetic K3 layouts of 4 and
-    8 layers (tests/engine/test_prefill_memory.py), not a model of MLX's allocator; on a
+    8 layers (tests/test_prefill_memory.py), not a model of MLX's allocator; on a
     GPU (fused attention and recurrence kernels) only the first terms apply.
     """
     tc = text_config(config)
@@ -216,14 +220,33 @@ def pass_pool_slots(cache_slots: int, k: int) -> int:
     return max(1, min(groups * k, cache_slots))
 
 
-def pass_tokens(config: dict, step: int, context: int, activation_dtype: mx.Dtype,
-                allowance: int) -> int:
-    """Prompt tokens per prefill pass: as many as the allowance holds beside one
-    chunk's activations (attention runs in chunks of `step` within a layer), at
-    least one chunk, at most MAX_PASS and the context."""
+def kept_pass_tokens(config: dict, step: int, context: int, activation_dtype: mx.Dtype,
+                     allowance: int) -> int:
+    """Prompt tokens the prefill allowance holds beside one chunk's activations: what
+    the plan reserves for a pass beside the expert cache (at least one chunk)."""
     room = allowance - prefill_bytes(config, step, context, activation_dtype)
     n = room // max(pass_bytes_per_token(config, activation_dtype), 1)
     return int(max(step, min(n, MAX_PASS, context)))
+
+
+def pass_tokens(plan: "MemoryPlan", held: int, token_bytes: int, keep_cache: bool = False) -> int:
+    """The one size of a pass, a prefill's or a scoring one's: the tokens, at
+    `token_bytes` each, of what the budget holds beyond what stays resident through
+    the pass (`MemoryPlan.pass_room`) and `held`, what the pass holds besides its
+    tokens. At least one attention chunk, at most MAX_PASS."""
+    n = (plan.pass_room(keep_cache) - held) // max(token_bytes, 1)
+    return int(max(plan.prefill_step, min(n, MAX_PASS)))
+
+
+def prefill_pass_tokens(config: dict, plan: "MemoryPlan", activation_dtype: mx.Dtype,
+                        keep_cache: bool = False) -> int:
+    """Prompt tokens per prefill pass: the pass holds the KV/state its prompt keeps
+    (the plan's, at its context) and one attention chunk's activations; at most the
+    context."""
+    held = plan.state_bytes + prefill_bytes(config, plan.prefill_step, plan.context,
+                                            activation_dtype)
+    tokens = pass_tokens(plan, held, pass_bytes_per_token(config, activation_dtype), keep_cache)
+    return min(tokens, max(plan.context, plan.prefill_step))
 
 
 def min_prefill_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:
@@ -265,7 +288,7 @@ class MemoryPlan:
     streamed_read_bytes: int  # trunk bytes read per token
     prefill_step: int = PREFILL_STEPS[-1]  # attention chunk: prompt tokens per attention call
     prefill_bytes: int = 0  # prefill activations beyond the working buffers (chunk + pass)
-    prefill_pass: int = PREFILL_STEPS[-1]  # prompt tokens per pass through the layers
+    prefill_pass: int = PREFILL_STEPS[-1]  # prompt tokens per pass through the layers (pass_tokens)
     notes: List[str] = field(default_factory=list)
     floor_parts: Dict[str, int] = field(default_factory=dict)  # what the floor is made of; sums to it
     sequences: int = 1  # sequences decoded together; state_bytes covers all of them
@@ -293,6 +316,17 @@ class MemoryPlan:
         """Freed buffers MLX may keep for reuse (mx.set_cache_limit): counted in the
         working buffers."""
         return self.working_bytes // BUFFER_CACHE_SHARE
+
+    def pass_room(self, keep_cache: bool = False) -> int:
+        """What a pass may take of the budget: all of it but what stays resident
+        through the pass (the trunk as the pass holds it, the reader's records, the
+        freed buffers MLX keeps, the process's own memory, and the expert cache, or
+        in its place the pass's own groups of experts)."""
+        resident = (self.resident_bytes + self.ring_bytes + self.working_bytes - WORKING_BYTES
+                    + self.buffer_cache_bytes + PROCESS_BYTES)
+        if self.pass_slots and not keep_cache:
+            return self.budget - resident - self.pass_slots * self.slot_bytes + self.pass_trunk_bytes
+        return self.budget - resident - self.cache_bytes
 
     @property
     def cache_fraction(self) -> float:
@@ -395,7 +429,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     # Half of it bounds the attention chunk, the rest holds the pass: a pass reads
     # each expert once, a bigger chunk only saves calls.
     step = prefill_step(inv.config, context, inv.activation_dtype, allowance // 2)
-    passing = pass_tokens(inv.config, step, context, inv.activation_dtype, allowance)
+    passing = kept_pass_tokens(inv.config, step, context, inv.activation_dtype, allowance)
     extra = max(0, prefill_bytes(inv.config, step, context, inv.activation_dtype)
                 + passing * pass_bytes_per_token(inv.config, inv.activation_dtype) - WORKING_BYTES)
     fixed += extra
@@ -424,32 +458,31 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     pinned = [key for key in inv.units if key not in set(streamed)]
     # The cache is decode's: during a pass each expert is read once whatever it
     # holds, so it gives its slots back (engine/pass_pool.py) and the pass has them
-    # but for its own groups of experts. A cache of every expert stays. (Giving a
-    # prefill pass the unused budget too overran the budget, docs/LEARNED.md: the
-    # activations per token are underestimated.)
+    # but for its own groups of experts. A cache of every expert stays.
     pass_slots = 0 if slots >= all_experts else pass_pool_slots(int(slots), k)
     released = (int(slots) - pass_slots) * one if pass_slots else 0
     # Such a pass streams the pinned layers of each shape that has more of them
-    # than its buffers, through buffers of its own (plan/passes.py).
+    # than its buffers, through buffers of its own (engine/trunk_pass.py).
     pass_trunk, trunk_released = [], 0
     if pass_slots:
         pass_trunk = passable_units(inv, [key for key in candidates if key not in set(streamed)])
         _, buffers, _ = _trunk_layout(inv, set(pass_trunk), False)
         trunk_released = sum(inv.units[key].memory_bytes for key in pass_trunk) - buffers
-    kept = passing
-    passing = pass_tokens(inv.config, step, context, inv.activation_dtype,
-                          allowance + released + trunk_released)
-    return MemoryPlan(
+    plan = MemoryPlan(
         budget=budget, context=context, state_bytes=state, working_bytes=working,
         pinned=pinned, streamed=streamed, ring_bytes=ring, embed_on_demand=embed_on_demand,
         embed_bytes=inv.embed_bytes, resident_bytes=res, slot_bytes=one, slots=int(slots),
         floor=floor, experts_per_token=k, num_experts=inv.num_experts,
         moe_layers=len(inv.moe_layers), streamed_read_bytes=read, floor_parts=floor_parts,
         sequences=sequences, sequence_recurrent_bytes=recurrent, sequence_kv_bytes=kv,
-        prefill_step=step, prefill_bytes=extra, prefill_pass=passing,
-        pass_slots=pass_slots, pass_released_bytes=released, pass_kept_tokens=kept,
-        pass_trunk=pass_trunk, pass_trunk_bytes=trunk_released,
+        prefill_step=step, prefill_bytes=extra, pass_slots=pass_slots,
+        pass_released_bytes=released, pass_trunk=pass_trunk, pass_trunk_bytes=trunk_released,
     )
+    # A pass gets the budget but what stays resident: the one size (pass_tokens).
+    plan.prefill_pass = prefill_pass_tokens(inv.config, plan, inv.activation_dtype)
+    plan.pass_kept_tokens = prefill_pass_tokens(inv.config, plan, inv.activation_dtype,
+                                                keep_cache=True)
+    return plan
 
 
 STATE_SHARE = 0.5  # of the memory above the one-sequence floor

@@ -30,7 +30,6 @@ from deltafin_mlx.plan.disk import disk_routes, itemsize_of
 from deltafin_mlx.plan.footprint import inventory_from_config, inventory_from_manifest
 from deltafin_mlx.plan.memory import (check_context, choose_sequences, default_activation_dtype,
                                       plan_memory)
-from deltafin_mlx.plan.passes import pass_figures
 from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, layer_key,
                                      measure_compute_gwps, measure_disk_gbps,
                                      measure_layer_seconds)
@@ -218,7 +217,8 @@ def plan_report(options: PlanOptions) -> dict:
         "layer_rate_from": layer_from,
         "projection": project(inv, plan, disk, compute, layer),
         "prefill_step": plan.prefill_step,
-        "prefill_pass": plan.prefill_pass,
+        # The one size of a pass per kind (plan/memory.py pass_tokens), as load runs it.
+        "prefill_pass_tokens": plan.prefill_pass,
         "prefill_bytes": plan.prefill_bytes,
         "pass_trunk_layers": len(plan.pass_trunk),
         "pass_trunk_bytes": plan.pass_trunk_bytes,
@@ -230,7 +230,6 @@ def plan_report(options: PlanOptions) -> dict:
         "scoring_pass_tokens": scoring.pass_tokens,
         "scoring_logit_rows": scoring.logit_rows,
         "scoring_projection": project_scoring(inv, plan, scoring.pass_tokens, disk, batched),
-        "passes": pass_figures(inv, plan, disk, batched, PROJECTED_PROMPTS),
         "disk_routes": routes.to_dict() if routes is not None else None,
     }
 

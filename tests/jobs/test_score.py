@@ -282,7 +282,7 @@ def test_plan_shows_scoring_passes_and_their_projected_rate(converted, capsys):
             "--compute-gwps", "50", "--prefill-gwps", "100"]
     assert main(args + ["--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["scoring_pass_tokens"] >= r["prefill_pass"]
+    assert r["scoring_pass_tokens"] >= r["prefill_pass_tokens"]
     assert r["scoring_projection"]["tokens_per_second"] > 0
     assert main(args) == 0
     assert "scoring        passes of up to" in capsys.readouterr().out

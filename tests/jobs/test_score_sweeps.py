@@ -43,3 +43,29 @@ def test_16_texts_of_70_tokens_take_one_sweep_at_40mb(eight_layers, tmp_path):
         expected = want[np.arange(len(r["tokens"]) - 1), r["tokens"][1:]]
         np.testing.assert_allclose(got, expected, atol=1e-4)
     runtime(model).close()
+
+
+def test_16_texts_whose_tokens_fit_one_prefill_pass_take_one_sweep(wide_experts, tmp_path):
+    """K3's layout with a cache a pass gives back (64 MB): 16 texts of equal length
+    whose tokens fill one prefill pass are scored in one sweep (a scoring pass keeps
+    no KV: it is never smaller), reading each routed expert about once, as mlx-lm's
+    model scores them fully in memory."""
+    model, tok = load(wide_experts, "64MB", warm_start=False)
+    plan = runtime(model).plan
+    assert plan.pass_slots  # the cache is given back during a pass
+    length = plan.prefill_pass // 16
+    rng = np.random.default_rng(5)
+    texts = [rng.integers(1, 380, length).tolist() for _ in range(16)]
+    job = tmp_path / "in.jsonl"
+    job.write_text("".join(json.dumps({"id": i, "tokens": t}) + "\n" for i, t in enumerate(texts)))
+    s = run_job(model, tok, job, tmp_path / "out.jsonl", ScoreOptions(), show_progress=False)
+    assert s["scored_texts"] == 16 and s["sweeps"] == 1, s
+    assert 0 < s["expert_bytes_read"] <= 1.10 * s["union_bytes"], s
+    ref = reference_model(wide_experts.parent / "src")
+    for line in (tmp_path / "out.jsonl").read_text().splitlines()[:4]:
+        r = json.loads(line)
+        want = reference_logprobs(ref, r["tokens"])
+        got = np.array([np.nan if v is None else v for v in r["token_logprobs"]][1:])
+        expected = want[np.arange(len(r["tokens"]) - 1), r["tokens"][1:]]
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    runtime(model).close()
