@@ -174,7 +174,7 @@ def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dt
     mlx-lm runs as a loop over tokens (`gated_delta_ops`, copies of the state per
     token), and intermediates that grow with the number of layers. The CPU terms
     are an upper bound fitted to measured peak RSS of synthetic K3 layouts of 4 and
-    8 layers (tests/test_prefill_memory.py), not a model of MLX's allocator; on a
+    8 layers (tests/engine/test_prefill_memory.py), not a model of MLX's allocator; on a
     GPU (fused attention and recurrence kernels) only the first terms apply.
     """
     tc = text_config(config)
