@@ -52,6 +52,30 @@ class Runtime:
     def cache(self):
         return self.store.cache
 
+    def observe(self, on_route=None, on_pass_layer=None):
+        """A `with` block within which `on_route(layer, routed experts)` hears each
+        MoE layer call's routing and `on_pass_layer(MoE layers done, MoE layers)`
+        each MoE layer a pass finishes; observing changes neither what is computed
+        nor what is read (ExpertStore.observe)."""
+        return self.store.observe(on_route, on_pass_layer)
+
+    def real_tokens(self, real):
+        """A `with` block within which a call of (rows, positions) of `real`'s shape
+        (bool) routes only the real positions: a scoring pass's right-padded rows."""
+        return self.store.real_tokens(real)
+
+    def hint_logits_unread(self, unread: bool):
+        """Whether nobody reads the logits of the model's next call (a prefill
+        chunk's): its last layer's experts are then skipped, as mlx-lm's lazy graph
+        skips them. Set False when the generation ends."""
+        self.store.hint_logits_unread(unread)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     @property
     def is_primary(self) -> bool:
         """Rank 0 under mlx.launch (or the only process): the one that reports."""
@@ -85,7 +109,8 @@ def find_runtime(model) -> Optional[Runtime]:
 
 def runtime(model) -> Runtime:
     """The runtime state of a model `deltafin_mlx.load` returned: `.stats`
-    (counters), `.plan` (the memory plan), `.cache`, `.store`, `.close()`."""
+    (counters), `.plan` (the memory plan), `.cache`, `.store`, `.observe(...)`,
+    `.close()`; as a `with` block it closes on exit."""
     state = find_runtime(model)
     if state is None:
         raise TypeError(f"{type(model).__name__} was not loaded by deltafin_mlx.load")

@@ -30,7 +30,9 @@ on it (a disk that banks idle time as credit serves single reads fast).
 """
 
 import time
-from typing import Dict, Optional
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,49 +44,147 @@ from deltafin_mlx.format.dtypes import to_numpy
 from deltafin_mlx.engine.reader import Reader, ReadJob
 
 
-class ExpertStore:
-    """The expert cache, the reader it uses, the counters, and lookahead wiring."""
+@dataclass(frozen=True)
+class StoreConfig:
+    """How an expert store runs, fixed when it is made (engine/load.py: from the
+    load options and the memory plan)."""
 
-    def __init__(self, cache: ExpertCache, reader: Reader, stats: CacheStats,
-                 experts_per_token: int, lookahead: bool, pipeline: bool = True):
+    experts_per_token: int
+    lookahead: bool
+    pipeline: bool = True
+    # A prefill pass's pairs are computed in pieces of this many tokens' pairs
+    # (the plan's attention chunk: what one call of a chunked prefill held).
+    pass_piece_tokens: int = 512
+    # Passes with the cache given back (engine/pass_pool.py): the pass pool's
+    # slots (0: passes run in the cache's slots), and the pass size above which
+    # the cache is given back.
+    pass_slots: int = 0
+    release_above: int = 0
+    # The last decoder layer: its MoE output reaches only the logits (`logits_unread`).
+    final_layer: Optional[int] = None
+
+
+class ExpertStore:
+    """The expert cache, the reader it uses, the counters, and lookahead wiring.
+
+    What the store runs with is its `config`, fixed at load; what changes per call
+    is set only through its scoped methods (`observe`, `real_tokens`,
+    `hint_logits_unread`), which the engine's Runtime offers its callers."""
+
+    def __init__(self, cache: ExpertCache, config: StoreConfig,
+                 switches: Dict[int, "StreamingSwitchGLU"], moe_blocks: Dict[int, nn.Module],
+                 make_inner: Callable, trunk_pass=None):
         self.cache = cache
-        self.reader = reader
-        self.stats = stats
-        self.k = experts_per_token
-        self.lookahead = lookahead
-        self.pipeline = pipeline
+        self.reader = cache.reader
+        self.stats = cache.stats
+        self.config = config
         self.layers = cache.layers
         self.next_layer = {a: b for a, b in zip(self.layers, self.layers[1:])}
-        self.moe_blocks: Dict[int, nn.Module] = {}  # layer -> the block owning the router
-        self.on_route = None  # optional callback(layer, indices), e.g. a RoutingTrace
+        self.moe_blocks = moe_blocks  # layer -> the block owning the router
+        self.switches = switches  # layer -> its streaming module
+        for switch in switches.values():
+            switch._store = self
+        self.make_inner = make_inner  # (layer, slot arrays, slots) -> mlx-lm's SwitchGLU over them
+        # The pinned trunk layers a pass that gives the cache back streams
+        # (engine/trunk_pass.PassTrunk), or None.
+        self.trunk_pass = trunk_pass
         self.rates = IORates()
-        # A prefill pass's pairs are computed in pieces of this many tokens' pairs
-        # (the plan's attention chunk: what one call of a chunked prefill held).
-        self.pass_piece_tokens = 512
-        self.on_pass_layer = None  # optional callback(MoE layers done, MoE layers) in a pass
-        # A scoring pass's rows are right-padded texts: this (rows, positions) bool
-        # array says which positions are real tokens. Pads route nowhere (no expert
-        # is read for them) and their expert outputs are zeros; causal attention
-        # keeps them out of every real token's result.
-        self.token_mask = None
-        # Passes with the cache given back (engine/pass_pool.py): set by `load`.
-        self.make_inner = None  # (layer, slot arrays, slots) -> mlx-lm's SwitchGLU over them
-        self.switches: Dict[int, "StreamingSwitchGLU"] = {}  # layer -> its streaming module
-        self.pass_slots = 0  # the pass pool's slots; 0: passes run in the cache's slots
-        self.release_above = 0  # a pass of more tokens than this gives the cache back
         self.pass_pool: Optional[PassPool] = None  # while a pass runs
         self.resuming = False  # end_pass started and was stopped before it finished
-        # The pinned trunk layers such a pass streams (engine/trunk_pass.PassTrunk).
-        self.trunk_pass = None
         # layer -> the experts the pass's last position routed to (each row's), the
         # cache's first guesses when decoding resumes.
         self.pass_last: Dict[int, np.ndarray] = {}
+        self._route_observers, self._layer_observers = [], []  # `observe`
+        self._lazy_routes = []  # per call, [(layer, its routing, maybe unevaluated)]
+        # A scoring pass's rows are right-padded texts: this (rows, positions) bool
+        # array says which positions are real tokens (`real_tokens`). Pads route
+        # nowhere (no expert is read for them) and their expert outputs are zeros;
+        # causal attention keeps them out of every real token's result.
+        self.token_mask = None
         # The last decoder layer's MoE output reaches only the logits. When the
         # caller says nothing reads the next call's logits (mlx-lm's prefill
         # chunks, generation/stream.unread_logits_hint), that layer's experts are
         # neither read nor computed, as mlx-lm's lazy graph never computes them.
-        self.final_layer: Optional[int] = None  # set by `load`
         self.logits_unread = False
+
+    @contextmanager
+    def observe(self, on_route=None, on_pass_layer=None):
+        """Within the block, `on_route(layer, routed experts)` hears each MoE layer
+        call's routing (a numpy array, (..., k), real tokens only) and
+        `on_pass_layer(MoE layers done, MoE layers)` each MoE layer a pass
+        finishes; the previous observers keep hearing too, and are all that is
+        left when the block ends. Observing never changes what a call computes or
+        reads: where every expert is resident the calls stay lazy, and their
+        routing is reported once the caller has evaluated them (`report_route_later`)."""
+        added = [(hooks, f) for hooks, f in ((self._route_observers, on_route),
+                                             (self._layer_observers, on_pass_layer))
+                 if f is not None]
+        for hooks, f in added:
+            hooks.append(f)
+        ok = False
+        try:
+            yield self
+            ok = True
+        finally:
+            try:
+                if ok:
+                    self._report_lazy_routes()
+            finally:
+                for hooks, f in added:
+                    hooks.remove(f)
+                if not self._route_observers:
+                    self._lazy_routes = []
+
+    @property
+    def routes_observed(self) -> bool:
+        return bool(self._route_observers)
+
+    def report_route(self, layer: int, routed: np.ndarray):
+        """Tell the route observers (if any) the routing of a call evaluated here."""
+        if self._route_observers:
+            self._report_lazy_routes()
+            for hook in list(self._route_observers):
+                hook(layer, routed)
+
+    def report_route_later(self, layer: int, indices: mx.array):
+        """Tell the route observers (if any) a lazy call's routing once the caller
+        has evaluated it, so that observing adds no evaluation and no wait: a
+        call's routing is reported when the call after the next one starts (mlx-lm
+        builds a step while the previous one is evaluated), or when `observe` ends."""
+        if not self._route_observers:
+            return
+        if not self._lazy_routes or layer <= self._lazy_routes[-1][-1][0]:  # a new call
+            if len(self._lazy_routes) > 1:
+                self._report_lazy_routes(keep=1)
+            self._lazy_routes.append([])
+        self._lazy_routes[-1].append((layer, indices))
+
+    def _report_lazy_routes(self, keep: int = 0):
+        """Report the lazy calls' routing, all but the last `keep` calls'."""
+        done = self._lazy_routes[: len(self._lazy_routes) - keep]
+        self._lazy_routes = self._lazy_routes[len(done):]
+        for layer, indices in (route for call in done for route in call):
+            routed = np.array(indices).astype(np.int64)
+            for hook in list(self._route_observers):
+                hook(layer, routed)
+
+    @contextmanager
+    def real_tokens(self, real: np.ndarray):
+        """Within the block, a call whose routing is (rows, positions) of `real`'s
+        shape is a scoring pass's right-padded rows: only `real`'s positions route
+        to experts (`token_mask`)."""
+        previous, self.token_mask = self.token_mask, real
+        try:
+            yield
+        finally:
+            self.token_mask = previous
+
+    def hint_logits_unread(self, unread: bool):
+        """Whether nobody reads the logits of the model's next call (a prefill
+        chunk's, compat.prefill_chunk_follows): its last layer's experts are then
+        neither read nor computed (`logits_unread`). Callers clear it (False) when
+        their generation ends."""
+        self.logits_unread = bool(unread)
 
     def real_routing(self, idx: np.ndarray):
         """(mask, routing) of a call's real tokens: `token_mask` where it fits the
@@ -95,9 +195,9 @@ class ExpertStore:
         return real, idx[real][None]
 
     def pass_layer_done(self, layer: int):
-        """Report that a pass is done with `layer` (on_pass_layer), if anyone listens."""
-        if self.on_pass_layer is not None:
-            self.on_pass_layer(self.layers.index(layer) + 1, len(self.layers))
+        """Report that a pass is done with `layer` to the `observe` blocks' listeners."""
+        for hook in list(self._layer_observers):
+            hook(self.layers.index(layer) + 1, len(self.layers))
 
     @property
     def bytes_read(self) -> int:
@@ -112,8 +212,8 @@ class ExpertStore:
         the cache's experts then serve it and the decoding after it)."""
         if self.resuming:
             self.end_pass()
-        if (self.pass_pool is not None or not self.pass_slots or self.cache.all_resident
-                or tokens <= self.release_above):
+        if (self.pass_pool is not None or not self.config.pass_slots
+                or self.cache.all_resident or tokens <= self.config.release_above):
             return
         self.cache.release()
         self.pass_last = {}
@@ -123,7 +223,7 @@ class ExpertStore:
             self.trunk_pass.release()
         mx.clear_cache()  # the freed arrays leave MLX's buffer cache too
         layout = self.cache.banks[self.layers[0]].layout
-        self.pass_pool = PassPool(layout.held_sections, self.pass_slots,
+        self.pass_pool = PassPool(layout.held_sections, self.config.pass_slots,
                                   self.cache.activation_dtype, self.make_inner)
 
     def end_pass(self):
@@ -278,32 +378,34 @@ def predict_experts(moe: nn.Module, h: mx.array, k: int) -> Optional[mx.array]:
 class StreamingSwitchGLU(nn.Module):
     """Drop-in for mlx-lm's SwitchGLU or SwitchMLP: `(x, indices) -> (..., k, D)`."""
 
-    def __init__(self, layer: int, store: ExpertStore, inner):
+    def __init__(self, layer: int, inner):
         super().__init__()
         self._layer = layer
-        self._store = store
+        self._store: Optional[ExpertStore] = None  # the store it is made for binds it
         self._inner = inner  # mlx-lm's expert module over the shared slot arrays
         self._moe_input = None  # set by the MoE block's tap, for lookahead
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         store, cache, layer = self._store, self._store.cache, self._layer
+        config = store.config
         # A call of more than one token per sequence is a prefill pass (decoding,
         # even a batch's, is one token per sequence).
         per_sequence = indices.shape[-2] if indices.ndim >= 3 else indices.size // max(
             indices.shape[-1], 1)
         long_call = per_sequence > 1
-        if long_call and store.logits_unread and layer == store.final_layer:
+        if long_call and store.logits_unread and layer == config.final_layer:
             return self._unread(x, indices)
         if long_call:
             store.begin_pass(indices.size // max(indices.shape[-1], 1))
         elif store.pass_pool is not None or store.resuming:
             store.end_pass()
-        if cache.all_resident and store.on_route is None and store.token_mask is None:
+        if cache.all_resident and store.token_mask is None:
             # Every expert is in memory: map ids to slots lazily, like mlx-lm
             # would index its stacked tensor, with no evaluation here. Left lazy, a
             # prefill pass's last MoE layer is never computed, as in mlx-lm (only
             # the caches are evaluated; nothing reads that layer's output).
             self._moe_input = None
+            store.report_route_later(layer, indices)
             store.stats.hits += indices.size
             slots = cache.slot_maps[layer][indices]
             if not long_call or indices.ndim < 3:
@@ -314,9 +416,10 @@ class StreamingSwitchGLU(nn.Module):
         store.rates.tick(store.reader, store.stats)
         # A pass's guesses would be most of the next layer's experts, which that
         # layer reads once anyway.
-        if (store.lookahead and nxt is not None and self._moe_input is not None
+        if (config.lookahead and nxt is not None and self._moe_input is not None
                 and not long_call and store.rates.guesses_pay()):
-            predicted = predict_experts(store.moe_blocks[nxt], self._moe_input, store.k)
+            predicted = predict_experts(store.moe_blocks[nxt], self._moe_input,
+                                        config.experts_per_token)
         self._moe_input = None
         mx.eval(indices, predicted) if predicted is not None else mx.eval(indices)
         idx = np.array(indices).astype(np.int64)
@@ -325,8 +428,7 @@ class StreamingSwitchGLU(nn.Module):
             raise ValueError(f"layer {layer}: router chose an expert out of range")
         needed = np.unique(routed)
         tokens = routed.size // routed.shape[-1]
-        if store.on_route is not None:
-            store.on_route(layer, routed)
+        store.report_route(layer, routed)
 
         if store.pass_pool is not None:
             return self._pass(x, idx, needed, real)
@@ -341,7 +443,7 @@ class StreamingSwitchGLU(nn.Module):
             if not cache.pool.partitioned:
                 limit -= needed.size
             cache.prefetch(nxt, _by_votes(np.array(predicted)), in_use, limit=limit)
-        if jobs and store.pipeline:
+        if jobs and config.pipeline:
             return self._pipelined(cache, x, idx, needed, jobs)
         cache.wait(jobs)
         emap = np.zeros(cache.num_experts, dtype=np.int64)
@@ -353,9 +455,11 @@ class StreamingSwitchGLU(nn.Module):
         with nothing read or computed (its routing is still reported)."""
         store = self._store
         self._moe_input = None
-        if store.on_route is not None:
+        if store.cache.all_resident and store.token_mask is None:
+            store.report_route_later(self._layer, indices)  # a lazy call's: left lazy
+        elif store.routes_observed:
             _, routed = store.real_routing(np.array(indices).astype(np.int64))
-            store.on_route(self._layer, routed)
+            store.report_route(self._layer, routed)
         store.pass_layer_done(self._layer)
         return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
 
@@ -364,7 +468,7 @@ class StreamingSwitchGLU(nn.Module):
         `pass_piece_tokens` positions, joined, all lazy (each piece's intermediates
         are freed once its output is computed). Each row's arithmetic is the same as
         in one call, so the result is too."""
-        step, n = self._store.pass_piece_tokens, slots.shape[-2]
+        step, n = self._store.config.pass_piece_tokens, slots.shape[-2]
         if n <= step:
             return self._inner(x, slots)
         outs = [self._inner(x[..., s : s + step, :], slots[..., s : s + step, :])
@@ -443,7 +547,7 @@ class StreamingSwitchGLU(nn.Module):
         misses = int((~held).sum())
         size = room if not misses else max(1, min(room // 2, -(-order.size // 2)))
         groups = [order[s : s + size] for s in range(0, order.size, size)]
-        piece = self._store.pass_piece_tokens * k
+        piece = self._store.config.pass_piece_tokens * k
         outputs = _PairOutputs(flat.size)
         jobs = cache.request(layer, groups[0], tokens)
         for i, group in enumerate(groups):
@@ -500,7 +604,7 @@ class StreamingSwitchGLU(nn.Module):
                 if job.error is not None:
                     raise job.error
 
-        piece = store.pass_piece_tokens * k
+        piece = store.config.pass_piece_tokens * k
         outputs = _PairOutputs(flat.size)
         jobs, first = read(0)
         double = pool.slots >= 2 * half

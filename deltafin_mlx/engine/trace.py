@@ -12,12 +12,13 @@ from deltafin_mlx.engine.runtime import runtime
 
 class RoutingTrace:
     def __init__(self, model, path):
-        self.store = runtime(model).store
+        state = runtime(model)
         self.file = open(os.path.expanduser(path), "w")
-        self.layers = self.store.layers
+        self.layers = state.store.layers
         self.pending = {}
         self.tok = 0
-        self.store.on_route = self.record
+        self._observing = state.observe(on_route=self.record)
+        self._observing.__enter__()
 
     def record(self, layer, idx):
         self.pending[layer] = idx[0].reshape(-1, idx.shape[-1])  # (positions, k)
@@ -32,5 +33,7 @@ class RoutingTrace:
         self.pending = {}
 
     def close(self):
-        self.store.on_route = None
-        self.file.close()
+        try:
+            self._observing.__exit__(None, None, None)
+        finally:
+            self.file.close()
