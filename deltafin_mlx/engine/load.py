@@ -461,11 +461,6 @@ def open_tokenizer(model):
     return model_dir.tokenizer
 
 
-def model_config(model) -> dict:
-    """A converted model's config.json, checked as `load` checks it."""
-    return open_model_dir(model).config
-
-
 def switch_shapes(model: nn.Module, manifest) -> dict:
     """Each MoE layer's expert linears (`switch_linears`: experts, out, in, bias), as
     the model config.json builds has them; refused if the manifest names a layer

@@ -5,6 +5,7 @@
 accessor, so nothing outside the engine depends on where it is kept.
 """
 
+from contextlib import contextmanager
 from typing import Optional
 
 from deltafin_mlx.engine.streaming_moe import ExpertStore
@@ -53,22 +54,24 @@ class Runtime:
         return self.store.cache
 
     def observe(self, on_route=None, on_pass_layer=None):
-        """A `with` block within which `on_route(layer, routed experts)` hears each
-        MoE layer call's routing and `on_pass_layer(MoE layers done, MoE layers)`
-        each MoE layer a pass finishes; observing changes neither what is computed
-        nor what is read (ExpertStore.observe)."""
+        """A `with` block within which `on_route(layer, routing (numpy, (..., k)))`
+        hears each MoE layer call and `on_pass_layer(MoE layers done, of)` each MoE
+        layer a pass finishes; observing changes nothing computed or read."""
         return self.store.observe(on_route, on_pass_layer)
 
+    @contextmanager
     def real_tokens(self, real):
         """A `with` block within which a call of (rows, positions) of `real`'s shape
-        (bool) routes only the real positions: a scoring pass's right-padded rows."""
-        return self.store.real_tokens(real)
+        (a scoring pass's right-padded rows) routes only `real`'s positions."""
+        previous, self.store.token_mask = self.store.token_mask, real
+        try:
+            yield
+        finally:
+            self.store.token_mask = previous
 
     def hint_logits_unread(self, unread: bool):
-        """Whether nobody reads the logits of the model's next call (a prefill
-        chunk's): its last layer's experts are then skipped, as mlx-lm's lazy graph
-        skips them. Set False when the generation ends."""
-        self.store.hint_logits_unread(unread)
+        """Nobody reads the next call's logits (ExpertStore.logits_unread): until False."""
+        self.store.logits_unread = bool(unread)
 
     def __enter__(self):
         return self

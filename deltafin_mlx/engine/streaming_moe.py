@@ -46,8 +46,7 @@ from deltafin_mlx.engine.reader import Reader, ReadJob
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """How an expert store runs, fixed when it is made (engine/load.py: from the
-    load options and the memory plan)."""
+    """How an expert store runs, fixed at load (from the options and the plan)."""
 
     experts_per_token: int
     lookahead: bool
@@ -55,28 +54,20 @@ class StoreConfig:
     # A prefill pass's pairs are computed in pieces of this many tokens' pairs
     # (the plan's attention chunk: what one call of a chunked prefill held).
     pass_piece_tokens: int = 512
-    # Passes with the cache given back (engine/pass_pool.py): the pass pool's
-    # slots (0: passes run in the cache's slots), and the pass size above which
-    # the cache is given back.
-    pass_slots: int = 0
-    release_above: int = 0
-    # The last decoder layer: its MoE output reaches only the logits (`logits_unread`).
-    final_layer: Optional[int] = None
+    pass_slots: int = 0  # the pass pool's slots (engine/pass_pool.py); 0: the cache's
+    release_above: int = 0  # a pass of more tokens than this gives the cache back
+    final_layer: Optional[int] = None  # the last decoder layer (`logits_unread`)
 
 
 class ExpertStore:
     """The expert cache, the reader it uses, the counters, and lookahead wiring.
-
-    What the store runs with is its `config`, fixed at load; what changes per call
-    is set only through its scoped methods (`observe`, `real_tokens`,
-    `hint_logits_unread`), which the engine's Runtime offers its callers."""
+    What changes per call is set only by the engine (`observe`, Runtime's
+    `real_tokens` and `hint_logits_unread`)."""
 
     def __init__(self, cache: ExpertCache, config: StoreConfig,
                  switches: Dict[int, "StreamingSwitchGLU"], moe_blocks: Dict[int, nn.Module],
                  make_inner: Callable, trunk_pass=None):
-        self.cache = cache
-        self.reader = cache.reader
-        self.stats = cache.stats
+        self.cache, self.reader, self.stats = cache, cache.reader, cache.stats
         self.config = config
         self.layers = cache.layers
         self.next_layer = {a: b for a, b in zip(self.layers, self.layers[1:])}
@@ -85,9 +76,7 @@ class ExpertStore:
         for switch in switches.values():
             switch._store = self
         self.make_inner = make_inner  # (layer, slot arrays, slots) -> mlx-lm's SwitchGLU over them
-        # The pinned trunk layers a pass that gives the cache back streams
-        # (engine/trunk_pass.PassTrunk), or None.
-        self.trunk_pass = trunk_pass
+        self.trunk_pass = trunk_pass  # the pinned trunk layers a pass streams (PassTrunk)
         self.rates = IORates()
         self.pass_pool: Optional[PassPool] = None  # while a pass runs
         self.resuming = False  # end_pass started and was stopped before it finished
@@ -95,9 +84,9 @@ class ExpertStore:
         # cache's first guesses when decoding resumes.
         self.pass_last: Dict[int, np.ndarray] = {}
         self._route_observers, self._layer_observers = [], []  # `observe`
-        self._lazy_routes = []  # per call, [(layer, its routing, maybe unevaluated)]
+        self._lazy_routes = []  # per lazy call, [(layer, its routing, maybe unevaluated)]
         # A scoring pass's rows are right-padded texts: this (rows, positions) bool
-        # array says which positions are real tokens (`real_tokens`). Pads route
+        # array says which positions are real tokens (Runtime.real_tokens). Pads route
         # nowhere (no expert is read for them) and their expert outputs are zeros;
         # causal attention keeps them out of every real token's result.
         self.token_mask = None
@@ -109,82 +98,45 @@ class ExpertStore:
 
     @contextmanager
     def observe(self, on_route=None, on_pass_layer=None):
-        """Within the block, `on_route(layer, routed experts)` hears each MoE layer
-        call's routing (a numpy array, (..., k), real tokens only) and
-        `on_pass_layer(MoE layers done, MoE layers)` each MoE layer a pass
-        finishes; the previous observers keep hearing too, and are all that is
-        left when the block ends. Observing never changes what a call computes or
-        reads: where every expert is resident the calls stay lazy, and their
-        routing is reported once the caller has evaluated them (`report_route_later`)."""
+        """Runtime.observe. A lazy call (every expert resident) stays lazy: its
+        routing is reported once evaluated (`report_route`)."""
         added = [(hooks, f) for hooks, f in ((self._route_observers, on_route),
-                                             (self._layer_observers, on_pass_layer))
-                 if f is not None]
+                                             (self._layer_observers, on_pass_layer)) if f]
         for hooks, f in added:
             hooks.append(f)
-        ok = False
         try:
             yield self
-            ok = True
-        finally:
-            try:
-                if ok:
-                    self._report_lazy_routes()
-            finally:
-                for hooks, f in added:
-                    hooks.remove(f)
-                if not self._route_observers:
-                    self._lazy_routes = []
-
-    @property
-    def routes_observed(self) -> bool:
-        return bool(self._route_observers)
-
-    def report_route(self, layer: int, routed: np.ndarray):
-        """Tell the route observers (if any) the routing of a call evaluated here."""
-        if self._route_observers:
             self._report_lazy_routes()
-            for hook in list(self._route_observers):
-                hook(layer, routed)
+        finally:
+            for hooks, f in added:
+                hooks.remove(f)
+            if not self._route_observers:
+                self._lazy_routes = []
 
-    def report_route_later(self, layer: int, indices: mx.array):
-        """Tell the route observers (if any) a lazy call's routing once the caller
-        has evaluated it, so that observing adds no evaluation and no wait: a
-        call's routing is reported when the call after the next one starts (mlx-lm
-        builds a step while the previous one is evaluated), or when `observe` ends."""
+    def report_route(self, layer: int, routing, lazy: bool = False):
+        """Tell the route observers a call's routing, or a `lazy` call's once the
+        caller has evaluated it (no evaluation, no wait added): when the call after
+        next starts (mlx-lm builds a step as the last one computes) or `observe` ends."""
         if not self._route_observers:
             return
+        if not lazy:
+            self._report_lazy_routes()
+            for hook in list(self._route_observers):
+                hook(layer, routing)
+            return
         if not self._lazy_routes or layer <= self._lazy_routes[-1][-1][0]:  # a new call
-            if len(self._lazy_routes) > 1:
-                self._report_lazy_routes(keep=1)
+            self._report_lazy_routes(keep=1)
             self._lazy_routes.append([])
-        self._lazy_routes[-1].append((layer, indices))
+        self._lazy_routes[-1].append((layer, routing))
 
     def _report_lazy_routes(self, keep: int = 0):
         """Report the lazy calls' routing, all but the last `keep` calls'."""
-        done = self._lazy_routes[: len(self._lazy_routes) - keep]
+        done = self._lazy_routes[: max(len(self._lazy_routes) - keep, 0)]
         self._lazy_routes = self._lazy_routes[len(done):]
         for layer, indices in (route for call in done for route in call):
-            routed = np.array(indices).astype(np.int64)
+            routing = np.array(indices).astype(np.int64)
             for hook in list(self._route_observers):
-                hook(layer, routed)
-
-    @contextmanager
-    def real_tokens(self, real: np.ndarray):
-        """Within the block, a call whose routing is (rows, positions) of `real`'s
-        shape is a scoring pass's right-padded rows: only `real`'s positions route
-        to experts (`token_mask`)."""
-        previous, self.token_mask = self.token_mask, real
-        try:
-            yield
-        finally:
-            self.token_mask = previous
-
-    def hint_logits_unread(self, unread: bool):
-        """Whether nobody reads the logits of the model's next call (a prefill
-        chunk's, compat.prefill_chunk_follows): its last layer's experts are then
-        neither read nor computed (`logits_unread`). Callers clear it (False) when
-        their generation ends."""
-        self.logits_unread = bool(unread)
+                hook(layer, routing)
 
     def real_routing(self, idx: np.ndarray):
         """(mask, routing) of a call's real tokens: `token_mask` where it fits the
@@ -361,8 +313,10 @@ class IORates:
 
 
 def predict_experts(moe: nn.Module, h: mx.array, k: int) -> Optional[mx.array]:
-    """The experts `moe`'s router would pick for hidden state `h` (lazy)."""
-    gate = getattr(moe, "gate", None)
+    """The experts `moe`'s router (`gate`, gpt-oss's `router`) would pick for
+    hidden state `h` (lazy)."""
+    gate = next((g for g in (getattr(moe, n, None) for n in ("gate", "router")) if g is not None),
+                None)
     if gate is None:
         return None
     out = gate(h)
@@ -405,7 +359,7 @@ class StreamingSwitchGLU(nn.Module):
             # prefill pass's last MoE layer is never computed, as in mlx-lm (only
             # the caches are evaluated; nothing reads that layer's output).
             self._moe_input = None
-            store.report_route_later(layer, indices)
+            store.report_route(layer, indices, lazy=True)
             store.stats.hits += indices.size
             slots = cache.slot_maps[layer][indices]
             if not long_call or indices.ndim < 3:
@@ -442,24 +396,19 @@ class StreamingSwitchGLU(nn.Module):
             limit = cache.pool.capacity_of(nxt)
             if not cache.pool.partitioned:
                 limit -= needed.size
-            cache.prefetch(nxt, _by_votes(np.array(predicted)), in_use, limit=limit)
+            cache.prefetch(nxt, _by_votes(np.array(predicted)), in_use, limit=limit,
+                           worth=store.rates.right)
         if jobs and config.pipeline:
             return self._pipelined(cache, x, idx, needed, jobs)
         cache.wait(jobs)
-        emap = np.zeros(cache.num_experts, dtype=np.int64)
-        emap[needed] = cache.slots_of(layer, needed)
-        return self._inner(x, mx.array(emap[idx].astype(np.uint32)))
+        return self._inner(x, mx.array(self._slot_map(cache, needed)[idx].astype(np.uint32)))
 
     def _unread(self, x, indices) -> mx.array:
         """The last layer's MoE output of a call whose logits nobody reads: zeros,
         with nothing read or computed (its routing is still reported)."""
         store = self._store
         self._moe_input = None
-        if store.cache.all_resident and store.token_mask is None:
-            store.report_route_later(self._layer, indices)  # a lazy call's: left lazy
-        elif store.routes_observed:
-            _, routed = store.real_routing(np.array(indices).astype(np.int64))
-            store.report_route(self._layer, routed)
+        store.report_route(self._layer, indices, lazy=True)  # never scoring's (no hint)
         store.pass_layer_done(self._layer)
         return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
 
@@ -531,97 +480,83 @@ class StreamingSwitchGLU(nn.Module):
                  routed=None, real=None):
         """A prefill pass (more than one token per sequence), or a call needing more
         distinct experts than the layer has slots (a big batch): every expert the
-        call routes to is read at most once, in groups that fit the layer's slots,
-        each group's reads running while the previous group computes. Held experts
-        go first (computed before any read can evict them). The (token, expert)
-        pairs are computed in pieces of at most an attention chunk's pairs (the
-        memory one call of a chunked prefill takes) and written into one output
-        buffer. Each pair's arithmetic is the same as in one call, so the result is
-        too. Pads (`real` False) get no pairs: their outputs stay zeros."""
-        layer, k = self._layer, idx.shape[-1]
-        lead, flat = idx.shape[:-1], idx.reshape(-1)
-        xs = x.reshape(-1, x.shape[-1])
-        real_pairs = None if real is None else np.repeat(real.reshape(-1), k)
+        call routes to is read at most once, in groups that fit the layer's slots
+        (`_in_groups`). Held experts go first (computed before any read can evict
+        them)."""
+        layer = self._layer
         held = np.array([cache.pool.slot_of(layer, e) is not None for e in needed], dtype=bool)
         order = _read_order(needed, held, idx if routed is None else routed)
         misses = int((~held).sum())
         size = room if not misses else max(1, min(room // 2, -(-order.size // 2)))
         groups = [order[s : s + size] for s in range(0, order.size, size)]
-        piece = self._store.config.pass_piece_tokens * k
-        outputs = _PairOutputs(flat.size)
-        jobs = cache.request(layer, groups[0], tokens)
-        for i, group in enumerate(groups):
-            cache.wait(jobs)
-            if i + 1 < len(groups):  # the next group's reads, behind this group's arithmetic
-                keep = {cache.key(layer, e) for e in group}
-                jobs = cache.request(layer, groups[i + 1], 0, keep=keep)
-            self._group_pairs(outputs, xs, flat, k, self._slot_map(cache, group), group,
-                              real_pairs, piece)
-        if prefill:
-            # A pass allocates arrays of many sizes; MLX keeps freed ones for reuse,
-            # which at a pass's sizes would hold memory the plan does not count.
-            mx.clear_cache()
-            self._store.pass_layer_done(layer)
-        return outputs.array(x).reshape(*lead, k, -1)
 
-    def _group_pairs(self, outputs, xs, flat, k, emap, group, real_pairs, piece, inner=None):
-        """The outputs of the real pairs whose expert is in `group`, computed in
-        pieces of `piece` pairs and written into `outputs`."""
-        chosen = np.isin(flat, group)
-        pairs = np.nonzero(chosen if real_pairs is None else chosen & real_pairs)[0]
-        for s in range(0, pairs.size, piece):
-            part = pairs[s : s + piece]
-            outputs.write(part, self._pair_outputs(xs, flat, k, emap, part, inner))
+        def read(i):  # never evicting the group computing meanwhile
+            keep = {cache.key(layer, e) for e in groups[i - 1]} if i else ()
+            return cache.request(layer, groups[i], 0 if i else tokens, keep=keep), None
+
+        return self._in_groups(x, idx, real, groups, read,
+                               lambda i, _: self._slot_map(cache, groups[i]), pass_=prefill)
 
     def _pass(self, x, idx, needed, real):
         """A pass's MoE layer with the cache given back (ExpertStore.begin_pass):
         each expert its real tokens route to is read once into the pass pool, half
-        of the pool at a time, the next half's reads running while this half's
-        pairs compute (in pieces of an attention chunk's pairs, into one output
-        buffer). Each pair's arithmetic is the same as in one call, so the result
-        is too. Pads (`real` False) get no pairs: their outputs stay zeros."""
-        store, layer, k = self._store, self._layer, idx.shape[-1]
+        of the pool at a time (`_in_groups`)."""
+        store, layer = self._store, self._layer
         pool, bank, stats = store.pass_pool, store.cache.banks[layer], store.stats
-        lead, flat = idx.shape[:-1], idx.reshape(-1)
-        xs = x.reshape(-1, x.shape[-1])
-        real_pairs = None if real is None else np.repeat(real.reshape(-1), k)
         half = max(1, pool.slots // 2)
         groups = [needed[s : s + half] for s in range(0, needed.size, half)]
-        inner = pool.inner(layer)
+        double = pool.slots >= 2 * half
 
         def read(i):  # group i into its half of the pool (the only half with one slot)
-            first = (i % 2) * half if pool.slots >= 2 * half else 0
+            first = (i % 2) * half if double else 0
             stats.misses += groups[i].size
             return [store.reader.submit(ReadJob(bank, int(e), pool.targets(first + j), False))
                     for j, e in enumerate(groups[i])], first
 
-        def wait(jobs):
-            start = time.perf_counter()
-            for job in jobs:
-                job.done.wait()
-            stats.stall_seconds += time.perf_counter() - start
-            for job in jobs:
-                if job.error is not None:
-                    raise job.error
-
-        piece = store.config.pass_piece_tokens * k
-        outputs = _PairOutputs(flat.size)
-        jobs, first = read(0)
-        double = pool.slots >= 2 * half
-        for i, group in enumerate(groups):
-            wait(jobs)
+        def slot_map(i, first):
             emap = np.zeros(store.cache.num_experts, dtype=np.int64)
-            emap[group] = first + np.arange(group.size)
-            if double and i + 1 < len(groups):  # the next group's reads, behind this one's pairs
-                jobs, first = read(i + 1)
-            self._group_pairs(outputs, xs, flat, k, emap, group, real_pairs, piece, inner)
-            if not double and i + 1 < len(groups):
-                jobs, first = read(i + 1)
-        out = outputs.array(x)
-        mx.clear_cache()  # as `_grouped`: a pass's many array sizes are not kept for reuse
+            emap[groups[i]] = first + np.arange(groups[i].size)
+            return emap
+
         store.pass_last[layer] = np.unique(idx.reshape(-1, *idx.shape[-2:])[:, -1])
-        store.pass_layer_done(layer)
-        return out.reshape(*lead, k, -1)
+        return self._in_groups(x, idx, real, groups, read, slot_map, pool.inner(layer), double)
+
+    def _in_groups(self, x, idx, real, groups, read, slot_map, inner=None, ahead=True,
+                   pass_=True):
+        """mlx-lm's expert module (`inner`: over the pass pool's slots) on the
+        call's (token, expert) pairs, a group of experts at a time, double-buffered:
+        group i computes once its reads (`read(i)` -> (jobs, handle)) have landed,
+        the next group's reads running behind its arithmetic (`ahead`), or after
+        it where there is room for one group only; `slot_map(i, handle)`: expert ->
+        slot. The pairs are computed in pieces of at most an attention chunk's
+        pairs (the memory one call of a chunked prefill takes) and written into one
+        output buffer. Each pair's arithmetic is the same as in one call, so the
+        result is too. Pads (`real` False) get no pairs: their outputs stay zeros."""
+        k, flat = idx.shape[-1], idx.reshape(-1)
+        xs = x.reshape(-1, x.shape[-1])
+        real_pairs = None if real is None else np.repeat(real.reshape(-1), k)
+        piece = self._store.config.pass_piece_tokens * k
+        outputs = _PairOutputs(flat.size)
+        jobs, handle = read(0) if groups else ([], None)
+        for i, group in enumerate(groups):
+            self._store.cache.wait(jobs)
+            current, last = handle, i + 1 == len(groups)
+            if ahead and not last:
+                jobs, handle = read(i + 1)
+            emap, chosen = slot_map(i, current), np.isin(flat, group)
+            pairs = np.nonzero(chosen if real_pairs is None else chosen & real_pairs)[0]
+            for s in range(0, pairs.size, piece):
+                part = pairs[s : s + piece]
+                outputs.write(part, self._pair_outputs(xs, flat, k, emap, part, inner))
+            if not ahead and not last:
+                jobs, handle = read(i + 1)
+        out = outputs.array(x)
+        if pass_:
+            # A pass allocates arrays of many sizes; MLX keeps freed ones for reuse,
+            # which at a pass's sizes would hold memory the plan does not count.
+            mx.clear_cache()
+            self._store.pass_layer_done(self._layer)
+        return out.reshape(*idx.shape[:-1], k, -1)
 
 
 class _PairOutputs:

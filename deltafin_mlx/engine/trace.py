@@ -6,6 +6,7 @@ the input of the cache simulator (python -m bench.studies.simulate_cache). Only 
 
 import json
 import os
+from contextlib import ExitStack
 
 from deltafin_mlx.engine.runtime import runtime
 
@@ -17,8 +18,8 @@ class RoutingTrace:
         self.layers = state.store.layers
         self.pending = {}
         self.tok = 0
-        self._observing = state.observe(on_route=self.record)
-        self._observing.__enter__()
+        self._observing = ExitStack()
+        self._observing.enter_context(state.observe(on_route=self.record))
 
     def record(self, layer, idx):
         self.pending[layer] = idx[0].reshape(-1, idx.shape[-1])  # (positions, k)
@@ -33,7 +34,5 @@ class RoutingTrace:
         self.pending = {}
 
     def close(self):
-        try:
-            self._observing.__exit__(None, None, None)
-        finally:
-            self.file.close()
+        self._observing.close()  # the last tokens' routing is heard, then written
+        self.file.close()
