@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import urllib.request
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -93,13 +94,14 @@ def worker(args):
         d = runtime(model)
         record = d.manifest.experts["record_size"]
         unions = []
-        if args.record:
-            d.store.on_route = lambda layer, idx: unions.append(len(np.unique(idx)))
+        observing = (d.observe(on_route=lambda layer, idx: unions.append(len(np.unique(idx))))
+                     if args.record else nullcontext())
         reqs = [{"id": i, "prompt": f"Prompt {i}: tell me about item {i * 7 % 13}",
                  "max_tokens": args.tokens} for i in range(B)]
         b0, s0 = d.store.bytes_read, (d.stats.misses, d.stats.speculative_issued)
         t = time.perf_counter()
-        res = batch_generate(model, tok, reqs, raw=True, batch_size=B)
+        with observing:
+            res = batch_generate(model, tok, reqs, raw=True, batch_size=B)
         wall = time.perf_counter() - t
         tokens = sum(r["stats"]["generation_tokens"] for r in res)
         read = d.store.bytes_read - b0

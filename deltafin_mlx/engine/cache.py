@@ -202,10 +202,7 @@ class ExpertCache:
                     # Its warm read has not started, and guesses queue behind one
                     # another: read it now as a demand read (a miss), into its slot.
                     self.stats.misses += 1
-                    job = ReadJob(self.banks[layer], int(e),
-                                  self._targets(self.pool.slot_of(layer, e)), speculative=False)
-                    self.pending[key] = job
-                    jobs.append(self.reader.submit(job))
+                    jobs.append(self._read(layer, e, self.pool.slot_of(layer, e), False))
                     continue
             if key in self.pending:
                 jobs.append(self.pending[key])
@@ -233,21 +230,23 @@ class ExpertCache:
                     self._retire_speculation(keep=wanted, warm=True)
                     protected = wanted | set(self.pending) | set(keep)
                     slot = self.pool.place(layer, e, protected)
-            self._assign(key, slot)
-            job = ReadJob(self.banks[layer], int(e), self._targets(slot), speculative=False)
-            self.pending[key] = job
-            jobs.append(self.reader.submit(job))
+            jobs.append(self._read(layer, e, slot, False))
         return jobs
 
-    def guess_precision(self) -> float:
-        """How often reads ahead have been used so far (a prior of one in two)."""
-        return (self.stats.speculative_used + 1) / (self.stats.speculative_issued + 2)
+    def _read(self, layer: int, e, slot: int, speculative: bool) -> ReadJob:
+        """Start reading `layer`'s expert `e` into `slot`."""
+        key = self.key(layer, e)
+        self._assign(key, slot)
+        job = ReadJob(self.banks[layer], int(e), self._targets(slot), speculative=speculative)
+        self.pending[key] = job
+        return self.reader.submit(job)
 
-    def prefetch(self, layer: int, experts: np.ndarray, in_use: set, limit: int):
+    def prefetch(self, layer: int, experts: np.ndarray, in_use: set, limit: int,
+                 worth: float):
         """Queue speculative reads for `layer`'s predicted experts, never evicting
-        what the call in flight uses (`in_use`, keys) or reads are filling."""
+        what the call in flight uses (`in_use`, keys) or reads are filling;
+        `worth`: the chance a guess is right (streaming_moe.IORates.right)."""
         protected = set(self.pending) | in_use
-        worth = self.guess_precision()
         issued = 0
         for e in experts:
             if issued >= limit:
@@ -258,11 +257,8 @@ class ExpertCache:
             slot = self.pool.place(layer, e, protected, speculative=True, worth=worth)
             if slot is None:
                 continue
-            self._assign(key, slot)
-            job = ReadJob(self.banks[layer], int(e), self._targets(slot), speculative=True)
-            self.pending[key] = job
+            self._read(layer, e, slot, True)
             self.fresh_speculative.add(key)
-            self.reader.submit(job)
             protected.add(key)
             issued += 1
         self.stats.speculative_issued += issued
@@ -308,12 +304,9 @@ class ExpertCache:
                 continue  # its partition is full
             key = self.key(layer, e)
             protected.add(key)
-            self._assign(key, slot)
-            job = ReadJob(self.banks[layer], int(e), self._targets(slot), speculative=True)
-            self.pending[key] = job
+            self._read(layer, e, slot, True)
             self.warming.add(key)
             self._warm_order.setdefault(self._partition(layer), []).append(key)
-            self.reader.submit(job)
             issued += 1
         self.warm_issued += issued
         return issued
@@ -397,13 +390,8 @@ class ExpertCache:
         jobs = []
         for layer in self.layers:
             for e in range(self.num_experts):
-                key = self.key(layer, e)
                 if self.pool.slot_of(layer, e) is None:
-                    slot = self.pool.place(layer, e)
-                    self._assign(key, slot)
-                    job = ReadJob(self.banks[layer], e, self._targets(slot), speculative=False)
-                    self.pending[key] = job
-                    jobs.append(self.reader.submit(job))
+                    jobs.append(self._read(layer, e, self.pool.place(layer, e), False))
         for i, job in enumerate(jobs):
             job.done.wait()
             if progress is not None:

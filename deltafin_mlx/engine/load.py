@@ -29,7 +29,8 @@ from deltafin_mlx.engine.reader import Reader, open_bank
 from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
                     sharded_inventory)
 from deltafin_mlx.engine.hot_set import HotSet, hot_key
-from deltafin_mlx.engine.streaming_moe import ExpertStore, StreamingSwitchGLU, tap_moe_input
+from deltafin_mlx.engine.streaming_moe import (ExpertStore, StoreConfig, StreamingSwitchGLU,
+                                               tap_moe_input)
 from deltafin_mlx.engine.runtime import Runtime, attach
 from deltafin_mlx.engine.trunk_pass import PassTrunk
 from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
@@ -373,24 +374,20 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
         # Exact on MLX's CPU backend (a pair's result does not depend on the rest
         # of the call); on a GPU, kernels chosen by batch size could differ.
         pipeline = mx.default_device() == mx.cpu
-    store = ExpertStore(cache, reader, stats, manifest.experts["experts_per_token"], o.lookahead,
-                        pipeline)
-    store.pass_piece_tokens = plan.prefill_step
-    store.pass_slots = plan.pass_slots
-    store.release_above = plan.pass_kept_tokens
     originals = {}  # layer -> mlx-lm's own expert module, whose class and settings run
-    store.make_inner = lambda layer, arrays, slots: switch_over_slots(
-        arrays, slots, quant, originals[layer])
+
+    def make_inner(layer, arrays, slots):
+        return switch_over_slots(arrays, slots, quant, originals[layer])
+
+    streaming_switches, moe_blocks = {}, {}
     for layer in manifest.moe_layers:
         sp = manifest.switch_path(layer)
-        original = get_module(model, sp)
-        originals[layer] = original
-        inner = store.make_inner(layer, *cache.arrays_of(layer))
-        streaming = StreamingSwitchGLU(layer, store, inner)
-        store.switches[layer] = streaming
+        originals[layer] = get_module(model, sp)
+        streaming = StreamingSwitchGLU(layer, make_inner(layer, *cache.arrays_of(layer)))
+        streaming_switches[layer] = streaming
         set_module(model, sp, streaming)
         moe = get_module(model, sp.rpartition(".")[0])
-        store.moe_blocks[layer] = moe
+        moe_blocks[layer] = moe
         tap_moe_input(moe, streaming)
 
     # The quantized classes, minus the experts (their config entries now point at
@@ -398,7 +395,6 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     quantize_like_config(model, config)
     check_against_manifest(model, config, manifest, switches)
     paths = layer_paths(model)
-    store.final_layer = len(paths) - 1
     streamed = sorted(int(k) for k in plan.streamed)
     prefixes = tuple(paths[i] + "." for i in streamed)
     embed = find_path(model, "embed_tokens") if plan.embed_on_demand else None
@@ -416,9 +412,14 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     if streamed:
         trunk = TrunkStreamer(model, manifest, dict(enumerate(paths)), streamed,
                               activation_dtype)
+    trunk_pass = None
     if plan.pass_trunk:
-        store.trunk_pass = PassTrunk(model, manifest, dict(enumerate(paths)),
-                                     [int(k) for k in plan.pass_trunk], activation_dtype)
+        trunk_pass = PassTrunk(model, manifest, dict(enumerate(paths)),
+                               [int(k) for k in plan.pass_trunk], activation_dtype)
+    store_config = StoreConfig(manifest.experts["experts_per_token"], o.lookahead, pipeline,
+                               pass_piece_tokens=plan.prefill_step, pass_slots=plan.pass_slots,
+                               release_above=plan.pass_kept_tokens, final_layer=len(paths) - 1)
+    store = ExpertStore(cache, store_config, streaming_switches, moe_blocks, make_inner, trunk_pass)
     # A prefill pass goes through each layer whole; attention takes it in chunks.
     for p in paths:
         layer = get_module(model, p)

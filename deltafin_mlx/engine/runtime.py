@@ -5,6 +5,7 @@
 accessor, so nothing outside the engine depends on where it is kept.
 """
 
+from contextlib import contextmanager
 from typing import Optional
 
 from deltafin_mlx.engine.streaming_moe import ExpertStore
@@ -52,6 +53,32 @@ class Runtime:
     def cache(self):
         return self.store.cache
 
+    def observe(self, on_route=None, on_pass_layer=None):
+        """A `with` block within which `on_route(layer, routing (numpy, (..., k)))`
+        hears each MoE layer call and `on_pass_layer(MoE layers done, of)` each MoE
+        layer a pass finishes; observing changes nothing computed or read."""
+        return self.store.observe(on_route, on_pass_layer)
+
+    @contextmanager
+    def real_tokens(self, real):
+        """A `with` block within which a call of (rows, positions) of `real`'s shape
+        (a scoring pass's right-padded rows) routes only `real`'s positions."""
+        previous, self.store.token_mask = self.store.token_mask, real
+        try:
+            yield
+        finally:
+            self.store.token_mask = previous
+
+    def hint_logits_unread(self, unread: bool):
+        """Nobody reads the next call's logits (ExpertStore.logits_unread): until False."""
+        self.store.logits_unread = bool(unread)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     @property
     def is_primary(self) -> bool:
         """Rank 0 under mlx.launch (or the only process): the one that reports."""
@@ -85,7 +112,8 @@ def find_runtime(model) -> Optional[Runtime]:
 
 def runtime(model) -> Runtime:
     """The runtime state of a model `deltafin_mlx.load` returned: `.stats`
-    (counters), `.plan` (the memory plan), `.cache`, `.store`, `.close()`."""
+    (counters), `.plan` (the memory plan), `.cache`, `.store`, `.observe(...)`,
+    `.close()`; as a `with` block it closes on exit."""
     state = find_runtime(model)
     if state is None:
         raise TypeError(f"{type(model).__name__} was not loaded by deltafin_mlx.load")

@@ -30,7 +30,9 @@ on it (a disk that banks idle time as credit serves single reads fast).
 """
 
 import time
-from typing import Dict, Optional
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,49 +44,99 @@ from deltafin_mlx.format.dtypes import to_numpy
 from deltafin_mlx.engine.reader import Reader, ReadJob
 
 
-class ExpertStore:
-    """The expert cache, the reader it uses, the counters, and lookahead wiring."""
+@dataclass(frozen=True)
+class StoreConfig:
+    """How an expert store runs, fixed at load (from the options and the plan)."""
 
-    def __init__(self, cache: ExpertCache, reader: Reader, stats: CacheStats,
-                 experts_per_token: int, lookahead: bool, pipeline: bool = True):
-        self.cache = cache
-        self.reader = reader
-        self.stats = stats
-        self.k = experts_per_token
-        self.lookahead = lookahead
-        self.pipeline = pipeline
+    experts_per_token: int
+    lookahead: bool
+    pipeline: bool = True
+    # A prefill pass's pairs are computed in pieces of this many tokens' pairs
+    # (the plan's attention chunk: what one call of a chunked prefill held).
+    pass_piece_tokens: int = 512
+    pass_slots: int = 0  # the pass pool's slots (engine/pass_pool.py); 0: the cache's
+    release_above: int = 0  # a pass of more tokens than this gives the cache back
+    final_layer: Optional[int] = None  # the last decoder layer (`logits_unread`)
+
+
+class ExpertStore:
+    """The expert cache, the reader it uses, the counters, and lookahead wiring.
+    What changes per call is set only by the engine (`observe`, Runtime's
+    `real_tokens` and `hint_logits_unread`)."""
+
+    def __init__(self, cache: ExpertCache, config: StoreConfig,
+                 switches: Dict[int, "StreamingSwitchGLU"], moe_blocks: Dict[int, nn.Module],
+                 make_inner: Callable, trunk_pass=None):
+        self.cache, self.reader, self.stats = cache, cache.reader, cache.stats
+        self.config = config
         self.layers = cache.layers
         self.next_layer = {a: b for a, b in zip(self.layers, self.layers[1:])}
-        self.moe_blocks: Dict[int, nn.Module] = {}  # layer -> the block owning the router
-        self.on_route = None  # optional callback(layer, indices), e.g. a RoutingTrace
+        self.moe_blocks = moe_blocks  # layer -> the block owning the router
+        self.switches = switches  # layer -> its streaming module
+        for switch in switches.values():
+            switch._store = self
+        self.make_inner = make_inner  # (layer, slot arrays, slots) -> mlx-lm's SwitchGLU over them
+        self.trunk_pass = trunk_pass  # the pinned trunk layers a pass streams (PassTrunk)
         self.rates = IORates()
-        # A prefill pass's pairs are computed in pieces of this many tokens' pairs
-        # (the plan's attention chunk: what one call of a chunked prefill held).
-        self.pass_piece_tokens = 512
-        self.on_pass_layer = None  # optional callback(MoE layers done, MoE layers) in a pass
-        # A scoring pass's rows are right-padded texts: this (rows, positions) bool
-        # array says which positions are real tokens. Pads route nowhere (no expert
-        # is read for them) and their expert outputs are zeros; causal attention
-        # keeps them out of every real token's result.
-        self.token_mask = None
-        # Passes with the cache given back (engine/pass_pool.py): set by `load`.
-        self.make_inner = None  # (layer, slot arrays, slots) -> mlx-lm's SwitchGLU over them
-        self.switches: Dict[int, "StreamingSwitchGLU"] = {}  # layer -> its streaming module
-        self.pass_slots = 0  # the pass pool's slots; 0: passes run in the cache's slots
-        self.release_above = 0  # a pass of more tokens than this gives the cache back
         self.pass_pool: Optional[PassPool] = None  # while a pass runs
         self.resuming = False  # end_pass started and was stopped before it finished
-        # The pinned trunk layers such a pass streams (engine/trunk_pass.PassTrunk).
-        self.trunk_pass = None
         # layer -> the experts the pass's last position routed to (each row's), the
         # cache's first guesses when decoding resumes.
         self.pass_last: Dict[int, np.ndarray] = {}
+        self._route_observers, self._layer_observers = [], []  # `observe`
+        self._lazy_routes = []  # per lazy call, [(layer, its routing, maybe unevaluated)]
+        # A scoring pass's rows are right-padded texts: this (rows, positions) bool
+        # array says which positions are real tokens (Runtime.real_tokens). Pads route
+        # nowhere (no expert is read for them) and their expert outputs are zeros;
+        # causal attention keeps them out of every real token's result.
+        self.token_mask = None
         # The last decoder layer's MoE output reaches only the logits. When the
         # caller says nothing reads the next call's logits (mlx-lm's prefill
         # chunks, generation/stream.unread_logits_hint), that layer's experts are
         # neither read nor computed, as mlx-lm's lazy graph never computes them.
-        self.final_layer: Optional[int] = None  # set by `load`
         self.logits_unread = False
+
+    @contextmanager
+    def observe(self, on_route=None, on_pass_layer=None):
+        """Runtime.observe. A lazy call (every expert resident) stays lazy: its
+        routing is reported once evaluated (`report_route`)."""
+        added = [(hooks, f) for hooks, f in ((self._route_observers, on_route),
+                                             (self._layer_observers, on_pass_layer)) if f]
+        for hooks, f in added:
+            hooks.append(f)
+        try:
+            yield self
+            self._report_lazy_routes()
+        finally:
+            for hooks, f in added:
+                hooks.remove(f)
+            if not self._route_observers:
+                self._lazy_routes = []
+
+    def report_route(self, layer: int, routing, lazy: bool = False):
+        """Tell the route observers a call's routing, or a `lazy` call's once the
+        caller has evaluated it (no evaluation, no wait added): when the call after
+        next starts (mlx-lm builds a step as the last one computes) or `observe` ends."""
+        if not self._route_observers:
+            return
+        if not lazy:
+            self._report_lazy_routes()
+            for hook in list(self._route_observers):
+                hook(layer, routing)
+            return
+        if not self._lazy_routes or layer <= self._lazy_routes[-1][-1][0]:  # a new call
+            self._report_lazy_routes(keep=1)
+            self._lazy_routes.append([])
+        self._lazy_routes[-1].append((layer, routing))
+
+    def _report_lazy_routes(self, keep: int = 0):
+        """Report the lazy calls' routing, all but the last `keep` calls'."""
+        done = self._lazy_routes[: max(len(self._lazy_routes) - keep, 0)]
+        self._lazy_routes = self._lazy_routes[len(done):]
+        for layer, indices in (route for call in done for route in call):
+            routing = np.array(indices).astype(np.int64)
+            for hook in list(self._route_observers):
+                hook(layer, routing)
 
     def real_routing(self, idx: np.ndarray):
         """(mask, routing) of a call's real tokens: `token_mask` where it fits the
@@ -95,9 +147,9 @@ class ExpertStore:
         return real, idx[real][None]
 
     def pass_layer_done(self, layer: int):
-        """Report that a pass is done with `layer` (on_pass_layer), if anyone listens."""
-        if self.on_pass_layer is not None:
-            self.on_pass_layer(self.layers.index(layer) + 1, len(self.layers))
+        """Report that a pass is done with `layer` to the `observe` blocks' listeners."""
+        for hook in list(self._layer_observers):
+            hook(self.layers.index(layer) + 1, len(self.layers))
 
     @property
     def bytes_read(self) -> int:
@@ -112,8 +164,8 @@ class ExpertStore:
         the cache's experts then serve it and the decoding after it)."""
         if self.resuming:
             self.end_pass()
-        if (self.pass_pool is not None or not self.pass_slots or self.cache.all_resident
-                or tokens <= self.release_above):
+        if (self.pass_pool is not None or not self.config.pass_slots
+                or self.cache.all_resident or tokens <= self.config.release_above):
             return
         self.cache.release()
         self.pass_last = {}
@@ -123,7 +175,7 @@ class ExpertStore:
             self.trunk_pass.release()
         mx.clear_cache()  # the freed arrays leave MLX's buffer cache too
         layout = self.cache.banks[self.layers[0]].layout
-        self.pass_pool = PassPool(layout.held_sections, self.pass_slots,
+        self.pass_pool = PassPool(layout.held_sections, self.config.pass_slots,
                                   self.cache.activation_dtype, self.make_inner)
 
     def end_pass(self):
@@ -261,8 +313,10 @@ class IORates:
 
 
 def predict_experts(moe: nn.Module, h: mx.array, k: int) -> Optional[mx.array]:
-    """The experts `moe`'s router would pick for hidden state `h` (lazy)."""
-    gate = getattr(moe, "gate", None)
+    """The experts `moe`'s router (`gate`, gpt-oss's `router`) would pick for
+    hidden state `h` (lazy)."""
+    gate = next((g for g in (getattr(moe, n, None) for n in ("gate", "router")) if g is not None),
+                None)
     if gate is None:
         return None
     out = gate(h)
@@ -278,32 +332,34 @@ def predict_experts(moe: nn.Module, h: mx.array, k: int) -> Optional[mx.array]:
 class StreamingSwitchGLU(nn.Module):
     """Drop-in for mlx-lm's SwitchGLU or SwitchMLP: `(x, indices) -> (..., k, D)`."""
 
-    def __init__(self, layer: int, store: ExpertStore, inner):
+    def __init__(self, layer: int, inner):
         super().__init__()
         self._layer = layer
-        self._store = store
+        self._store: Optional[ExpertStore] = None  # the store it is made for binds it
         self._inner = inner  # mlx-lm's expert module over the shared slot arrays
         self._moe_input = None  # set by the MoE block's tap, for lookahead
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         store, cache, layer = self._store, self._store.cache, self._layer
+        config = store.config
         # A call of more than one token per sequence is a prefill pass (decoding,
         # even a batch's, is one token per sequence).
         per_sequence = indices.shape[-2] if indices.ndim >= 3 else indices.size // max(
             indices.shape[-1], 1)
         long_call = per_sequence > 1
-        if long_call and store.logits_unread and layer == store.final_layer:
+        if long_call and store.logits_unread and layer == config.final_layer:
             return self._unread(x, indices)
         if long_call:
             store.begin_pass(indices.size // max(indices.shape[-1], 1))
         elif store.pass_pool is not None or store.resuming:
             store.end_pass()
-        if cache.all_resident and store.on_route is None and store.token_mask is None:
+        if cache.all_resident and store.token_mask is None:
             # Every expert is in memory: map ids to slots lazily, like mlx-lm
             # would index its stacked tensor, with no evaluation here. Left lazy, a
             # prefill pass's last MoE layer is never computed, as in mlx-lm (only
             # the caches are evaluated; nothing reads that layer's output).
             self._moe_input = None
+            store.report_route(layer, indices, lazy=True)
             store.stats.hits += indices.size
             slots = cache.slot_maps[layer][indices]
             if not long_call or indices.ndim < 3:
@@ -314,9 +370,10 @@ class StreamingSwitchGLU(nn.Module):
         store.rates.tick(store.reader, store.stats)
         # A pass's guesses would be most of the next layer's experts, which that
         # layer reads once anyway.
-        if (store.lookahead and nxt is not None and self._moe_input is not None
+        if (config.lookahead and nxt is not None and self._moe_input is not None
                 and not long_call and store.rates.guesses_pay()):
-            predicted = predict_experts(store.moe_blocks[nxt], self._moe_input, store.k)
+            predicted = predict_experts(store.moe_blocks[nxt], self._moe_input,
+                                        config.experts_per_token)
         self._moe_input = None
         mx.eval(indices, predicted) if predicted is not None else mx.eval(indices)
         idx = np.array(indices).astype(np.int64)
@@ -325,8 +382,7 @@ class StreamingSwitchGLU(nn.Module):
             raise ValueError(f"layer {layer}: router chose an expert out of range")
         needed = np.unique(routed)
         tokens = routed.size // routed.shape[-1]
-        if store.on_route is not None:
-            store.on_route(layer, routed)
+        store.report_route(layer, routed)
 
         if store.pass_pool is not None:
             return self._pass(x, idx, needed, real)
@@ -340,22 +396,19 @@ class StreamingSwitchGLU(nn.Module):
             limit = cache.pool.capacity_of(nxt)
             if not cache.pool.partitioned:
                 limit -= needed.size
-            cache.prefetch(nxt, _by_votes(np.array(predicted)), in_use, limit=limit)
-        if jobs and store.pipeline:
+            cache.prefetch(nxt, _by_votes(np.array(predicted)), in_use, limit=limit,
+                           worth=store.rates.right)
+        if jobs and config.pipeline:
             return self._pipelined(cache, x, idx, needed, jobs)
         cache.wait(jobs)
-        emap = np.zeros(cache.num_experts, dtype=np.int64)
-        emap[needed] = cache.slots_of(layer, needed)
-        return self._inner(x, mx.array(emap[idx].astype(np.uint32)))
+        return self._inner(x, mx.array(self._slot_map(cache, needed)[idx].astype(np.uint32)))
 
     def _unread(self, x, indices) -> mx.array:
         """The last layer's MoE output of a call whose logits nobody reads: zeros,
         with nothing read or computed (its routing is still reported)."""
         store = self._store
         self._moe_input = None
-        if store.on_route is not None:
-            _, routed = store.real_routing(np.array(indices).astype(np.int64))
-            store.on_route(self._layer, routed)
+        store.report_route(self._layer, indices, lazy=True)  # never scoring's (no hint)
         store.pass_layer_done(self._layer)
         return mx.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
 
@@ -364,7 +417,7 @@ class StreamingSwitchGLU(nn.Module):
         `pass_piece_tokens` positions, joined, all lazy (each piece's intermediates
         are freed once its output is computed). Each row's arithmetic is the same as
         in one call, so the result is too."""
-        step, n = self._store.pass_piece_tokens, slots.shape[-2]
+        step, n = self._store.config.pass_piece_tokens, slots.shape[-2]
         if n <= step:
             return self._inner(x, slots)
         outs = [self._inner(x[..., s : s + step, :], slots[..., s : s + step, :])
@@ -427,97 +480,83 @@ class StreamingSwitchGLU(nn.Module):
                  routed=None, real=None):
         """A prefill pass (more than one token per sequence), or a call needing more
         distinct experts than the layer has slots (a big batch): every expert the
-        call routes to is read at most once, in groups that fit the layer's slots,
-        each group's reads running while the previous group computes. Held experts
-        go first (computed before any read can evict them). The (token, expert)
-        pairs are computed in pieces of at most an attention chunk's pairs (the
-        memory one call of a chunked prefill takes) and written into one output
-        buffer. Each pair's arithmetic is the same as in one call, so the result is
-        too. Pads (`real` False) get no pairs: their outputs stay zeros."""
-        layer, k = self._layer, idx.shape[-1]
-        lead, flat = idx.shape[:-1], idx.reshape(-1)
-        xs = x.reshape(-1, x.shape[-1])
-        real_pairs = None if real is None else np.repeat(real.reshape(-1), k)
+        call routes to is read at most once, in groups that fit the layer's slots
+        (`_in_groups`). Held experts go first (computed before any read can evict
+        them)."""
+        layer = self._layer
         held = np.array([cache.pool.slot_of(layer, e) is not None for e in needed], dtype=bool)
         order = _read_order(needed, held, idx if routed is None else routed)
         misses = int((~held).sum())
         size = room if not misses else max(1, min(room // 2, -(-order.size // 2)))
         groups = [order[s : s + size] for s in range(0, order.size, size)]
-        piece = self._store.pass_piece_tokens * k
-        outputs = _PairOutputs(flat.size)
-        jobs = cache.request(layer, groups[0], tokens)
-        for i, group in enumerate(groups):
-            cache.wait(jobs)
-            if i + 1 < len(groups):  # the next group's reads, behind this group's arithmetic
-                keep = {cache.key(layer, e) for e in group}
-                jobs = cache.request(layer, groups[i + 1], 0, keep=keep)
-            self._group_pairs(outputs, xs, flat, k, self._slot_map(cache, group), group,
-                              real_pairs, piece)
-        if prefill:
-            # A pass allocates arrays of many sizes; MLX keeps freed ones for reuse,
-            # which at a pass's sizes would hold memory the plan does not count.
-            mx.clear_cache()
-            self._store.pass_layer_done(layer)
-        return outputs.array(x).reshape(*lead, k, -1)
 
-    def _group_pairs(self, outputs, xs, flat, k, emap, group, real_pairs, piece, inner=None):
-        """The outputs of the real pairs whose expert is in `group`, computed in
-        pieces of `piece` pairs and written into `outputs`."""
-        chosen = np.isin(flat, group)
-        pairs = np.nonzero(chosen if real_pairs is None else chosen & real_pairs)[0]
-        for s in range(0, pairs.size, piece):
-            part = pairs[s : s + piece]
-            outputs.write(part, self._pair_outputs(xs, flat, k, emap, part, inner))
+        def read(i):  # never evicting the group computing meanwhile
+            keep = {cache.key(layer, e) for e in groups[i - 1]} if i else ()
+            return cache.request(layer, groups[i], 0 if i else tokens, keep=keep), None
+
+        return self._in_groups(x, idx, real, groups, read,
+                               lambda i, _: self._slot_map(cache, groups[i]), pass_=prefill)
 
     def _pass(self, x, idx, needed, real):
         """A pass's MoE layer with the cache given back (ExpertStore.begin_pass):
         each expert its real tokens route to is read once into the pass pool, half
-        of the pool at a time, the next half's reads running while this half's
-        pairs compute (in pieces of an attention chunk's pairs, into one output
-        buffer). Each pair's arithmetic is the same as in one call, so the result
-        is too. Pads (`real` False) get no pairs: their outputs stay zeros."""
-        store, layer, k = self._store, self._layer, idx.shape[-1]
+        of the pool at a time (`_in_groups`)."""
+        store, layer = self._store, self._layer
         pool, bank, stats = store.pass_pool, store.cache.banks[layer], store.stats
-        lead, flat = idx.shape[:-1], idx.reshape(-1)
-        xs = x.reshape(-1, x.shape[-1])
-        real_pairs = None if real is None else np.repeat(real.reshape(-1), k)
         half = max(1, pool.slots // 2)
         groups = [needed[s : s + half] for s in range(0, needed.size, half)]
-        inner = pool.inner(layer)
+        double = pool.slots >= 2 * half
 
         def read(i):  # group i into its half of the pool (the only half with one slot)
-            first = (i % 2) * half if pool.slots >= 2 * half else 0
+            first = (i % 2) * half if double else 0
             stats.misses += groups[i].size
             return [store.reader.submit(ReadJob(bank, int(e), pool.targets(first + j), False))
                     for j, e in enumerate(groups[i])], first
 
-        def wait(jobs):
-            start = time.perf_counter()
-            for job in jobs:
-                job.done.wait()
-            stats.stall_seconds += time.perf_counter() - start
-            for job in jobs:
-                if job.error is not None:
-                    raise job.error
-
-        piece = store.pass_piece_tokens * k
-        outputs = _PairOutputs(flat.size)
-        jobs, first = read(0)
-        double = pool.slots >= 2 * half
-        for i, group in enumerate(groups):
-            wait(jobs)
+        def slot_map(i, first):
             emap = np.zeros(store.cache.num_experts, dtype=np.int64)
-            emap[group] = first + np.arange(group.size)
-            if double and i + 1 < len(groups):  # the next group's reads, behind this one's pairs
-                jobs, first = read(i + 1)
-            self._group_pairs(outputs, xs, flat, k, emap, group, real_pairs, piece, inner)
-            if not double and i + 1 < len(groups):
-                jobs, first = read(i + 1)
-        out = outputs.array(x)
-        mx.clear_cache()  # as `_grouped`: a pass's many array sizes are not kept for reuse
+            emap[groups[i]] = first + np.arange(groups[i].size)
+            return emap
+
         store.pass_last[layer] = np.unique(idx.reshape(-1, *idx.shape[-2:])[:, -1])
-        store.pass_layer_done(layer)
-        return out.reshape(*lead, k, -1)
+        return self._in_groups(x, idx, real, groups, read, slot_map, pool.inner(layer), double)
+
+    def _in_groups(self, x, idx, real, groups, read, slot_map, inner=None, ahead=True,
+                   pass_=True):
+        """mlx-lm's expert module (`inner`: over the pass pool's slots) on the
+        call's (token, expert) pairs, a group of experts at a time, double-buffered:
+        group i computes once its reads (`read(i)` -> (jobs, handle)) have landed,
+        the next group's reads running behind its arithmetic (`ahead`), or after
+        it where there is room for one group only; `slot_map(i, handle)`: expert ->
+        slot. The pairs are computed in pieces of at most an attention chunk's
+        pairs (the memory one call of a chunked prefill takes) and written into one
+        output buffer. Each pair's arithmetic is the same as in one call, so the
+        result is too. Pads (`real` False) get no pairs: their outputs stay zeros."""
+        k, flat = idx.shape[-1], idx.reshape(-1)
+        xs = x.reshape(-1, x.shape[-1])
+        real_pairs = None if real is None else np.repeat(real.reshape(-1), k)
+        piece = self._store.config.pass_piece_tokens * k
+        outputs = _PairOutputs(flat.size)
+        jobs, handle = read(0) if groups else ([], None)
+        for i, group in enumerate(groups):
+            self._store.cache.wait(jobs)
+            current, last = handle, i + 1 == len(groups)
+            if ahead and not last:
+                jobs, handle = read(i + 1)
+            emap, chosen = slot_map(i, current), np.isin(flat, group)
+            pairs = np.nonzero(chosen if real_pairs is None else chosen & real_pairs)[0]
+            for s in range(0, pairs.size, piece):
+                part = pairs[s : s + piece]
+                outputs.write(part, self._pair_outputs(xs, flat, k, emap, part, inner))
+            if not ahead and not last:
+                jobs, handle = read(i + 1)
+        out = outputs.array(x)
+        if pass_:
+            # A pass allocates arrays of many sizes; MLX keeps freed ones for reuse,
+            # which at a pass's sizes would hold memory the plan does not count.
+            mx.clear_cache()
+            self._store.pass_layer_done(self._layer)
+        return out.reshape(*idx.shape[:-1], k, -1)
 
 
 class _PairOutputs:

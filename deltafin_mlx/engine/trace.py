@@ -6,18 +6,20 @@ the input of the cache simulator (python -m bench.studies.simulate_cache). Only 
 
 import json
 import os
+from contextlib import ExitStack
 
 from deltafin_mlx.engine.runtime import runtime
 
 
 class RoutingTrace:
     def __init__(self, model, path):
-        self.store = runtime(model).store
+        state = runtime(model)
         self.file = open(os.path.expanduser(path), "w")
-        self.layers = self.store.layers
+        self.layers = state.store.layers
         self.pending = {}
         self.tok = 0
-        self.store.on_route = self.record
+        self._observing = ExitStack()
+        self._observing.enter_context(state.observe(on_route=self.record))
 
     def record(self, layer, idx):
         self.pending[layer] = idx[0].reshape(-1, idx.shape[-1])  # (positions, k)
@@ -32,5 +34,5 @@ class RoutingTrace:
         self.pending = {}
 
     def close(self):
-        self.store.on_route = None
+        self._observing.close()  # the last tokens' routing is heard, then written
         self.file.close()

@@ -2,6 +2,7 @@
 `stream_generate`, so sampling, caches and detokenization are mlx-lm's."""
 
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence, Union
 
@@ -256,19 +257,17 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tok
     layers = getattr(progress, "layer", None) if state is not None else None
     if layers is not None:  # a long prefill shows the layer each pass is at
         progress.pass_tokens = kwargs["prefill_step_size"]
-        state.store.on_pass_layer = layers
     kwargs["prompt_progress_callback"] = unread_logits_hint(model, progress)
     try:
-        for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                        sampler=sampler, **kwargs):
-            meter.first_token()
-            r.deltafin = meter.now(r.generation_tokens, r.prompt_tokens)
-            yield r
+        with state.observe(on_pass_layer=layers) if state is not None else nullcontext():
+            for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                            sampler=sampler, **kwargs):
+                meter.first_token()
+                r.deltafin = meter.now(r.generation_tokens, r.prompt_tokens)
+                yield r
     finally:
         if state is not None:
-            state.store.logits_unread = False
-        if layers is not None:
-            state.store.on_pass_layer = None
+            state.hint_logits_unread(False)
 
 
 def hint_prompt_batches():
@@ -278,7 +277,7 @@ def hint_prompt_batches():
     def set_unread(model, unread: bool):
         state = find_runtime(model)
         if state is not None:
-            state.store.logits_unread = unread
+            state.hint_logits_unread(unread)
 
     unread_logits_in_prompt_batches(set_unread)
 
@@ -300,7 +299,7 @@ def hinted_stream_generate(stream_generate):
         try:
             yield from stream_generate(*args, **kwargs)
         finally:
-            state.store.logits_unread = False
+            state.hint_logits_unread(False)
 
     return generate
 
@@ -309,7 +308,7 @@ def unread_logits_hint(model, callback=None):
     """A prompt_progress_callback for mlx-lm's `generate_step` over `model`: calls
     `callback`, then tells the engine whether the model's next call is a prefill
     chunk whose logits mlx-lm never reads (compat.prefill_chunk_follows), so that
-    the last layer's MoE block is not computed for it (ExpertStore.logits_unread),
+    the last layer's MoE block is not computed for it (Runtime.hint_logits_unread),
     as mlx-lm's own lazy prefill never computes it. The caller clears the hint
     when generation ends or fails."""
     state = find_runtime(model)
@@ -317,10 +316,10 @@ def unread_logits_hint(model, callback=None):
         return callback
 
     def on_progress(processed, total):
-        state.store.logits_unread = False
+        state.hint_logits_unread(False)
         if callback is not None:
             callback(processed, total)
-        state.store.logits_unread = prefill_chunk_follows(processed, total)
+        state.hint_logits_unread(prefill_chunk_follows(processed, total))
 
     return on_progress
 

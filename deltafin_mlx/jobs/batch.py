@@ -22,6 +22,7 @@ import secrets
 import sys
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
@@ -349,16 +350,14 @@ def run_job(model, tokenizer, job: Job, opts: BatchOptions,
     progress = Progress(len(job.requests), job.skipped, show, outcome)
     meter = StatsMeter(model)
     state = find_runtime(model) if show else None
-    if state is not None:  # prefill steps report their layers
-        state.store.on_pass_layer = progress.layer
+    layers = state.observe(on_pass_layer=progress.layer) if state is not None else nullcontext()
     try:
-        progress.step(0)  # shown from the start, before the first step returns
-        for result in iter_batch(model, tokenizer, job.todo, opts, progress):
-            job.results.write(result)
-            progress.finished(result)
+        with layers:  # prefill steps report their layers
+            progress.step(0)  # shown from the start, before the first step returns
+            for result in iter_batch(model, tokenizer, job.todo, opts, progress):
+                job.results.write(result)
+                progress.finished(result)
     finally:
-        if state is not None:
-            state.store.on_pass_layer = None
         progress.close()
     s = meter.now(progress.tokens)
     return {"requests": len(job.requests), "skipped": job.skipped,

@@ -5,13 +5,14 @@ The texts go in as a batch of right-padded rows with a causal mask, so no real
 token sees a pad and each row's arithmetic is the row's alone. The model's decoder
 stack runs once for the whole pass: every MoE layer routes all its real tokens at
 once and reads each expert they use once (the streaming module is told which
-positions are pads: `ExpertStore.token_mask`), and attention takes the rows in
+positions are pads: `Runtime.real_tokens`), and attention takes the rows in
 groups (engine/chunked_attention), or, for texts longer than an attention chunk,
 each row in chunks over a cache kept only for this call. The final hidden states
 of the scored positions then go through the head a block of rows at a time
 (score/logprobs.py), so vocab x tokens logits never sit in memory whole.
 """
 
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -48,24 +49,20 @@ class Scored:
 
 class RouteUnion:
     """Per MoE layer, the distinct experts a pass's real tokens route to (the
-    union bound on what it may read), through the expert store's `on_route` hook."""
+    union bound on what it may read), heard as an observer of the routing
+    (Runtime.observe)."""
 
-    def __init__(self, store):
-        self.store, self.previous = store, store.on_route
+    def __init__(self, state):
+        self.banks = state.store.cache.banks
         self.experts = {}
-        store.on_route = self
+        self.observing = state.observe(on_route=self)
 
     def __call__(self, layer, routed):
         self.experts.setdefault(layer, set()).update(np.unique(routed).tolist())
-        if self.previous is not None:
-            self.previous(layer, routed)
 
     def bytes(self) -> int:
-        banks = self.store.cache.banks
-        return sum(len(e) * banks[layer].layout.record_size for layer, e in self.experts.items())
-
-    def close(self):
-        self.store.on_route = self.previous
+        return sum(len(e) * self.banks[layer].layout.record_size
+                   for layer, e in self.experts.items())
 
 
 @dataclass
@@ -155,7 +152,7 @@ def run_pass(model, items: Sequence[ScoreItem], top_k: int, logit_rows: int,
         real[r, : len(it.tokens)] = True
     state = find_runtime(model)
     store = state.store if state is not None else None
-    union = RouteUnion(store) if store is not None else None
+    union = RouteUnion(state) if store is not None else None
     read0 = store.bytes_read if store is not None else 0
     body, head = body_and_head(model)
     # Texts within one attention call need no cache; longer ones go through each
@@ -163,17 +160,13 @@ def run_pass(model, items: Sequence[ScoreItem], top_k: int, logit_rows: int,
     # this call.
     group = attention_tokens or attention_step
     cache = make_prompt_cache(model) if longest > group else None
-    try:
-        if store is not None:
-            store.token_mask = real
+    with ExitStack() as scope:
+        if state is not None:
+            scope.enter_context(state.real_tokens(real))
+            scope.enter_context(union.observing)
         with row_tokens(model, group):
             hidden = body(mx.array(inputs), cache)
             mx.eval(hidden)
-    finally:
-        if store is not None:
-            store.token_mask = None
-        if union is not None:
-            union.close()
     del cache
     # Position p is predicted by the hidden state at p - 1.
     where, targets = [], []
@@ -214,14 +207,11 @@ def run_long(model, item: ScoreItem, top_k: int, logit_rows: int, segment: int,
     cache = make_prompt_cache(model)
     parts, stats = [], PassStats(0, 0, 0, 0, passes=0)
     for start, end in chunk_bounds(len(tokens), segment):
-        union = RouteUnion(store) if store is not None else None
+        union = RouteUnion(state) if store is not None else None
         read0 = store.bytes_read if store is not None else 0
-        try:
+        with union.observing if union is not None else nullcontext():
             hidden = body(mx.array(tokens[None, start:end].astype(np.int32)), cache)
             mx.eval(hidden, [c.state for c in cache])
-        finally:
-            if union is not None:
-                union.close()
         mine = (scored > start) & (scored <= end)
         pos = scored[mine]
         asked = None if at_ids is None else at_ids[mine]

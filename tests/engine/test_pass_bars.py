@@ -44,15 +44,14 @@ def test_a_prompt_of_one_pass_at_40mb_reads_at_most_1_1x_its_union(wide_experts)
         if idx.shape[-2] > 1:
             last[layer] = {int(e) for e in idx[..., -1, :].reshape(-1)}
 
-    store.on_route = route
-    store.on_pass_layer = lambda done, layers: during.append(
-        (cache.released, cache.chunk_arrays, store.pass_pool.slots))
     prompt = mx.array(np.random.default_rng(0).integers(1, 380, (1, n)).astype(np.int32))
     kv = make_prompt_cache(model)
     before = store.bytes_read
-    mx.eval(model(prompt[:, :-1], cache=kv))  # one pass: every prompt token but the last
-    assert during and all(r and a == [] and s == plan.pass_slots for r, a, s in during)
-    mx.eval(model(prompt[:, -1:], cache=kv))  # the last token: decode takes the cache back
+    with state.observe(on_route=route, on_pass_layer=lambda done, layers: during.append(
+            (cache.released, cache.chunk_arrays, store.pass_pool.slots))):
+        mx.eval(model(prompt[:, :-1], cache=kv))  # one pass: every prompt token but the last
+        assert during and all(r and a == [] and s == plan.pass_slots for r, a, s in during)
+        mx.eval(model(prompt[:, -1:], cache=kv))  # the last token: decode takes the cache back
     assert not cache.released and store.pass_pool is None
     # ... its first guesses the experts the pass's last position routed to.
     cache.drain()

@@ -81,11 +81,11 @@ def test_a_pass_reads_each_expert_its_tokens_route_to_at_most_once(arch, convert
     state = runtime(model)
     plan, record = state.plan, state.manifest.experts["record_size"]
     routed = set()
-    state.store.on_route = lambda layer, idx: routed.update(
-        (layer, int(e)) for e in np.unique(idx))
     prompt = prompt_of(min(plan.prefill_pass, 300) + 1)
     before = state.store.bytes_read
-    prefill(model, prompt, plan.prefill_pass)  # one pass: every prompt token but the last
+    with state.observe(on_route=lambda layer, idx: routed.update(
+            (layer, int(e)) for e in np.unique(idx))):
+        prefill(model, prompt, plan.prefill_pass)  # one pass: every prompt token but the last
     read = state.store.bytes_read - before
     assert 0 < read <= len(routed) * record
     state.close()
@@ -172,12 +172,12 @@ def test_a_prompts_prefill_reads_at_most_1_1x_the_union_of_its_routing(share, ma
                     tokenizer=False, warm_start=False)
     state = runtime(model)
     routed = set()
-    state.store.on_route = lambda layer, idx: routed.update(
-        (layer, int(e)) for e in np.unique(idx))
     prompt = prompt_of(600)
     before = state.store.bytes_read
-    cache = prefill(model, prompt, state.plan.prefill_pass)
-    mx.eval(model(prompt[:, -1:], cache=cache))  # the last token: the first token's logits
+    with state.observe(on_route=lambda layer, idx: routed.update(
+            (layer, int(e)) for e in np.unique(idx))):
+        cache = prefill(model, prompt, state.plan.prefill_pass)
+        mx.eval(model(prompt[:, -1:], cache=cache))  # the last token: the first token's logits
     read = state.store.bytes_read - before
     assert read <= 1.10 * len(routed) * m.experts["record_size"]
     state.close()

@@ -84,10 +84,9 @@ def test_a_long_prompt_streams_the_trunk_then_decoding_pins_it_again(wide_trunk)
         held = {id(weights_of(model, i)) for i in range(8)}
         during.append((trunk.streamer is not None, len(held)))
 
-    state.store.on_pass_layer = layer_done
     cache = make_prompt_cache(model)
-    logits = [model(prompt, cache=cache)[:, -1]]
-    state.store.on_pass_layer = None
+    with state.observe(on_pass_layer=layer_done):
+        logits = [model(prompt, cache=cache)[:, -1]]
     # The first MoE layer gives them back; from the next layer on the modules hold
     # the pass's two buffers, not eight pinned arrays.
     assert during[0][0] is False and all(s and n <= 3 for s, n in during[1:]), during

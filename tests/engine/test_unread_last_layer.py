@@ -171,7 +171,7 @@ def test_deltafin_batches_skip_the_last_layer_of_their_prompt_chunks(converted):
     model, tok = load(path, "200MB", cache_slots=16)
     try:
         store = runtime(model).store
-        switch = store.switches[store.final_layer]
+        switch = store.switches[store.config.final_layer]
         calls = []
         unread = switch._unread
         switch._unread = lambda *a: calls.append(1) or unread(*a)
@@ -209,7 +209,7 @@ def test_serves_single_sequence_path_skips_the_last_layer_of_its_prompt_chunks(
     model, tok = load(path, "200MB", cache_slots=16)
     try:
         store = runtime(model).store
-        switch = store.switches[store.final_layer]
+        switch = store.switches[store.config.final_layer]
         calls, progress = [], []
         unread = switch._unread
         switch._unread = lambda *a: calls.append(1) or unread(*a)

@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import ExitStack
 
 import mlx.core as mx
 import numpy as np
@@ -246,7 +247,7 @@ def decode(argv=None):
     result = {"mode": args.mode, "budget": args.budget, "model": args.model,
               "experiment": args.experiment, "pipeline": args.pipeline,
               "reader_threads": args.reader_threads, "lookahead": bool(args.lookahead)}
-    routing = None
+    routing, observing = None, ExitStack()  # routing observed until its numbers are taken
     if args.mode == "resident":
         model = load_resident(args.model)
     else:
@@ -264,12 +265,10 @@ def decode(argv=None):
             "budget", "resident_bytes", "state_bytes", "working_bytes", "slot_bytes",
             "moe_layers", "experts_per_token", "num_experts", "slots", "floor", "cache_bytes",
             "cache_fraction")}
-        store = runtime(model).store
-        # Only when asked: a routing callback may take the runtime off a fast path
-        # (e.g. the all-resident one), so timed full-budget runs go without it.
+        # Only when asked: a routing observer costs its own bookkeeping.
         if args.routing or args.trace_out:
             routing = Routing()
-            store.on_route = routing
+            observing.enter_context(runtime(model).observe(on_route=routing))
     result["load_s"] = time.perf_counter() - t0
     result["rss_after_load"] = proc_status()["VmRSS"] - base["VmRSS"]
 
@@ -411,6 +410,7 @@ def decode(argv=None):
             if k.startswith("cache."):
                 breakdown[k + "_s"] = v / n
         breakdown["graph_and_runtime_python_s"] = dthreads.get(main_tid, 0.0) / n
+        observing.close()
         if routing is not None:
             layers = sorted({l for l, _ in routing.calls})
             toks = routing.tokens(layers)

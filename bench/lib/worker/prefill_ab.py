@@ -25,6 +25,7 @@ Prints one JSON line.
 import json
 import statistics
 import time
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -112,16 +113,16 @@ def main(argv):
             routed, marks = set(), {}
 
             def route(layer, idx):
-                routed.update((layer, int(e)) for e in np.unique(idx))
+                if not marks:  # the prefill's
+                    routed.update((layer, int(e)) for e in np.unique(idx))
 
             def mark():  # the prefill ends at the first token
-                state.store.on_route = None
                 marks["e"] = state.store.bytes_read - e0
                 marks["t"] = state.trunk_bytes_read - t0
 
-            if c != "all":  # with every expert held nothing is read, nothing to bound
-                state.store.on_route = route
-            s, toks, lps = _first_token(model, prompt, planned_pass(model), on_first=mark)
+            # With every expert held nothing is read, nothing to bound.
+            with state.observe(on_route=route) if c != "all" else nullcontext():
+                s, toks, lps = _first_token(model, prompt, planned_pass(model), on_first=mark)
             row["identical"] &= toks == ref_tokens and all(
                 np.array_equal(a, b) for a, b in zip(lps, ref_logprobs))
             if not r:

@@ -11,6 +11,7 @@ the prefill and the decode run under it.
 
 import json
 import time
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -38,8 +39,8 @@ def main(argv):
         if seen["read"] is None:
             routed.update((layer, int(e)) for e in np.unique(idx))
 
-    if slots != "all":  # with every expert resident there is nothing to read
-        state.store.on_route = on_route
+    # With every expert resident there is nothing to read.
+    observing = state.observe(on_route=on_route) if slots != "all" else nullcontext()
     if len(argv) > 5:
         with open(argv[4], "w") as f:
             f.write(argv[5])
@@ -47,10 +48,11 @@ def main(argv):
     mx.eval(mx.ones(4) + 1)
     start, first, read = time.perf_counter(), None, None
     before = state.store.bytes_read
-    for r in stream_generate(model, tok, prompt, decode):
-        if first is None:
-            first = time.perf_counter() - start
-            read = seen["read"] if seen["read"] is not None else state.store.bytes_read - before
+    with observing:
+        for r in stream_generate(model, tok, prompt, decode):
+            if first is None:
+                first = time.perf_counter() - start
+                read = seen["read"] if seen["read"] is not None else state.store.bytes_read - before
     record = state.manifest.experts["record_size"]
     plan = state.plan
     print(json.dumps({
