@@ -4,8 +4,8 @@ XTML tags) are never shown, K3's thinking channel is apart from its answer, and
 the answer ends before the first stop string. With a template that has no
 thinking channel the whole reply is the answer.
 
-A prompt opens the thinking channel when it is a conversation rendered with
-thinking on (`thinking_opened`); a text completion's reply starts in the answer.
+A reply starts in the thinking channel when its prompt leaves that channel open
+(`opens_thinking`: a conversation rendered with thinking on).
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -13,16 +13,30 @@ from typing import List, Optional, Sequence, Tuple
 from deltafin_mlx.generation.stops import StopMatcher
 
 
-def thinking_opened(chat: bool, chat_template_kwargs: Optional[dict] = None,
-                    default: bool = True) -> bool:
-    """Whether a prompt's generation prompt opens the thinking channel: a
-    conversation's, unless its template arguments turn thinking off (K3's
-    `thinking`, Jinja templates' `enable_thinking`, which wins as the tokenizer
-    reads it); never a text completion's."""
-    if not chat:
+def opens_thinking(tokenizer, prompt) -> bool:
+    """Whether a prompt's tokens leave K3's thinking channel open, so that its
+    reply starts there: the last channel the prompt opens (`<|open|>think<|sep|>`
+    or `<|open|>response<|sep|>`, as Channels reads them) is `think`. A
+    conversation rendered with thinking on ends so, with thinking off or as a
+    text completion with no markup it does not; with templates that have no
+    thinking channel the reply is all answer."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    if not getattr(inner, "is_xtml", False):
         return False
-    kwargs = chat_template_kwargs or {}
-    return bool(kwargs.get("enable_thinking", kwargs.get("thinking", default)))
+    special = set(getattr(tokenizer, "all_special_ids", None) or [])
+    special |= set(getattr(inner, "_special_ids", ()) or ())
+    sep = None
+    for i in range(len(prompt) - 1, -1, -1):
+        if prompt[i] not in special:
+            continue
+        name = tokenizer.decode([prompt[i]])
+        if name == "<|sep|>":
+            sep = i
+        elif name == "<|open|>" and sep is not None:
+            tag = tokenizer.decode(list(prompt[i + 1:sep])).strip().split(" ")[0]
+            if tag in ("think", "response"):
+                return tag == "think"
+    return False
 
 
 class Channels:

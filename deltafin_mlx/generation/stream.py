@@ -3,7 +3,7 @@
 
 import time
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx_lm
@@ -12,7 +12,6 @@ from deltafin_mlx.compat import prefill_chunk_follows, unread_logits_in_prompt_b
 from deltafin_mlx.errors import ContextError  # noqa: F401 - callers catch it from here
 from deltafin_mlx.generation.request import fit_max_tokens
 from deltafin_mlx.units import human_bytes
-from deltafin_mlx.generation.stops import StopMatcher
 from deltafin_mlx.engine.runtime import find_runtime
 
 
@@ -156,8 +155,11 @@ def fit_context(model, prompt_tokens: int, max_tokens: int, cached: int = 0) -> 
 
 
 def cached_tokens(prompt_cache) -> int:
-    """Tokens a prompt cache already holds (its attention layers' offset)."""
-    return max((c.offset for c in prompt_cache or () if hasattr(c, "offset")), default=0)
+    """Tokens a prompt cache already holds (its attention layers' offset; of a
+    batch's cache, its longest sequence's)."""
+    offsets = [c.offset for c in prompt_cache or () if hasattr(c, "offset")]
+    return max((int(mx.max(o).item()) if isinstance(o, mx.array) else int(o)
+                for o in offsets), default=0)
 
 
 class PrefillProgress:
@@ -210,19 +212,6 @@ class PrefillProgress:
                           f"{rate:.1f} tok/s{eta}\033[K")
         self.stream.flush()
         self.shown = True
-
-
-def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True,
-                thinking_effort: Optional[str] = None, add_generation_prompt: bool = True):
-    """Token ids for a conversation, with the model's own prompt format when it
-    has one (K3's XTML, a Jinja chat template), else the last message as text.
-    `thinking_effort` is K3's (None: the model's default)."""
-    if getattr(tokenizer, "has_chat_template", False):
-        extra = {} if thinking_effort is None else {"thinking_effort": thinking_effort}
-        return list(tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-            thinking=thinking, enable_thinking=thinking, **extra))
-    return tokenizer.encode(messages[-1]["content"]) if messages else []
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -323,32 +312,3 @@ def unread_logits_hint(model, callback=None):
         state.store.logits_unread = prefill_chunk_follows(processed, total)
 
     return on_progress
-
-
-@dataclass
-class Completion:
-    text: str
-    tokens: List[int]
-    stats: RunStats
-    finish_reason: Optional[str] = None
-
-    def __str__(self):
-        return self.text
-
-
-def generate(model, tokenizer, prompt, max_tokens: int = 256, *,
-             stop: Sequence[str] = (), **kwargs) -> Completion:
-    """Generate to completion: the text, its tokens and what it cost. The text ends
-    before the earliest of the `stop` strings (finish_reason "stop")."""
-    stops = StopMatcher(stop)
-    tokens, last, reason = [], None, None
-    for r in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
-        stops.add(r.text)
-        tokens.append(r.token)
-        last, reason = r, r.finish_reason
-        if stops.stopped:
-            reason = "stop"
-            break
-    stops.flush()
-    stats = last.deltafin if last is not None else RunStats()
-    return Completion(stops.text, tokens, stats, reason)

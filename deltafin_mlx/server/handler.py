@@ -13,6 +13,7 @@ byte-rate floor, 411/413 for a missing or too large body, 503 when the server is
 busy, 500 when generation failed (the server goes on serving).
 """
 
+import dataclasses
 import io
 import json
 import logging
@@ -22,8 +23,7 @@ import time
 
 from deltafin_mlx import compat
 from deltafin_mlx.errors import ContextError, RequestError
-from deltafin_mlx.generation.render import Render, thinking_opened
-from deltafin_mlx.generation.request import fit_max_tokens
+from deltafin_mlx.generation.engine import Defaults, prepare
 from deltafin_mlx.server import schema
 from deltafin_mlx.server.admission import Busy
 from deltafin_mlx.server.generation import GenerationFailed
@@ -326,22 +326,21 @@ def make_handler(base, settings):
         # --- a completion ------------------------------------------------------
 
         def handle_completion(self, request, stop_words):
+            # The request as generation/engine.py prepares it, with the prompt
+            # tokenized as mlx-lm's generation thread will.
+            kwargs = {**(settings.chat_template_args or {}),
+                      **(self._request.chat_template_kwargs or {})}
             try:
-                n = self._prompt_tokens(request)
-            except RequestError as e:
+                prepared = prepare(
+                    dataclasses.replace(self._request, chat_template_kwargs=kwargs),
+                    settings.tokenizer, settings.limits,
+                    Defaults(max_tokens=self.max_tokens, stop=tuple(stop_words)),
+                    prompt=self._prompt_tokens(request))
+            except (RequestError, ContextError) as e:
                 return self._refuse(400, str(e))
-            if n == 0:
-                return self._refuse(400, "the prompt is empty (no tokens)")
-            try:
-                self.max_tokens = fit_max_tokens(n, self.max_tokens, settings.limits.context)
-            except ContextError as e:
-                return self._refuse(400, str(e))
-            self._meter.prompt_tokens = n
-            chat = request.request_type == "chat"
-            template_kwargs = {**(settings.chat_template_args or {}),
-                               **(self._request.chat_template_kwargs or {})}
-            self._render = Render(settings.tokenizer, stop=stop_words,
-                                  thinking=thinking_opened(chat, template_kwargs))
+            self.max_tokens = prepared.max_tokens
+            self._meter.prompt_tokens = len(prepared.prompt)
+            self._render = prepared.render()
             self._rendered = {"answer": "", "think": ""}  # not yet in a response
             real = self.response_generator
             self.response_generator = _Watched(real, self, settings.counters)
@@ -373,8 +372,8 @@ def make_handler(base, settings):
             except OSError:
                 pass
 
-        def _prompt_tokens(self, request) -> int:
-            """The prompt's length, tokenized as mlx-lm's generation thread will
+        def _prompt_tokens(self, request) -> list:
+            """The prompt's tokens, as mlx-lm's generation thread will build them
             (the text is already bounded by what the context can hold)."""
             try:
                 prompt = compat.server_prompt_tokens(self.response_generator,
@@ -385,7 +384,7 @@ def make_handler(base, settings):
             except BaseException as e:  # template errors of any kind
                 raise RequestError(f"cannot build the prompt ({type(e).__name__}: "
                                    f"{str(e)[:200]})") from None
-            return len(prompt)
+            return prompt
 
         # --- logprobs as OpenAI reports them ------------------------------------
 
