@@ -24,9 +24,10 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import ArraysCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from deltafin_mlx.generation.engine import Defaults, chat_prompt, model_limits, prepare, stream
+from deltafin_mlx.generation.engine import (Completion, Defaults, chat_prompt, model_limits,
+                                            prepare, stream)
 from deltafin_mlx.generation.request import GenerationRequest
-from deltafin_mlx.generation.stream import PrefillProgress, RunStats, StatsMeter, common_prefix
+from deltafin_mlx.generation.stream import PrefillProgress, StatsMeter, common_prefix
 from deltafin_mlx.chat.context import grow, shrink
 from deltafin_mlx.errors import SessionError
 from deltafin_mlx.chat.session_file import read_session, write_session
@@ -44,17 +45,12 @@ class Interrupted(Exception):
 
 
 @dataclass
-class Turn:
+class Turn(Completion):
     """What one turn did: its reply, and how many tokens it prefilled."""
 
-    text: str = ""
-    thinking: str = ""
-    tokens: List[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens run through the model for this turn
     reused: int = 0  # history tokens taken from the cache instead
     prompt_tokens: int = 0  # the tokens this turn had to prefill (`prefilled` when done)
-    finish_reason: Optional[str] = None
-    stats: RunStats = field(default_factory=RunStats)
     # Interrupted before its reply began: the turn left the conversation, its tokens
     # and its cache exactly as they were before it.
     dropped: bool = False
@@ -211,16 +207,8 @@ class ChatSession:
                         raise Interrupted
                     self.tokens += new
                     turn.prefilled = len(new)
-                turn.tokens.append(e.token)
+                turn.add(e, on_text)
                 self.tokens.append(e.token)  # every token yielded is in the cache
-                turn.stats, turn.finish_reason = e.stats, e.finish_reason
-                for channel, piece in e.pieces:
-                    if channel == "answer":
-                        turn.text += piece
-                    else:
-                        turn.thinking += piece
-                    if on_text is not None:
-                        on_text(channel, piece)
         except Interrupted:
             before.restore(self)
             self._undo_growth(context_before)

@@ -15,7 +15,6 @@ from deltafin_mlx.cli.options import (check_request_flags, defaults_of, load_mod
 from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import ContextError, SessionSaveError
 from deltafin_mlx.generation.stream import PrefillProgress
-from deltafin_mlx.generation.stops import StopMatcher
 from deltafin_mlx.engine.runtime import runtime
 
 
@@ -256,7 +255,7 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
         if command.startswith("//"):
             text = text.lstrip()[1:]
 
-        printer = ReplyPrinter(StopMatcher(()), tty)  # the engine cuts at --stop
+        printer = ReplyPrinter(tty)
 
         progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
         try:

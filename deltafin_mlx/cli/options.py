@@ -147,23 +147,18 @@ def add_sampling_options(p):
     p.add_argument("--raw", action="store_true", help="no chat template: prompts as they are")
 
 
-def sampling_of(args):
-    """The Sampling that add_sampling_options' options describe."""
-    from deltafin_mlx.generation.sampling import Sampling
-
-    n = args.penalty_context
-    return Sampling(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                    repetition_penalty=args.repetition_penalty,
-                    presence_penalty=args.presence_penalty,
-                    frequency_penalty=args.frequency_penalty, repetition_context=n,
-                    presence_context=n, frequency_context=n)
-
-
 def defaults_of(args):
     """The engine's Defaults that a run's or a chat's options describe."""
     from deltafin_mlx.generation.engine import Defaults
+    from deltafin_mlx.generation.sampling import Sampling
 
-    return Defaults(max_tokens=args.max_tokens, sampling=sampling_of(args), seed=args.seed,
+    n = args.penalty_context
+    sampling = Sampling(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                        repetition_penalty=args.repetition_penalty,
+                        presence_penalty=args.presence_penalty,
+                        frequency_penalty=args.frequency_penalty, repetition_context=n,
+                        presence_context=n, frequency_context=n)
+    return Defaults(max_tokens=args.max_tokens, sampling=sampling, seed=args.seed,
                     stop=tuple(args.stop), thinking=not args.no_think,
                     top_logprobs=getattr(args, "top_logprobs", 0) or 0)
 

@@ -8,7 +8,6 @@ from deltafin_mlx.cli.options import (check_request_flags, defaults_of, load_mod
                                       refuse_without_template)
 from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import UsageError
-from deltafin_mlx.generation.stops import StopMatcher
 from deltafin_mlx.engine.runtime import runtime
 
 
@@ -81,7 +80,7 @@ def generate_reply(model, prepared, echo=True):
     from deltafin_mlx.generation.engine import complete, stream
     from deltafin_mlx.generation.stream import PrefillProgress, StatsMeter
 
-    printer = ReplyPrinter(StopMatcher(()), sys.stdout.isatty(), echo=echo)  # cut already
+    printer = ReplyPrinter(sys.stdout.isatty(), echo=echo)
     meter = StatsMeter(model)
     progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
     prefilled = [0]

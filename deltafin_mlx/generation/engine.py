@@ -74,9 +74,7 @@ def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True,
     `thinking_effort` is K3's (None: the model's default); `template_kwargs` (a
     request's chat_template_kwargs) win over the thinking switch."""
     if not getattr(tokenizer, "has_chat_template", False):
-        from mlx_lm.server import convert_chat
-
-        return list(tokenizer.encode(convert_chat(messages))) if messages else []
+        return list(tokenizer.encode(untemplated(messages))) if messages else []
     kwargs = {"thinking": thinking, "enable_thinking": thinking}
     if thinking_effort is not None:
         kwargs["thinking_effort"] = thinking_effort
@@ -85,6 +83,14 @@ def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True,
         kwargs["tools"] = tools
     return list(tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs))
+
+
+def untemplated(messages: List[dict]) -> str:
+    """A conversation's text for a model without a chat template: mlx-lm's
+    server's rendering."""
+    from mlx_lm.server import convert_chat
+
+    return convert_chat(messages)
 
 
 def prompt_tokens(req: GenerationRequest, tokenizer, thinking: bool = True) -> List[int]:
@@ -192,9 +198,9 @@ class Completion:
     """A whole reply: its answer and thinking as `run --json` gives them, its
     tokens, what it cost, and why it ended."""
 
-    text: str
-    tokens: List[int]
-    stats: RunStats
+    text: str = ""
+    tokens: List[int] = field(default_factory=list)
+    stats: RunStats = field(default_factory=RunStats)
     finish_reason: Optional[str] = None
     thinking: str = ""
     top_logprobs: Optional[list] = None
@@ -202,25 +208,28 @@ class Completion:
     def __str__(self):
         return self.text
 
+    def add(self, e: Event, on_piece=None):
+        """One event's token and text (each piece also to `on_piece(channel, text)`)."""
+        self.tokens.append(e.token)
+        if e.top is not None:
+            self.top_logprobs = (self.top_logprobs or []) + [e.top]
+        self.stats, self.finish_reason = e.stats, e.finish_reason
+        for channel, piece in e.pieces:
+            if channel == "answer":
+                self.text += piece
+            else:
+                self.thinking += piece
+            if on_piece is not None:
+                on_piece(channel, piece)
+
 
 def complete(events: Iterator[Event], on_piece=None) -> Completion:
-    """The events of one reply gathered (each (channel, text) piece also passed to
-    `on_piece` as it comes). A KeyboardInterrupt ends it "interrupted" with what
-    came so far."""
-    done = Completion("", [], RunStats())
+    """The events of one reply gathered; a KeyboardInterrupt ends it
+    "interrupted" with what came so far."""
+    done = Completion()
     try:
         for e in events:
-            done.tokens.append(e.token)
-            if e.top is not None:
-                done.top_logprobs = (done.top_logprobs or []) + [e.top]
-            done.stats, done.finish_reason = e.stats, e.finish_reason
-            for channel, piece in e.pieces:
-                if channel == "answer":
-                    done.text += piece
-                else:
-                    done.thinking += piece
-                if on_piece is not None:
-                    on_piece(channel, piece)
+            done.add(e, on_piece)
     except KeyboardInterrupt:
         done.finish_reason = "interrupted"
     return done

@@ -143,17 +143,6 @@ def planned_pass(model, default: int = 512) -> int:
     return state.plan.prefill_pass if state is not None else default
 
 
-def fit_context(model, prompt_tokens: int, max_tokens: int, cached: int = 0) -> int:
-    """The tokens that may be generated after a prompt within the planned context
-    (KV/state is reserved for that many tokens), by the one context rule
-    (generation/request.py's fit_max_tokens): max_tokens cut to fit, a prompt that
-    leaves no room refused, never a silent overrun."""
-    state = find_runtime(model)
-    if state is None:
-        return max_tokens
-    return fit_max_tokens(prompt_tokens, max_tokens, state.plan.context, cached)
-
-
 def cached_tokens(prompt_cache) -> int:
     """Tokens a prompt cache already holds (its attention layers' offset; of a
     batch's cache, its longest sequence's)."""
@@ -238,10 +227,12 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tok
     if isinstance(prompt, str):  # as mlx-lm encodes it
         bos = getattr(tokenizer, "bos_token", None)
         prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-    max_tokens = fit_context(model, len(prompt), max_tokens,
-                             cached_tokens(kwargs.get("prompt_cache")))
+    state = find_runtime(model)
+    if state is not None:  # the one context rule: cut to fit, refused only with no room
+        max_tokens = fit_max_tokens(len(prompt), max_tokens, state.plan.context,
+                                    cached_tokens(kwargs.get("prompt_cache")))
     meter = StatsMeter(model)
-    progress, state = kwargs.get("prompt_progress_callback"), find_runtime(model)
+    progress = kwargs.get("prompt_progress_callback")
     layers = getattr(progress, "layer", None) if state is not None else None
     if layers is not None:  # a long prefill shows the layer each pass is at
         progress.pass_tokens = kwargs["prefill_step_size"]

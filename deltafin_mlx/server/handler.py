@@ -536,6 +536,11 @@ class _Watched:
                 if render is not None:
                     for channel, piece in render.add(r.token, final=r.finish_reason is not None):
                         handler._rendered[channel] += piece
+                    if render.stopped:  # a stop string ends the reply, as in run and batch
+                        if r.finish_reason is None:
+                            ctx.stop()
+                        yield dataclasses.replace(r, finish_reason="stop")
+                        return
                 yield r
 
         return ctx, watched()

@@ -15,7 +15,7 @@ import pytest
 from deltafin_mlx.testing.server import chat as chat_reply
 from deltafin_mlx.testing.server import free_port, post, start_server, stop_server
 from deltafin_mlx.cli.batch import batch_parser
-from deltafin_mlx.cli.options import check_request_flags, sampling_of
+from deltafin_mlx.cli.options import check_request_flags, defaults_of
 from deltafin_mlx.errors import ContextError, RequestError, UsageError
 from deltafin_mlx.generation.request import (INFORMATIONAL_FIELDS, READ_FIELDS,
                                              GenerationRequest, RequestLimits, fit_max_tokens)
@@ -203,7 +203,7 @@ def test_serve_batch_and_the_command_line_agree_on_every_request(url, body, refu
         args, error = cli
         if refused is None:
             assert args is not None, error
-            assert sampling_of(args) == serve.sampling()
+            assert defaults_of(args).sampling == serve.sampling()
             assert (args.seed, args.stop) == (serve.seed, serve.stop)
             assert args.max_tokens == (serve.max_tokens or 256)  # batch's -n default
         elif refused.split("[")[0] in FLAGS:  # else the refusal is not a flag's
