@@ -171,13 +171,13 @@ def stream(model, prepared: Prepared, *, prompt_cache=None, progress=None,
     if prepared.seed is not None:
         mx.random.seed(prepared.seed)
     render = prepared.render()
+    kwargs.setdefault("sampler", prepared.sampling.sampler())  # or a caller's own
     processors = prepared.sampling.logits_processors()
     if processors:
-        kwargs["logits_processors"] = processors
+        kwargs.setdefault("logits_processors", processors)
     kwargs.setdefault("prompt_progress_callback", progress)
     for r in stream_generate(model, prepared.tokenizer, prepared.prompt, prepared.max_tokens,
-                             sampler=prepared.sampling.sampler(), prompt_cache=prompt_cache,
-                             **kwargs):
+                             prompt_cache=prompt_cache, **kwargs):
         reason = r.finish_reason
         pieces = render.add(r.token, final=reason is not None)
         if render.stopped:
@@ -212,7 +212,8 @@ class Completion:
         """One event's token and text (each piece also to `on_piece(channel, text)`)."""
         self.tokens.append(e.token)
         if e.top is not None:
-            self.top_logprobs = (self.top_logprobs or []) + [e.top]
+            self.top_logprobs = self.top_logprobs or []
+            self.top_logprobs.append(e.top)
         self.stats, self.finish_reason = e.stats, e.finish_reason
         for channel, piece in e.pieces:
             if channel == "answer":

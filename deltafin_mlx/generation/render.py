@@ -13,32 +13,6 @@ from typing import List, Optional, Sequence, Tuple
 from deltafin_mlx.generation.stops import StopMatcher
 
 
-def opens_thinking(tokenizer, prompt) -> bool:
-    """Whether a prompt's tokens leave K3's thinking channel open, so that its
-    reply starts there: the last channel the prompt opens (`<|open|>think<|sep|>`
-    or `<|open|>response<|sep|>`, as Channels reads them) is `think`. A
-    conversation rendered with thinking on ends so, with thinking off or as a
-    text completion with no markup it does not; with templates that have no
-    thinking channel the reply is all answer."""
-    inner = getattr(tokenizer, "_tokenizer", tokenizer)
-    if not getattr(inner, "is_xtml", False):
-        return False
-    special = set(getattr(tokenizer, "all_special_ids", None) or [])
-    special |= set(getattr(inner, "_special_ids", ()) or ())
-    sep = None
-    for i in range(len(prompt) - 1, -1, -1):
-        if prompt[i] not in special:
-            continue
-        name = tokenizer.decode([prompt[i]])
-        if name == "<|sep|>":
-            sep = i
-        elif name == "<|open|>" and sep is not None:
-            tag = tokenizer.decode(list(prompt[i + 1:sep])).strip().split(" ")[0]
-            if tag in ("think", "response"):
-                return tag == "think"
-    return False
-
-
 class Channels:
     """Splits a reply's tokens into thinking and answer text; markup tokens
     (special tokens, XTML tags) are never shown. K3's XTML replies open `think`
@@ -148,6 +122,18 @@ class Render:
     @property
     def thinking(self) -> str:
         return self.channels.thinking
+
+
+def opens_thinking(tokenizer, prompt) -> bool:
+    """Whether a prompt's tokens leave K3's thinking channel open (the last channel
+    they open, as Channels reads them, is `think`), so that its reply starts there:
+    a conversation rendered with thinking on, never one with thinking off, a text
+    with no markup, or a template without a thinking channel."""
+    channels = Channels(tokenizer, thinking=False)
+    for t in prompt:
+        if t in channels.special or channels.tag is not None:
+            channels.add(t)
+    return channels.channel == "think"
 
 
 def render(tokenizer, tokens: Sequence[int], thinking: bool = True,

@@ -122,7 +122,7 @@ def by_serve(path, model, tok, stop, tmp_path, **_):
         stop_server(proc)
     assert status == 200, body
     choice = body["choices"][0]
-    return (choice["message"]["content"], choice["message"].get("reasoning", ""),
+    return (choice["message"]["content"] or "", choice["message"].get("reasoning", ""),
             choice["finish_reason"])
 
 
