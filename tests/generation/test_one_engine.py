@@ -83,6 +83,9 @@ def by_chat(path, model, tok, stop, **_):
     turn = session.ask(CONTENT, N, defaults=Defaults(stop=stop))
     # the history records the reply as shown: cut at the stop, the stop not in it
     assert session.messages[-1]["content"] == turn.text
+    if stop:  # and the next turn's prompt is the conversation as recorded, not the tokens
+        nxt = {"role": "user", "content": "And then?"}  # past the stop the model made
+        assert session.prompt_for(nxt["content"]) == chat_prompt(tok, session.messages + [nxt])
     return turn.text, turn.thinking, turn.finish_reason
 
 
