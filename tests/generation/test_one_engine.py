@@ -184,6 +184,20 @@ def test_every_process_entry_point_gives_the_engines_answer_thinking_and_finish(
     check(entry, case, cases, capsys, tmp_path)
 
 
+def test_a_text_completion_is_the_same_reply_from_the_library_and_run_raw(cases, capsys):
+    """`generate(model, tok, "Hello there")` is `deltafin-run --raw --json`: its
+    answer and thinking apart, markup never in the text."""
+    path, model, tok, _, _ = cases["thinking"]
+    done = deltafin_mlx.generate(model, tok, "Hello there", N)
+    capsys.readouterr()
+    assert main([str(path), "Hello there", "--raw", "-n", str(N), "--budget", BUDGET,
+                 "--context", str(CONTEXT), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (done.text, done.thinking, done.tokens, done.finish_reason) == (
+        out["text"], out["thinking"], out["tokens"], out["finish_reason"])
+    assert "<|" not in done.text
+
+
 def test_the_drop_in_refuses_a_conversation_beyond_its_plan_across_calls(converted):
     """Each prefill call of 32 fits a context of 64; the conversation does not: the
     call that would take it past 64 tokens is refused, in one line naming it."""
