@@ -20,7 +20,7 @@ from deltafin_mlx.generation.logprobs import top_logprobs
 from deltafin_mlx.generation.render import Render, opens_thinking
 from deltafin_mlx.generation.request import GenerationRequest, RequestLimits, fit_max_tokens
 from deltafin_mlx.generation.sampling import KeyedSampler, Sampling
-from deltafin_mlx.generation.stream import RunStats, stream_generate
+from deltafin_mlx.generation.stream import RunStats, encode_text, stream_generate
 
 
 @dataclass(frozen=True)
@@ -90,15 +90,12 @@ def untemplated(messages: List[dict]) -> str:
 
 
 def prompt_tokens(req: GenerationRequest, tokenizer, thinking: bool = True) -> List[int]:
-    """A request's prompt tokens: a text completion's text encoded as mlx-lm
-    encodes it (the tokenizer's BOS unless the text starts with it), a
-    conversation by `chat_prompt`."""
+    """A request's prompt tokens: a text completion's as mlx-lm encodes it
+    (`encode_text`), a conversation's by `chat_prompt`."""
     if req.messages is not None:
         return chat_prompt(tokenizer, req.messages, thinking, tools=req.tools,
                            template_kwargs=req.chat_template_kwargs)
-    bos = getattr(tokenizer, "bos_token", None)
-    return list(tokenizer.encode(req.prompt, add_special_tokens=bos is None
-                                 or not req.prompt.startswith(bos)))
+    return encode_text(tokenizer, req.prompt)
 
 
 def model_limits(model, tokenizer=None, context: Optional[int] = None) -> RequestLimits:

@@ -214,6 +214,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def encode_text(tokenizer, text: str) -> list:
+    """Text as mlx-lm encodes a prompt: with the tokenizer's BOS unless it starts so."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
+
+
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
                     *, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                     seed: Optional[int] = None, **kwargs):
@@ -224,9 +230,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tok
         mx.random.seed(seed)
     sampler = kwargs.pop("sampler", None) or make_sampler(temp, top_p=top_p, top_k=top_k)
     kwargs.setdefault("prefill_step_size", planned_pass(model))
-    if isinstance(prompt, str):  # as mlx-lm encodes it
-        bos = getattr(tokenizer, "bos_token", None)
-        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    if isinstance(prompt, str):
+        prompt = encode_text(tokenizer, prompt)
     state = find_runtime(model)
     if state is not None:  # the one context rule: cut to fit, refused only with no room
         max_tokens = fit_max_tokens(len(prompt), max_tokens, state.plan.context,
