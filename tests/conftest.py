@@ -242,6 +242,9 @@ E2E = [
     # the 20,000-token text takes ~20 min at 40 MB on a loaded 2-core machine)
     "tests/engine/test_pass_bars.py::test_a_long_text_*",
     "tests/engine/test_pass_bars.py::test_a_scoring_job_*",
+    # issue 40: serve and the drop-in in processes of their own
+    "tests/generation/test_one_engine.py::test_every_process_entry_point_*",
+    "tests/generation/test_one_engine.py::test_the_drop_in_refuses_*",
 ]
 
 

@@ -16,7 +16,7 @@ restart continues without prefilling the history again.
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -24,13 +24,14 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import ArraysCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from deltafin_mlx.generation.stream import (PrefillProgress, RunStats, StatsMeter, chat_prompt,
-                                   common_prefix, fit_context, stream_generate)
+from deltafin_mlx.generation.engine import (Completion, Defaults, chat_prompt, model_limits,
+                                            prepare, stream)
+from deltafin_mlx.generation.request import GenerationRequest
+from deltafin_mlx.generation.stream import PrefillProgress, StatsMeter, common_prefix
 from deltafin_mlx.chat.context import grow, shrink
 from deltafin_mlx.errors import SessionError
 from deltafin_mlx.chat.session_file import read_session, write_session
 from deltafin_mlx.engine.runtime import runtime, find_runtime
-from deltafin_mlx.generation.render import Channels
 
 SESSION_FORMAT = "deltafin-chat"
 # 2: a checksum of the cached tensors; 3: of the whole content (session_file.py)
@@ -44,17 +45,12 @@ class Interrupted(Exception):
 
 
 @dataclass
-class Turn:
+class Turn(Completion):
     """What one turn did: its reply, and how many tokens it prefilled."""
 
-    text: str = ""
-    thinking: str = ""
-    tokens: List[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens run through the model for this turn
     reused: int = 0  # history tokens taken from the cache instead
     prompt_tokens: int = 0  # the tokens this turn had to prefill (`prefilled` when done)
-    finish_reason: Optional[str] = None
-    stats: RunStats = field(default_factory=RunStats)
     # Interrupted before its reply began: the turn left the conversation, its tokens
     # and its cache exactly as they were before it.
     dropped: bool = False
@@ -104,6 +100,7 @@ class ChatSession:
             if self.system else []
         self.cache = make_prompt_cache(self.model)
         self.tokens: List[int] = []
+        self.cut = False  # the last reply was cut at a stop string: its tokens hold it
 
     # Prompts
 
@@ -132,11 +129,7 @@ class ChatSession:
 
     def prompt_for(self, text: str) -> List[int]:
         """The whole conversation's tokens with `text` as the next user turn."""
-        if not self.tokens or not getattr(self.tokenizer, "has_chat_template", False):
-            if not self.tokens:
-                return self.render(self.messages + [{"role": "user", "content": text}])
-            return self.tokens + self.tokenizer.encode(text, add_special_tokens=False)
-        parts = self._between_turns(text)
+        parts = self._between_turns(text) if self.tokens and not self.cut else None
         if parts is None:  # re-render; the divergence check below keeps what still matches
             return self.render(self.messages + [{"role": "user", "content": text}])
         closing, turn = parts
@@ -161,18 +154,22 @@ class ChatSession:
 
     # Turns
 
-    def ask(self, text: str, max_tokens: int = 256, *, sampler=None,
+    def ask(self, text: str, max_tokens: int = 256, *, defaults: Optional[Defaults] = None,
             progress: Optional[Callable[[int, int], None]] = None,
             stop_requested: Callable[[], bool] = lambda: False,
             on_text: Optional[Callable[[str, str], None]] = None,
             prompt: Optional[List[int]] = None, **kwargs) -> Turn:
-        """One turn: prefill what the cache lacks, generate the reply, record both.
+        """One turn: prefill what the cache lacks, generate the reply (the engine's
+        stream; `defaults`: the sampling and stop strings), record both.
 
         on_text(channel, text) receives the reply as it streams ("think" or
-        "answer"; markup is never passed). When stop_requested() turns true (Ctrl-C)
-        during the reply, the turn ends at the next token and the reply so far is
-        kept in the history as a finished turn. Before the reply's first token it
-        ends at the next prefill chunk (or that token) and the turn is dropped (`Turn.dropped`): the messages, the
+        "answer"; markup is never passed). A stop string ends the reply before it
+        (finish "stop"): the history records the reply without it, and the next
+        turn renders the conversation again rather than carry it. When
+        stop_requested() turns true (Ctrl-C) during the reply, the turn ends at
+        the next token and the reply so far is kept in the history as a finished
+        turn. Before the reply's first token it ends at the next prefill chunk (or
+        that token) and the turn is dropped (`Turn.dropped`): the messages, the
         tokens and the cache are exactly as before it, as they are after an error
         or a KeyboardInterrupt inside a forward pass (which is re-raised). `prompt`:
         the whole conversation's tokens, when the caller built them (prompt_for's)."""
@@ -183,7 +180,12 @@ class ChatSession:
         context_before = state.plan.context if state is not None else None
         self.model, self.growth = grow(self.model, self.reload, len(prompt) + max(max_tokens, 1),
                                        least=len(prompt) + 1)
-        fit_context(self.model, len(new), max_tokens, cached=reused)  # before any change
+        user = {"role": "user", "content": text}
+        prepared = prepare(  # before any change: a turn beyond the context is refused
+            GenerationRequest(messages=self.messages + [user]), self.tokenizer,
+            model_limits(self.model),
+            replace(defaults or Defaults(), max_tokens=max_tokens, thinking=self.thinking),
+            prompt=new, cached=reused)
         turn = Turn(reused=reused, prompt_tokens=len(new))
         done = [0]
 
@@ -194,28 +196,19 @@ class ChatSession:
             if stop_requested() and n < total:
                 raise Interrupted
 
-        channels = Channels(self.tokenizer, self.thinking)
         meter = StatsMeter(self.model)
         before = Snapshot.take(self)
-        self.messages.append({"role": "user", "content": text})
+        self.messages.append(user)
         try:
-            for r in stream_generate(self.model, self.tokenizer, new, max_tokens,
-                                     sampler=sampler, prompt_cache=self.cache,
-                                     prompt_progress_callback=on_progress, **kwargs):
+            for e in stream(self.model, prepared, prompt_cache=self.cache, progress=on_progress,
+                            stop_requested=stop_requested, **kwargs):
                 if not turn.tokens:
                     if stop_requested():  # asked during the prefill: no reply began
                         raise Interrupted
                     self.tokens += new
                     turn.prefilled = len(new)
-                turn.tokens.append(r.token)
-                self.tokens.append(r.token)  # every token yielded is in the cache
-                turn.stats, turn.finish_reason = r.deltafin, r.finish_reason
-                for channel, piece in channels.add(r.token, final=r.finish_reason is not None):
-                    if on_text is not None:
-                        on_text(channel, piece)
-                if r.finish_reason is None and stop_requested():
-                    turn.finish_reason = "interrupted"
-                    break
+                turn.add(e, on_text)
+                self.tokens.append(e.token)  # every token yielded is in the cache
         except Interrupted:
             before.restore(self)
             self._undo_growth(context_before)
@@ -226,7 +219,8 @@ class ChatSession:
             before.restore(self)  # stopped inside a forward pass: the turn did not happen
             self._undo_growth(context_before)
             raise
-        turn.text, turn.thinking = channels.answer, channels.thinking
+        self.cut = turn.finish_reason == "stop" and self.tokens[-1] not in \
+            self.tokenizer.eos_token_ids
         reply = {"role": "assistant", "content": turn.text}
         if turn.thinking:
             reply["reasoning_content"] = turn.thinking
@@ -283,6 +277,7 @@ class ChatSession:
             "messages": json.dumps(self.messages, ensure_ascii=False),
             "options": json.dumps({"system": self.system, "thinking": self.thinking,
                                    "thinking_effort": self.thinking_effort}),
+            "cut": json.dumps(self.cut),
         }
         write_session(path, self.cache, meta)
 
@@ -307,6 +302,7 @@ class ChatSession:
         session.cache = cache
         session.tokens = json.loads(meta["tokens"])
         session.messages = json.loads(meta["messages"])
+        session.cut = json.loads(meta.get("cut", "false")) is True
         if not _consistent(cache, len(session.tokens)):
             raise SessionError(f"{path}: damaged (its cache and its tokens disagree)")
         session.reload = reload

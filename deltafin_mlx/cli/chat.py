@@ -4,17 +4,17 @@ the model's cache kept between turns (and in a session file with --session)."""
 import re
 import signal
 import sys
+from dataclasses import replace
 
 import mlx.core as mx
 
 from deltafin_mlx.chat.session import ChatSession, session_path
 from deltafin_mlx.chat.context import status as context_status
-from deltafin_mlx.cli.options import (check_request_flags, load_model, refuse_without_template,
-                                      sampling_of)
+from deltafin_mlx.cli.options import (check_request_flags, defaults_of, load_model,
+                                      refuse_without_template)
 from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import ContextError, SessionSaveError
 from deltafin_mlx.generation.stream import PrefillProgress
-from deltafin_mlx.generation.stops import StopMatcher
 from deltafin_mlx.engine.runtime import runtime
 
 
@@ -202,9 +202,9 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
     else:
         session = ChatSession(model, tokenizer, reload=reload, **options)
     check_request_flags(args, model)
-    if args.seed is not None:
+    if args.seed is not None:  # once: the turns draw one stream of samples
         mx.random.seed(args.seed)
-    generation = sampling_of(args).generation_kwargs()
+    defaults = replace(defaults_of(args), seed=None)
     tty = sys.stdout.isatty()
     marked_pastes = bracketed_paste(sys.stdin.isatty())
     print("Deltafin chat: /help for help, /reset clears the history, /quit (or Ctrl-D) ends.",
@@ -255,16 +255,15 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
         if command.startswith("//"):
             text = text.lstrip()[1:]
 
-        stop = StopMatcher(args.stop)
-        printer = ReplyPrinter(stop, tty)
+        printer = ReplyPrinter(tty)
 
         progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
         try:
             try:
                 with StopOnSignal() as stopper:
-                    turn = session.ask(text, args.max_tokens, progress=progress,
-                                       stop_requested=lambda: stopper() or stop.stopped,
-                                       on_text=printer, **generation)
+                    turn = session.ask(text, args.max_tokens, defaults=defaults,
+                                       progress=progress, stop_requested=stopper,
+                                       on_text=printer)
             finally:
                 if progress is not None:
                     progress.clear()  # a prefill stopped midway leaves its line
@@ -287,7 +286,7 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
             continue  # nothing changed: the session file stays as it is
         printer.finish()
         say_growth(session)
-        if turn.finish_reason == "interrupted" and not stop.stopped:
+        if turn.finish_reason == "interrupted":
             print(f"[interrupted: the reply so far ({len(turn.tokens)} tokens) is kept in the "
                   "history as a finished turn]", file=sys.stderr)
         print(f"[deltafin] {turn.stats.line()}; prefilled {turn.prefilled} tokens "

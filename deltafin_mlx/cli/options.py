@@ -90,6 +90,8 @@ def check_request_flags(args, model=None, limits=None):
     try:
         req = GenerationRequest.from_flags({"stop": args.stop, "top_k": args.top_k})
         if model is not None:
+            from deltafin_mlx.generation.engine import model_limits
+
             limits = model_limits(model)
         if limits is not None:
             req.check_limits(limits)
@@ -98,17 +100,6 @@ def check_request_flags(args, model=None, limits=None):
     except RequestError as e:
         field = str(e).split(":", 1)[0].split("[", 1)[0]
         raise UsageError(f"{flags.get(field, field)}: {e}") from None
-
-
-def model_limits(model):
-    """The request limits of a loaded model: its vocabulary and planned context."""
-    from deltafin_mlx.engine.runtime import find_runtime
-    from deltafin_mlx.generation.request import RequestLimits
-    from deltafin_mlx.model.modules import model_vocab
-
-    state = find_runtime(model)
-    context = state.plan.context if state is not None else 1 << 31
-    return RequestLimits(vocab=model_vocab(model), context=context, max_text_bytes=1 << 62)
 
 
 def add_load_options(p):
@@ -156,16 +147,20 @@ def add_sampling_options(p):
     p.add_argument("--raw", action="store_true", help="no chat template: prompts as they are")
 
 
-def sampling_of(args):
-    """The Sampling that add_sampling_options' options describe."""
+def defaults_of(args):
+    """The engine's Defaults that a run's or a chat's options describe."""
+    from deltafin_mlx.generation.engine import Defaults
     from deltafin_mlx.generation.sampling import Sampling
 
     n = args.penalty_context
-    return Sampling(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                    repetition_penalty=args.repetition_penalty,
-                    presence_penalty=args.presence_penalty,
-                    frequency_penalty=args.frequency_penalty, repetition_context=n,
-                    presence_context=n, frequency_context=n)
+    sampling = Sampling(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                        repetition_penalty=args.repetition_penalty,
+                        presence_penalty=args.presence_penalty,
+                        frequency_penalty=args.frequency_penalty, repetition_context=n,
+                        presence_context=n, frequency_context=n)
+    return Defaults(max_tokens=args.max_tokens, sampling=sampling, seed=args.seed,
+                    stop=tuple(args.stop), thinking=not args.no_think,
+                    top_logprobs=getattr(args, "top_logprobs", 0) or 0)
 
 
 def refuse_without_template(tokenizer, args):

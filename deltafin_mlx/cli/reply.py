@@ -5,26 +5,20 @@ answer cut before the first stop string."""
 
 import sys
 
-from deltafin_mlx.generation.stops import StopMatcher
-
 DIM, PLAIN = "\033[2m", "\033[0m"
 
 
 class ReplyPrinter:
-    """Feed it `(channel, text)` pieces as generation/render.py gives them; `finish()` ends
-    the reply's line. With `echo` off it only collects (--json)."""
+    """Feed it `(channel, text)` pieces as generation/engine.py's events give them
+    (cut at the stop already); `finish()` ends the reply's line. With `echo` off
+    it prints nothing (--json)."""
 
-    def __init__(self, stop: StopMatcher, tty: bool, echo: bool = True, out=None):
-        self.stop, self.tty, self.echo = stop, tty, echo
+    def __init__(self, tty: bool, echo: bool = True, out=None):
+        self.tty, self.echo = tty, echo
         self.out = out or sys.stdout
         self.shown = None  # the channel printed last
 
     def __call__(self, channel: str, piece: str):
-        if channel == "answer":
-            piece = self.stop.add(piece)
-        self._print(channel, piece)
-
-    def _print(self, channel, piece):
         if not piece or not self.echo:
             return
         if channel != self.shown:
@@ -37,8 +31,6 @@ class ReplyPrinter:
         self.out.flush()
 
     def finish(self):
-        """The answer held back in case a stop string began there, then the newline."""
-        self._print("answer", self.stop.flush())
         if self.echo:
             self.out.write((PLAIN if self.tty and self.shown == "think" else "") + "\n")
             self.out.flush()

@@ -4,11 +4,10 @@ JSON object with --json), the run's counters on stderr."""
 import json
 import sys
 
-from deltafin_mlx.cli.options import (check_request_flags, load_model, refuse_without_template,
-                                      sampling_of)
+from deltafin_mlx.cli.options import (check_request_flags, defaults_of, load_model,
+                                      refuse_without_template)
 from deltafin_mlx.cli.reply import ReplyPrinter
 from deltafin_mlx.errors import UsageError
-from deltafin_mlx.generation.stops import StopMatcher
 from deltafin_mlx.engine.runtime import runtime
 
 
@@ -18,75 +17,71 @@ def cmd_run(args, model_dir=None) -> int:
         raise UsageError("no prompt given (a prompt, '-' for stdin, or --chat)")
     check_request_flags(args)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    model, tokenizer, prompt = open_model(args, text, model_dir)
-    check_request_flags(args, model)
+    model, prepared = open_model(args, text, model_dir)
     trace = start_trace(model, args.trace_routing)
-    top = [] if getattr(args, "top_logprobs", 0) else None
-    reply, thinking, tokens, stats, reason = generate_reply(model, tokenizer, prompt, args,
-                                                            echo=not args.json, top=top)
+    reply = generate_reply(model, prepared, echo=not args.json)
     if trace:
         trace.close()
     if args.json:
-        out = {"text": reply, "thinking": thinking, "tokens": tokens, "finish_reason": reason}
-        if top is not None:
-            out["top_logprobs"] = top
-        print(json.dumps({**out, "stats": stats.to_dict()}))
+        out = {"text": reply.text, "thinking": reply.thinking, "tokens": reply.tokens,
+               "finish_reason": reply.finish_reason}
+        if prepared.top_logprobs:
+            out["top_logprobs"] = reply.top_logprobs or []
+        print(json.dumps({**out, "stats": reply.stats.to_dict()}))
     else:
         print()
         if runtime(model).is_primary:  # every rank computes the same counters
-            print(f"[deltafin] {stats.line()}", file=sys.stderr)
+            print(f"[deltafin] {reply.stats.line()}", file=sys.stderr)
     runtime(model).close()
-    if reason == "interrupted":
+    if reply.finish_reason == "interrupted":
         print("deltafin-run: interrupted", file=sys.stderr)
         return 130
     return 0
 
 
 def open_model(args, text, model_dir=None):
-    """(model, tokenizer, prompt tokens), from the model directory opened once. The
-    tokenizer comes first, because the prompt's length and config.json's maximum
-    size the context the model is then loaded for."""
+    """(model, the request prepared: generation/engine.py's), from the model
+    directory opened once. The tokenizer comes first, because the prompt's length
+    and config.json's maximum size the context the model is then loaded for."""
     from deltafin_mlx.engine.load import open_tokenizer
     from deltafin_mlx.format.model_dir import open_model_dir
+    from deltafin_mlx.generation.engine import model_limits, prepare, prompt_tokens
     from deltafin_mlx.model.config import max_context
     from deltafin_mlx.plan.memory import round_context
 
     model_dir = open_model_dir(model_dir or args.model)
     tokenizer = open_tokenizer(model_dir)
     refuse_without_template(tokenizer, args)
-    prompt = make_prompt(tokenizer, text, args)
+    request, defaults = request_of(args, text), defaults_of(args)
+    prompt = prompt_tokens(request, tokenizer, defaults.thinking)
     context = args.context or round_context(len(prompt) + args.max_tokens,
                                             max_context(model_dir.config))
     model, _ = load_model(args, model_dir, context=context)
-    return model, tokenizer, prompt
+    check_request_flags(args, model)
+    return model, prepare(request, tokenizer, model_limits(model), defaults, prompt=prompt)
 
 
-def make_prompt(tokenizer, text, args):
-    """The prompt's tokens: `text` as the user's message (after --system's) in the
-    model's chat template, or as it is with --raw."""
-    from deltafin_mlx.generation.stream import chat_prompt
+def request_of(args, text):
+    """`text` as the user's message (after --system's) for the model's chat
+    template, or as it is with --raw."""
+    from deltafin_mlx.generation.request import GenerationRequest
 
     if args.raw:
-        return tokenizer.encode(text)
+        return GenerationRequest(prompt=text)
     system = [{"role": "system", "content": args.system}] if args.system else []
-    return chat_prompt(tokenizer, system + [{"role": "user", "content": text}],
-                       thinking=not args.no_think, thinking_effort=args.thinking_effort)
+    effort = {"thinking_effort": args.thinking_effort} if args.thinking_effort else None
+    return GenerationRequest(messages=system + [{"role": "user", "content": text}],
+                             chat_template_kwargs=effort)
 
 
-def generate_reply(model, tokenizer, prompt, args, echo=True, top=None):
-    """(answer, thinking, tokens, stats, finish reason); with `echo` the reply is
-    printed as it comes, as a chat shows it (ReplyPrinter: thinking apart, markup
-    never); the text is generation/render.py's, as batch and serve write it, its
-    answer up to the first stop string; `top`, a list, gets each generated
-    position's top `args.top_logprobs` [id, logprob] pairs."""
-    from deltafin_mlx.generation.render import Render
-    from deltafin_mlx.generation.stream import PrefillProgress, StatsMeter, stream_generate
-    from deltafin_mlx.generation.logprobs import top_logprobs
+def generate_reply(model, prepared, echo=True):
+    """The engine's Completion of `prepared`; with `echo` the reply is printed as
+    it comes, as a chat shows it (ReplyPrinter: thinking apart, markup never)."""
+    from deltafin_mlx.generation.engine import complete, stream
+    from deltafin_mlx.generation.stream import PrefillProgress, StatsMeter
 
-    rendered = Render(tokenizer, thinking=not (args.raw or args.no_think), stop=args.stop)
-    printer = ReplyPrinter(StopMatcher(()), sys.stdout.isatty(), echo=echo)  # cut already
+    printer = ReplyPrinter(sys.stdout.isatty(), echo=echo)
     meter = StatsMeter(model)
-    stats, tokens, reason = meter.now(0, len(prompt)), [], None
     progress = PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
     prefilled = [0]
 
@@ -96,29 +91,14 @@ def generate_reply(model, tokenizer, prompt, args, echo=True, top=None):
             progress(done, total)
 
     try:
-        for r in stream_generate(model, tokenizer, prompt, args.max_tokens, seed=args.seed,
-                                 prompt_progress_callback=on_progress,
-                                 **sampling_of(args).generation_kwargs()):
-            tokens.append(r.token)
-            if top is not None:
-                top.append(top_logprobs(r.logprobs, args.top_logprobs))
-            stats, reason = r.deltafin, r.finish_reason
-            for channel, piece in rendered.add(r.token, final=r.finish_reason is not None):
-                printer(channel, piece)
-            if rendered.stopped:
-                reason = "stop"
-                break
-    except KeyboardInterrupt:  # the stats so far are still shown
-        reason = "interrupted"
-        if not tokens:  # stopped in the prefill: what it did
-            stats = meter.now(0, prefilled[0])
+        reply = complete(stream(model, prepared, progress=on_progress), printer)
     finally:
         if progress is not None:
             progress.clear()  # the next note starts on a line of its own
-    for channel, piece in rendered.finish():
-        printer(channel, piece)
+    if not reply.tokens:  # stopped in the prefill: what it did
+        reply.stats = meter.now(0, prefilled[0])
     printer.finish()
-    return rendered.text, rendered.thinking, tokens, stats, reason
+    return reply
 
 
 def start_trace(model, path):

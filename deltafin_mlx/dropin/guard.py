@@ -41,19 +41,13 @@ _limits = {}  # id(model) -> RequestLimits
 
 def _limits_of(model, tokenizer):
     from deltafin_mlx.engine.runtime import find_runtime
-    from deltafin_mlx.model.modules import model_vocab
-    from deltafin_mlx.tokenizer.text_bound import max_text_bytes
+    from deltafin_mlx.generation.engine import model_limits
 
     with _lock:
         if id(model) not in _limits:
-            state = find_runtime(model)
-            if state is None:
+            if find_runtime(model) is None:
                 return None
-            inner = getattr(model, "_inner", model)
-            vocab = model_vocab(inner)
-            _limits[id(model)] = schema.RequestLimits(
-                vocab=vocab, context=state.plan.context,
-                max_text_bytes=max_text_bytes(tokenizer, vocab, state.plan.context))
+            _limits[id(model)] = model_limits(model, tokenizer)
         return _limits[id(model)]
 
 

@@ -24,7 +24,8 @@ DELTAFIN_SEQUENCES (a number or "auto", default 1) the sequences whose KV/recurr
 state it must hold — mlx_lm.server decodes at most that many together.
 
 From the model's side the drop-in refuses what it can see: token ids outside the
-vocabulary (at the embedding) and a call longer than the planned context. Inside
+vocabulary (at the embedding) and a conversation longer than the planned context
+(the cache's tokens plus the call's, across calls). Inside
 mlx_lm.server it also installs Deltafin's request checks (dropin/guard.py:
 logit_bias ids, every value's type and range, content other than text, prompts
 beyond the context) and fits mlx-lm's batching to the plan; what
@@ -92,7 +93,7 @@ def make_classes(path: Path):
                 raise ValueError("this Deltafin model was loaded whole; shard() must come first")
 
         def __call__(self, inputs, cache=None, **kwargs):
-            check_call_length(self._inner, inputs)
+            check_call_length(self._inner, inputs, cache)
             return self._inner(inputs, cache=cache, **kwargs)
 
         @property
@@ -114,17 +115,22 @@ def make_classes(path: Path):
     return Model, ModelArgs
 
 
-def check_call_length(model, inputs):
-    """A single call longer than the planned context cannot fit it: refused
-    before any work (mlx-lm hands a prompt over in passes of its prefill step)."""
+def check_call_length(model, inputs, cache=None):
+    """A call that takes the conversation past the planned context, the prompt
+    cache's tokens plus the call's (mlx-lm hands a prompt over in passes of its
+    prefill step, one call each), is refused before any work, as deltafin-run
+    refuses it."""
     from deltafin_mlx.engine.runtime import find_runtime
     from deltafin_mlx.errors import ContextError
+    from deltafin_mlx.generation.stream import cached_tokens
 
     state = find_runtime(model)
     n = inputs.shape[-1] if getattr(inputs, "ndim", 0) else 0
-    if state is not None and n > state.plan.context:
-        raise ContextError(f"{n} tokens in one call; the planned context is "
-                           f"{state.plan.context} tokens (DELTAFIN_CONTEXT=N plans for more)")
+    held = cached_tokens(cache) if state is not None else 0
+    if state is not None and held + n > state.plan.context:
+        raise ContextError(f"{held + n} tokens ({held} in the prompt cache, {n} in this call), "
+                           f"beyond the planned context of {state.plan.context} tokens "
+                           "(DELTAFIN_CONTEXT=N plans for more)")
 
 
 def load_for_mlx_lm(path: Path, group=None):

@@ -4,26 +4,14 @@ XTML tags) are never shown, K3's thinking channel is apart from its answer, and
 the answer ends before the first stop string. With a template that has no
 thinking channel the whole reply is the answer.
 
-A prompt opens the thinking channel when it is a conversation rendered with
-thinking on (`thinking_opened`); a text completion's reply starts in the answer.
+A reply starts in the thinking channel when its prompt leaves that channel open
+(`opens_thinking`: a conversation rendered with thinking on).
 """
 
 from typing import List, Optional, Sequence, Tuple
 
 from deltafin_mlx import compat
 from deltafin_mlx.generation.stops import StopMatcher
-
-
-def thinking_opened(chat: bool, chat_template_kwargs: Optional[dict] = None,
-                    default: bool = True) -> bool:
-    """Whether a prompt's generation prompt opens the thinking channel: a
-    conversation's, unless its template arguments turn thinking off (K3's
-    `thinking`, Jinja templates' `enable_thinking`, which wins as the tokenizer
-    reads it); never a text completion's."""
-    if not chat:
-        return False
-    kwargs = chat_template_kwargs or {}
-    return bool(kwargs.get("enable_thinking", kwargs.get("thinking", default)))
 
 
 class Channels:
@@ -135,6 +123,18 @@ class Render:
     @property
     def thinking(self) -> str:
         return self.channels.thinking
+
+
+def opens_thinking(tokenizer, prompt) -> bool:
+    """Whether a prompt's tokens leave K3's thinking channel open (the last channel
+    they open, as Channels reads them, is `think`), so that its reply starts there:
+    a conversation rendered with thinking on, never one with thinking off, a text
+    with no markup, or a template without a thinking channel."""
+    channels = Channels(tokenizer, thinking=False)
+    for t in prompt:
+        if t in channels.special or channels.tag is not None:
+            channels.add(t)
+    return channels.channel == "think"
 
 
 def render(tokenizer, tokens: Sequence[int], thinking: bool = True,

@@ -15,7 +15,7 @@ runtime does not do are taken only at the value that asks for nothing.
 
 A text completion (/v1/completions, or a batch line with --raw) is its prompt's
 text as it is, no chat template, as mlx-lm's server tokenizes it; a conversation
-goes through the model's chat template (`prompt_tokens`). The context rule is
+goes through the model's chat template (generation/engine.py's `prompt_tokens`). The context rule is
 `fit_max_tokens`: max_tokens is cut to what the context leaves after the prompt,
 and only a prompt that leaves no room is refused.
 """
@@ -387,26 +387,6 @@ def unbounded() -> RequestLimits:
     """Limits for a check made before the model is loaded (a batch line as it is
     read, the command line's flags): `check_limits` applies the model's later."""
     return _NO_LIMITS
-
-
-def prompt_tokens(req: GenerationRequest, tokenizer, thinking: bool = True) -> List[int]:
-    """The request's prompt tokens, as mlx-lm's server builds them: a text
-    completion's text encoded as it is (with the tokenizer's own special tokens,
-    e.g. a BOS); a conversation through the chat template with its tools and
-    `chat_template_kwargs` (`thinking` is K3's, and Jinja templates'
-    enable_thinking, unless the kwargs say otherwise)."""
-    if req.messages is None:
-        return list(tokenizer.encode(req.prompt))
-    if not getattr(tokenizer, "has_chat_template", False):
-        from mlx_lm.server import convert_chat
-
-        return list(tokenizer.encode(convert_chat(req.messages)))
-    kwargs = {"thinking": thinking, "enable_thinking": thinking,
-              **(req.chat_template_kwargs or {})}
-    if req.tools:
-        kwargs["tools"] = req.tools
-    return list(tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
-                                              tokenize=True, **kwargs))
 
 
 def fit_max_tokens(prompt_tokens: int, max_tokens: int, context: int, cached: int = 0) -> int:

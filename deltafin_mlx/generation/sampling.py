@@ -53,14 +53,6 @@ class Sampling:
             frequency_context_size=self.frequency_context)
         return processors or None
 
-    def generation_kwargs(self) -> dict:
-        """What mlx-lm's stream_generate takes for these options."""
-        kwargs = {"sampler": self.sampler()}
-        processors = self.logits_processors()
-        if processors:
-            kwargs["logits_processors"] = processors
-        return kwargs
-
 
 class KeyedSampler:
     """mlx-lm's sampler for `sampling`, drawing from a key of its own: a request's
@@ -79,10 +71,6 @@ class KeyedSampler:
         self.sampling, self.seed = sampling, seed
         self.filters, self.temp = compat.sampler_chain(sampling.sampler())
         self.key = mx.random.key(seed)
-
-    def restarted(self) -> "KeyedSampler":
-        """The sampler as it was before its first sample."""
-        return KeyedSampler(self.sampling, self.seed)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         if self.temp is None:  # mlx-lm's greedy sampler

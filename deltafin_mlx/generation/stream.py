@@ -4,7 +4,7 @@
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx_lm
@@ -13,7 +13,6 @@ from deltafin_mlx.compat import prefill_chunk_follows, unread_logits_in_prompt_b
 from deltafin_mlx.errors import ContextError  # noqa: F401 - callers catch it from here
 from deltafin_mlx.generation.request import fit_max_tokens
 from deltafin_mlx.units import human_bytes
-from deltafin_mlx.generation.stops import StopMatcher
 from deltafin_mlx.engine.runtime import find_runtime
 
 
@@ -145,20 +144,12 @@ def planned_pass(model, default: int = 512) -> int:
     return state.plan.prefill_pass if state is not None else default
 
 
-def fit_context(model, prompt_tokens: int, max_tokens: int, cached: int = 0) -> int:
-    """The tokens that may be generated after a prompt within the planned context
-    (KV/state is reserved for that many tokens), by the one context rule
-    (generation/request.py's fit_max_tokens): max_tokens cut to fit, a prompt that
-    leaves no room refused, never a silent overrun."""
-    state = find_runtime(model)
-    if state is None:
-        return max_tokens
-    return fit_max_tokens(prompt_tokens, max_tokens, state.plan.context, cached)
-
-
 def cached_tokens(prompt_cache) -> int:
-    """Tokens a prompt cache already holds (its attention layers' offset)."""
-    return max((c.offset for c in prompt_cache or () if hasattr(c, "offset")), default=0)
+    """Tokens a prompt cache already holds (its attention layers' offset; of a
+    batch's cache, its longest sequence's)."""
+    offsets = [c.offset for c in prompt_cache or () if hasattr(c, "offset")]
+    return max((int(mx.max(o).item()) if isinstance(o, mx.array) else int(o)
+                for o in offsets), default=0)
 
 
 class PrefillProgress:
@@ -213,19 +204,6 @@ class PrefillProgress:
         self.shown = True
 
 
-def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True,
-                thinking_effort: Optional[str] = None, add_generation_prompt: bool = True):
-    """Token ids for a conversation, with the model's own prompt format when it
-    has one (K3's XTML, a Jinja chat template), else the last message as text.
-    `thinking_effort` is K3's (None: the model's default)."""
-    if getattr(tokenizer, "has_chat_template", False):
-        extra = {} if thinking_effort is None else {"thinking_effort": thinking_effort}
-        return list(tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-            thinking=thinking, enable_thinking=thinking, **extra))
-    return tokenizer.encode(messages[-1]["content"]) if messages else []
-
-
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens two token lists share (two renderings of a
     conversation, a cache's tokens against a new prompt)."""
@@ -235,6 +213,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def encode_text(tokenizer, text: str) -> list:
+    """Text as mlx-lm encodes a prompt: with the tokenizer's BOS unless it starts so."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
 
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
@@ -247,13 +231,14 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tok
         mx.random.seed(seed)
     sampler = kwargs.pop("sampler", None) or make_sampler(temp, top_p=top_p, top_k=top_k)
     kwargs.setdefault("prefill_step_size", planned_pass(model))
-    if isinstance(prompt, str):  # as mlx-lm encodes it
-        bos = getattr(tokenizer, "bos_token", None)
-        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-    max_tokens = fit_context(model, len(prompt), max_tokens,
-                             cached_tokens(kwargs.get("prompt_cache")))
+    if isinstance(prompt, str):
+        prompt = encode_text(tokenizer, prompt)
+    state = find_runtime(model)
+    if state is not None:  # the one context rule: cut to fit, refused only with no room
+        max_tokens = fit_max_tokens(len(prompt), max_tokens, state.plan.context,
+                                    cached_tokens(kwargs.get("prompt_cache")))
     meter = StatsMeter(model)
-    progress, state = kwargs.get("prompt_progress_callback"), find_runtime(model)
+    progress = kwargs.get("prompt_progress_callback")
     layers = getattr(progress, "layer", None) if state is not None else None
     if layers is not None:  # a long prefill shows the layer each pass is at
         progress.pass_tokens = kwargs["prefill_step_size"]
@@ -322,32 +307,3 @@ def unread_logits_hint(model, callback=None):
         state.hint_logits_unread(prefill_chunk_follows(processed, total))
 
     return on_progress
-
-
-@dataclass
-class Completion:
-    text: str
-    tokens: List[int]
-    stats: RunStats
-    finish_reason: Optional[str] = None
-
-    def __str__(self):
-        return self.text
-
-
-def generate(model, tokenizer, prompt, max_tokens: int = 256, *,
-             stop: Sequence[str] = (), **kwargs) -> Completion:
-    """Generate to completion: the text, its tokens and what it cost. The text ends
-    before the earliest of the `stop` strings (finish_reason "stop")."""
-    stops = StopMatcher(stop)
-    tokens, last, reason = [], None, None
-    for r in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
-        stops.add(r.text)
-        tokens.append(r.token)
-        last, reason = r, r.finish_reason
-        if stops.stopped:
-            reason = "stop"
-            break
-    stops.flush()
-    stats = last.deltafin if last is not None else RunStats()
-    return Completion(stops.text, tokens, stats, reason)

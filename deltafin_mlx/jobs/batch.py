@@ -16,7 +16,6 @@ retires its sequences and reruns each of them alone, so only the request that
 fails alone gets the error line and every other one its answer.
 """
 
-import dataclasses
 import json
 import secrets
 import sys
@@ -38,13 +37,11 @@ from deltafin_mlx.jobs.progress import Progress
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.generation.stream import StatsMeter, hint_prompt_batches, planned_pass
-from deltafin_mlx.model.modules import model_vocab
 from deltafin_mlx.generation.logprobs import top_logprobs
-from deltafin_mlx.generation.render import Render, thinking_opened
-from deltafin_mlx.generation.request import (GenerationRequest, RequestLimits, fit_max_tokens,
-                                             prompt_tokens)
-from deltafin_mlx.generation.sampling import KeyedSampler, Sampling
-from deltafin_mlx.tokenizer.text_bound import max_text_bytes
+from deltafin_mlx.generation import engine
+from deltafin_mlx.generation.engine import Defaults, Prepared, model_limits
+from deltafin_mlx.generation.request import RequestLimits
+from deltafin_mlx.generation.sampling import Sampling
 
 PREFILL_BATCH = 8  # prompts prefilled together (mlx-lm's default)
 
@@ -72,76 +69,38 @@ class BatchOptions:
     top_logprobs: int = 0  # the K likeliest tokens at each generated position (0: none)
     prefill_step_size: Optional[int] = None  # tokens per sequence per prefill call; None: the plan's pass
 
-    def sampling(self) -> Sampling:
+    def defaults(self) -> Defaults:
         n = self.penalty_context
-        return Sampling(temp=self.temp, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                        repetition_penalty=self.repetition_penalty,
-                        presence_penalty=self.presence_penalty,
-                        frequency_penalty=self.frequency_penalty,
-                        repetition_context=n, presence_context=n, frequency_context=n)
-
-
-def greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
-
-
-@dataclass
-class Prepared:
-    request: Request
-    prompt: List[int]
-    max_tokens: int
-    stop: List[str]
-    sampler: object
-    seed: Optional[int]
-    logits_processors: Optional[list] = None
-    thinking: bool = False  # the prompt opens the thinking channel (render.py)
-    logprobs: bool = False
-    top_logprobs: int = 0
-
-    def restarted(self) -> "Prepared":
-        """This request from its start again (a sampler keyed by its seed restarts,
-        and so do the penalties' processors, which keep no state of their own)."""
-        sampler = self.sampler.restarted() if isinstance(self.sampler, KeyedSampler) else self.sampler
-        return dataclasses.replace(self, sampler=sampler)
+        sampling = Sampling(temp=self.temp, top_p=self.top_p, top_k=self.top_k,
+                            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                            presence_penalty=self.presence_penalty,
+                            frequency_penalty=self.frequency_penalty,
+                            repetition_context=n, presence_context=n, frequency_context=n)
+        return Defaults(self.max_tokens, sampling, self.seed, tuple(self.stop), self.thinking,
+                        self.logprobs, self.top_logprobs)
 
 
 def prepare(req: Request, tokenizer, opts: BatchOptions, limits: RequestLimits) -> Prepared:
-    """Tokens and sampling of one request, by the one request rule for the model's
-    `limits` (the prompt's text is bounded before anything is tokenized);
-    ValueError says why it cannot run."""
-    request: GenerationRequest = batch_request(req.spec, limits, raw=opts.raw)
-    chat = request.messages is not None
-    prompt = prompt_tokens(request, tokenizer, thinking=opts.thinking)
-    if not prompt:
-        raise ValueError("the prompt is empty (no tokens)")
-    max_tokens = fit_max_tokens(len(prompt), request.max_tokens or opts.max_tokens,
-                                opts.context)
-    sampling = request.sampling(opts.sampling())
-    # mlx-lm's server keeps newlines and the end of a turn out of XTC's cut.
-    sampling.xtc_special_tokens = list(tokenizer.encode("\n")) + list(tokenizer.eos_token_ids)
-    seed = request.seed if request.seed is not None else opts.seed
-    sampler = greedy
-    if sampling.temp > 0:
-        seed = secrets.randbits(32) if seed is None else seed  # recorded in the output
-        sampler = KeyedSampler(sampling, seed)
-    else:
-        seed = None
-    return Prepared(req, prompt, max_tokens, request.stop or list(opts.stop), sampler, seed,
-                    logits_processors=sampling.logits_processors(),
-                    thinking=thinking_opened(chat, request.chat_template_kwargs, opts.thinking),
-                    logprobs=request.logprobs or opts.logprobs,
-                    top_logprobs=request.top_logprobs or opts.top_logprobs)
+    """One line ready to run (generation/engine.py's prepare, the line kept as its
+    `origin`); a sampled request without a seed gets one, recorded in the output."""
+    request = batch_request(req.spec, limits, raw=opts.raw)
+    p = engine.prepare(request, tokenizer, limits, opts.defaults(), origin=req)
+    if p.sampling.temp > 0 and p.seed is None:
+        p.seed = secrets.randbits(32)
+    elif p.sampling.temp <= 0:
+        p.seed = None
+    return p
 
 
 class Running:
     """One request in the generator: its tokens, text so far and counters."""
 
-    def __init__(self, p: Prepared, tokenizer):
-        self.p = p
+    def __init__(self, p: Prepared):
+        self.p, self.req = p, p.origin
         self.tokens: List[int] = []
         self.logprobs: List[float] = []
         self.top: List[list] = []  # per generated token, its position's top K
-        self.render = Render(tokenizer, thinking=p.thinking, stop=p.stop)
+        self.render = p.render()
         self.start = time.perf_counter()
         self.steps = 0
         self.batch_sum = 0
@@ -156,11 +115,11 @@ class Running:
         if self.render.stopped:
             reason = "stop"
         seconds = time.perf_counter() - self.start
-        out = {"id": self.p.request.id, "text": self.render.text,
+        out = {"id": self.req.id, "text": self.render.text,
                "thinking": self.render.thinking, "tokens": self.tokens,
                "finish_reason": reason}
-        if self.p.request.custom_id:
-            out["custom_id"] = self.p.request.id
+        if self.req.custom_id:
+            out["custom_id"] = self.req.id
         if self.p.seed is not None:
             out["seed"] = self.p.seed
         if self.logprobs:
@@ -182,9 +141,7 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
                progress=None) -> Iterator[dict]:
     """Results (dicts) as requests finish, errors included, in finishing order."""
     todo = deque()
-    vocab = model_vocab(model)
-    limits = RequestLimits(vocab=vocab, context=opts.context,
-                           max_text_bytes=max_text_bytes(tokenizer, vocab, opts.context))
+    limits = model_limits(model, tokenizer, context=opts.context)
     for req in requests:
         if req.error:
             yield error_line(req, req.error)
@@ -208,10 +165,10 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
                 # Keep the generator's queue just full enough: caches are made on insert.
                 if alone and not running:
                     p = alone.popleft()
-                    running[_insert(gen, p)] = Running(p, tokenizer)
+                    running[_insert(gen, p)] = Running(p)
                 while not alone and todo and len(running) < B + min(B, PREFILL_BATCH):
                     p = todo.popleft()
-                    running[_insert(gen, p)] = Running(p, tokenizer)
+                    running[_insert(gen, p)] = Running(p)
                 meter = StatsMeter(model)
                 prompt_rs, gen_rs = gen.next()
                 involved = {r.uid for r in prompt_rs} | {r.uid for r in gen_rs}
@@ -244,11 +201,11 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
                 failed = [run.p for run in running.values()]
                 running = {}
                 if len(failed) == 1:
-                    req = failed[0].request
+                    req = failed[0].origin
                     yield error_line(req, f"line {req.line}: failed while decoding "
                                      f"({_failure(e)})")
                 else:
-                    alone.extend(p.restarted() for p in failed)
+                    alone.extend(failed)  # each from its start: a new sampler
                 continue
             for uid, result in finished:
                 del running[uid]
@@ -262,15 +219,15 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
 def _generator(model, tokenizer, B: int, opts: BatchOptions) -> BatchGenerator:
     hint_prompt_batches()
     return BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-                          sampler=greedy, completion_batch_size=B,
+                          sampler=Sampling().sampler(), completion_batch_size=B,
                           prefill_batch_size=min(B, PREFILL_BATCH),
                           prefill_step_size=opts.prefill_step_size
                           or max(1, planned_pass(model) // min(B, PREFILL_BATCH)))
 
 
 def _insert(gen: BatchGenerator, p: Prepared) -> int:
-    (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[p.sampler],
-                        logits_processors=[p.logits_processors or []])
+    (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[p.keyed_sampler()],
+                        logits_processors=[p.sampling.logits_processors() or []])
     return uid
 
 

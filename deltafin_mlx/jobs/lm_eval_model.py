@@ -37,6 +37,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.engine.runtime import runtime
 from deltafin_mlx.errors import JobError
+from deltafin_mlx.generation.engine import untemplated
 from deltafin_mlx.jobs.batch import batch_generate
 from deltafin_mlx.jobs.score import ScoreOptions, Sizing, iter_passes, within
 from deltafin_mlx.jobs.score_lines import ScoreItem, completion_item
@@ -66,6 +67,8 @@ class DeltafinLM(LM):
         return self.path.replace("/", "__")
 
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        if not getattr(self.tokenizer, "has_chat_template", False):  # as run and serve do
+            return untemplated(chat_history)
         return self.tokenizer.apply_chat_template(
             chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=not add_generation_prompt)

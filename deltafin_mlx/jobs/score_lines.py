@@ -20,7 +20,8 @@ from typing import List, Optional
 import numpy as np
 
 from deltafin_mlx.jobs.batch_lines import Request
-from deltafin_mlx.generation.stream import chat_prompt, common_prefix
+from deltafin_mlx.generation.engine import chat_prompt
+from deltafin_mlx.generation.stream import common_prefix
 from deltafin_mlx.tokenizer.messages import chat_messages
 
 TEXT_KEYS = ({"id", "text"}, {"id", "prompt", "completion"}, {"id", "messages"},

@@ -13,6 +13,7 @@ byte-rate floor, 411/413 for a missing or too large body, 503 when the server is
 busy, 500 when generation failed (the server goes on serving).
 """
 
+import dataclasses
 import io
 import json
 import logging
@@ -24,8 +25,7 @@ from mlx_lm.server import APIHandler
 
 from deltafin_mlx import compat
 from deltafin_mlx.errors import ContextError, RequestError
-from deltafin_mlx.generation.render import Render, thinking_opened
-from deltafin_mlx.generation.request import fit_max_tokens
+from deltafin_mlx.generation.engine import Defaults, prepare
 from deltafin_mlx.server import schema
 from deltafin_mlx.server.admission import Busy
 from deltafin_mlx.server.generation import GenerationFailed
@@ -345,13 +345,21 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
     # --- a completion ------------------------------------------------------
 
     def handle_completion(self, request, stop_words):
-        if not self.fit_to_context(request):
-            return
-        chat = request.request_type == "chat"
-        template_kwargs = {**(self.settings.chat_template_args or {}),
-                           **(self.checked.chat_template_kwargs or {})}
-        self.render = Render(self.settings.tokenizer, stop=stop_words,
-                             thinking=thinking_opened(chat, template_kwargs))
+        # The request as generation/engine.py prepares it, with the prompt
+        # tokenized as mlx-lm's generation thread will.
+        kwargs = {**(self.settings.chat_template_args or {}),
+                  **(self.checked.chat_template_kwargs or {})}
+        try:
+            prepared = prepare(
+                dataclasses.replace(self.checked, chat_template_kwargs=kwargs),
+                self.settings.tokenizer, self.settings.limits,
+                Defaults(max_tokens=self.max_tokens, stop=tuple(stop_words)),
+                prompt=self.prompt_tokens(request))
+        except (RequestError, ContextError) as e:
+            return self.refuse(400, str(e))
+        self.max_tokens = prepared.max_tokens
+        self.meter.prompt_tokens = len(prepared.prompt)
+        self.render = prepared.render()
         self.rendered = {"answer": "", "think": ""}  # not yet in a response
         real = self.response_generator
         self.response_generator = _Watched(real, self, self.settings.counters)
@@ -368,24 +376,8 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
         finally:
             self.response_generator = real
 
-    def fit_to_context(self, request) -> bool:
-        """Whether the prompt's tokens leave room in the context (the reply's
-        max_tokens cut to it); if not, the request is refused."""
-        try:
-            n = self.prompt_length(request)
-        except RequestError as e:
-            return self.refuse(400, str(e))
-        if n == 0:
-            return self.refuse(400, "the prompt is empty (no tokens)")
-        try:
-            self.max_tokens = fit_max_tokens(n, self.max_tokens, self.settings.limits.context)
-        except ContextError as e:
-            return self.refuse(400, str(e))
-        self.meter.prompt_tokens = n
-        return True
-
-    def prompt_length(self, request) -> int:
-        """The prompt's length, tokenized as mlx-lm's generation thread will
+    def prompt_tokens(self, request) -> list:
+        """The prompt's tokens, as mlx-lm's generation thread will build them
         (the text is already bounded by what the context can hold)."""
         try:
             # mlx-lm's tokenizing reads `args.chat_template_kwargs`: the handler's
@@ -396,7 +388,7 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
         except BaseException as e:  # template errors of any kind
             raise RequestError(f"cannot build the prompt ({type(e).__name__}: "
                                f"{str(e)[:200]})") from None
-        return len(prompt)
+        return prompt
 
     def failed_midway(self, error):
         self.close_connection = True
@@ -553,6 +545,11 @@ class _Watched:
                 if render is not None:
                     for channel, piece in render.add(r.token, final=r.finish_reason is not None):
                         handler.rendered[channel] += piece
+                    if render.stopped:  # a stop string ends the reply, as in run and batch
+                        if r.finish_reason is None:
+                            ctx.stop()
+                        yield dataclasses.replace(r, finish_reason="stop")
+                        return
                 yield r
 
         return ctx, watched()

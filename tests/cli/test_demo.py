@@ -21,7 +21,7 @@ def demo_dir(tmp_path_factory):
 def test_demo_takes_a_prompt_json_trace_routing_and_max_tokens(demo_dir, tmp_path):
     from mlx_lm.utils import load_config
 
-    from deltafin_mlx.generation.stream import chat_prompt
+    from deltafin_mlx.generation.engine import chat_prompt
     from deltafin_mlx.engine.load import load_tokenizer
 
     trace = tmp_path / "trace.jsonl"

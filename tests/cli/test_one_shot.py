@@ -7,10 +7,10 @@ import re
 import pytest
 
 from deltafin_mlx.cli.main import main, run_parser
-from deltafin_mlx.cli.run import make_prompt
+from deltafin_mlx.cli.run import request_of
 from deltafin_mlx.engine.load import open_tokenizer
 from deltafin_mlx.format.model_dir import open_model_dir
-from deltafin_mlx.generation.stream import chat_prompt
+from deltafin_mlx.generation.engine import chat_prompt, prompt_tokens
 
 from helpers import one_error_line, run_json
 
@@ -32,7 +32,7 @@ def test_one_shot_puts_the_system_message_and_thinking_effort_into_the_prompt(co
     assert system["stats"]["prompt_tokens"] == len(chat_prompt(tok, msgs))
     assert system["stats"]["prompt_tokens"] > plain["stats"]["prompt_tokens"]
     args = run_parser().parse_args(["m", "Hi", "--system", "Be brief.", "--thinking-effort", "low"])
-    low = make_prompt(tok, "Hi", args)
+    low = prompt_tokens(request_of(args, "Hi"), tok)
     assert low == chat_prompt(tok, msgs, thinking_effort="low") != chat_prompt(tok, msgs)
 
 

@@ -164,7 +164,7 @@ def test_mlx_lms_batch_generator_never_reads_its_prompt_chunks_logits(model_type
 
 
 def test_deltafin_batches_skip_the_last_layer_of_their_prompt_chunks(converted):
-    from deltafin_mlx.generation.stream import generate
+    from deltafin_mlx.generation.engine import generate
     from deltafin_mlx.jobs.batch import batch_generate
 
     path = converted("kimi_k3")

@@ -7,7 +7,7 @@ import pytest
 from deltafin_mlx.cli.main import main, run_parser
 from deltafin_mlx.engine.load import open_tokenizer
 from deltafin_mlx.format.model_dir import open_model_dir
-from deltafin_mlx.generation.stream import chat_prompt
+from deltafin_mlx.generation.engine import chat_prompt
 
 from helpers import run_json
 

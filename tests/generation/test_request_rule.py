@@ -15,12 +15,12 @@ import pytest
 from deltafin_mlx.testing.server import chat as chat_reply
 from deltafin_mlx.testing.server import free_port, post, start_server, stop_server
 from deltafin_mlx.cli.batch import batch_parser
-from deltafin_mlx.cli.options import check_request_flags, sampling_of
+from deltafin_mlx.cli.options import check_request_flags, defaults_of
 from deltafin_mlx.errors import ContextError, RequestError, UsageError
 from deltafin_mlx.generation.request import (INFORMATIONAL_FIELDS, READ_FIELDS,
-                                             GenerationRequest, RequestLimits, fit_max_tokens,
-                                             prompt_tokens)
-from deltafin_mlx.generation.render import render, thinking_opened
+                                             GenerationRequest, RequestLimits, fit_max_tokens)
+from deltafin_mlx.generation.engine import prompt_tokens
+from deltafin_mlx.generation.render import opens_thinking, render
 from deltafin_mlx.jobs.batch_lines import batch_request, read_requests
 from deltafin_mlx.server.schema import read_completion
 from deltafin_mlx.testing.tokenizers import write_kimi_tokenizer_files
@@ -203,7 +203,7 @@ def test_serve_batch_and_the_command_line_agree_on_every_request(url, body, refu
         args, error = cli
         if refused is None:
             assert args is not None, error
-            assert sampling_of(args) == serve.sampling()
+            assert defaults_of(args).sampling == serve.sampling()
             assert (args.seed, args.stop) == (serve.seed, serve.stop)
             assert args.max_tokens == (serve.max_tokens or 256)  # batch's -n default
         elif refused.split("[")[0] in FLAGS:  # else the refusal is not a flag's
@@ -241,9 +241,12 @@ def test_the_render_rule_splits_thinking_hides_markup_and_cuts_the_answer_at_a_s
     assert render(tokenizer, reply, stop=["."]) == ("the answer", "let me see")
     # a prompt with thinking off (or a text completion) opens the answer
     assert render(tokenizer, enc("plain"), thinking=False) == ("plain", "")
-    assert not thinking_opened(False) and thinking_opened(True)
-    assert not thinking_opened(True, {"thinking": False})
-    assert not thinking_opened(True, {"thinking": True, "enable_thinking": False})
+    # the reply starts where the prompt leaves it: in the channel it opened last
+    chat = [{"role": "user", "content": "Hi"}]
+    opened = lambda on: opens_thinking(tokenizer, tokenizer.apply_chat_template(  # noqa: E731
+        chat, add_generation_prompt=True, tokenize=True, thinking=on))
+    assert opened(True) and not opened(False)
+    assert not opens_thinking(tokenizer, enc("plain <|open|>think"))
 
 
 # --- end to end: a real batch job and a real server --------------------------------

@@ -28,7 +28,7 @@ def test_a_keyed_sampler_draws_what_the_seeded_mlx_lm_sampler_draws(options):
         mx.random.uniform()  # another request's draw from the global key changes nothing
         got.append(keyed(logprobs).item())
     assert got == want and len(set(got)) > 1
-    restarted = keyed.restarted()
+    restarted = KeyedSampler(Sampling(**options), seed=7)  # a request run again
     assert [restarted(logprobs).item() for _ in range(24)] == want
 
 

@@ -28,7 +28,7 @@ from deltafin_mlx.jobs.results_file import Results
 from deltafin_mlx.jobs.batch_lines import read_requests
 from deltafin_mlx.errors import JobError
 from deltafin_mlx.cli.main import main
-from deltafin_mlx.generation.stream import generate
+from deltafin_mlx.generation.engine import generate
 from deltafin_mlx.engine.load import load, load_resident
 from deltafin_mlx.format.manifest import read_manifest
 from deltafin_mlx.plan.memory import plan_memory, choose_sequences
@@ -159,7 +159,7 @@ def test_stop_strings_cut_the_text_as_a_lone_run_does(streamed):
 
 
 def test_chat_messages_use_the_models_prompt_format(streamed):
-    from deltafin_mlx.generation.stream import chat_prompt
+    from deltafin_mlx.generation.engine import chat_prompt
 
     model, tok = streamed("kimi_k3")
     msgs = [{"role": "user", "content": "Hello"}]

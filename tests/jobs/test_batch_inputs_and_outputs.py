@@ -168,13 +168,15 @@ def test_a_prompt_too_big_for_the_context_is_refused_before_it_is_tokenized(
                 {"id": "huge-chat", "messages": [{"role": "user", "content": huge}]},
                 {"id": "ok", "prompt": "Hello"})
     seen = []  # bytes of text that reached the chat template and tokenizer
-    real = batch.prompt_tokens
+    from deltafin_mlx.generation import engine
+
+    real = engine.prompt_tokens
 
     def spy(request, tokenizer, **kw):
         seen.append(text_bytes(request.messages or request.prompt))
         return real(request, tokenizer, **kw)
 
-    monkeypatch.setattr(batch, "prompt_tokens", spy)
+    monkeypatch.setattr(engine, "prompt_tokens", spy)
     assert main(["batch", job.model, str(job.src), "-o", str(job.out), "-n", "3",
                  "--no-progress", "--context", "256"]) == 3  # some error lines
     got = {r["id"]: r for r in results(job.out)}
@@ -189,14 +191,16 @@ def test_a_request_that_fails_inside_the_decode_loop_is_an_error_line_only(
     write_lines(job.src, *specs)
     clean = tmp_path / "clean.jsonl"
     assert run(job, "--batch-size", "4", out=clean) == 0
-    sample = batch.KeyedSampler.__call__
+    from deltafin_mlx.generation.sampling import KeyedSampler
+
+    sample = KeyedSampler.__call__
 
     def failing(self, logprobs):
         if self.seed == 12:
             raise IndexError("a sampler that fails for this request only")
         return sample(self, logprobs)
 
-    monkeypatch.setattr(batch.KeyedSampler, "__call__", failing)
+    monkeypatch.setattr(KeyedSampler, "__call__", failing)
     assert run(job, "--batch-size", "4") == 3  # one error line
     got = {r["id"]: r for r in results(job.out)}
     assert "failed while decoding (IndexError" in got[2]["error"]
