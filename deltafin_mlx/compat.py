@@ -126,7 +126,7 @@ def server_prompt_tokens(response_generator, tokenizer, request, args):
 def gate_server_requests(check):
     """Make mlx_lm.server's generation thread pass every request it takes to
     `check(response_generator, args)` first (once per process): a request `check`
-    raises on is answered with that error (mlx-lm's handler reports it) and never
+    raises on (whatever it raises) is answered with that error (mlx-lm's handler reports it) and never
     reaches generation. Wraps ResponseGenerator._next_request, which hands the
     thread each (response queue, request, GenerationArguments)."""
     from mlx_lm.server import ResponseGenerator
@@ -140,7 +140,7 @@ def gate_server_requests(check):
         if item is not None:
             try:
                 check(self, item[2])
-            except ValueError as e:
+            except Exception as e:  # noqa: BLE001 - the request gets it, never vanishes
                 item[0].put(e)
                 return None
         return item

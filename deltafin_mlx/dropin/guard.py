@@ -122,6 +122,8 @@ def check_taken_request(response_generator, args):
     argpartition), stop strings that are not non-empty strings, a seed beyond
     64 bits. Raises ValueError, which mlx-lm's handler answers with the reason."""
     provider = response_generator.model_provider
+    if provider is None:  # a generator serving no model of ours
+        return
     limits = _limits_of(provider.model, provider.tokenizer)
     if limits is None:
         return

@@ -378,8 +378,7 @@ def test_memory_stays_bounded(tmp_path):
     script = textwrap.dedent(
         f"""
         import resource, sys
-        from deltafin_mlx.testing.kimi_k3 import CONFIG as K3_CONFIG
-from deltafin_mlx.testing.synthetic import make_checkpoint
+        from deltafin_mlx.testing.synthetic import make_checkpoint
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         make_checkpoint({str(tmp_path)!r}, "qwen3_moe", vocab_size=65536,
                         hidden_size=1024, num_layers=1, num_experts=4)

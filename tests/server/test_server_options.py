@@ -88,8 +88,15 @@ def test_a_failing_generation_loop_fails_its_requests_only_and_restarts():
     """server/generation.py's ResilientGenerator (mlx-lm's ResponseGenerator, its
     queue, request taking and waiting) over a stand-in for mlx-lm's generation
     loop that raises on one request: that request gets the error, the next is
-    answered and the loop's thread is alive."""
+    answered and the loop's thread is alive. The drop-in's request gate (installed
+    once per process by any earlier test that loaded a model through mlx-lm) is
+    installed here too, so the test does not depend on which tests ran before: a
+    request it cannot check must still get an answer, never hang."""
+    from deltafin_mlx import compat
+    from deltafin_mlx.dropin.guard import check_taken_request
     from deltafin_mlx.server.generation import GenerationFailed, ResilientGenerator
+
+    compat.gate_server_requests(check_taken_request)
 
     class StandIn(ResilientGenerator):
         def _generate(self):  # mlx-lm's loop: take a request, answer on its queue
