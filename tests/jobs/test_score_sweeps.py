@@ -30,19 +30,7 @@ def test_16_texts_of_70_tokens_take_one_sweep_at_40mb(eight_layers, tmp_path):
     assert sizing.attention(74) < 74  # longer than one attention call: the case at hand
     rng = np.random.default_rng(3)
     texts = [rng.integers(1, 500, int(70 + rng.integers(-4, 5))).tolist() for _ in range(16)]
-    job = tmp_path / "in.jsonl"
-    job.write_text("".join(json.dumps({"id": i, "tokens": t}) + "\n" for i, t in enumerate(texts)))
-    s = run_job(model, tok, job, tmp_path / "out.jsonl", ScoreOptions(), show_progress=False)
-    assert s["scored_texts"] == 16 and s["sweeps"] == 1, s
-    assert 0 < s["expert_bytes_read"] <= 1.10 * s["union_bytes"], s
-    ref = reference_model(src)
-    for line in (tmp_path / "out.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        want = reference_logprobs(ref, r["tokens"])
-        got = np.array([np.nan if v is None else v for v in r["token_logprobs"]][1:])
-        expected = want[np.arange(len(r["tokens"]) - 1), r["tokens"][1:]]
-        np.testing.assert_allclose(got, expected, atol=1e-4)
-    runtime(model).close()
+    one_sweep_as_mlx_lm(model, tok, texts, src, tmp_path)
 
 
 def test_16_texts_whose_tokens_fit_one_prefill_pass_take_one_sweep(wide_experts, tmp_path):
@@ -56,13 +44,20 @@ def test_16_texts_whose_tokens_fit_one_prefill_pass_take_one_sweep(wide_experts,
     length = plan.prefill_pass // 16
     rng = np.random.default_rng(5)
     texts = [rng.integers(1, 380, length).tolist() for _ in range(16)]
+    one_sweep_as_mlx_lm(model, tok, texts, wide_experts.parent / "src", tmp_path, check=4)
+
+
+def one_sweep_as_mlx_lm(model, tok, texts, src, tmp_path, check=None):
+    """The texts scored as one job: one sweep reading at most 1.10x the union of
+    their routing, and (the first `check` of) their log-probabilities those of
+    mlx-lm's model of `src` fully in memory."""
     job = tmp_path / "in.jsonl"
     job.write_text("".join(json.dumps({"id": i, "tokens": t}) + "\n" for i, t in enumerate(texts)))
     s = run_job(model, tok, job, tmp_path / "out.jsonl", ScoreOptions(), show_progress=False)
-    assert s["scored_texts"] == 16 and s["sweeps"] == 1, s
+    assert s["scored_texts"] == len(texts) and s["sweeps"] == 1, s
     assert 0 < s["expert_bytes_read"] <= 1.10 * s["union_bytes"], s
-    ref = reference_model(wide_experts.parent / "src")
-    for line in (tmp_path / "out.jsonl").read_text().splitlines()[:4]:
+    ref = reference_model(src)
+    for line in (tmp_path / "out.jsonl").read_text().splitlines()[:check]:
         r = json.loads(line)
         want = reference_logprobs(ref, r["tokens"])
         got = np.array([np.nan if v is None else v for v in r["token_logprobs"]][1:])
