@@ -199,7 +199,7 @@ class Scheduler:
     """How `batch`'s sequences share mlx-lm's BatchGenerator."""
 
     batch_size: int = 8  # sequences decoded together
-    prefill_step_size: Optional[int] = None  # tokens per sequence per prefill call; None: the plan's pass
+    prefill_step_size: Optional[int] = None  # per sequence per prefill call; None: the plan's pass
 
     def generator(self, model, tokenizer) -> BatchGenerator:
         hint_prompt_batches()
@@ -230,7 +230,8 @@ class BatchedSequence:
     def event(self, r, batch: int) -> Event:
         """mlx-lm's response `r` from a step that decoded `batch` sequences."""
         now = time.perf_counter()
-        self.first, self.tokens, self.batch_sum = self.first or now, self.tokens + 1, self.batch_sum + batch
+        self.first, self.tokens = self.first or now, self.tokens + 1
+        self.batch_sum += batch
         stats = BatchStats(prompt_tokens=len(self.p.prompt), tokens=self.tokens,
                            seconds=now - self.start, first_token_seconds=self.first - self.start,
                            bytes_read=int(self.bytes_read), mean_batch=self.batch_sum / self.tokens)
@@ -254,9 +255,9 @@ def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=N
     def insert(p: Prepared):
         # Each sequence draws with its own seed's key alone; mlx-lm's argmax when greedy.
         keyed = p.sampling.temp > 0 and p.seed is not None
-        (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[
-            KeyedSampler(p.sampling, p.seed) if keyed else p.sampling.sampler()],
-            logits_processors=[p.sampling.logits_processors() or []])
+        sampler = KeyedSampler(p.sampling, p.seed) if keyed else p.sampling.sampler()
+        (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[sampler],
+                            logits_processors=[p.sampling.logits_processors() or []])
         running[uid] = BatchedSequence(p)
 
     try:

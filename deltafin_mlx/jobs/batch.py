@@ -31,8 +31,8 @@ from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.generation.stream import StatsMeter
 from deltafin_mlx.generation import engine
-from deltafin_mlx.generation.engine import Scheduler, batch
-from deltafin_mlx.generation.engine import Completion, Defaults, Prepared, model_limits
+from deltafin_mlx.generation.engine import (Completion, Defaults, Prepared, Scheduler, batch,
+                                            model_limits)
 from deltafin_mlx.generation.request import RequestLimits
 from deltafin_mlx.generation.sampling import Sampling
 
@@ -96,9 +96,8 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
         except Exception as e:  # whatever the tokenizer or template make of it
             yield error_line(req, f"line {req.line}: {_failure(e)}")
     replies = {}  # id(prepared) -> (Completion, logprobs)
-    scheduler = Scheduler(opts.batch_size, opts.prefill_step_size)
     step = progress.step if progress is not None else None
-    for p, e in batch(model, todo, scheduler, step):
+    for p, e in batch(model, todo, Scheduler(opts.batch_size, opts.prefill_step_size), step):
         if isinstance(e, Exception):
             req = p.origin
             yield error_line(req, f"line {req.line}: failed while decoding ({_failure(e)})")
