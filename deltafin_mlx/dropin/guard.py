@@ -156,7 +156,7 @@ def _batch_generator_within(plan, make):
     than `plan` holds, in the plan's passes. Installed when the model loads, in
     every rank's generation thread alike (under mlx.launch the ranks must batch
     identically)."""
-    from deltafin_mlx.jobs.batch import PREFILL_BATCH
+    from deltafin_mlx.generation.engine import PREFILL_BATCH
 
     def batch_generator(model, *args, completion_batch_size=32, prefill_batch_size=8,
                         prefill_step_size=2048, **kwargs):

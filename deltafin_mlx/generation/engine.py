@@ -1,26 +1,30 @@
 """One engine under every entry point (run, chat, batch, serve, the library,
 lm-eval, the mlx-lm drop-in): `prepare` makes a request ready once (its prompt
 tokens by the one renderer, the context rule, the sampler and processors, a
-`Render`); `stream` yields one kind of event for a sequence. Entry points only
-adapt their input and output.
+`Render`); `stream` yields one kind of event for a sequence, `batch` the same
+events for many decoded together. Entry points only adapt their input and output.
 
 The one renderer (`chat_prompt`): a conversation through the model's own format
 (K3's XTML, a Jinja template), or for a model without one mlx-lm's server's
 (`convert_chat`: "USER: ...\nASSISTANT:", mlx-lm's only rendering of a
 conversation); a text completion's text as mlx-lm encodes it."""
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
 
 from deltafin_mlx.engine.runtime import find_runtime
-from deltafin_mlx.errors import RequestError
+from deltafin_mlx.errors import DeltafinError, RequestError
 from deltafin_mlx.generation.logprobs import top_logprobs
 from deltafin_mlx.generation.render import Render, opens_thinking
 from deltafin_mlx.generation.request import GenerationRequest, RequestLimits, fit_max_tokens
 from deltafin_mlx.generation.sampling import KeyedSampler, Sampling
-from deltafin_mlx.generation.stream import RunStats, encode_text, stream_generate
+from deltafin_mlx.generation.stream import (RunStats, StatsMeter, encode_text, hint_prompt_batches,
+                                            planned_pass, stream_generate)
 
 
 @dataclass(frozen=True)
@@ -53,13 +57,6 @@ class Prepared:
 
     def render(self) -> Render:
         return Render(self.tokenizer, thinking=self.thinking, stop=self.stop)
-
-    def keyed_sampler(self):
-        """A sampler whose draws depend on this request's seed alone (batch);
-        mlx-lm's argmax when greedy."""
-        if self.sampling.temp > 0 and self.seed is not None:
-            return KeyedSampler(self.sampling, self.seed)
-        return self.sampling.sampler()
 
 
 def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True,
@@ -169,19 +166,134 @@ def stream(model, prepared: Prepared, *, prompt_cache=None, progress=None,
     kwargs.setdefault("prompt_progress_callback", progress)
     for r in stream_generate(model, prepared.tokenizer, prepared.prompt, prepared.max_tokens,
                              prompt_cache=prompt_cache, **kwargs):
-        reason = r.finish_reason
-        pieces = render.add(r.token, final=reason is not None)
-        if render.stopped:
-            reason = "stop"
-        elif reason is None and stop_requested():
-            reason = "interrupted"
-        if reason is not None:
-            pieces += render.finish()
-        top = top_logprobs(r.logprobs, prepared.top_logprobs) if prepared.top_logprobs else None
-        logprob = r.logprobs[r.token].item() if prepared.logprobs else 0.0
-        yield Event(r.token, logprob, top, pieces, r.deltafin, reason)
-        if reason is not None:
+        e = token_event(render, prepared, r.token, r.logprobs, r.finish_reason, r.deltafin,
+                        stop_requested)
+        yield e
+        if e.finish_reason is not None:
             return
+
+
+def token_event(render: Render, prepared: Prepared, token: int, logprobs: mx.array,
+                reason: Optional[str], stats: RunStats,
+                interrupted: Callable[[], bool] = lambda: False) -> Event:
+    """One token's event, by the one finish rule (`stream` and `batch` alike):
+    mlx-lm's `reason` ("stop": the model's stop token; "length"), or
+    "interrupted", unless the answer met a stop string, here or in the text the
+    reply's end lets out: then "stop"."""
+    pieces = render.add(token, final=reason is not None)
+    if reason is None and not render.stopped and interrupted():
+        reason = "interrupted"
+    if reason is not None or render.stopped:
+        pieces += render.finish()
+        reason = "stop" if render.stopped else reason
+    top = top_logprobs(logprobs, prepared.top_logprobs) if prepared.top_logprobs else None
+    logprob = logprobs[token].item() if prepared.logprobs else 0.0
+    return Event(token, logprob, top, pieces, stats, reason)
+
+
+PREFILL_BATCH = 8  # prompts prefilled together (mlx-lm's default)
+
+
+@dataclass
+class Scheduler:
+    """How `batch`'s sequences share mlx-lm's BatchGenerator."""
+
+    batch_size: int = 8  # sequences decoded together
+    prefill_step_size: Optional[int] = None  # per sequence per prefill call; None: the plan's pass
+
+    def generator(self, model, tokenizer) -> BatchGenerator:
+        hint_prompt_batches()
+        b = max(1, int(self.batch_size))
+        return BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+                              sampler=Sampling().sampler(), completion_batch_size=b,
+                              prefill_batch_size=min(b, PREFILL_BATCH),
+                              prefill_step_size=self.prefill_step_size
+                              or max(1, planned_pass(model) // min(b, PREFILL_BATCH)))
+
+
+@dataclass
+class BatchStats(RunStats):
+    """A sequence's RunStats in a batch: `bytes_read` is its share of the reads of
+    the steps it took part in (split evenly among their sequences); `mean_batch`
+    the sequences its decode steps decoded, on average."""
+
+    mean_batch: float = 0.0
+
+
+class BatchedSequence:
+    """A Prepared in the generator: its Render and its share of the work."""
+
+    def __init__(self, p: Prepared):
+        self.p, self.render, self.start, self.first = p, p.render(), time.perf_counter(), None
+        self.tokens, self.batch_sum, self.bytes_read = 0, 0, 0.0
+
+    def event(self, r, batch: int) -> Event:
+        """mlx-lm's response `r` from a step that decoded `batch` sequences."""
+        now = time.perf_counter()
+        self.first, self.tokens = self.first or now, self.tokens + 1
+        self.batch_sum += batch
+        stats = BatchStats(prompt_tokens=len(self.p.prompt), tokens=self.tokens,
+                           seconds=now - self.start, first_token_seconds=self.first - self.start,
+                           bytes_read=int(self.bytes_read), mean_batch=self.batch_sum / self.tokens)
+        return token_event(self.render, self.p, r.token, r.logprobs, r.finish_reason, stats)
+
+
+def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=None
+          ) -> Iterator[Tuple[Prepared, Union[Event, Exception]]]:
+    """(prepared, event) for each token of each sequence, as mlx-lm's
+    BatchGenerator decodes them together (continuous batching: a finished
+    sequence's place goes to the next prompt). A step that fails retires its
+    sequences and reruns each alone from its start (its first event again has
+    `stats.tokens == 1`): only a sequence that fails alone fails, as (prepared,
+    the exception). `progress(tokens, prompt_responses)` after each step."""
+    todo, alone, running = deque(prepareds), deque(), {}
+    if not todo:
+        return
+    tokenizer, b = todo[0].tokenizer, max(1, int(scheduler.batch_size))
+    gen = scheduler.generator(model, tokenizer)
+
+    def insert(p: Prepared):
+        # Each sequence draws with its own seed's key alone; mlx-lm's argmax when greedy.
+        keyed = p.sampling.temp > 0 and p.seed is not None
+        sampler = KeyedSampler(p.sampling, p.seed) if keyed else p.sampling.sampler()
+        (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[sampler],
+                            logits_processors=[p.sampling.logits_processors() or []])
+        running[uid] = BatchedSequence(p)
+
+    try:
+        while todo or alone or running:
+            try:
+                # Keep the generator's queue just full enough: caches are made on insert.
+                if alone and not running:
+                    insert(alone.popleft())
+                while not alone and todo and len(running) < b + min(b, PREFILL_BATCH):
+                    insert(todo.popleft())
+                meter = StatsMeter(model)
+                prompt_rs, gen_rs = gen.next()
+                involved = {r.uid for r in prompt_rs} | {r.uid for r in gen_rs}
+                share = meter.now().bytes_read / len(involved) if involved else 0
+                for uid in involved:
+                    running[uid].bytes_read += share
+                events = [(r, running[r.uid].event(r, len(gen_rs))) for r in gen_rs]
+                gen.remove([r.uid for r, e in events if e.finish_reason and not r.finish_reason])
+            except DeltafinError:
+                raise  # the model's files or the machine, not a request: stop, resumable
+            except Exception as e:
+                gen.close()
+                gen = scheduler.generator(model, tokenizer)
+                failed = [s.p for s in running.values()]
+                running.clear()
+                if len(failed) == 1:
+                    yield failed[0], e
+                else:
+                    alone.extend(failed)  # each from its start: a new sampler
+                continue
+            for r, e in events:
+                yield (running.pop(r.uid) if e.finish_reason else running[r.uid]).p, e
+            if progress is not None:
+                progress(len(gen_rs), prompt_rs)
+    finally:
+        gen.close()
 
 
 @dataclass

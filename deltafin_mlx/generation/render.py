@@ -8,7 +8,7 @@ A reply starts in the thinking channel when its prompt leaves that channel open
 (`opens_thinking`: a conversation rendered with thinking on).
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from deltafin_mlx import compat
 from deltafin_mlx.generation.stops import StopMatcher
@@ -30,8 +30,6 @@ class Channels:
         # K3's generation prompt opens the think channel, or the response channel
         self.channel = "think" if self.xtml and thinking else "answer"
         self.tag = None  # the XTML tag being read after <|open|> or <|close|>
-        self.thinking = ""
-        self.answer = ""
 
     def add(self, token: int, final: bool = False):
         """(channel, text) pieces for one token."""
@@ -69,13 +67,8 @@ class Channels:
         self.detok.reset()
 
     def _emit(self, text, out):
-        if not text:
-            return
-        if self.channel == "think":
-            self.thinking += text
-        else:
-            self.answer += text
-        out.append((self.channel, text))
+        if text:
+            out.append((self.channel, text))
 
 
 class Render:
@@ -116,14 +109,6 @@ class Render:
     def stopped(self) -> bool:
         return self.stops.stopped
 
-    @property
-    def text(self) -> str:
-        return self.stops.text
-
-    @property
-    def thinking(self) -> str:
-        return self.channels.thinking
-
 
 def opens_thinking(tokenizer, prompt) -> bool:
     """Whether a prompt's tokens leave K3's thinking channel open (the last channel
@@ -141,7 +126,7 @@ def render(tokenizer, tokens: Sequence[int], thinking: bool = True,
            stop: Sequence[str] = ()) -> Tuple[str, str]:
     """(answer, thinking) of a whole reply."""
     r = Render(tokenizer, thinking, stop)
-    for i, t in enumerate(tokens):
-        r.add(t, final=i == len(tokens) - 1)
-    r.finish()
-    return r.text, r.thinking
+    pieces = [p for i, t in enumerate(tokens) for p in r.add(t, final=i == len(tokens) - 1)]
+    pieces += r.finish()
+    answer = "".join(p for c, p in pieces if c == "answer")
+    return answer, "".join(p for c, p in pieces if c != "answer")

@@ -6,27 +6,20 @@ The input's lines (Deltafin's own format or OpenAI's Batch format) are read by
 `batch_lines.py` and checked by the one request rule (generation/request.py), the
 output is appended to and scanned by `results_file.py`. A result's `text` and
 `thinking` are generation/render.py's, as `run --json` and `serve` give them.
-Sequences are decoded together by mlx-lm's `BatchGenerator` (continuous batching:
-a finished sequence's place goes to the next prompt), so at each step every MoE
-layer reads the union of the experts its sequences route to, once.
+Sequences are decoded together by the engine's `batch` (generation/engine.py:
+mlx-lm's `BatchGenerator`, continuous batching).
 
 A request that cannot run becomes an error line, whether it fails when it is read,
-when it is tokenized and rendered, or inside the decode loop: a step that fails
-retires its sequences and reruns each of them alone, so only the request that
-fails alone gets the error line and every other one its answer.
+when it is tokenized and rendered, or inside the decode loop (only a request that
+fails alone: the engine reruns alone each sequence of a failed step).
 """
 
 import json
 import secrets
 import sys
-import time
-from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
-
-import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
 
 from deltafin_mlx.jobs.results_file import (Results, check_not_input, open_input, read_lines,
                                             result_key)
@@ -36,14 +29,12 @@ from deltafin_mlx.jobs.outcome import Outcome, error_line
 from deltafin_mlx.jobs.progress import Progress
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.engine.runtime import find_runtime
-from deltafin_mlx.generation.stream import StatsMeter, hint_prompt_batches, planned_pass
-from deltafin_mlx.generation.logprobs import top_logprobs
+from deltafin_mlx.generation.stream import StatsMeter
 from deltafin_mlx.generation import engine
-from deltafin_mlx.generation.engine import Defaults, Prepared, model_limits
+from deltafin_mlx.generation.engine import (Completion, Defaults, Prepared, Scheduler, batch,
+                                            model_limits)
 from deltafin_mlx.generation.request import RequestLimits
 from deltafin_mlx.generation.sampling import Sampling
-
-PREFILL_BATCH = 8  # prompts prefilled together (mlx-lm's default)
 
 
 @dataclass
@@ -85,62 +76,14 @@ def prepare(req: Request, tokenizer, opts: BatchOptions, limits: RequestLimits) 
     `origin`); a sampled request without a seed gets one, recorded in the output."""
     request = batch_request(req.spec, limits, raw=opts.raw)
     p = engine.prepare(request, tokenizer, limits, opts.defaults(), origin=req)
-    if p.sampling.temp > 0 and p.seed is None:
-        p.seed = secrets.randbits(32)
-    elif p.sampling.temp <= 0:
-        p.seed = None
+    p.seed = (secrets.randbits(32) if p.seed is None else p.seed) if p.sampling.temp > 0 else None
     return p
-
-
-class Running:
-    """One request in the generator: its tokens, text so far and counters."""
-
-    def __init__(self, p: Prepared):
-        self.p, self.req = p, p.origin
-        self.tokens: List[int] = []
-        self.logprobs: List[float] = []
-        self.top: List[list] = []  # per generated token, its position's top K
-        self.render = p.render()
-        self.start = time.perf_counter()
-        self.steps = 0
-        self.batch_sum = 0
-        self.bytes_read = 0.0
-
-    def add_token(self, token: int):
-        self.tokens.append(token)
-        self.render.add(token)
-
-    def result(self, reason: str) -> dict:
-        self.render.finish()  # the text held back for more tokens is checked too
-        if self.render.stopped:
-            reason = "stop"
-        seconds = time.perf_counter() - self.start
-        out = {"id": self.req.id, "text": self.render.text,
-               "thinking": self.render.thinking, "tokens": self.tokens,
-               "finish_reason": reason}
-        if self.req.custom_id:
-            out["custom_id"] = self.req.id
-        if self.p.seed is not None:
-            out["seed"] = self.p.seed
-        if self.logprobs:
-            out["logprobs"] = self.logprobs
-        if self.top:
-            out["top_logprobs"] = self.top
-        out["stats"] = {
-            "prompt_tokens": len(self.p.prompt),
-            "generation_tokens": len(self.tokens),
-            "seconds": seconds,
-            "tokens_per_second": len(self.tokens) / seconds if seconds > 0 else 0.0,
-            "mean_batch": self.batch_sum / self.steps if self.steps else 0.0,
-            "expert_bytes_read": int(self.bytes_read),  # its share of each step's reads
-        }
-        return out
 
 
 def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions,
                progress=None) -> Iterator[dict]:
     """Results (dicts) as requests finish, errors included, in finishing order."""
-    todo = deque()
+    todo = []
     limits = model_limits(model, tokenizer, context=opts.context)
     for req in requests:
         if req.error:
@@ -152,83 +95,42 @@ def iter_batch(model, tokenizer, requests: Sequence[Request], opts: BatchOptions
             yield error_line(req, f"line {req.line}: {e}")
         except Exception as e:  # whatever the tokenizer or template make of it
             yield error_line(req, f"line {req.line}: {_failure(e)}")
-    if not todo:
-        return
-    B = max(1, int(opts.batch_size))
-    eos = set(tokenizer.eos_token_ids)
-    alone = deque()  # the sequences of a failed step, rerun one at a time
-    running = {}
-    gen = _generator(model, tokenizer, B, opts)
-    try:
-        while todo or alone or running:
-            try:
-                # Keep the generator's queue just full enough: caches are made on insert.
-                if alone and not running:
-                    p = alone.popleft()
-                    running[_insert(gen, p)] = Running(p)
-                while not alone and todo and len(running) < B + min(B, PREFILL_BATCH):
-                    p = todo.popleft()
-                    running[_insert(gen, p)] = Running(p)
-                meter = StatsMeter(model)
-                prompt_rs, gen_rs = gen.next()
-                involved = {r.uid for r in prompt_rs} | {r.uid for r in gen_rs}
-                share = meter.now().bytes_read / len(involved) if involved else 0
-                for uid in involved:
-                    running[uid].bytes_read += share
-                finished = []
-                for r in gen_rs:
-                    run = running[r.uid]
-                    run.steps += 1
-                    run.batch_sum += len(gen_rs)
-                    reason = r.finish_reason
-                    if not (reason == "stop" and r.token in eos):
-                        run.add_token(r.token)
-                        if run.p.logprobs:
-                            run.logprobs.append(r.logprobs[r.token].item())
-                        if run.p.top_logprobs:
-                            run.top.append(top_logprobs(r.logprobs, run.p.top_logprobs))
-                        if run.render.stopped:
-                            if reason is None:
-                                gen.remove([r.uid])
-                            reason = "stop"
-                    if reason is not None:
-                        finished.append((r.uid, run.result(reason)))
-            except DeltafinError:
-                raise  # the model's files or the machine, not a request: stop, resumable
-            except Exception as e:
-                gen.close()
-                gen = _generator(model, tokenizer, B, opts)
-                failed = [run.p for run in running.values()]
-                running = {}
-                if len(failed) == 1:
-                    req = failed[0].origin
-                    yield error_line(req, f"line {req.line}: failed while decoding "
-                                     f"({_failure(e)})")
-                else:
-                    alone.extend(failed)  # each from its start: a new sampler
-                continue
-            for uid, result in finished:
-                del running[uid]
-                yield result
-            if progress is not None:
-                progress.step(len(gen_rs), prompt_rs)
-    finally:
-        gen.close()
+    replies = {}  # id(prepared) -> (Completion, logprobs)
+    step = progress.step if progress is not None else None
+    for p, e in batch(model, todo, Scheduler(opts.batch_size, opts.prefill_step_size), step):
+        if isinstance(e, Exception):
+            req = p.origin
+            yield error_line(req, f"line {req.line}: failed while decoding ({_failure(e)})")
+            continue
+        if e.stats.tokens == 1:  # a reply starts (again, after a failed step)
+            replies[id(p)] = (Completion(), [])
+        done, logprobs = replies[id(p)]
+        done.add(e)
+        logprobs.append(e.logprob)
+        if e.finish_reason is not None:
+            del replies[id(p)]
+            yield result(p, done, logprobs)
 
 
-def _generator(model, tokenizer, B: int, opts: BatchOptions) -> BatchGenerator:
-    hint_prompt_batches()
-    return BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-                          sampler=Sampling().sampler(), completion_batch_size=B,
-                          prefill_batch_size=min(B, PREFILL_BATCH),
-                          prefill_step_size=opts.prefill_step_size
-                          or max(1, planned_pass(model) // min(B, PREFILL_BATCH)))
-
-
-def _insert(gen: BatchGenerator, p: Prepared) -> int:
-    (uid,) = gen.insert([p.prompt], [p.max_tokens], samplers=[p.keyed_sampler()],
-                        logits_processors=[p.sampling.logits_processors() or []])
-    return uid
+def result(p: Prepared, done: Completion, logprobs: List[float]) -> dict:
+    """A finished request's line; the model's stop token is not one of its tokens."""
+    req, s = p.origin, done.stats
+    n = len(done.tokens) - (done.finish_reason == "stop"
+                            and done.tokens[-1] in p.tokenizer.eos_token_ids)
+    out = {"id": req.id, "text": done.text, "thinking": done.thinking,
+           "tokens": done.tokens[:n], "finish_reason": done.finish_reason}
+    if req.custom_id:
+        out["custom_id"] = req.id
+    if p.seed is not None:
+        out["seed"] = p.seed
+    if p.logprobs and n:
+        out["logprobs"] = logprobs[:n]
+    if p.top_logprobs and n:
+        out["top_logprobs"] = done.top_logprobs[:n]
+    out["stats"] = {"prompt_tokens": s.prompt_tokens, "generation_tokens": n, "seconds": s.seconds,
+                    "tokens_per_second": n / s.seconds if s.seconds > 0 else 0.0,
+                    "mean_batch": s.mean_batch, "expert_bytes_read": s.bytes_read}
+    return out
 
 
 def _failure(e: BaseException) -> str:

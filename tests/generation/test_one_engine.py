@@ -11,6 +11,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 import deltafin_mlx
@@ -19,8 +20,8 @@ from deltafin_mlx.cli.main import main
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.engine.runtime import runtime
-from deltafin_mlx.generation.engine import (Defaults, chat_prompt, complete, model_limits,
-                                            prepare, stream)
+from deltafin_mlx.generation.engine import (Completion, Defaults, Scheduler, batch, chat_prompt,
+                                            complete, model_limits, prepare, stream)
 from deltafin_mlx.generation.render import opens_thinking, render
 from deltafin_mlx.generation.request import GenerationRequest
 from deltafin_mlx.testing.server import free_port, post, start_server, stop_server
@@ -182,6 +183,39 @@ def test_every_process_entry_point_gives_the_engines_answer_thinking_and_finish(
         entry, case, cases, capsys, tmp_path):
     """The same, for the entry points that run in a process of their own (e2e)."""
     check(entry, case, cases, capsys, tmp_path)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_batch_gives_each_prepared_the_events_stream_gives_it_alone(case, cases):
+    """The engine's `batch` decodes Prepareds together (three at a time, so the
+    fourth takes a finished one's place): each gets the tokens, answer, thinking,
+    log-probabilities and finish reason `stream` gives it alone (greedy), a stop
+    string's cut and an earlier length included."""
+    _, model, tok, stop, _ = cases[case]
+    requests = [GenerationRequest(messages=MESSAGES, stop=list(stop), logprobs=True),
+                GenerationRequest(messages=MESSAGES, max_tokens=N // 2, top_logprobs=3),
+                GenerationRequest(messages=[{"role": "user", "content": "Count to five."}]),
+                GenerationRequest(prompt="Hello there")]
+    prepareds = [prepare(r, tok, model_limits(model), Defaults(max_tokens=N)) for r in requests]
+    got, logprobs = {}, {}
+    for p, e in batch(model, prepareds, Scheduler(batch_size=3)):
+        assert e.stats.tokens == len(got.setdefault(id(p), Completion()).tokens) + 1
+        got[id(p)].add(e)
+        logprobs.setdefault(id(p), []).append(e.logprob)
+    for p in prepareds:
+        alone = list(stream(model, p))
+        want = complete(iter(alone))
+        done = got[id(p)]
+        assert (done.tokens, done.text, done.thinking, done.finish_reason) == (
+            want.tokens, want.text, want.thinking, want.finish_reason)
+        # K3's KDA layers round a batch's prefill a few 1e-6 apart (tests/jobs/test_batch.py)
+        assert logprobs[id(p)] == pytest.approx([e.logprob for e in alone], abs=1e-4)
+        assert np.allclose(done.top_logprobs or [], want.top_logprobs or [], atol=1e-4)
+    reasons = [got[id(p)].finish_reason for p in prepareds]
+    assert reasons[1] == "length" and len(got[id(prepareds[1])].tokens) == N // 2
+    if stop:
+        assert reasons[0] == "stop" and stop[0] not in got[id(prepareds[0])].text
+    assert max(got[id(p)].stats.mean_batch for p in prepareds) > 1  # decoded together
 
 
 def test_a_text_completion_is_the_same_reply_from_the_library_and_run_raw(cases, capsys):
