@@ -2,6 +2,7 @@
 oracle — the same source quantized by mlx-lm itself and run fully in memory
 (helpers.py makes them; tests that call them directly import helpers)."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -246,6 +247,14 @@ E2E = [
     "tests/generation/test_one_engine.py::test_every_process_entry_point_*",
     "tests/generation/test_one_engine.py::test_the_drop_in_refuses_*",
 ]
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml): one worker a core, at most four. Each worker builds
+    its own session fixtures (sources, conversions, oracles), so more workers buy
+    little and cost memory; a file stays on one worker (`--dist loadfile`), its
+    module fixtures built once."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):
