@@ -1,4 +1,5 @@
-"""Sizes as people write them: "8GB" in, "17.5 MB" out (decimal units, as disks are sold)."""
+"""Sizes as people write them: "8GB" in, "17.5 MB" out (decimal units, as disks are sold);
+what counts as an integer in a file or a request (JSON's true is no integer here)."""
 
 import re
 
@@ -7,6 +8,10 @@ from deltafin_mlx.errors import BudgetError
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 1 << 10, "M": 1e6, "MB": 1e6,
           "MIB": 1 << 20, "G": 1e9, "GB": 1e9, "GIB": 1 << 30, "T": 1e12, "TB": 1e12,
           "TIB": 1 << 40}
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def parse_size(value) -> int:

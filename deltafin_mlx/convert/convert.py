@@ -22,31 +22,30 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from deltafin_mlx._version import __version__ as deltafin_version
-from deltafin_mlx.format.dtypes import name_of
+from deltafin_mlx.errors import DeltafinError, ModelError
 from deltafin_mlx.format.bank import BankWriter, bank_header_size, record_size_of, slice_sections
-from deltafin_mlx.format.integrity import MANIFEST_MAX_BYTES, file_checksum, format_checksum
+from deltafin_mlx.format.dtypes import name_of
+from deltafin_mlx.format.hub import looks_like_hub_id
+from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, file_checksum, format_checksum,
+                                          write_json)
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
-from deltafin_mlx.format.model_dir import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE, open_model_dir
-
+from deltafin_mlx.format.model_dir import (PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE,
+                                          open_model_dir)
 from deltafin_mlx.format.record import linear_quant, record_linears
 from deltafin_mlx.model.build import build_model, source_dtype
 from deltafin_mlx.model.config import experts_per_token
+from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, switch_linears,
+                                        switch_path)
 from deltafin_mlx.model.quantization import (check_quantization, mlx_lm_quantization,
                                              module_quantization)
+from deltafin_mlx.model.shard import check_glu_sections
+from deltafin_mlx.units import human_bytes
 
 from .experts import SanitizedExperts, linkable
 from .linked import LinkWriter, linked_manifest_entry
 from .scratch import SCRATCH_NAME, check_scratch_limit, disk_in_use, open_hub_scratch, plan_scratch
 from .source import (ConvertError, Source, copy_tokenizer_file, free_bytes, open_source, read_source,
                      tokenizer_files, without_code)
-from deltafin_mlx.errors import DeltafinError
-from deltafin_mlx.format.hub import looks_like_hub_id
-from deltafin_mlx.units import human_bytes
-from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, switch_linears,
-                                        switch_path)
-from deltafin_mlx.model.shard import check_glu_sections
-from deltafin_mlx.errors import ModelError
-
 from .trunk import convert_unit, release
 
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "vision_model.", "multi_modal_projector.")
@@ -81,15 +80,6 @@ class ConvertOptions:
         # What changes the output (resume and rerun compare it), not how it is fetched.
         how = ("force", "progress", "revision", "scratch", "scratch_limit")
         return {k: v for k, v in asdict(self).items() if k not in how}
-
-
-def _write_atomic_json(path: Path, obj):
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _save_safetensors(path: Path, arrays: dict):
@@ -225,7 +215,6 @@ def check_source_tokenizer(path: Path, tok_files, config: dict):
     import tempfile
 
     from deltafin_mlx.tokenizer.read import read_tokenizer
-    from deltafin_mlx.errors import ModelError
 
     # Read from a copy: a hub cache's files are links into its blobs, which the
     # model directory's reader rightly refuses (tokenizer_files checked them).
@@ -306,7 +295,7 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
         return open_model_dir(out).manifest
     scratch_plan = _check_disk(out, layout, state, hub, options)
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic_json(out / PARTIAL_NAME, state)
+    write_json(out / PARTIAL_NAME, state)
     (out / "trunk").mkdir(exist_ok=True)
     (out / "experts").mkdir(exist_ok=True)
     if options.progress:
@@ -519,7 +508,7 @@ def _resume_notes(out: Path, layout: Layout, state: dict) -> list:
 
 def _convert_units(out: Path, layout: Layout, state: dict, bar, hub=None, scratch_plan=None):
     partial_path = out / PARTIAL_NAME
-    _write_atomic_json(partial_path, state)
+    write_json(partial_path, state)
     source = layout.source
     for unit in list(range(layout.num_layers)) + ["globals"]:
         key = str(unit)
@@ -533,7 +522,7 @@ def _convert_units(out: Path, layout: Layout, state: dict, bar, hub=None, scratc
             bar.redo(unit, f"note: redoing {'layer ' + key if unit != 'globals' else 'the globals'}: "
                      f"{stale}")
             del state["done"][key]
-            _write_atomic_json(partial_path, state)
+            write_json(partial_path, state)
         bar.start_unit(unit)
         result = _write_trunk(out, layout, unit)
         result["source_fingerprint"] = fingerprint
@@ -544,7 +533,7 @@ def _convert_units(out: Path, layout: Layout, state: dict, bar, hub=None, scratc
         if unit != "globals":
             release(get_module(layout.model, layout.paths[unit]))
         state["done"][key] = result
-        _write_atomic_json(partial_path, state)
+        write_json(partial_path, state)
         if hub is not None:  # durably recorded: the shards no later unit reads can go
             at = scratch_plan.order.index(unit)
             for s in hub.shards:
@@ -572,7 +561,7 @@ def _unit_fingerprint(layout: Layout, unit, state: dict, bar, hub, partial_path:
         if shard in source.blob_sha256 and verified.get(shard) != source.blob_sha256[shard]:
             source.check_blob(shard)  # hub downloads are not checked by the hub client
             verified[shard] = source.blob_sha256[shard]
-            _write_atomic_json(partial_path, state)
+            write_json(partial_path, state)
     return source.content_fingerprint(layout.units[unit])
 
 
@@ -751,7 +740,7 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
     # The mlx-lm drop-in (deltafin_mlx/dropin/shim.py): mlx-lm imports this file
     # with --trust-remote-code; Deltafin itself builds mlx-lm's class from model_type.
     mlx_config["model_file"] = SHIM_FILE
-    _write_atomic_json(out / "config.json", mlx_config)
+    write_json(out / "config.json", mlx_config)
     (out / SHIM_FILE).write_text(SHIM_SOURCE)
     mx.save_safetensors(str(out / PLACEHOLDER_WEIGHTS), {})
     for name in (SHIM_FILE, PLACEHOLDER_WEIGHTS):

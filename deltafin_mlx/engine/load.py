@@ -36,7 +36,7 @@ from deltafin_mlx.engine.trunk_pass import PassTrunk
 from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
 from deltafin_mlx.engine.reader import RECORD_CHECKS
 from deltafin_mlx.errors import LoadOptionError, TokenIdError
-from deltafin_mlx.units import parse_size
+from deltafin_mlx.units import is_int, parse_size
 
 READ_MODES = ("direct", "mmap")
 
@@ -172,10 +172,6 @@ def load_trunk(model: nn.Module, manifest, dtype: Optional[mx.Dtype], skip=lambd
     mx.eval([v for _, v in params])
 
 
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 @dataclass(frozen=True)
 class LoadOptions:
     """How `load` builds the runtime: every option in one place, each value checked
@@ -265,17 +261,17 @@ class LoadOptions:
         dt = self.activation_dtype  # an mx.Dtype compared with None raises TypeError
         need(dt is None or isinstance(dt, mx.Dtype) or isinstance(dt, str) and dt == "auto",
              "activation_dtype", "'auto', None or an mx.Dtype")
-        need(_int(self.reader_threads) and self.reader_threads >= 0, "reader_threads",
+        need(is_int(self.reader_threads) and self.reader_threads >= 0, "reader_threads",
              "0 or more")
         need(isinstance(self.pipeline, bool) or self.pipeline == "auto", "pipeline",
              "True, False or 'auto'")
         need(self.record_checks in RECORD_CHECKS, "record_checks", f"one of {RECORD_CHECKS}")
         need(self.read_mode in READ_MODES, "read_mode", f"one of {READ_MODES}")
-        need(self.cache_slots is None or (_int(self.cache_slots) and self.cache_slots >= 1),
+        need(self.cache_slots is None or (is_int(self.cache_slots) and self.cache_slots >= 1),
              "cache_slots", "None or 1 or more")
-        need(_int(self.sequences) and self.sequences >= 1 or self.sequences == "auto",
+        need(is_int(self.sequences) and self.sequences >= 1 or self.sequences == "auto",
              "sequences", "1 or more, or 'auto'")
-        need(_int(self.max_sequences) and self.max_sequences >= 1, "max_sequences", "1 or more")
+        need(is_int(self.max_sequences) and self.max_sequences >= 1, "max_sequences", "1 or more")
         need(self.group is None or isinstance(self.group, str) and self.group == "auto"
              or hasattr(self.group, "rank"), "group", "'auto', None or an mx.distributed.Group")
 
