@@ -41,16 +41,8 @@ class SlotMap:
     is not resident, protecting the experts the call is using.
     """
 
-    def __init__(
-        self,
-        num_slots: int,
-        num_experts: int,
-        *,
-        half_life: float = 128.0,
-        repeat_weight: float = 0.5,
-        stale_after: float = 3.0,
-        recent_bonus: float = 0.0,
-    ):
+    def __init__(self, num_slots: int, num_experts: int, *, half_life: float = 128.0,
+                 repeat_weight: float = 0.5, stale_after: float = 3.0, recent_bonus: float = 0.0):
         if not 0 < num_slots <= num_experts:
             raise ValueError(f"need 0 < num_slots <= num_experts, got {num_slots} and {num_experts}")
         self.num_slots = num_slots
