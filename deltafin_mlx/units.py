@@ -22,9 +22,7 @@ def parse_size(value) -> int:
         return int(value)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).upper() not in _UNITS:
-        raise BudgetError(
-            f"bad memory size {value!r} (examples: 8GB, 512MB, 1.5GiB, 1000000000)"
-        )
+        raise BudgetError(f"bad memory size {value!r} (examples: 8GB, 512MB, 1.5GiB, 1000000000)")
     n = float(m.group(1)) * _UNITS[m.group(2).upper()]
     if not n < 1e18:
         raise BudgetError(f"memory budget {value!r} is not a sensible size")

@@ -339,8 +339,7 @@ class Snapshot:
                 layers.append(("state", tree_map(lambda x: x, c.state)))
             else:  # a cache a step may write in place (a rotating window): not kept
                 layers.append(("rebuild", None))
-        return cls([dict(m) for m in session.messages], list(session.tokens),
-                   session.cache, layers)
+        return cls([dict(m) for m in session.messages], list(session.tokens), session.cache, layers)
 
     def restore(self, session):
         if any(kind == "rebuild" for kind, _ in self.layers):

@@ -123,8 +123,7 @@ def interrupts_in_finalizers_reach_main():
     default, caught = sys.unraisablehook, []
 
     def hook(unraisable):
-        if unraisable.exc_type is not None and issubclass(unraisable.exc_type,
-                                                           KeyboardInterrupt):
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
             caught.append(unraisable.exc_type)
             return
         default(unraisable)

@@ -27,8 +27,7 @@ def build_parser():
     )
     p.add_argument("src", help="local Hugging Face model directory, or a hub repo id")
     p.add_argument("out", help="output directory")
-    p.add_argument("--bits", type=int, default=4, choices=BITS,
-                   help="trunk quantization bits")
+    p.add_argument("--bits", type=int, default=4, choices=BITS, help="trunk quantization bits")
     p.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES,
                    help="trunk quantization group size")
     p.add_argument("--no-trunk-quant", action="store_true",

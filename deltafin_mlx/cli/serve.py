@@ -130,8 +130,7 @@ def parser():
     p.add_argument("--prompt-cache-bytes", type=cache_bytes, default=None,
                    help="most bytes those caches may hold, e.g. 200MB (default: the plan's "
                    "KV/state bytes)")
-    p.add_argument("--allowed-origins", default="*",
-                   help="comma-separated origins for CORS")
+    p.add_argument("--allowed-origins", default="*", help="comma-separated origins for CORS")
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
                    help="server log level")

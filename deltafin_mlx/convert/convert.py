@@ -279,8 +279,7 @@ class Layout:
         """Source bytes a unit reads: its trunk tensors and, for a layer, its experts."""
         if unit == "globals":
             return self.trunk_bytes[unit]
-        return self.trunk_bytes[unit] + sum(self.source.nbytes(n)
-                                            for n in self.experts.names(unit))
+        return self.trunk_bytes[unit] + sum(self.source.nbytes(n) for n in self.experts.names(unit))
 
 
 def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
@@ -417,8 +416,7 @@ def _moe_layers(model, paths: list, model_type) -> dict:
     return moe_layers
 
 
-def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
-                   options: ConvertOptions):
+def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict, options: ConvertOptions):
     expert_quant = experts.quant
     if expert_quant.get("carried_over") and (options.expert_bits, options.expert_group_size) \
             != (ConvertOptions.expert_bits, ConvertOptions.expert_group_size):
@@ -482,13 +480,11 @@ def _check_disk(out: Path, layout: Layout, state: dict, hub, options: ConvertOpt
                 f"bytes ({needed / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free")
         return None
     source = layout.source
-    order = [u for u in list(range(layout.num_layers)) + ["globals"]
-             if str(u) not in state["done"]]
+    order = [u for u in list(range(layout.num_layers)) + ["globals"] if str(u) not in state["done"]]
     needs = {u: {source.tensors[n].shard for n in layout.units[u]} for u in order}
     scratch_plan = plan_scratch(order, needs, hub.shard_sizes)
     held = sum(hub.shard_sizes[s] for s in hub.shards if hub.present(s))
-    check_scratch_limit(scratch_plan, options.scratch_limit, free + held, needed,
-                        hub.small_bytes)
+    check_scratch_limit(scratch_plan, options.scratch_limit, free + held, needed, hub.small_bytes)
     for s in hub.shards:  # what a killed run left that no unit left to do reads
         if s not in scratch_plan.last_use:
             hub.release(s)
@@ -676,8 +672,7 @@ class ConvertProgress:
         self._shown = now
         rate = self.finished / max(now - self.start, 1e-9)
         extra = f", {self.status()}" if self.status else ""
-        self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}",
-                                 refresh=self.bar.n < self.bar.total)
+        self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}", refresh=self.bar.n < self.bar.total)
 
     def close(self, failed: bool = False):
         if failed:

@@ -340,8 +340,7 @@ class SanitizedExperts:
             names = ([n for e in range(size) for n in found.per_expert[e]] + found.stacked
                      + found.whole)
             try:
-                _, out = self._dry(names, size, found.rename,
-                                   rows={n: size for n in found.stacked})
+                _, out = self._dry(names, size, found.rename, rows={n: size for n in found.stacked})
                 part = self._under(out, found.switch)
                 ok = {k: (name_of(v.dtype), tuple(v.shape[1:])) for k, v in part.items()} == \
                     spec and all(v.shape[0] == size for v in part.values())
@@ -374,8 +373,7 @@ class SanitizedExperts:
         mixed = [found for found in per_linear.values() if len(found) > 1]
         carried = {q is not None for found in per_linear.values() for q in found}
         if mixed or len(carried) > 1:
-            found = mixed[0] if mixed else {q: w for f in per_linear.values()
-                                            for q, w in f.items()}
+            found = mixed[0] if mixed else {q: w for f in per_linear.values() for q, w in f.items()}
             kinds = [f"{w}: " + ("float" if q is None else "{mode} {bits}-bit group {group_size}"
                                  .format(**dict(q))) for q, w in found.items()]
             raise ConvertError("the experts are quantized differently from layer to layer "
@@ -507,8 +505,7 @@ class SanitizedExperts:
                 f.seek(offset)
                 got = f.readinto(memoryview(buf))
         except OSError as e:
-            raise ConvertError(f"{self.source.path / shard}: cannot read ({e.strerror})"
-                               ) from None
+            raise ConvertError(f"{self.source.path / shard}: cannot read ({e.strerror})") from None
         if got != size:
             raise ConvertError(f"{self.source.path / shard}: truncated (it shrank during "
                                "the conversion)")

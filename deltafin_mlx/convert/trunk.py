@@ -47,11 +47,7 @@ def convert_unit(
         quantized = quantize_as_saved(module, prefix, skip, weights, saved_quant)
 
     skipped = skip
-    expected = {
-        full(k): v
-        for k, v in tree_flatten(module.parameters())
-        if not skipped(full(k))
-    }
+    expected = {full(k): v for k, v in tree_flatten(module.parameters()) if not skipped(full(k))}
     for name, w in weights.items():
         if name not in expected:
             raise ConvertError(f"unexpected tensor {name} (mlx-lm's model has no such parameter)")

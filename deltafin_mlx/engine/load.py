@@ -87,8 +87,7 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
                 raise ModelError(f"{where}: {sp}.{proj} {'has' if bias else 'has no'} "
                                  "per-expert bias, the banks differ")
     prefixes = tuple(sp + "." for sp in switches)
-    params = {k: v.shape for k, v in tree_flatten(model.parameters())
-              if not k.startswith(prefixes)}
+    params = {k: v.shape for k, v in tree_flatten(model.parameters()) if not k.startswith(prefixes)}
     for name, shape in params.items():
         info = manifest.tensors.get(name)
         if info is None:
@@ -137,8 +136,7 @@ def guard_token_ids(model: nn.Module):
         return cls.__call__(self, x)
 
     # Swapping the class keeps the module's parameters and paths as they are.
-    module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
-                                                   "vocab_size": vocab})
+    module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "vocab_size": vocab})
 
 
 def load_trunk(model: nn.Module, manifest, dtype: Optional[mx.Dtype], skip=lambda name: False,
@@ -406,8 +404,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
                shard=shard)
     trunk = None
     if streamed:
-        trunk = TrunkStreamer(model, manifest, dict(enumerate(paths)), streamed,
-                              activation_dtype)
+        trunk = TrunkStreamer(model, manifest, dict(enumerate(paths)), streamed, activation_dtype)
     trunk_pass = None
     if plan.pass_trunk:
         trunk_pass = PassTrunk(model, manifest, dict(enumerate(paths)),
@@ -452,8 +449,7 @@ def open_tokenizer(model):
     once per opened directory (`model`: a path or a ModelDir)."""
     model_dir = open_model_dir(model)
     if model_dir.tokenizer is None:
-        model_dir.tokenizer = load_tokenizer(model_dir.path, model_dir.manifest,
-                                             model_dir.config)
+        model_dir.tokenizer = load_tokenizer(model_dir.path, model_dir.manifest, model_dir.config)
     return model_dir.tokenizer
 
 

@@ -242,8 +242,7 @@ class ExpertPool:
         """A slot for `layer`'s non-resident `expert`; `protected` holds
         (layer, expert) pairs that must stay."""
         m, key, off = self._where(layer, expert)
-        keys = {self._where(l, e)[1] for l, e in protected
-                if not self.partitioned or l == layer}
+        keys = {self._where(l, e)[1] for l, e in protected if not self.partitioned or l == layer}
         slot = m.place(key, keys, speculative=speculative, worth=worth)
         return None if slot is None else slot + off
 

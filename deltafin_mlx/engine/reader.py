@@ -200,8 +200,7 @@ class Reader:
             job.done.set()
 
 
-def read_into(bank, expert: int, targets: Dict[str, np.ndarray], staging: np.ndarray,
-              verify: bool):
+def read_into(bank, expert: int, targets: Dict[str, np.ndarray], staging: np.ndarray, verify: bool):
     """One expert into its slot views: a bank's record (`read_record`), or what a
     bank of another kind reads itself (linked experts, engine/linked_reader.py)."""
     own = getattr(bank, "read_into", None)

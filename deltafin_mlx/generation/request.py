@@ -50,8 +50,7 @@ class RequestLimits:
 
 
 def _is_number(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(v))
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
 
 
 def integer(body, name, low, high, default=None):
@@ -323,8 +322,7 @@ class GenerationRequest:
         return req
 
     @classmethod
-    def from_flags(cls, flags: dict, limits: Optional[RequestLimits] = None
-                   ) -> "GenerationRequest":
+    def from_flags(cls, flags: dict, limits: Optional[RequestLimits] = None) -> "GenerationRequest":
         """The command line's sampling options, by field name ({"temperature": ...,
         "stop": [...]}); None leaves a field to its default. Without `limits` the
         bounds that need the model (top_k below the vocabulary) are left to

@@ -25,8 +25,7 @@ from deltafin_mlx.generation.stream import common_prefix
 from deltafin_mlx.tokenizer.messages import chat_messages
 from deltafin_mlx.units import is_int
 
-TEXT_KEYS = ({"id", "text"}, {"id", "prompt", "completion"}, {"id", "messages"},
-             {"id", "tokens"})
+TEXT_KEYS = ({"id", "text"}, {"id", "prompt", "completion"}, {"id", "messages"}, {"id", "tokens"})
 
 
 @dataclass
