@@ -87,19 +87,17 @@ def _main(argv):
         print(f"deltafin-convert: error: --scratch-limit {args.scratch_limit}: {e}",
               file=sys.stderr)
         return 1
-    options = ConvertOptions(
-        bits=None if args.no_trunk_quant else args.bits,
-        group_size=args.group_size,
-        expert_bits=args.expert_bits,
-        expert_group_size=args.expert_group_size,
-        ranks=args.ranks,
-        link_experts=args.link_experts,
-        force=args.force,
-        progress=not args.quiet,
-        revision=args.revision,
-        scratch=args.scratch_limit is not None,
-        scratch_limit=limit,
-    )
+    options = ConvertOptions(bits=None if args.no_trunk_quant else args.bits,
+                             group_size=args.group_size,
+                             expert_bits=args.expert_bits,
+                             expert_group_size=args.expert_group_size,
+                             ranks=args.ranks,
+                             link_experts=args.link_experts,
+                             force=args.force,
+                             progress=not args.quiet,
+                             revision=args.revision,
+                             scratch=args.scratch_limit is not None,
+                             scratch_limit=limit)
     started = time.time()
     try:
         with interrupts_in_finalizers_reach_main():

@@ -151,8 +151,6 @@ def cmd_serve(argv) -> int:
         raise UsageError(f"--queue must be 0 or more, not {args.queue}")
     if not args.queue_seconds > 0:
         raise UsageError(f"--queue-seconds must be positive, not {args.queue_seconds}")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be 0 or more, not {args.top_k}")
     rc = serve(ServeConfig(
         model=args.model, host=args.host, port=args.port,
         load=load_options(args, sequences=args.sequences), queue=args.queue,

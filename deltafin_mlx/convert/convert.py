@@ -98,12 +98,10 @@ def _save_safetensors(path: Path, arrays: dict):
 
 def _tensor_info(name, a, rel, quantized):
     module = name.rsplit(".", 1)[0]
-    return {
-        "file": rel,
-        "dtype": name_of(a.dtype),
-        "shape": list(a.shape),
-        "quantization": quantized.get(module),
-    }
+    return {"file": rel,
+            "dtype": name_of(a.dtype),
+            "shape": list(a.shape),
+            "quantization": quantized.get(module)}
 
 
 def check_out_apart(src: Path, out: Path):
@@ -135,11 +133,9 @@ def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
             state["done"]
         except (OSError, ValueError, KeyError, TypeError):
             state = None
-    same = (
-        state is not None
-        and state.get("fingerprint") == source.fingerprint
-        and state.get("options") == options.recorded()
-    )
+    same = (state is not None
+            and state.get("fingerprint") == source.fingerprint
+            and state.get("options") == options.recorded())
     if not (partial.is_file() or _deltafin_manifest(manifest) or _only_our_leftovers(out)):
         # No option overrides this: --force replaces a Deltafin output, never the
         # user's files (a directory that merely has trunk/ or config.json in it).
@@ -161,10 +157,8 @@ def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
     if same:
         return state  # (with a manifest: stopped just before its last step, rerun it)
     if state is not None:
-        raise ConvertError(
-            f"{out}: holds an unfinished conversion of another source or with other "
-            "options (use --force to start over)"
-        )
+        raise ConvertError(f"{out}: holds an unfinished conversion of another source or with other "
+                           "options (use --force to start over)")
     return fresh
 
 
@@ -603,7 +597,7 @@ def _write_experts(out: Path, layout: Layout, unit, recorded: dict, bar, files: 
         writer = LinkWriter(layout.source, unit, n, layout.sections)
         for e in range(n):
             writer.add(e, experts.record(unit, e), experts.locations(unit, e))
-            bar.update(experts.nbytes(unit, e))
+            bar.update(experts.expert_nbytes(unit, e))
         writer.write(out / rel)
         entry = {"bank": {"links": rel, "switch_path": layout.moe_layers[unit]},
                  "linked_files": writer.files}
@@ -614,7 +608,7 @@ def _write_experts(out: Path, layout: Layout, unit, recorded: dict, bar, files: 
         try:
             for e in range(n):
                 writer.write_record(experts.record(unit, e))
-                bar.update(experts.nbytes(unit, e))
+                bar.update(experts.expert_nbytes(unit, e))
             writer.close()
         except BaseException:
             writer.abort()
@@ -639,12 +633,10 @@ class ConvertProgress:
         self.finished = 0
         self.status = None  # more to show after the rates (the scratch's download, disk)
         self._shown = 0.0
-        self.bar = tqdm(
-            total=sum(unit_bytes.values()),
-            initial=sum(b for u, b in unit_bytes.items() if str(u) in done),
-            unit="B", unit_scale=True, desc="converting", disable=not enabled,
-            dynamic_ncols=True, leave=True, file=sys.stderr,
-        )
+        self.bar = tqdm(total=sum(unit_bytes.values()),
+                        initial=sum(b for u, b in unit_bytes.items() if str(u) in done),
+                        unit="B", unit_scale=True, desc="converting", disable=not enabled,
+                        dynamic_ncols=True, leave=True, file=sys.stderr)
 
     def update(self, nbytes: int):
         if self.bar.n + nbytes >= self.bar.total:  # complete: close() draws the last line
@@ -758,10 +750,8 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
         dtype=name_of(dtype) if dtype is not None else "float32",
         num_layers=num_layers,
         quantization={"trunk": trunk_quant, "experts": expert_quant},
-        trunk_files={
-            **{str(i): f"trunk/layer-{i:05d}.safetensors" for i in range(num_layers)},
-            "globals": "trunk/globals.safetensors",
-        },
+        trunk_files={**{str(i): f"trunk/layer-{i:05d}.safetensors" for i in range(num_layers)},
+                     "globals": "trunk/globals.safetensors"},
         tensors=tensors,
         experts={
             "num_experts": layout.num_experts,
@@ -774,14 +764,12 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
         },
         tokenizer={"kind": kind, "files": tok_files},
         files=files,
-        source={
-            "id": source.id,
-            "fingerprint": source.fingerprint,
-            "converted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "deltafin_version": deltafin_version,
-            "options": options.recorded(),
-            "config_sha256": hashlib.sha256((out / "config.json").read_bytes()).hexdigest(),
-        },
+        source={"id": source.id,
+                "fingerprint": source.fingerprint,
+                "converted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "deltafin_version": deltafin_version,
+                "options": options.recorded(),
+                "config_sha256": hashlib.sha256((out / "config.json").read_bytes()).hexdigest()},
         checksums=checksums,
     )
     manifest.write()

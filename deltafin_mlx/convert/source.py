@@ -24,18 +24,16 @@ from deltafin_mlx.model.config import text_config
 from deltafin_mlx.units import is_int
 
 
-TOKENIZER_FILES = (
-    "tiktoken.model",
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-)
+TOKENIZER_FILES = ("tiktoken.model",
+                   "tokenizer.json",
+                   "tokenizer.model",
+                   "tokenizer_config.json",
+                   "special_tokens_map.json",
+                   "generation_config.json",
+                   "chat_template.jinja",
+                   "chat_template.json",
+                   "vocab.json",
+                   "merges.txt")
 
 
 @dataclass
@@ -288,16 +286,14 @@ def read_source(src: str, path: Path, root: Path, remote=None) -> Source:
                 f"{path / weight_map[missing[0]]}: does not hold tensor {missing[0]} "
                 f"(the index says it does; {len(missing)} tensors missing in all)"
             )
-    return Source(
-        path=path,
-        id=src if not Path(src).expanduser().exists() else str(path.resolve()),
-        config=config,
-        tensors=tensors,
-        total_bytes=total,
-        fingerprint=h.hexdigest(),
-        root=root,
-        blob_sha256=_blob_names(path, root, shards) if remote is None else {},
-    )
+    return Source(path=path,
+                  id=src if not Path(src).expanduser().exists() else str(path.resolve()),
+                  config=config,
+                  tensors=tensors,
+                  total_bytes=total,
+                  fingerprint=h.hexdigest(),
+                  root=root,
+                  blob_sha256=_blob_names(path, root, shards) if remote is None else {})
 
 
 def _blob_names(path: Path, root: Path, shards) -> Dict[str, str]:

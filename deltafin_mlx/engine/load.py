@@ -327,17 +327,15 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     for layer in manifest.moe_layers if linked is None else ():
         entry = manifest.experts["layers"][str(layer)]
         try:
-            layouts[layer] = read_layout(
-                manifest.bank_path(layer),
-                expect={
-                    "layer": layer,
-                    "num_experts": manifest.experts["num_experts"],
-                    "record_size": manifest.experts["record_size"],
-                    "header_size": entry["header_size"],
-                    "sections": manifest.experts["sections"],
-                    "slices": manifest.slices,
-                },
-            )
+            layouts[layer] = read_layout(manifest.bank_path(layer),
+                                         expect={
+                                             "layer": layer,
+                                             "num_experts": manifest.experts["num_experts"],
+                                             "record_size": manifest.experts["record_size"],
+                                             "header_size": entry["header_size"],
+                                             "sections": manifest.experts["sections"],
+                                             "slices": manifest.slices,
+                                         })
         except BankError as e:
             raise ModelError(str(e)) from None
         # What this rank reads of each record (all of it in one process).

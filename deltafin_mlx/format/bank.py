@@ -42,13 +42,11 @@ class Section:
     nbytes: int
 
     def to_dict(self):
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "offset": self.offset,
-            "nbytes": self.nbytes,
-        }
+        return {"name": self.name,
+                "dtype": self.dtype,
+                "shape": list(self.shape),
+                "offset": self.offset,
+                "nbytes": self.nbytes}
 
     @classmethod
     def from_dict(cls, d):
@@ -238,14 +236,12 @@ class BankLayout:
 
 
 def _header_json(layer, num_experts, sections, slices: int = 1) -> bytes:
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "layer": layer,
-        "num_experts": num_experts,
-        "record_size": record_size_of(sections) * slices,
-        "sections": [s.to_dict() for s in sections],
-        "checksum": "crc32",
-    }
+    meta = {"format_version": FORMAT_VERSION,
+            "layer": layer,
+            "num_experts": num_experts,
+            "record_size": record_size_of(sections) * slices,
+            "sections": [s.to_dict() for s in sections],
+            "checksum": "crc32"}
     if slices > 1:
         meta.update(format_version=SLICED_VERSION, slices=slices)
     return json.dumps(meta, sort_keys=True).encode()
@@ -270,10 +266,8 @@ def read_layout(path, expect: Optional[dict] = None) -> BankLayout:
                     raise ValueError("not a JSON object")
                 version = meta["format_version"]
                 if not is_int(version) or version not in FORMAT_VERSIONS:
-                    raise BankError(
-                        f"{path}: bank format version {version!r:.40} is not supported "
-                        f"(this Deltafin reads versions {FORMAT_VERSIONS})"
-                    )
+                    raise BankError(f"{path}: bank format version {version!r:.40} is not supported "
+                                    f"(this Deltafin reads versions {FORMAT_VERSIONS})")
                 slices = meta.get("slices", 1) if version == SLICED_VERSION else 1
                 if version == SLICED_VERSION and not (is_int(slices) and 1 < slices <= 1024):
                     raise ValueError(f"slices {slices!r:.40}")
@@ -307,10 +301,8 @@ def read_layout(path, expect: Optional[dict] = None) -> BankLayout:
     layout = BankLayout(layer, num_experts, record_size, header_size, sections,
                         sums[:num_experts].copy(), slices, slice_sums)
     if size != layout.file_size:
-        raise BankError(
-            f"{path}: bank is {size} bytes, its header says {layout.file_size} "
-            "(truncated or modified file)"
-        )
+        raise BankError(f"{path}: bank is {size} bytes, its header says {layout.file_size} "
+                        "(truncated or modified file)")
     if expect:
         for key in ("num_experts", "record_size", "header_size", "layer", "slices"):
             if key in expect and expect[key] != getattr(layout, key):
@@ -363,10 +355,8 @@ class BankWriter:
             for s in self.sections:
                 a = np.ascontiguousarray(part[s.name])
                 if a.nbytes != s.nbytes or tuple(a.shape) != s.shape:
-                    raise BankError(
-                        f"expert {self._next}: {s.name} has shape {a.shape} "
-                        f"({a.nbytes} bytes), expected {s.shape} ({s.nbytes} bytes)"
-                    )
+                    raise BankError(f"expert {self._next}: {s.name} has shape {a.shape} "
+                                    f"({a.nbytes} bytes), expected {s.shape} ({s.nbytes} bytes)")
                 rec[base + s.offset : base + s.offset + s.nbytes] = a.reshape(-1).view(np.uint8)
             self._slice_sums[self._next, r] = crc32(rec[base : base + self.slice_size])
         self._sums[self._next] = crc32(rec)

@@ -131,10 +131,8 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
         raise ModelError(f"{mpath}: not a Deltafin manifest")
     version = d.get("format_version")
     if not is_int(version) or version not in MANIFEST_VERSIONS:  # true == 1 in Python
-        raise ModelError(
-            f"{mpath}: format version {version!r} is not supported "
-            f"(this Deltafin reads versions {MANIFEST_VERSIONS})"
-        )
+        raise ModelError(f"{mpath}: format version {version!r} is not supported "
+                         f"(this Deltafin reads versions {MANIFEST_VERSIONS})")
     try:
         _check_fields(d)
         m = Manifest(path=path, **{k: d[k] for k in REQUIRED}, source=d.get("source", {}),
@@ -155,12 +153,10 @@ class _Leaves(ValueError):
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+"
 # mode -> (bits, group sizes) that MLX's quantized matmuls take
-QUANT_MODES = {
-    "affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128)),
-    "mxfp4": ((4,), (32,)),
-    "mxfp8": ((8,), (32,)),
-    "nvfp4": ((4,), (16,)),
-}
+QUANT_MODES = {"affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128)),
+               "mxfp4": ((4,), (32,)),
+               "mxfp8": ((8,), (32,)),
+               "nvfp4": ((4,), (16,))}
 
 
 def _need(ok: bool, what: str):

@@ -8,7 +8,7 @@ A reply starts in the thinking channel when its prompt leaves that channel open
 (`opens_thinking`: a conversation rendered with thinking on).
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from deltafin_mlx import compat
 from deltafin_mlx.generation.stops import StopMatcher

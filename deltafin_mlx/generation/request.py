@@ -156,13 +156,11 @@ READ_FIELDS = {
 INFORMATIONAL_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # OpenAI's fields for what this runtime does not do: taken only at the value that asks
 # for nothing (a client library may send it), refused otherwise.
-NO_OP_VALUES = {
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "tool_choice": (None, "auto"), "response_format": (None, {"type": "text"}),
-    "modalities": (None, ["text"]), "functions": (None,), "function_call": (None,),
-    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
-    "images": (None,), "image": (None,),
-}
+NO_OP_VALUES = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+                "tool_choice": (None, "auto"), "response_format": (None, {"type": "text"}),
+                "modalities": (None, ["text"]), "functions": (None,), "function_call": (None,),
+                "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+                "images": (None,), "image": (None,)}
 
 
 def check_fields(body: dict):
