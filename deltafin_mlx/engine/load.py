@@ -11,31 +11,30 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from deltafin_mlx.format.bank import BankError, read_layout
-from deltafin_mlx.format.dtypes import mlx_dtype, to_mlx
 from deltafin_mlx.engine.allocator import tune_malloc
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
 from deltafin_mlx.engine.chunked_attention import chunk_attention, chunkable
+from deltafin_mlx.engine.hot_set import HotSet, hot_key
+from deltafin_mlx.engine.linked_reader import LinkedSources
+from deltafin_mlx.engine.reader import RECORD_CHECKS, Reader, open_bank
+from deltafin_mlx.engine.runtime import Runtime, attach
+from deltafin_mlx.engine.streaming_moe import (ExpertStore, StoreConfig, StreamingSwitchGLU,
+                                               tap_moe_input)
+from deltafin_mlx.engine.trunk_pass import PassTrunk
+from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
 from deltafin_mlx.engine.wired import wire
+from deltafin_mlx.errors import LoadOptionError, TokenIdError
+from deltafin_mlx.format.bank import BankError, read_layout
+from deltafin_mlx.format.dtypes import mlx_dtype
 from deltafin_mlx.format.manifest import ModelError
 from deltafin_mlx.format.model_dir import open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
 from deltafin_mlx.model.config import text_config
 from deltafin_mlx.model.modules import find_path, get_module, layer_paths, set_module
+from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view,
+                                      shard_model, sharded_inventory)
 from deltafin_mlx.plan.footprint import inventory_from_manifest
 from deltafin_mlx.plan.memory import MAX_SEQUENCES, default_activation_dtype, plan_memory
-from deltafin_mlx.engine.linked_reader import LinkedSources
-from deltafin_mlx.engine.reader import Reader, open_bank
-from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
-                    sharded_inventory)
-from deltafin_mlx.engine.hot_set import HotSet, hot_key
-from deltafin_mlx.engine.streaming_moe import (ExpertStore, StoreConfig, StreamingSwitchGLU,
-                                               tap_moe_input)
-from deltafin_mlx.engine.runtime import Runtime, attach
-from deltafin_mlx.engine.trunk_pass import PassTrunk
-from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
-from deltafin_mlx.engine.reader import RECORD_CHECKS
-from deltafin_mlx.errors import LoadOptionError, TokenIdError
 from deltafin_mlx.units import is_int, parse_size
 
 READ_MODES = ("direct", "mmap")
@@ -499,64 +498,3 @@ def load_tokenizer(path: Path, manifest, config: dict):
     from deltafin_mlx.tokenizer.read import read_tokenizer
 
     return read_tokenizer(path, manifest.tokenizer.get("kind"), config)
-
-
-def _gather_linked(manifest) -> list:
-    """Every linked expert read from its source and stacked per section."""
-    import numpy as np
-
-    from deltafin_mlx.format.aligned import aligned_empty
-    from deltafin_mlx.format.dtypes import NUMPY
-
-    sources = LinkedSources(manifest, "buffered")
-    weights = []
-    try:
-        for layer in manifest.moe_layers:
-            bank = sources.bank(manifest, layer)
-            staging = aligned_empty(bank.staging_bytes)
-            stacked = {s.name: np.empty((bank.layout.num_experts, *s.shape), NUMPY[s.dtype])
-                       for s in bank.layout.sections}
-            for e in range(bank.layout.num_experts):
-                bank.read_into(e, {k: v[e] for k, v in stacked.items()}, staging, True)
-            for s in bank.layout.sections:
-                weights.append((f"{manifest.switch_path(layer)}.{s.name}",
-                                to_mlx(stacked[s.name], s.dtype)))
-    finally:
-        sources.close()
-    return weights
-
-
-def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Module:
-    """The whole model in memory: mlx-lm's model class with every bank gathered
-    back into its stacked `switch_mlp` tensors. For checks and comparisons."""
-    import numpy as np
-
-
-    model_dir = open_model_dir(path)
-    path, manifest, config = model_dir.path, model_dir.manifest, model_dir.config
-    model = build_model(config, path)
-    switches = switch_shapes(model, manifest)
-    quantize_like_config(model, config)
-    check_against_manifest(model, config, manifest, switches)
-    weights = []
-    if manifest.linked is not None:
-        weights = _gather_linked(manifest)
-    for layer in manifest.moe_layers if manifest.linked is None else ():
-        layout = read_layout(manifest.bank_path(layer)).for_rank(0, 1)
-        data = np.memmap(manifest.bank_path(layer), dtype=np.uint8, mode="r")
-        records = data[layout.header_size:].reshape(layout.num_experts, layout.record_size)
-        experts = [layout.split_record(records[e]) for e in range(layout.num_experts)]
-        for s in layout.held_sections:
-            arr = np.stack([np.ascontiguousarray(x[s.name]) for x in experts])
-            weights.append((f"{manifest.switch_path(layer)}.{s.name}", to_mlx(arr, s.dtype)))
-    for rel in sorted(set(manifest.trunk_files.values())):
-        weights.extend(mx.load(str(path / rel)).items())
-    model.load_weights(weights, strict=True)
-    if activation_dtype == "auto":
-        activation_dtype = default_activation_dtype()
-    if activation_dtype is not None:
-        model.set_dtype(activation_dtype)
-    mx.eval(model.parameters())
-    model.eval()
-    guard_token_ids(model)
-    return model
