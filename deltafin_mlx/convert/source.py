@@ -24,16 +24,9 @@ from deltafin_mlx.model.config import text_config
 from deltafin_mlx.units import is_int
 
 
-TOKENIZER_FILES = ("tiktoken.model",
-                   "tokenizer.json",
-                   "tokenizer.model",
-                   "tokenizer_config.json",
-                   "special_tokens_map.json",
-                   "generation_config.json",
-                   "chat_template.jinja",
-                   "chat_template.json",
-                   "vocab.json",
-                   "merges.txt")
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt")
 
 
 @dataclass

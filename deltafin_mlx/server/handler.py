@@ -20,6 +20,7 @@ import logging
 import select
 import socket
 import time
+from itertools import accumulate
 
 from mlx_lm.server import APIHandler
 
@@ -468,10 +469,7 @@ def logprobs_block(tokenizer, tokens, logprobs, top_tokens, legacy: bool):
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "id": token}
 
     if legacy:
-        offsets, at = [], 0
-        for s in texts:
-            offsets.append(at)
-            at += len(s)
+        offsets = [0, *accumulate(map(len, texts))][:len(texts)]  # where each token's text starts
         alternatives = [[entry(x["id"], _token_text(tokenizer, x["id"]), x["logprob"])
                          for x in top] for top in tops]
         merged = []
