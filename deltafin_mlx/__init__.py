@@ -11,21 +11,19 @@ mlx-lm); each name below imports its stage's module when it is first used.
 from deltafin_mlx._version import __version__
 
 # name -> the module that defines it
-_EXPORTS = {
-    "load": "deltafin_mlx.engine.load",
-    "open_tokenizer": "deltafin_mlx.engine.load",
-    "runtime": "deltafin_mlx.engine.runtime",
-    "find_runtime": "deltafin_mlx.engine.runtime",
-    "open_model_dir": "deltafin_mlx.format.model_dir",
-    "generate": "deltafin_mlx.generation.engine",
-    "stream_generate": "deltafin_mlx.generation.stream",
-    "Completion": "deltafin_mlx.generation.engine",
-    "RunStats": "deltafin_mlx.generation.stream",
-    "batch_generate": "deltafin_mlx.jobs.batch",
-    "score": "deltafin_mlx.jobs.score",
-    "ChatSession": "deltafin_mlx.chat.session",
-    "DeltafinError": "deltafin_mlx.errors",
-}
+_EXPORTS = {"load": "deltafin_mlx.engine.load",
+            "open_tokenizer": "deltafin_mlx.engine.load",
+            "runtime": "deltafin_mlx.engine.runtime",
+            "find_runtime": "deltafin_mlx.engine.runtime",
+            "open_model_dir": "deltafin_mlx.format.model_dir",
+            "generate": "deltafin_mlx.generation.engine",
+            "stream_generate": "deltafin_mlx.generation.stream",
+            "Completion": "deltafin_mlx.generation.engine",
+            "RunStats": "deltafin_mlx.generation.stream",
+            "batch_generate": "deltafin_mlx.jobs.batch",
+            "score": "deltafin_mlx.jobs.score",
+            "ChatSession": "deltafin_mlx.chat.session",
+            "DeltafinError": "deltafin_mlx.errors"}
 
 __all__ = ["__version__", *_EXPORTS]
 

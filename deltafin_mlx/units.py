@@ -1,4 +1,5 @@
-"""Sizes as people write them: "8GB" in, "17.5 MB" out (decimal units, as disks are sold)."""
+"""Sizes as people write them: "8GB" in, "17.5 MB" out (decimal units, as disks are sold);
+what counts as an integer in a file or a request (JSON's true is no integer here)."""
 
 import re
 
@@ -9,6 +10,10 @@ _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 1 << 10, "M": 1e6, "MB": 1e
           "TIB": 1 << 40}
 
 
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def parse_size(value) -> int:
     """Bytes from an int or a string like "8GB", "512MiB", "1.5G"."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -17,9 +22,7 @@ def parse_size(value) -> int:
         return int(value)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).upper() not in _UNITS:
-        raise BudgetError(
-            f"bad memory size {value!r} (examples: 8GB, 512MB, 1.5GiB, 1000000000)"
-        )
+        raise BudgetError(f"bad memory size {value!r} (examples: 8GB, 512MB, 1.5GiB, 1000000000)")
     n = float(m.group(1)) * _UNITS[m.group(2).upper()]
     if not n < 1e18:
         raise BudgetError(f"memory budget {value!r} is not a sensible size")

@@ -261,6 +261,16 @@ def run_tool(*args, stdin=None, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_convert_patched(patch: str, src, out, *flags):
+    """deltafin-convert SRC OUT FLAGS in a fresh interpreter, after `patch` (Python
+    source run with os, signal, sys and the command's module as `c` imported)."""
+    program = ("import os, signal, sys\nimport deltafin_mlx.cli.convert as c\n" + patch
+               + f"sys.argv = ['deltafin-convert', sys.argv[1], sys.argv[2], *{list(flags)!r}]\n"
+               "sys.exit(c.main())\n")
+    return subprocess.run([sys.executable, "-c", program, str(src), str(out)],
+                          capture_output=True, text=True, timeout=300)
+
+
 def one_line_error(out) -> str:
     assert out.returncode != 0
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

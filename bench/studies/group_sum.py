@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     from bench.lib.common import demo_model
-    from deltafin_mlx.engine.load import load_resident
+    from deltafin_mlx.testing.decode import load_resident
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=256)

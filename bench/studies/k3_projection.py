@@ -44,7 +44,7 @@ def measure(model_dir: str, tokens: int = 6, warmup: int = 2, reps: int = 9) -> 
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
 
-    from deltafin_mlx.engine.load import load_resident
+    from deltafin_mlx.testing.decode import load_resident
 
     t = time.perf_counter()
     model = load_resident(model_dir)

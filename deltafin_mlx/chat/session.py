@@ -16,7 +16,7 @@ restart continues without prefilling the history again.
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -269,16 +269,14 @@ class ChatSession:
     def save(self, path):
         """Write the conversation and its cache atomically (a temporary file, renamed)."""
         path = session_path(path)
-        meta = {
-            "format": SESSION_FORMAT,
-            "version": str(SESSION_VERSION),
-            "model": model_fingerprint(self.model),
-            "tokens": json.dumps(self.tokens),
-            "messages": json.dumps(self.messages, ensure_ascii=False),
-            "options": json.dumps({"system": self.system, "thinking": self.thinking,
-                                   "thinking_effort": self.thinking_effort}),
-            "cut": json.dumps(self.cut),
-        }
+        meta = {"format": SESSION_FORMAT,
+                "version": str(SESSION_VERSION),
+                "model": model_fingerprint(self.model),
+                "tokens": json.dumps(self.tokens),
+                "messages": json.dumps(self.messages, ensure_ascii=False),
+                "options": json.dumps({"system": self.system, "thinking": self.thinking,
+                                       "thinking_effort": self.thinking_effort}),
+                "cut": json.dumps(self.cut)}
         write_session(path, self.cache, meta)
 
     @classmethod
@@ -339,8 +337,7 @@ class Snapshot:
                 layers.append(("state", tree_map(lambda x: x, c.state)))
             else:  # a cache a step may write in place (a rotating window): not kept
                 layers.append(("rebuild", None))
-        return cls([dict(m) for m in session.messages], list(session.tokens),
-                   session.cache, layers)
+        return cls([dict(m) for m in session.messages], list(session.tokens), session.cache, layers)
 
     def restore(self, session):
         if any(kind == "rebuild" for kind, _ in self.layers):

@@ -67,8 +67,7 @@ def cmd_batch(argv) -> int:
         if job.note:
             print(f"[batch] {job.note}", file=sys.stderr)
         if job.skipped:
-            print(f"[batch] resuming: {job.skipped} of {len(job.requests)} done",
-                  file=sys.stderr)
+            print(f"[batch] resuming: {job.skipped} of {len(job.requests)} done", file=sys.stderr)
         if not job.todo:  # nothing left: no model to load
             print(f"[batch] nothing to do: {args.output} answers every request", file=sys.stderr)
             return 0

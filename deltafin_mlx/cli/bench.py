@@ -40,19 +40,17 @@ def cmd_bench(argv) -> int:
     tps = [r.decode_tokens_per_second for r in runs]
     pps = [r.prefill_tokens_per_second for r in runs]
     step = runtime(model).plan.prefill_pass
-    result = {
-        "model": args.model,
-        "budget_bytes": runtime(model).plan.budget,
-        "cache_fraction": runtime(model).plan.cache_fraction,
-        "context": runtime(model).plan.context,
-        "tokens_per_second_median": statistics.median(tps),
-        "tokens_per_second_range": [min(tps), max(tps)],
-        "prefill_tokens_per_second_median": statistics.median(pps),
-        "prefill_tokens_per_second_range": [min(pps), max(pps)],
-        "prefill_pass": step,
-        **projected_against_measured(model, runs, statistics.median(tps)),
-        "runs": [r.to_dict() for r in runs],
-    }
+    result = {"model": args.model,
+              "budget_bytes": runtime(model).plan.budget,
+              "cache_fraction": runtime(model).plan.cache_fraction,
+              "context": runtime(model).plan.context,
+              "tokens_per_second_median": statistics.median(tps),
+              "tokens_per_second_range": [min(tps), max(tps)],
+              "prefill_tokens_per_second_median": statistics.median(pps),
+              "prefill_tokens_per_second_range": [min(pps), max(pps)],
+              "prefill_pass": step,
+              **projected_against_measured(model, runs, statistics.median(tps)),
+              "runs": [r.to_dict() for r in runs]}
     if args.json:
         print(json.dumps(result))
     else:

@@ -64,9 +64,7 @@ def guarded(prog: str, body, debug: bool = False) -> int:
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        raise
-    except (SystemExit, GeneratorExit):
+    except (BrokenPipeError, SystemExit, GeneratorExit):  # quiet_broken_pipe's, or not failures
         raise
     except BaseException as e:  # tiktoken's Rust panics are BaseExceptions, not Exceptions
         if interrupted(e):  # a Ctrl-C a library re-raised as its own error (transformers'
@@ -123,8 +121,7 @@ def interrupts_in_finalizers_reach_main():
     default, caught = sys.unraisablehook, []
 
     def hook(unraisable):
-        if unraisable.exc_type is not None and issubclass(unraisable.exc_type,
-                                                           KeyboardInterrupt):
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
             caught.append(unraisable.exc_type)
             return
         default(unraisable)

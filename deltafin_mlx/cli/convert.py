@@ -27,8 +27,7 @@ def build_parser():
     )
     p.add_argument("src", help="local Hugging Face model directory, or a hub repo id")
     p.add_argument("out", help="output directory")
-    p.add_argument("--bits", type=int, default=4, choices=BITS,
-                   help="trunk quantization bits")
+    p.add_argument("--bits", type=int, default=4, choices=BITS, help="trunk quantization bits")
     p.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES,
                    help="trunk quantization group size")
     p.add_argument("--no-trunk-quant", action="store_true",
@@ -88,19 +87,17 @@ def _main(argv):
         print(f"deltafin-convert: error: --scratch-limit {args.scratch_limit}: {e}",
               file=sys.stderr)
         return 1
-    options = ConvertOptions(
-        bits=None if args.no_trunk_quant else args.bits,
-        group_size=args.group_size,
-        expert_bits=args.expert_bits,
-        expert_group_size=args.expert_group_size,
-        ranks=args.ranks,
-        link_experts=args.link_experts,
-        force=args.force,
-        progress=not args.quiet,
-        revision=args.revision,
-        scratch=args.scratch_limit is not None,
-        scratch_limit=limit,
-    )
+    options = ConvertOptions(bits=None if args.no_trunk_quant else args.bits,
+                             group_size=args.group_size,
+                             expert_bits=args.expert_bits,
+                             expert_group_size=args.expert_group_size,
+                             ranks=args.ranks,
+                             link_experts=args.link_experts,
+                             force=args.force,
+                             progress=not args.quiet,
+                             revision=args.revision,
+                             scratch=args.scratch_limit is not None,
+                             scratch_limit=limit)
     started = time.time()
     try:
         with interrupts_in_finalizers_reach_main():
@@ -138,9 +135,7 @@ def _main(argv):
 def finished_after_interrupt(out, started: float):
     """The manifest, if the interrupted run had already written a valid one (the
     conversion is complete; only removing the partial file may be left)."""
-    from pathlib import Path
-
-    from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, read_manifest
+    from deltafin_mlx.format.manifest import read_manifest
 
     try:
         if (Path(out) / MANIFEST_NAME).stat().st_mtime < started - 1:

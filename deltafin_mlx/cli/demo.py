@@ -24,13 +24,11 @@ def demo_model(args):
     model_dir = open_model_dir(prepare(demo_root(args.demo_dir)))
     plan = demo_plan(model_dir, args.budget, args.reader_threads)
     banks = sum(s for rel, s in model_dir.manifest.files.items() if rel.endswith(".bank"))
-    print(
-        f"[demo] budget {plan.budget / 1e6:.1f} MB for a model whose experts take "
-        f"{banks / 1e6:.1f} MB on disk: {plan.slots} of "
-        f"{plan.num_experts * plan.moe_layers} experts fit ({plan.cache_fraction:.0%}), "
-        "the rest stream.",
-        file=sys.stderr,
-    )
+    print(f"[demo] budget {plan.budget / 1e6:.1f} MB for a model whose experts take "
+          f"{banks / 1e6:.1f} MB on disk: {plan.slots} of "
+          f"{plan.num_experts * plan.moe_layers} experts fit ({plan.cache_fraction:.0%}), "
+          "the rest stream.",
+          file=sys.stderr)
     print("[demo] the weights are random, so the text below is meaningless.", file=sys.stderr)
     args.model, args.budget = str(model_dir.path), plan.budget
     if not args.chat and args.prompt is None:

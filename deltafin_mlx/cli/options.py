@@ -95,8 +95,7 @@ def check_request_flags(args, model=None, limits=None):
             limits = model_limits(model)
         if limits is not None:
             req.check_limits(limits)
-            GenerationRequest.from_flags({"repetition_context_size": args.penalty_context},
-                                         limits)
+            GenerationRequest.from_flags({"repetition_context_size": args.penalty_context}, limits)
     except RequestError as e:
         field = str(e).split(":", 1)[0].split("[", 1)[0]
         raise UsageError(f"{flags.get(field, field)}: {e}") from None

@@ -191,13 +191,11 @@ def _format_routes(d):
               f"download = {h(d['download_and_linked_bytes'])} (the snapshot must stay)"
               if d["linked_output_bytes"] is not None else
               "  linked       not possible: the experts are requantized, not carried over")
-    return [
-        f"disk routes    download {h(d['download_bytes'])} ({d['download_from']}), "
-        f"largest shard {h(d['largest_shard_bytes'])}",
-        f"  packed       download, then convert: {h(d['packed_output_bytes'])} output = "
-        f"{h(d['download_and_packed_bytes'])} at the peak",
-        linked,
-        f"  scratch      from the hub with --scratch-limit: {h(d['packed_output_bytes'])} "
-        f"output + {h(d['scratch_peak_bytes'])} scratch peak = "
-        f"{h(d['hub_with_scratch_bytes'])}",
-    ]
+    return [f"disk routes    download {h(d['download_bytes'])} ({d['download_from']}), "
+            f"largest shard {h(d['largest_shard_bytes'])}",
+            f"  packed       download, then convert: {h(d['packed_output_bytes'])} output = "
+            f"{h(d['download_and_packed_bytes'])} at the peak",
+            linked,
+            f"  scratch      from the hub with --scratch-limit: {h(d['packed_output_bytes'])} "
+            f"output + {h(d['scratch_peak_bytes'])} scratch peak = "
+            f"{h(d['hub_with_scratch_bytes'])}"]

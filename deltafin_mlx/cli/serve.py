@@ -130,8 +130,7 @@ def parser():
     p.add_argument("--prompt-cache-bytes", type=cache_bytes, default=None,
                    help="most bytes those caches may hold, e.g. 200MB (default: the plan's "
                    "KV/state bytes)")
-    p.add_argument("--allowed-origins", default="*",
-                   help="comma-separated origins for CORS")
+    p.add_argument("--allowed-origins", default="*", help="comma-separated origins for CORS")
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
                    help="server log level")
@@ -152,8 +151,6 @@ def cmd_serve(argv) -> int:
         raise UsageError(f"--queue must be 0 or more, not {args.queue}")
     if not args.queue_seconds > 0:
         raise UsageError(f"--queue-seconds must be positive, not {args.queue_seconds}")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be 0 or more, not {args.top_k}")
     rc = serve(ServeConfig(
         model=args.model, host=args.host, port=args.port,
         load=load_options(args, sequences=args.sequences), queue=args.queue,

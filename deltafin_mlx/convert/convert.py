@@ -22,31 +22,30 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from deltafin_mlx._version import __version__ as deltafin_version
-from deltafin_mlx.format.dtypes import name_of
+from deltafin_mlx.errors import DeltafinError, ModelError
 from deltafin_mlx.format.bank import BankWriter, bank_header_size, record_size_of, slice_sections
-from deltafin_mlx.format.integrity import MANIFEST_MAX_BYTES, file_checksum, format_checksum
+from deltafin_mlx.format.dtypes import name_of
+from deltafin_mlx.format.hub import looks_like_hub_id
+from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, file_checksum, format_checksum,
+                                          write_json)
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
-from deltafin_mlx.format.model_dir import PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE, open_model_dir
-
+from deltafin_mlx.format.model_dir import (PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE,
+                                          open_model_dir)
 from deltafin_mlx.format.record import linear_quant, record_linears
 from deltafin_mlx.model.build import build_model, source_dtype
 from deltafin_mlx.model.config import experts_per_token
+from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, switch_linears,
+                                        switch_path)
 from deltafin_mlx.model.quantization import (check_quantization, mlx_lm_quantization,
                                              module_quantization)
+from deltafin_mlx.model.shard import check_glu_sections
+from deltafin_mlx.units import human_bytes
 
 from .experts import SanitizedExperts, linkable
 from .linked import LinkWriter, linked_manifest_entry
 from .scratch import SCRATCH_NAME, check_scratch_limit, disk_in_use, open_hub_scratch, plan_scratch
 from .source import (ConvertError, Source, copy_tokenizer_file, free_bytes, open_source, read_source,
                      tokenizer_files, without_code)
-from deltafin_mlx.errors import DeltafinError
-from deltafin_mlx.format.hub import looks_like_hub_id
-from deltafin_mlx.units import human_bytes
-from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, switch_linears,
-                                        switch_path)
-from deltafin_mlx.model.shard import check_glu_sections
-from deltafin_mlx.errors import ModelError
-
 from .trunk import convert_unit, release
 
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "vision_model.", "multi_modal_projector.")
@@ -83,15 +82,6 @@ class ConvertOptions:
         return {k: v for k, v in asdict(self).items() if k not in how}
 
 
-def _write_atomic_json(path: Path, obj):
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _save_safetensors(path: Path, arrays: dict):
     tmp = path.with_name(path.name + ".tmp.safetensors")
     try:
@@ -108,12 +98,10 @@ def _save_safetensors(path: Path, arrays: dict):
 
 def _tensor_info(name, a, rel, quantized):
     module = name.rsplit(".", 1)[0]
-    return {
-        "file": rel,
-        "dtype": name_of(a.dtype),
-        "shape": list(a.shape),
-        "quantization": quantized.get(module),
-    }
+    return {"file": rel,
+            "dtype": name_of(a.dtype),
+            "shape": list(a.shape),
+            "quantization": quantized.get(module)}
 
 
 def check_out_apart(src: Path, out: Path):
@@ -145,11 +133,9 @@ def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
             state["done"]
         except (OSError, ValueError, KeyError, TypeError):
             state = None
-    same = (
-        state is not None
-        and state.get("fingerprint") == source.fingerprint
-        and state.get("options") == options.recorded()
-    )
+    same = (state is not None
+            and state.get("fingerprint") == source.fingerprint
+            and state.get("options") == options.recorded())
     if not (partial.is_file() or _deltafin_manifest(manifest) or _only_our_leftovers(out)):
         # No option overrides this: --force replaces a Deltafin output, never the
         # user's files (a directory that merely has trunk/ or config.json in it).
@@ -171,10 +157,8 @@ def prepare_output(out: Path, source: Source, options: ConvertOptions) -> dict:
     if same:
         return state  # (with a manifest: stopped just before its last step, rerun it)
     if state is not None:
-        raise ConvertError(
-            f"{out}: holds an unfinished conversion of another source or with other "
-            "options (use --force to start over)"
-        )
+        raise ConvertError(f"{out}: holds an unfinished conversion of another source or with other "
+                           "options (use --force to start over)")
     return fresh
 
 
@@ -225,7 +209,6 @@ def check_source_tokenizer(path: Path, tok_files, config: dict):
     import tempfile
 
     from deltafin_mlx.tokenizer.read import read_tokenizer
-    from deltafin_mlx.errors import ModelError
 
     # Read from a copy: a hub cache's files are links into its blobs, which the
     # model directory's reader rightly refuses (tokenizer_files checked them).
@@ -290,8 +273,7 @@ class Layout:
         """Source bytes a unit reads: its trunk tensors and, for a layer, its experts."""
         if unit == "globals":
             return self.trunk_bytes[unit]
-        return self.trunk_bytes[unit] + sum(self.source.nbytes(n)
-                                            for n in self.experts.names(unit))
+        return self.trunk_bytes[unit] + sum(self.source.nbytes(n) for n in self.experts.names(unit))
 
 
 def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
@@ -306,7 +288,7 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
         return open_model_dir(out).manifest
     scratch_plan = _check_disk(out, layout, state, hub, options)
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic_json(out / PARTIAL_NAME, state)
+    write_json(out / PARTIAL_NAME, state)
     (out / "trunk").mkdir(exist_ok=True)
     (out / "experts").mkdir(exist_ok=True)
     if options.progress:
@@ -428,8 +410,7 @@ def _moe_layers(model, paths: list, model_type) -> dict:
     return moe_layers
 
 
-def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
-                   options: ConvertOptions):
+def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict, options: ConvertOptions):
     expert_quant = experts.quant
     if expert_quant.get("carried_over") and (options.expert_bits, options.expert_group_size) \
             != (ConvertOptions.expert_bits, ConvertOptions.expert_group_size):
@@ -493,13 +474,11 @@ def _check_disk(out: Path, layout: Layout, state: dict, hub, options: ConvertOpt
                 f"bytes ({needed / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free")
         return None
     source = layout.source
-    order = [u for u in list(range(layout.num_layers)) + ["globals"]
-             if str(u) not in state["done"]]
+    order = [u for u in list(range(layout.num_layers)) + ["globals"] if str(u) not in state["done"]]
     needs = {u: {source.tensors[n].shard for n in layout.units[u]} for u in order}
     scratch_plan = plan_scratch(order, needs, hub.shard_sizes)
     held = sum(hub.shard_sizes[s] for s in hub.shards if hub.present(s))
-    check_scratch_limit(scratch_plan, options.scratch_limit, free + held, needed,
-                        hub.small_bytes)
+    check_scratch_limit(scratch_plan, options.scratch_limit, free + held, needed, hub.small_bytes)
     for s in hub.shards:  # what a killed run left that no unit left to do reads
         if s not in scratch_plan.last_use:
             hub.release(s)
@@ -519,7 +498,7 @@ def _resume_notes(out: Path, layout: Layout, state: dict) -> list:
 
 def _convert_units(out: Path, layout: Layout, state: dict, bar, hub=None, scratch_plan=None):
     partial_path = out / PARTIAL_NAME
-    _write_atomic_json(partial_path, state)
+    write_json(partial_path, state)
     source = layout.source
     for unit in list(range(layout.num_layers)) + ["globals"]:
         key = str(unit)
@@ -533,7 +512,7 @@ def _convert_units(out: Path, layout: Layout, state: dict, bar, hub=None, scratc
             bar.redo(unit, f"note: redoing {'layer ' + key if unit != 'globals' else 'the globals'}: "
                      f"{stale}")
             del state["done"][key]
-            _write_atomic_json(partial_path, state)
+            write_json(partial_path, state)
         bar.start_unit(unit)
         result = _write_trunk(out, layout, unit)
         result["source_fingerprint"] = fingerprint
@@ -544,7 +523,7 @@ def _convert_units(out: Path, layout: Layout, state: dict, bar, hub=None, scratc
         if unit != "globals":
             release(get_module(layout.model, layout.paths[unit]))
         state["done"][key] = result
-        _write_atomic_json(partial_path, state)
+        write_json(partial_path, state)
         if hub is not None:  # durably recorded: the shards no later unit reads can go
             at = scratch_plan.order.index(unit)
             for s in hub.shards:
@@ -572,7 +551,7 @@ def _unit_fingerprint(layout: Layout, unit, state: dict, bar, hub, partial_path:
         if shard in source.blob_sha256 and verified.get(shard) != source.blob_sha256[shard]:
             source.check_blob(shard)  # hub downloads are not checked by the hub client
             verified[shard] = source.blob_sha256[shard]
-            _write_atomic_json(partial_path, state)
+            write_json(partial_path, state)
     return source.content_fingerprint(layout.units[unit])
 
 
@@ -618,7 +597,7 @@ def _write_experts(out: Path, layout: Layout, unit, recorded: dict, bar, files: 
         writer = LinkWriter(layout.source, unit, n, layout.sections)
         for e in range(n):
             writer.add(e, experts.record(unit, e), experts.locations(unit, e))
-            bar.update(experts.nbytes(unit, e))
+            bar.update(experts.expert_nbytes(unit, e))
         writer.write(out / rel)
         entry = {"bank": {"links": rel, "switch_path": layout.moe_layers[unit]},
                  "linked_files": writer.files}
@@ -629,7 +608,7 @@ def _write_experts(out: Path, layout: Layout, unit, recorded: dict, bar, files: 
         try:
             for e in range(n):
                 writer.write_record(experts.record(unit, e))
-                bar.update(experts.nbytes(unit, e))
+                bar.update(experts.expert_nbytes(unit, e))
             writer.close()
         except BaseException:
             writer.abort()
@@ -654,12 +633,10 @@ class ConvertProgress:
         self.finished = 0
         self.status = None  # more to show after the rates (the scratch's download, disk)
         self._shown = 0.0
-        self.bar = tqdm(
-            total=sum(unit_bytes.values()),
-            initial=sum(b for u, b in unit_bytes.items() if str(u) in done),
-            unit="B", unit_scale=True, desc="converting", disable=not enabled,
-            dynamic_ncols=True, leave=True, file=sys.stderr,
-        )
+        self.bar = tqdm(total=sum(unit_bytes.values()),
+                        initial=sum(b for u, b in unit_bytes.items() if str(u) in done),
+                        unit="B", unit_scale=True, desc="converting", disable=not enabled,
+                        dynamic_ncols=True, leave=True, file=sys.stderr)
 
     def update(self, nbytes: int):
         if self.bar.n + nbytes >= self.bar.total:  # complete: close() draws the last line
@@ -687,8 +664,7 @@ class ConvertProgress:
         self._shown = now
         rate = self.finished / max(now - self.start, 1e-9)
         extra = f", {self.status()}" if self.status else ""
-        self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}",
-                                 refresh=self.bar.n < self.bar.total)
+        self.bar.set_postfix_str(f"{rate:.2f} layers/s{extra}", refresh=self.bar.n < self.bar.total)
 
     def close(self, failed: bool = False):
         if failed:
@@ -751,7 +727,7 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
     # The mlx-lm drop-in (deltafin_mlx/dropin/shim.py): mlx-lm imports this file
     # with --trust-remote-code; Deltafin itself builds mlx-lm's class from model_type.
     mlx_config["model_file"] = SHIM_FILE
-    _write_atomic_json(out / "config.json", mlx_config)
+    write_json(out / "config.json", mlx_config)
     (out / SHIM_FILE).write_text(SHIM_SOURCE)
     mx.save_safetensors(str(out / PLACEHOLDER_WEIGHTS), {})
     for name in (SHIM_FILE, PLACEHOLDER_WEIGHTS):
@@ -774,10 +750,8 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
         dtype=name_of(dtype) if dtype is not None else "float32",
         num_layers=num_layers,
         quantization={"trunk": trunk_quant, "experts": expert_quant},
-        trunk_files={
-            **{str(i): f"trunk/layer-{i:05d}.safetensors" for i in range(num_layers)},
-            "globals": "trunk/globals.safetensors",
-        },
+        trunk_files={**{str(i): f"trunk/layer-{i:05d}.safetensors" for i in range(num_layers)},
+                     "globals": "trunk/globals.safetensors"},
         tensors=tensors,
         experts={
             "num_experts": layout.num_experts,
@@ -790,14 +764,12 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
         },
         tokenizer={"kind": kind, "files": tok_files},
         files=files,
-        source={
-            "id": source.id,
-            "fingerprint": source.fingerprint,
-            "converted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "deltafin_version": deltafin_version,
-            "options": options.recorded(),
-            "config_sha256": hashlib.sha256((out / "config.json").read_bytes()).hexdigest(),
-        },
+        source={"id": source.id,
+                "fingerprint": source.fingerprint,
+                "converted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "deltafin_version": deltafin_version,
+                "options": options.recorded(),
+                "config_sha256": hashlib.sha256((out / "config.json").read_bytes()).hexdigest()},
         checksums=checksums,
     )
     manifest.write()

@@ -42,6 +42,7 @@ from deltafin_mlx.format.record import KINDS, expert_sections, linear_quant, rec
 from deltafin_mlx.model.build import expert_recipe
 from deltafin_mlx.model.modules import LayerIndex, get_module, layer_paths, switch_linears
 from deltafin_mlx.model.quantization import carried_quantization, module_quantization
+from deltafin_mlx.units import is_int
 
 from .source import Source
 
@@ -56,11 +57,14 @@ FP_MODES = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}
 EXPERT_INDEX = re.compile(r"\.(\d+)\.")
 
 
-def _placeholder(t) -> mx.array:
+def _loaded_dtype(t) -> str:
+    """The dtype MLX loads a source tensor as (FP8 as its bytes)."""
     dtype = SAFETENSORS.get(t.dtype, "uint8")
-    if dtype == "float8_e4m3":  # MLX loads FP8 as its bytes
-        dtype = "uint8"
-    return mx.zeros(tuple(t.shape), dtype=getattr(mx, dtype))
+    return "uint8" if dtype == "float8_e4m3" else dtype
+
+
+def _placeholder(t) -> mx.array:
+    return mx.zeros(tuple(t.shape), dtype=getattr(mx, _loaded_dtype(t)))
 
 
 def companions(name: str, names) -> List[str]:
@@ -103,30 +107,30 @@ def _arg_holders(model) -> list:
 def _counts(holders: list, experts: Tuple[int, int], layers: Optional[int]):
     """The arguments `holders` (`_arg_holders`) say `experts[1]` experts where they said `experts[0]`
     (and, with `layers`, that many layers) while sanitize runs; restored after."""
+    def put(holder, name, value):
+        if isinstance(holder, dict):
+            holder[name] = value
+        else:
+            object.__setattr__(holder, name, value)
+
     changed = []
     for holder in holders:
         for name in EXPERT_COUNT_FIELDS + (LAYER_COUNT_FIELDS if layers else ()):
             get = holder.get if isinstance(holder, dict) else lambda n: getattr(holder, n, None)
             old = get(name)
-            if not isinstance(old, int) or isinstance(old, bool):
+            if not is_int(old):
                 continue
             new = layers if name in LAYER_COUNT_FIELDS else (
                 experts[1] if old == experts[0] else None)
             if new is None or new == old:
                 continue
             changed.append((holder, name, old))
-            if isinstance(holder, dict):
-                holder[name] = new
-            else:
-                object.__setattr__(holder, name, new)
+            put(holder, name, new)
     try:
         yield
     finally:
         for holder, name, old in reversed(changed):
-            if isinstance(holder, dict):
-                holder[name] = old
-            else:
-                object.__setattr__(holder, name, old)
+            put(holder, name, old)
 
 
 @dataclass
@@ -340,8 +344,7 @@ class SanitizedExperts:
             names = ([n for e in range(size) for n in found.per_expert[e]] + found.stacked
                      + found.whole)
             try:
-                _, out = self._dry(names, size, found.rename,
-                                   rows={n: size for n in found.stacked})
+                _, out = self._dry(names, size, found.rename, rows={n: size for n in found.stacked})
                 part = self._under(out, found.switch)
                 ok = {k: (name_of(v.dtype), tuple(v.shape[1:])) for k, v in part.items()} == \
                     spec and all(v.shape[0] == size for v in part.values())
@@ -374,8 +377,7 @@ class SanitizedExperts:
         mixed = [found for found in per_linear.values() if len(found) > 1]
         carried = {q is not None for found in per_linear.values() for q in found}
         if mixed or len(carried) > 1:
-            found = mixed[0] if mixed else {q: w for f in per_linear.values()
-                                            for q, w in f.items()}
+            found = mixed[0] if mixed else {q: w for f in per_linear.values() for q, w in f.items()}
             kinds = [f"{w}: " + ("float" if q is None else "{mode} {bits}-bit group {group_size}"
                                  .format(**dict(q))) for q, w in found.items()]
             raise ConvertError("the experts are quantized differently from layer to layer "
@@ -486,17 +488,12 @@ class SanitizedExperts:
                 + sum(self.source.nbytes(n) for n in found.stacked + found.whole)
                 // self.num_experts)
 
-    def nbytes(self, layer: int, expert: int) -> int:
-        return self.expert_nbytes(layer, expert)
-
     def _rows(self, name: str, e0: int, e1: int) -> mx.array:
         """Rows e0..e1-1 of a stacked source tensor: only their bytes are read."""
         t = self.source.tensors[name]
         row = t.nbytes // t.shape[0]
         buf = self._read(t.shard, t.offset + e0 * row, (e1 - e0) * row)
-        dtype = SAFETENSORS.get(t.dtype, "uint8")
-        if dtype == "float8_e4m3":
-            dtype = "uint8"
+        dtype = _loaded_dtype(t)
         a = mx.array(buf.view(NUMPY[dtype]).reshape((e1 - e0,) + tuple(t.shape[1:])))
         return a.view(mx.bfloat16) if dtype == "bfloat16" else a
 
@@ -507,8 +504,7 @@ class SanitizedExperts:
                 f.seek(offset)
                 got = f.readinto(memoryview(buf))
         except OSError as e:
-            raise ConvertError(f"{self.source.path / shard}: cannot read ({e.strerror})"
-                               ) from None
+            raise ConvertError(f"{self.source.path / shard}: cannot read ({e.strerror})") from None
         if got != size:
             raise ConvertError(f"{self.source.path / shard}: truncated (it shrank during "
                                "the conversion)")

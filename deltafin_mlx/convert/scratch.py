@@ -140,8 +140,7 @@ class HubScratch:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def open_hub_scratch(repo: str, revision: Optional[str], out: Path,
-                     progress: bool) -> HubScratch:
+def open_hub_scratch(repo: str, revision: Optional[str], out: Path, progress: bool) -> HubScratch:
     """List the repository, fetch its small files into OUT's scratch folder (kept
     across reruns) and discard any partial shard download of an earlier run."""
     listed = list_repo(repo, revision)

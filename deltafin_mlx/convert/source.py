@@ -21,20 +21,12 @@ from deltafin_mlx.format.manifest import MANIFEST_NAME
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.safetensors import parse_header, read_header
 from deltafin_mlx.model.config import text_config
+from deltafin_mlx.units import is_int
 
 
-TOKENIZER_FILES = (
-    "tiktoken.model",
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-)
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt")
 
 
 @dataclass
@@ -148,10 +140,6 @@ def read_json(path: Path, what: str, limit: int = MAX_JSON_BYTES):
                            f"{str(e)[:200]})") from None
 
 
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def read_safetensors_header(path: Path) -> Dict[str, TensorInfo]:
     """One local shard's tensors, its header checked (format/safetensors.py)."""
     return _tensor_infos(path, read_header(path, ConvertError))
@@ -202,14 +190,14 @@ def check_config(config: dict, config_path: Path):
         raise ConvertError(f"{config_path}: model_type must be a string")
     for c in (config, tc):
         for key in CONFIG_INTS:
-            if key in c and not (_int(c[key]) and 0 <= c[key] < 1 << 40):
+            if key in c and not (is_int(c[key]) and 0 <= c[key] < 1 << 40):
                 raise ConvertError(f"{config_path}: {key} is {c[key]!r:.60}, "
                                    "not a non-negative integer")
         # mlx-lm takes an every-Nth-layer integer (deepseek_v3) or one flag per layer
         # (mimo_v2_flash, minimax_m3_vl).
         freq = c.get("moe_layer_freq")
-        if freq is not None and not (_int(freq) and 0 <= freq < 1 << 40) and not (
-                isinstance(freq, list) and all(_int(f) and 0 <= f < 1 << 40 for f in freq)):
+        if freq is not None and not (is_int(freq) and 0 <= freq < 1 << 40) and not (
+                isinstance(freq, list) and all(is_int(f) and 0 <= f < 1 << 40 for f in freq)):
             raise ConvertError(f"{config_path}: moe_layer_freq is {freq!r:.60}, not a "
                                "non-negative integer or a list of them")
         qc = c.get("quantization_config")
@@ -291,16 +279,14 @@ def read_source(src: str, path: Path, root: Path, remote=None) -> Source:
                 f"{path / weight_map[missing[0]]}: does not hold tensor {missing[0]} "
                 f"(the index says it does; {len(missing)} tensors missing in all)"
             )
-    return Source(
-        path=path,
-        id=src if not Path(src).expanduser().exists() else str(path.resolve()),
-        config=config,
-        tensors=tensors,
-        total_bytes=total,
-        fingerprint=h.hexdigest(),
-        root=root,
-        blob_sha256=_blob_names(path, root, shards) if remote is None else {},
-    )
+    return Source(path=path,
+                  id=src if not Path(src).expanduser().exists() else str(path.resolve()),
+                  config=config,
+                  tensors=tensors,
+                  total_bytes=total,
+                  fingerprint=h.hexdigest(),
+                  root=root,
+                  blob_sha256=_blob_names(path, root, shards) if remote is None else {})
 
 
 def _blob_names(path: Path, root: Path, shards) -> Dict[str, str]:

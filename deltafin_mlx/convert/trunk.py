@@ -23,16 +23,14 @@ def release(module: nn.Module):
     module.update(tree_map(lambda _: mx.zeros((0,)), module.parameters()))
 
 
-def convert_unit(
-    model: nn.Module,
-    prefix: str,
-    module: nn.Module,
-    weights: Dict[str, mx.array],
-    skip: Callable[[str], bool],
-    trunk_quant: Optional[dict],
-    dtype: Optional[mx.Dtype],
-    saved_quant: Optional[dict] = None,
-) -> Tuple[Dict[str, mx.array], Dict[str, dict]]:
+def convert_unit(model: nn.Module,
+                 prefix: str,
+                 module: nn.Module,
+                 weights: Dict[str, mx.array],
+                 skip: Callable[[str], bool],
+                 trunk_quant: Optional[dict],
+                 dtype: Optional[mx.Dtype],
+                 saved_quant: Optional[dict] = None) -> Tuple[Dict[str, mx.array], Dict[str, dict]]:
     """Load `weights` (sanitized, full mlx-lm names) into `module` (found at
     `prefix`), cast and quantize it as mlx_lm.convert does, and return its
     parameters by full name plus the quantization of each quantized module.
@@ -47,19 +45,13 @@ def convert_unit(
         quantized = quantize_as_saved(module, prefix, skip, weights, saved_quant)
 
     skipped = skip
-    expected = {
-        full(k): v
-        for k, v in tree_flatten(module.parameters())
-        if not skipped(full(k))
-    }
+    expected = {full(k): v for k, v in tree_flatten(module.parameters()) if not skipped(full(k))}
     for name, w in weights.items():
         if name not in expected:
             raise ConvertError(f"unexpected tensor {name} (mlx-lm's model has no such parameter)")
         if tuple(w.shape) != tuple(expected[name].shape):
-            raise ConvertError(
-                f"tensor {name} has shape {list(w.shape)}, "
-                f"expected {list(expected[name].shape)}"
-            )
+            raise ConvertError(f"tensor {name} has shape {list(w.shape)}, "
+                               f"expected {list(expected[name].shape)}")
         if not (mx.issubdtype(w.dtype, mx.floating) or w.dtype == expected[name].dtype):
             raise ConvertError(f"tensor {name} has dtype {w.dtype}, expected a float")
     missing = sorted(set(expected) - set(weights))

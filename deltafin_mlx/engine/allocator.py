@@ -14,8 +14,7 @@ import ctypes.util
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 
 
-def tune_malloc(arenas: int = 2, mmap_threshold: int = 256 << 10,
-                trim_threshold: int = 1 << 20):
+def tune_malloc(arenas: int = 2, mmap_threshold: int = 256 << 10, trim_threshold: int = 1 << 20):
     """Call before the threads that allocate exist (an arena is a thread's)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None)

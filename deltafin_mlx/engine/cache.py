@@ -117,8 +117,7 @@ class ExpertCache:
         self.released = False  # the slot arrays given back for a pass (`release`)
         layout: BankLayout = banks[self.layers[0]].layout
         limit = max_slots(layout.held_sections, activation_dtype)
-        self.chunks = pool_chunks(capacity, len(self.layers), experts_per_token, num_experts,
-                                  limit)
+        self.chunks = pool_chunks(capacity, len(self.layers), experts_per_token, num_experts, limit)
         self._allocate()
         self._chunk_of_slot = np.repeat(np.arange(len(self.chunks)),
                                         [size for _, size in self.chunks])
@@ -148,8 +147,7 @@ class ExpertCache:
         drop their computations over them: ExpertStore.begin_pass)."""
         self.cancel_warm()
         self.drain()
-        self.pool = ExpertPool(self.capacity, self.num_experts, self.layers,
-                               self.experts_per_token)
+        self.pool = ExpertPool(self.capacity, self.num_experts, self.layers, self.experts_per_token)
         self.slot_key = [None] * self.capacity
         self.fresh_speculative.clear()
         self.warming.clear()
@@ -241,8 +239,7 @@ class ExpertCache:
         self.pending[key] = job
         return self.reader.submit(job)
 
-    def prefetch(self, layer: int, experts: np.ndarray, in_use: set, limit: int,
-                 worth: float):
+    def prefetch(self, layer: int, experts: np.ndarray, in_use: set, limit: int, worth: float):
         """Queue speculative reads for `layer`'s predicted experts, never evicting
         what the call in flight uses (`in_use`, keys) or reads are filling;
         `worth`: the chance a guess is right (streaming_moe.IORates.right)."""

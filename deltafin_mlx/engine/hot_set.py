@@ -160,8 +160,7 @@ class HotSet:
                 json.dump(body, f, separators=(",", ":"))
             os.replace(tmp, self.path)
         except OSError as e:
-            log.warning("deltafin: warm start: cannot save %s (%s)", self.path,
-                        e.strerror or e)
+            log.warning("deltafin: warm start: cannot save %s (%s)", self.path, e.strerror or e)
             try:
                 tmp.unlink()
             except OSError:

@@ -11,32 +11,31 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from deltafin_mlx.format.bank import BankError, read_layout
-from deltafin_mlx.format.dtypes import mlx_dtype, to_mlx
 from deltafin_mlx.engine.allocator import tune_malloc
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
 from deltafin_mlx.engine.chunked_attention import chunk_attention, chunkable
+from deltafin_mlx.engine.hot_set import HotSet, hot_key
+from deltafin_mlx.engine.linked_reader import LinkedSources
+from deltafin_mlx.engine.reader import RECORD_CHECKS, Reader, open_bank
+from deltafin_mlx.engine.runtime import Runtime, attach
+from deltafin_mlx.engine.streaming_moe import (ExpertStore, StoreConfig, StreamingSwitchGLU,
+                                               tap_moe_input)
+from deltafin_mlx.engine.trunk_pass import PassTrunk
+from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
 from deltafin_mlx.engine.wired import wire
+from deltafin_mlx.errors import LoadOptionError, TokenIdError
+from deltafin_mlx.format.bank import BankError, read_layout
+from deltafin_mlx.format.dtypes import mlx_dtype
 from deltafin_mlx.format.manifest import ModelError
 from deltafin_mlx.format.model_dir import open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
 from deltafin_mlx.model.config import text_config
 from deltafin_mlx.model.modules import find_path, get_module, layer_paths, set_module
+from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view,
+                                      shard_model, sharded_inventory)
 from deltafin_mlx.plan.footprint import inventory_from_manifest
 from deltafin_mlx.plan.memory import MAX_SEQUENCES, default_activation_dtype, plan_memory
-from deltafin_mlx.engine.linked_reader import LinkedSources
-from deltafin_mlx.engine.reader import Reader, open_bank
-from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view, shard_model,
-                    sharded_inventory)
-from deltafin_mlx.engine.hot_set import HotSet, hot_key
-from deltafin_mlx.engine.streaming_moe import (ExpertStore, StoreConfig, StreamingSwitchGLU,
-                                               tap_moe_input)
-from deltafin_mlx.engine.runtime import Runtime, attach
-from deltafin_mlx.engine.trunk_pass import PassTrunk
-from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
-from deltafin_mlx.engine.reader import RECORD_CHECKS
-from deltafin_mlx.errors import LoadOptionError, TokenIdError
-from deltafin_mlx.units import parse_size
+from deltafin_mlx.units import is_int, parse_size
 
 READ_MODES = ("direct", "mmap")
 
@@ -87,8 +86,7 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
                 raise ModelError(f"{where}: {sp}.{proj} {'has' if bias else 'has no'} "
                                  "per-expert bias, the banks differ")
     prefixes = tuple(sp + "." for sp in switches)
-    params = {k: v.shape for k, v in tree_flatten(model.parameters())
-              if not k.startswith(prefixes)}
+    params = {k: v.shape for k, v in tree_flatten(model.parameters()) if not k.startswith(prefixes)}
     for name, shape in params.items():
         info = manifest.tensors.get(name)
         if info is None:
@@ -137,8 +135,7 @@ def guard_token_ids(model: nn.Module):
         return cls.__call__(self, x)
 
     # Swapping the class keeps the module's parameters and paths as they are.
-    module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
-                                                   "vocab_size": vocab})
+    module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "vocab_size": vocab})
 
 
 def load_trunk(model: nn.Module, manifest, dtype: Optional[mx.Dtype], skip=lambda name: False,
@@ -170,10 +167,6 @@ def load_trunk(model: nn.Module, manifest, dtype: Optional[mx.Dtype], skip=lambd
                   for k, v in params]
         model.update(tree_unflatten(params))
     mx.eval([v for _, v in params])
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -265,17 +258,17 @@ class LoadOptions:
         dt = self.activation_dtype  # an mx.Dtype compared with None raises TypeError
         need(dt is None or isinstance(dt, mx.Dtype) or isinstance(dt, str) and dt == "auto",
              "activation_dtype", "'auto', None or an mx.Dtype")
-        need(_int(self.reader_threads) and self.reader_threads >= 0, "reader_threads",
+        need(is_int(self.reader_threads) and self.reader_threads >= 0, "reader_threads",
              "0 or more")
         need(isinstance(self.pipeline, bool) or self.pipeline == "auto", "pipeline",
              "True, False or 'auto'")
         need(self.record_checks in RECORD_CHECKS, "record_checks", f"one of {RECORD_CHECKS}")
         need(self.read_mode in READ_MODES, "read_mode", f"one of {READ_MODES}")
-        need(self.cache_slots is None or (_int(self.cache_slots) and self.cache_slots >= 1),
+        need(self.cache_slots is None or (is_int(self.cache_slots) and self.cache_slots >= 1),
              "cache_slots", "None or 1 or more")
-        need(_int(self.sequences) and self.sequences >= 1 or self.sequences == "auto",
+        need(is_int(self.sequences) and self.sequences >= 1 or self.sequences == "auto",
              "sequences", "1 or more, or 'auto'")
-        need(_int(self.max_sequences) and self.max_sequences >= 1, "max_sequences", "1 or more")
+        need(is_int(self.max_sequences) and self.max_sequences >= 1, "max_sequences", "1 or more")
         need(self.group is None or isinstance(self.group, str) and self.group == "auto"
              or hasattr(self.group, "rank"), "group", "'auto', None or an mx.distributed.Group")
 
@@ -333,17 +326,15 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     for layer in manifest.moe_layers if linked is None else ():
         entry = manifest.experts["layers"][str(layer)]
         try:
-            layouts[layer] = read_layout(
-                manifest.bank_path(layer),
-                expect={
-                    "layer": layer,
-                    "num_experts": manifest.experts["num_experts"],
-                    "record_size": manifest.experts["record_size"],
-                    "header_size": entry["header_size"],
-                    "sections": manifest.experts["sections"],
-                    "slices": manifest.slices,
-                },
-            )
+            layouts[layer] = read_layout(manifest.bank_path(layer),
+                                         expect={
+                                             "layer": layer,
+                                             "num_experts": manifest.experts["num_experts"],
+                                             "record_size": manifest.experts["record_size"],
+                                             "header_size": entry["header_size"],
+                                             "sections": manifest.experts["sections"],
+                                             "slices": manifest.slices,
+                                         })
         except BankError as e:
             raise ModelError(str(e)) from None
         # What this rank reads of each record (all of it in one process).
@@ -410,8 +401,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
                shard=shard)
     trunk = None
     if streamed:
-        trunk = TrunkStreamer(model, manifest, dict(enumerate(paths)), streamed,
-                              activation_dtype)
+        trunk = TrunkStreamer(model, manifest, dict(enumerate(paths)), streamed, activation_dtype)
     trunk_pass = None
     if plan.pass_trunk:
         trunk_pass = PassTrunk(model, manifest, dict(enumerate(paths)),
@@ -456,8 +446,7 @@ def open_tokenizer(model):
     once per opened directory (`model`: a path or a ModelDir)."""
     model_dir = open_model_dir(model)
     if model_dir.tokenizer is None:
-        model_dir.tokenizer = load_tokenizer(model_dir.path, model_dir.manifest,
-                                             model_dir.config)
+        model_dir.tokenizer = load_tokenizer(model_dir.path, model_dir.manifest, model_dir.config)
     return model_dir.tokenizer
 
 
@@ -509,64 +498,3 @@ def load_tokenizer(path: Path, manifest, config: dict):
     from deltafin_mlx.tokenizer.read import read_tokenizer
 
     return read_tokenizer(path, manifest.tokenizer.get("kind"), config)
-
-
-def _gather_linked(manifest) -> list:
-    """Every linked expert read from its source and stacked per section."""
-    import numpy as np
-
-    from deltafin_mlx.format.aligned import aligned_empty
-    from deltafin_mlx.format.dtypes import NUMPY
-
-    sources = LinkedSources(manifest, "buffered")
-    weights = []
-    try:
-        for layer in manifest.moe_layers:
-            bank = sources.bank(manifest, layer)
-            staging = aligned_empty(bank.staging_bytes)
-            stacked = {s.name: np.empty((bank.layout.num_experts, *s.shape), NUMPY[s.dtype])
-                       for s in bank.layout.sections}
-            for e in range(bank.layout.num_experts):
-                bank.read_into(e, {k: v[e] for k, v in stacked.items()}, staging, True)
-            for s in bank.layout.sections:
-                weights.append((f"{manifest.switch_path(layer)}.{s.name}",
-                                to_mlx(stacked[s.name], s.dtype)))
-    finally:
-        sources.close()
-    return weights
-
-
-def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Module:
-    """The whole model in memory: mlx-lm's model class with every bank gathered
-    back into its stacked `switch_mlp` tensors. For checks and comparisons."""
-    import numpy as np
-
-
-    model_dir = open_model_dir(path)
-    path, manifest, config = model_dir.path, model_dir.manifest, model_dir.config
-    model = build_model(config, path)
-    switches = switch_shapes(model, manifest)
-    quantize_like_config(model, config)
-    check_against_manifest(model, config, manifest, switches)
-    weights = []
-    if manifest.linked is not None:
-        weights = _gather_linked(manifest)
-    for layer in manifest.moe_layers if manifest.linked is None else ():
-        layout = read_layout(manifest.bank_path(layer)).for_rank(0, 1)
-        data = np.memmap(manifest.bank_path(layer), dtype=np.uint8, mode="r")
-        records = data[layout.header_size:].reshape(layout.num_experts, layout.record_size)
-        experts = [layout.split_record(records[e]) for e in range(layout.num_experts)]
-        for s in layout.held_sections:
-            arr = np.stack([np.ascontiguousarray(x[s.name]) for x in experts])
-            weights.append((f"{manifest.switch_path(layer)}.{s.name}", to_mlx(arr, s.dtype)))
-    for rel in sorted(set(manifest.trunk_files.values())):
-        weights.extend(mx.load(str(path / rel)).items())
-    model.load_weights(weights, strict=True)
-    if activation_dtype == "auto":
-        activation_dtype = default_activation_dtype()
-    if activation_dtype is not None:
-        model.set_dtype(activation_dtype)
-    mx.eval(model.parameters())
-    model.eval()
-    guard_token_ids(model)
-    return model

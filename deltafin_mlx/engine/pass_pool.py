@@ -18,8 +18,7 @@ from deltafin_mlx.format.dtypes import in_memory, to_numpy
 
 
 class PassPool:
-    def __init__(self, sections, slots: int, activation_dtype: mx.Dtype,
-                 make_inner: Callable):
+    def __init__(self, sections, slots: int, activation_dtype: mx.Dtype, make_inner: Callable):
         self.slots = slots
         self.arrays = {s.name: alloc_aligned((slots, *s.shape),
                                              in_memory(s.dtype, activation_dtype))

@@ -41,16 +41,8 @@ class SlotMap:
     is not resident, protecting the experts the call is using.
     """
 
-    def __init__(
-        self,
-        num_slots: int,
-        num_experts: int,
-        *,
-        half_life: float = 128.0,
-        repeat_weight: float = 0.5,
-        stale_after: float = 3.0,
-        recent_bonus: float = 0.0,
-    ):
+    def __init__(self, num_slots: int, num_experts: int, *, half_life: float = 128.0,
+                 repeat_weight: float = 0.5, stale_after: float = 3.0, recent_bonus: float = 0.0):
         if not 0 < num_slots <= num_experts:
             raise ValueError(f"need 0 < num_slots <= num_experts, got {num_slots} and {num_experts}")
         self.num_slots = num_slots
@@ -250,8 +242,7 @@ class ExpertPool:
         """A slot for `layer`'s non-resident `expert`; `protected` holds
         (layer, expert) pairs that must stay."""
         m, key, off = self._where(layer, expert)
-        keys = {self._where(l, e)[1] for l, e in protected
-                if not self.partitioned or l == layer}
+        keys = {self._where(l, e)[1] for l, e in protected if not self.partitioned or l == layer}
         slot = m.place(key, keys, speculative=speculative, worth=worth)
         return None if slot is None else slot + off
 

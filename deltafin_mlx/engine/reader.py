@@ -200,8 +200,7 @@ class Reader:
             job.done.set()
 
 
-def read_into(bank, expert: int, targets: Dict[str, np.ndarray], staging: np.ndarray,
-              verify: bool):
+def read_into(bank, expert: int, targets: Dict[str, np.ndarray], staging: np.ndarray, verify: bool):
     """One expert into its slot views: a bank's record (`read_record`), or what a
     bank of another kind reads itself (linked experts, engine/linked_reader.py)."""
     own = getattr(bank, "read_into", None)
@@ -216,15 +215,13 @@ def _direct_scatter_ok(layout: BankLayout, targets: Dict[str, np.ndarray]) -> bo
     offset = 0
     for s in layout.sections:
         t = targets[s.name]
-        if (
-            s.offset != offset
+        if (s.offset != offset
             or s.nbytes % ALIGN
             or t.nbytes != s.nbytes
             or t.ctypes.data % ALIGN
             or t.dtype.itemsize * t.size != s.nbytes
             or not t.flags.c_contiguous
-            or t.dtype != _disk_dtype(s)
-        ):
+            or t.dtype != _disk_dtype(s)):
             return False
         offset += s.nbytes
     return offset == layout.record_size
@@ -248,18 +245,14 @@ def _pread_full(bank: BankFile, buffers: List[memoryview], offset: int, nbytes: 
                 _reopen_buffered(bank)
                 continue
             if attempt == READ_RETRIES:
-                raise ReadError(
-                    f"{bank.path}: read of {nbytes} bytes at offset {offset} failed "
-                    f"({e.strerror or e})"
-                ) from None
+                raise ReadError(f"{bank.path}: read of {nbytes} bytes at offset {offset} failed "
+                                f"({e.strerror or e})") from None
             continue
         if n == nbytes or (at_least is not None and n >= at_least):
             return
         if attempt == READ_RETRIES:
-            raise ReadError(
-                f"{bank.path}: short read at offset {offset} ({n} of {nbytes} bytes; "
-                "file truncated?)"
-            )
+            raise ReadError(f"{bank.path}: short read at offset {offset} ({n} of {nbytes} bytes; "
+                            "file truncated?)")
 
 
 def _reopen_buffered(bank: BankFile):

@@ -135,8 +135,7 @@ class TrunkStreamer:
         prefix = self.paths[layer] + "."
         fd, path = self.fds[layer], self.files[layer]
         for name, (dtype, shape, offset, nbytes) in self.index[layer].items():
-            _read_into(fd, path, buf.views[name[len(prefix):]], dtype, offset, nbytes,
-                       self.scratch)
+            _read_into(fd, path, buf.views[name[len(prefix):]], dtype, offset, nbytes, self.scratch)
             with self._lock:
                 self.bytes_read += nbytes
 

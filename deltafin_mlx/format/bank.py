@@ -15,6 +15,7 @@ import numpy as np
 
 from deltafin_mlx.format.dtypes import NUMPY
 from deltafin_mlx.errors import BankError
+from deltafin_mlx.units import is_int
 
 MAGIC = b"DFBANK\x00\x01"
 FORMAT_VERSION = 1
@@ -41,13 +42,11 @@ class Section:
     nbytes: int
 
     def to_dict(self):
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "offset": self.offset,
-            "nbytes": self.nbytes,
-        }
+        return {"name": self.name,
+                "dtype": self.dtype,
+                "shape": list(self.shape),
+                "offset": self.offset,
+                "nbytes": self.nbytes}
 
     @classmethod
     def from_dict(cls, d):
@@ -56,10 +55,6 @@ class Section:
 
 SECTION_KEYS = {"name", "dtype", "shape", "offset", "nbytes"}
 MAX_EXPERTS = 1 << 20
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def sections_from_dicts(items) -> List[Section]:
@@ -75,9 +70,9 @@ def sections_from_dicts(items) -> List[Section]:
         if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in SECTION_DTYPES:
             raise ValueError(f"section {name!r:.80} has a bad name or dtype {dtype!r:.40}")
         if (not isinstance(shape, list) or not 1 <= len(shape) <= 8
-                or not all(_is_int(s) and 0 < s < 1 << 40 for s in shape)):
+                or not all(is_int(s) and 0 < s < 1 << 40 for s in shape)):
             raise ValueError(f"section {name!r} has a bad shape {shape!r:.80}")
-        if not _is_int(d["offset"]) or not _is_int(d["nbytes"]):
+        if not is_int(d["offset"]) or not is_int(d["nbytes"]):
             raise ValueError(f"section {name!r} has a non-integer offset or size")
         out.append(Section(name, dtype, tuple(shape), d["offset"], d["nbytes"]))
     if len({s.name for s in out}) != len(out):
@@ -241,14 +236,12 @@ class BankLayout:
 
 
 def _header_json(layer, num_experts, sections, slices: int = 1) -> bytes:
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "layer": layer,
-        "num_experts": num_experts,
-        "record_size": record_size_of(sections) * slices,
-        "sections": [s.to_dict() for s in sections],
-        "checksum": "crc32",
-    }
+    meta = {"format_version": FORMAT_VERSION,
+            "layer": layer,
+            "num_experts": num_experts,
+            "record_size": record_size_of(sections) * slices,
+            "sections": [s.to_dict() for s in sections],
+            "checksum": "crc32"}
     if slices > 1:
         meta.update(format_version=SLICED_VERSION, slices=slices)
     return json.dumps(meta, sort_keys=True).encode()
@@ -272,20 +265,18 @@ def read_layout(path, expect: Optional[dict] = None) -> BankLayout:
                 if not isinstance(meta, dict):
                     raise ValueError("not a JSON object")
                 version = meta["format_version"]
-                if not _is_int(version) or version not in FORMAT_VERSIONS:
-                    raise BankError(
-                        f"{path}: bank format version {version!r:.40} is not supported "
-                        f"(this Deltafin reads versions {FORMAT_VERSIONS})"
-                    )
+                if not is_int(version) or version not in FORMAT_VERSIONS:
+                    raise BankError(f"{path}: bank format version {version!r:.40} is not supported "
+                                    f"(this Deltafin reads versions {FORMAT_VERSIONS})")
                 slices = meta.get("slices", 1) if version == SLICED_VERSION else 1
-                if version == SLICED_VERSION and not (_is_int(slices) and 1 < slices <= 1024):
+                if version == SLICED_VERSION and not (is_int(slices) and 1 < slices <= 1024):
                     raise ValueError(f"slices {slices!r:.40}")
                 num_experts = meta["num_experts"]
                 record_size = meta["record_size"]
                 layer = meta["layer"]
                 for key, v in (("num_experts", num_experts), ("record_size", record_size),
                                ("layer", layer)):
-                    if not _is_int(v) or v < 0:
+                    if not is_int(v) or v < 0:
                         raise ValueError(f"{key} {v!r:.40} is not a non-negative integer")
                 if meta.get("checksum") != "crc32":
                     raise ValueError(f"unknown checksum {meta.get('checksum')!r:.40}")
@@ -310,10 +301,8 @@ def read_layout(path, expect: Optional[dict] = None) -> BankLayout:
     layout = BankLayout(layer, num_experts, record_size, header_size, sections,
                         sums[:num_experts].copy(), slices, slice_sums)
     if size != layout.file_size:
-        raise BankError(
-            f"{path}: bank is {size} bytes, its header says {layout.file_size} "
-            "(truncated or modified file)"
-        )
+        raise BankError(f"{path}: bank is {size} bytes, its header says {layout.file_size} "
+                        "(truncated or modified file)")
     if expect:
         for key in ("num_experts", "record_size", "header_size", "layer", "slices"):
             if key in expect and expect[key] != getattr(layout, key):
@@ -366,10 +355,8 @@ class BankWriter:
             for s in self.sections:
                 a = np.ascontiguousarray(part[s.name])
                 if a.nbytes != s.nbytes or tuple(a.shape) != s.shape:
-                    raise BankError(
-                        f"expert {self._next}: {s.name} has shape {a.shape} "
-                        f"({a.nbytes} bytes), expected {s.shape} ({s.nbytes} bytes)"
-                    )
+                    raise BankError(f"expert {self._next}: {s.name} has shape {a.shape} "
+                                    f"({a.nbytes} bytes), expected {s.shape} ({s.nbytes} bytes)")
                 rec[base + s.offset : base + s.offset + s.nbytes] = a.reshape(-1).view(np.uint8)
             self._slice_sums[self._next, r] = crc32(rec[base : base + self.slice_size])
         self._sums[self._next] = crc32(rec)

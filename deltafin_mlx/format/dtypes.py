@@ -29,10 +29,8 @@ ITEMSIZE = {
 }
 
 # How the bytes of each dtype that Deltafin reads itself are viewed in numpy.
-NUMPY = {
-    "bfloat16": np.uint16, "float16": np.float16, "float32": np.float32,
-    "uint8": np.uint8, "uint32": np.uint32, "int32": np.int32,
-}
+NUMPY = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32,
+         "uint8": np.uint8, "uint32": np.uint32, "int32": np.int32}
 
 
 def nbytes(dtype: str, shape) -> int:

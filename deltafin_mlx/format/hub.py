@@ -283,8 +283,7 @@ def fetch_range(repo: str, commit: str, name: str, start: int, length: int) -> b
     return data
 
 
-def download_to(repo: str, commit: str, name: str, dest: Path, size: int,
-                on_bytes=None) -> str:
+def download_to(repo: str, commit: str, name: str, dest: Path, size: int, on_bytes=None) -> str:
     """Stream a repository file into `dest` (flushed to disk), returning its
     sha256; `on_bytes(n)` is told of every chunk written. The file must be the
     `size` bytes the hub lists: a hub that sends more (an endless body) is stopped

@@ -16,6 +16,7 @@ It finds damage, not an adversary: whoever can edit a file can reseal the
 manifest, so what a file says is also validated on its own (tokenizer, config).
 """
 
+import json
 import os
 import stat
 import zlib
@@ -60,6 +61,17 @@ def resolve_inside(root, rel, error=ModelError, inside="the model directory",
     if not stat.S_ISREG(st.st_mode):
         raise error(f"{shown}: not a regular file ({file_kind(st.st_mode)})")
     return Path(real), st
+
+
+def write_json(path: Path, obj):
+    """`obj` as JSON at `path`, written whole: a temporary file beside it, fsynced,
+    renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def file_kind(mode) -> str:

@@ -27,8 +27,9 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from deltafin_mlx.errors import ModelError
-from deltafin_mlx.format.bank import Section, _is_int
+from deltafin_mlx.format.bank import Section
 from deltafin_mlx.format.safetensors import read_header_bytes
+from deltafin_mlx.units import is_int
 
 MAGIC = b"DFLINK\x00\x01"
 LINKED_VERSION = 3
@@ -136,7 +137,7 @@ def read_links(path, manifest_experts: dict, layer: int, linked_files: Dict[str,
         if not (isinstance(files, list) and all(isinstance(x, str) for x in files)):
             raise ValueError("files must be a list of paths")
         for key in ("layer", "num_experts"):  # true == 1, 8.0 == 8 would compare equal
-            if not _is_int(meta.get(key)):
+            if not is_int(meta.get(key)):
                 raise ValueError(f"{key} {meta.get(key)!r:.40} is not an integer")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise ModelError(f"{path}: corrupt link table ({e})") from None

@@ -7,35 +7,32 @@ in the middle of a generation.
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict
 
-from deltafin_mlx.format.bank import (
-    ALIGN,
-    FORMAT_VERSION,
-    FORMAT_VERSIONS,
-    SLICED_VERSION,
-    MAX_EXPERTS,
-    Section,
-    _is_int,
-    record_size_of,
-    sections_from_dicts,
-)
+from deltafin_mlx.format.bank import (ALIGN, FORMAT_VERSION, FORMAT_VERSIONS, SLICED_VERSION,
+                                     MAX_EXPERTS, Section, record_size_of,
+                                     sections_from_dicts)
 from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.dtypes import FLOATS
 from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, check_small_files, parse_checksum,
-                                          read_inside, resolve_inside)
+                                          read_inside, resolve_inside, write_json)
 from deltafin_mlx.format.links import LINKED_VERSION
 from deltafin_mlx.format.record import PROJECTIONS, linear_quant, record_linears
+from deltafin_mlx.units import is_int
 
 # Every manifest version this Deltafin reads: 1, 2 (rank slices), 3 (linked experts).
 MANIFEST_VERSIONS = FORMAT_VERSIONS + (LINKED_VERSION,)
 
 MANIFEST_NAME = "deltafin.json"
 PARTIAL_NAME = "deltafin.partial.json"
+# The fields every manifest has, in the order the dataclass declares them.
+REQUIRED = ("model_type", "dtype", "num_layers", "quantization", "trunk_files", "tensors",
+            "experts", "tokenizer", "files")
 
 
 @dataclass
@@ -82,30 +79,13 @@ class Manifest:
         return self.experts.get("slices", 1)
 
     def to_dict(self) -> dict:
-        return {
-            "format": "deltafin",
-            "format_version": (LINKED_VERSION if self.linked else
-                               SLICED_VERSION if self.slices > 1 else FORMAT_VERSION),
-            "model_type": self.model_type,
-            "source": self.source,
-            "dtype": self.dtype,
-            "quantization": self.quantization,
-            "num_layers": self.num_layers,
-            "trunk_files": self.trunk_files,
-            "tensors": self.tensors,
-            "experts": self.experts,
-            "tokenizer": self.tokenizer,
-            "files": self.files,
-            "checksums": self.checksums,
-        }
+        version = (LINKED_VERSION if self.linked else
+                   SLICED_VERSION if self.slices > 1 else FORMAT_VERSION)
+        return {"format": "deltafin", "format_version": version,
+                **{k: getattr(self, k) for k in REQUIRED + ("source", "checksums")}}
 
     def write(self):
-        tmp = self.path / (MANIFEST_NAME + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / MANIFEST_NAME)
+        write_json(self.path / MANIFEST_NAME, self.to_dict())
 
 
 def is_hf_checkpoint(path: Path) -> bool:
@@ -150,35 +130,19 @@ def read_manifest(path, check_files: bool = True) -> Manifest:
     if not isinstance(d, dict) or d.get("format") != "deltafin":
         raise ModelError(f"{mpath}: not a Deltafin manifest")
     version = d.get("format_version")
-    if not _is_int(version) or version not in MANIFEST_VERSIONS:  # true == 1 in Python
-        raise ModelError(
-            f"{mpath}: format version {version!r} is not supported "
-            f"(this Deltafin reads versions {MANIFEST_VERSIONS})"
-        )
+    if not is_int(version) or version not in MANIFEST_VERSIONS:  # true == 1 in Python
+        raise ModelError(f"{mpath}: format version {version!r} is not supported "
+                         f"(this Deltafin reads versions {MANIFEST_VERSIONS})")
     try:
         _check_fields(d)
-        m = Manifest(
-            path=path,
-            model_type=d["model_type"],
-            dtype=d["dtype"],
-            num_layers=d["num_layers"],
-            quantization=d["quantization"],
-            trunk_files=d["trunk_files"],
-            tensors=d["tensors"],
-            experts=d["experts"],
-            tokenizer=d["tokenizer"],
-            files=d["files"],
-            source=d.get("source", {}),
-            checksums=d["checksums"],
-            digest=hashlib.sha256(raw).hexdigest(),
-        )
+        m = Manifest(path=path, **{k: d[k] for k in REQUIRED}, source=d.get("source", {}),
+                     checksums=d["checksums"], digest=hashlib.sha256(raw).hexdigest())
     except _Leaves as e:
         raise ModelError(f"{mpath}: corrupt manifest ({e})") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ModelError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e})") from None
     if check_files:
         check_model_files(m)
-
         check_small_files(m)
     return m
 
@@ -189,12 +153,10 @@ class _Leaves(ValueError):
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+"
 # mode -> (bits, group sizes) that MLX's quantized matmuls take
-QUANT_MODES = {
-    "affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128)),
-    "mxfp4": ((4,), (32,)),
-    "mxfp8": ((8,), (32,)),
-    "nvfp4": ((4,), (16,)),
-}
+QUANT_MODES = {"affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128)),
+               "mxfp4": ((4,), (32,)),
+               "mxfp8": ((8,), (32,)),
+               "nvfp4": ((4,), (16,))}
 
 
 def _need(ok: bool, what: str):
@@ -216,18 +178,17 @@ def _check_fields(d: dict):
     """Every field the runtime uses has the type, range and cross-references the
     format promises, so damage is refused here instead of failing somewhere later
     (or reading outside the model directory). Raises ValueError saying what."""
-    for key in ("model_type", "dtype", "num_layers", "quantization", "trunk_files",
-                "tensors", "experts", "tokenizer", "files"):
+    for key in REQUIRED:
         _need(key in d, f"no {key!r}")
     files = d["files"]
     _need(isinstance(files, dict) and files, "files must be a non-empty object")
     for rel, size in files.items():
         _rel_path(rel, "file path", None)
-        _need(_is_int(size) and 0 <= size < 1 << 56, f"size of {rel!r} is {size!r:.40}")
+        _need(is_int(size) and 0 <= size < 1 << 56, f"size of {rel!r} is {size!r:.40}")
     _need(isinstance(d["model_type"], str), "model_type must be a string")
     _need(d["dtype"] in FLOATS, f"dtype {d['dtype']!r:.40} is not one of {FLOATS}")
     num_layers = d["num_layers"]
-    _need(_is_int(num_layers) and 0 < num_layers <= 1 << 16, f"num_layers {num_layers!r:.40}")
+    _need(is_int(num_layers) and 0 < num_layers <= 1 << 16, f"num_layers {num_layers!r:.40}")
     _need(isinstance(d.get("source", {}), dict), "source must be an object")
     # Every file's checksum is part of the format: without them nothing but sizes
     # would be checked, so a manifest that drops them is refused, not trusted.
@@ -254,18 +215,16 @@ def _check_fields(d: dict):
         _need(isinstance(info, dict), f"tensor {name!r} is not an object")
         shape, dtype, rel = info.get("shape"), info.get("dtype"), info.get("file")
         _need(isinstance(dtype, str), f"tensor {name!r} has dtype {dtype!r:.40}")
-        _need(isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape),
+        _need(isinstance(shape, list) and all(is_int(s) and s >= 0 for s in shape),
               f"tensor {name!r} has shape {shape!r:.80}")
         _need(rel in trunk_set, f"tensor {name!r} is in {rel!r:.200}, not a trunk file")
         q = info.get("quantization")
-        _need(q is None or (isinstance(q, dict) and _is_int(q.get("bits")) and 1 <= q["bits"] <= 8
-                            and _is_int(q.get("group_size")) and q["group_size"] > 0),
+        _need(q is None or (isinstance(q, dict) and is_int(q.get("bits")) and 1 <= q["bits"] <= 8
+                            and is_int(q.get("group_size")) and q["group_size"] > 0),
               f"tensor {name!r} has quantization {q!r:.80}")
-        numel = 1
-        for s in shape:
-            numel *= s
         # Every element takes at least a byte: a tensor never outgrows its file.
-        _need(numel <= files[rel], f"tensor {name!r} of shape {shape} does not fit in {rel}")
+        _need(math.prod(shape) <= files[rel],
+              f"tensor {name!r} of shape {shape} does not fit in {rel}")
 
     quant = d["quantization"]
     _need(isinstance(quant, dict), "quantization must be an object")
@@ -273,20 +232,20 @@ def _check_fields(d: dict):
           "quantization.trunk must be an object or null")
     eq = quant.get("experts")
     _need(isinstance(eq, dict) and isinstance(eq.get("mode"), str)
-          and _is_int(eq.get("bits")) and 1 <= eq["bits"] <= 8
-          and _is_int(eq.get("group_size")) and 1 <= eq["group_size"] <= 1 << 16,
+          and is_int(eq.get("bits")) and 1 <= eq["bits"] <= 8
+          and is_int(eq.get("group_size")) and 1 <= eq["group_size"] <= 1 << 16,
           f"quantization.experts {eq!r:.200}")
 
     ex = d["experts"]
     _need(isinstance(ex, dict), "experts must be an object")
     n, k, record_size = ex.get("num_experts"), ex.get("experts_per_token"), ex.get("record_size")
-    _need(_is_int(n) and 0 < n <= MAX_EXPERTS, f"experts.num_experts {n!r:.40}")
-    _need(_is_int(k) and 0 < k <= n, f"experts.experts_per_token {k!r:.40}")
-    _need(_is_int(record_size) and record_size > 0 and record_size % ALIGN == 0,
+    _need(is_int(n) and 0 < n <= MAX_EXPERTS, f"experts.num_experts {n!r:.40}")
+    _need(is_int(k) and 0 < k <= n, f"experts.experts_per_token {k!r:.40}")
+    _need(is_int(record_size) and record_size > 0 and record_size % ALIGN == 0,
           f"experts.record_size {record_size!r:.40}")
     sections = sections_from_dicts(ex.get("sections"))
     slices = ex.get("slices", 1)
-    _need(_is_int(slices) and 1 <= slices <= 1024
+    _need(is_int(slices) and 1 <= slices <= 1024
           and (slices > 1) == (d.get("format_version") == SLICED_VERSION),
           f"experts.slices {slices!r:.40} (format version {d.get('format_version')})")
     _need(record_size == record_size_of(sections) * slices,
@@ -310,7 +269,7 @@ def _check_fields(d: dict):
         else:
             bank = _rel_path(entry.get("bank"), f"bank of layer {key}", files)
             header_size = entry.get("header_size")
-            _need(_is_int(header_size) and header_size > 0 and header_size % ALIGN == 0,
+            _need(is_int(header_size) and header_size > 0 and header_size % ALIGN == 0,
                   f"header_size {header_size!r:.40} of layer {key}")
             _need(files[bank] == header_size + n * record_size,
                   f"{bank} is listed as {files[bank]} bytes, its layout needs "
@@ -345,8 +304,8 @@ def _check_linked(linked):
         if (not isinstance(rel, str) or not rel or "\x00" in rel or os.path.isabs(rel)
                 or ".." in Path(rel).parts):
             raise _Leaves(f"linked file {rel!r:.200} leaves the source root")
-        _need(isinstance(rec, dict) and _is_int(rec.get("size")) and rec["size"] >= 0
-              and _is_int(rec.get("mtime_ns")) and isinstance(rec.get("header_sha256"), str),
+        _need(isinstance(rec, dict) and is_int(rec.get("size")) and rec["size"] >= 0
+              and is_int(rec.get("mtime_ns")) and isinstance(rec.get("header_sha256"), str),
               f"linked file {rel!r:.200}: size, mtime_ns and header_sha256 expected")
 
 

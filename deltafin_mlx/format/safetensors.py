@@ -19,6 +19,7 @@ from typing import Dict, Tuple
 
 from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.dtypes import ITEMSIZE, SAFETENSORS
+from deltafin_mlx.units import is_int
 
 # Far above any real header (docs/LEARNED.md has K3's), far below memory.
 MAX_HEADER_BYTES = 1 << 28
@@ -32,10 +33,6 @@ class Entry:
     shape: Tuple[int, ...]
     offset: int  # where its bytes start in the file (after the header)
     nbytes: int
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def header_length(where, head: bytes, size: int, error=ModelError) -> int:
@@ -91,8 +88,8 @@ def parse_header(where, raw: bytes, size: int, error=ModelError) -> Dict[str, En
             raise error(f"{where}: corrupt safetensors header entry {name!r:.200}")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if (not isinstance(dtype, str) or not isinstance(shape, list)
-                or not all(_int(x) for x in shape) or not isinstance(offsets, list)
-                or len(offsets) != 2 or not all(_int(x) for x in offsets)):
+                or not all(is_int(x) for x in shape) or not isinstance(offsets, list)
+                or len(offsets) != 2 or not all(is_int(x) for x in offsets)):
             raise error(f"{where}: corrupt safetensors header entry {name!r:.200}")
         if dtype not in SAFETENSORS:
             raise error(f"{where}: tensor {name:.200} has unsupported dtype {dtype:.40}")

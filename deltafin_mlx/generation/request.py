@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 from deltafin_mlx.errors import ContextError, RequestError
 from deltafin_mlx.tokenizer.messages import MAX_NAME_CHARS, chat_messages, fail, text
 from deltafin_mlx.tokenizer.text_bound import text_bytes
+from deltafin_mlx.units import is_int
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
@@ -48,20 +49,15 @@ class RequestLimits:
     max_text_bytes: int  # a prompt with more UTF-8 bytes cannot fit the context
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(v))
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
 
 
 def integer(body, name, low, high, default=None):
     v = body.get(name, default)
     if v is None:
         return default
-    if not _is_int(v):
+    if not is_int(v):
         fail(name, f"must be an integer, not {type(v).__name__}")
     if not low <= v <= high:
         fail(name, f"must be in {low}..{high}, not {v}")
@@ -160,13 +156,11 @@ READ_FIELDS = {
 INFORMATIONAL_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # OpenAI's fields for what this runtime does not do: taken only at the value that asks
 # for nothing (a client library may send it), refused otherwise.
-NO_OP_VALUES = {
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "tool_choice": (None, "auto"), "response_format": (None, {"type": "text"}),
-    "modalities": (None, ["text"]), "functions": (None,), "function_call": (None,),
-    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
-    "images": (None,), "image": (None,),
-}
+NO_OP_VALUES = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+                "tool_choice": (None, "auto"), "response_format": (None, {"type": "text"}),
+                "modalities": (None, ["text"]), "functions": (None,), "function_call": (None,),
+                "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+                "images": (None,), "image": (None,)}
 
 
 def check_fields(body: dict):
@@ -278,7 +272,7 @@ class GenerationRequest:
         req.stop = stops(body.get("stop"))
         lp = body.get("logprobs")
         top = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-        if not chat and _is_int(lp):  # OpenAI's legacy API: logprobs is the count of top tokens
+        if not chat and is_int(lp):  # OpenAI's legacy API: logprobs is the count of top tokens
             if not 0 <= lp <= MAX_TOP_LOGPROBS:
                 fail("logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, not {lp}")
             req.logprobs, top = True, lp
@@ -326,8 +320,7 @@ class GenerationRequest:
         return req
 
     @classmethod
-    def from_flags(cls, flags: dict, limits: Optional[RequestLimits] = None
-                   ) -> "GenerationRequest":
+    def from_flags(cls, flags: dict, limits: Optional[RequestLimits] = None) -> "GenerationRequest":
         """The command line's sampling options, by field name ({"temperature": ...,
         "stop": [...]}); None leaves a field to its default. Without `limits` the
         bounds that need the model (top_k below the vocabulary) are left to

@@ -87,6 +87,10 @@ class RunStats:
         )
 
 
+# The expert cache's counters (engine/cache.py CacheStats) a run reports.
+CACHE_COUNTERS = ("hits", "misses", "speculative_issued", "speculative_used", "stall_seconds")
+
+
 class StatsMeter:
     """Counters of a loaded model, measured from the moment it is created;
     `first_token()` marks the end of the prefill."""
@@ -105,26 +109,16 @@ class StatsMeter:
         if self.state is None:
             return RunStats()
         s = self.state.stats
-        return RunStats(hits=s.hits, misses=s.misses, speculative_issued=s.speculative_issued,
-                        speculative_used=s.speculative_used, bytes_read=self.state.store.bytes_read,
-                        stall_seconds=s.stall_seconds)
+        return RunStats(**{k: getattr(s, k) for k in CACHE_COUNTERS},
+                        bytes_read=self.state.store.bytes_read)
 
     def now(self, tokens: int = 0, prompt_tokens: int = 0) -> RunStats:
         cur, base = self._read(), self.base
         return RunStats(
-            prompt_tokens=prompt_tokens,
-            tokens=tokens,
-            seconds=time.perf_counter() - self.start,
+            prompt_tokens=prompt_tokens, tokens=tokens, seconds=time.perf_counter() - self.start,
             first_token_seconds=(self.first - self.start) if self.first is not None else 0.0,
-            hits=cur.hits - base.hits,
-            misses=cur.misses - base.misses,
-            speculative_issued=cur.speculative_issued - base.speculative_issued,
-            speculative_used=cur.speculative_used - base.speculative_used,
-            bytes_read=cur.bytes_read - base.bytes_read,
-            stall_seconds=cur.stall_seconds - base.stall_seconds,
-            peak_mlx_bytes=mx.get_peak_memory(),
-            peak_rss_bytes=peak_rss(),
-        )
+            **{k: getattr(cur, k) - getattr(base, k) for k in CACHE_COUNTERS + ("bytes_read",)},
+            peak_mlx_bytes=mx.get_peak_memory(), peak_rss_bytes=peak_rss())
 
 
 def peak_rss() -> int:
@@ -207,12 +201,7 @@ class PrefillProgress:
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens two token lists share (two renderings of a
     conversation, a cache's tokens against a new prompt)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def encode_text(tokenizer, text: str) -> list:

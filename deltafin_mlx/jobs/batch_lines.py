@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Union
 
 from deltafin_mlx.errors import JobError
 from deltafin_mlx.generation.request import GenerationRequest, RequestLimits, unbounded
+from deltafin_mlx.units import is_int
 
 ALIASES = {"temp": "temperature"}  # Deltafin's own name, in its own lines
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
@@ -112,7 +113,7 @@ def batch_request(spec: dict, limits: RequestLimits, raw: bool = False) -> Gener
 def _is_id(v) -> bool:
     if isinstance(v, str):
         return _encodable(v)
-    return isinstance(v, int) and not isinstance(v, bool)
+    return is_int(v)
 
 
 def _encodable(s: str) -> bool:

@@ -199,8 +199,7 @@ class Reference:
     token_logprobs: np.ndarray  # (scored positions,) float32
 
 
-def write_reference(path, tokens, opts: PerplexityOptions, top_ids, top_logprobs,
-                    token_logprobs):
+def write_reference(path, tokens, opts: PerplexityOptions, top_ids, top_logprobs, token_logprobs):
     """The base's distributions as one safetensors file (docs/FORMAT.md)."""
     top_logprobs = top_logprobs.astype(np.float32)
     write_safetensors(Path(path), {

@@ -23,9 +23,9 @@ from deltafin_mlx.jobs.batch_lines import Request
 from deltafin_mlx.generation.engine import chat_prompt
 from deltafin_mlx.generation.stream import common_prefix
 from deltafin_mlx.tokenizer.messages import chat_messages
+from deltafin_mlx.units import is_int
 
-TEXT_KEYS = ({"id", "text"}, {"id", "prompt", "completion"}, {"id", "messages"},
-             {"id", "tokens"})
+TEXT_KEYS = ({"id", "text"}, {"id", "prompt", "completion"}, {"id", "messages"}, {"id", "tokens"})
 
 
 @dataclass
@@ -119,8 +119,7 @@ def _turns_of_one_render(tokenizer, msgs, turns, rendered, thinking: bool, conte
 
 
 def _token_ids(v, vocab: Optional[int]) -> List[int]:
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                          for t in v):
+    if not isinstance(v, list) or not all(is_int(t) for t in v):
         raise ValueError('"tokens" must be a list of token ids (integers)')
     bad = [t for t in v if t < 0 or (vocab is not None and t >= vocab)]
     if bad:

@@ -125,8 +125,7 @@ def _write_file(fd: int, path: Path, tensors: dict, metadata: dict = None):
 def _create_written(path: Path, tensors: dict, metadata: dict = None):
     """A new safetensors file at `path`, which must not exist (O_EXCL: nothing is
     ever overwritten; FileExistsError otherwise)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
-                 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     _write_file(fd, path, tensors, metadata)
 
 

@@ -114,8 +114,7 @@ def score_rows(flat: mx.array, head, where: np.ndarray, targets: np.ndarray, top
     for s in range(0, where.size, logit_rows):
         part = slice(s, s + logit_rows)
         h = flat[mx.array(where[part].astype(np.uint32))]
-        out = logprob_rows(head(h), targets[part], k,
-                           at_ids=None if asked is None else asked[part])
+        out = logprob_rows(head(h), targets[part], k, at_ids=None if asked is None else asked[part])
         chosen[part], greedy[part] = out.chosen, out.greedy
         if asked is not None:
             at_vals[part] = out.at_logprobs
@@ -190,8 +189,7 @@ def run_pass(model, items: Sequence[ScoreItem], top_k: int, logit_rows: int,
     return results, stats
 
 
-def run_long(model, item: ScoreItem, top_k: int, logit_rows: int, segment: int,
-             at_ids=None):
+def run_long(model, item: ScoreItem, top_k: int, logit_rows: int, segment: int, at_ids=None):
     """(the scores of one text too long for a pass, its passes' PassStats): the text
     goes through the model a `segment` of tokens at a time over a cache kept
     across its passes, as a long prompt is prefilled (attention in the plan's

@@ -7,13 +7,11 @@ mlx-lm's Kimi K3 and multimodal configs nest the language model's keys under
 from deltafin_mlx.errors import ModelError
 
 # model_type -> the name users know; what the converter accepts and `info` prints.
-ARCHITECTURES = {
-    "kimi_k3": "Kimi K3",
-    "kimi_k2": "Kimi K2",
-    "deepseek_v3": "DeepSeek-V3",
-    "qwen3_moe": "Qwen3-MoE",
-    "mixtral": "Mixtral",
-}
+ARCHITECTURES = {"kimi_k3": "Kimi K3",
+                 "kimi_k2": "Kimi K2",
+                 "deepseek_v3": "DeepSeek-V3",
+                 "qwen3_moe": "Qwen3-MoE",
+                 "mixtral": "Mixtral"}
 
 def text_config(config: dict) -> dict:
     """The language model's keys of a config.json."""

@@ -160,8 +160,7 @@ def shard_model(model: nn.Module, group, switch_paths, path=""):
             set_module(model, sp, module)
 
 
-def sharded_inventory(inventory, config: dict, ranks: int, rank: int = 0, layout=None,
-                      where=""):
+def sharded_inventory(inventory, config: dict, ranks: int, rank: int = 0, layout=None, where=""):
     """The inventory as one of `ranks` ranks sees it: each trunk unit's bytes as
     mlx-lm's shard() leaves them (measured on a lazily built, never evaluated
     model), and the expert record as that rank reads and holds it from `layout`
@@ -182,8 +181,7 @@ def sharded_inventory(inventory, config: dict, ranks: int, rank: int = 0, layout
         for name, a in tree_flatten(model.parameters()):
             if any(name.startswith(sp + ".") for sp in switch):
                 continue
-            key = next((str(i) for i, p in enumerate(paths) if name.startswith(p + ".")),
-                       "globals")
+            key = next((str(i) for i, p in enumerate(paths) if name.startswith(p + ".")), "globals")
             sizes[key] = sizes.get(key, 0) + a.nbytes
         return sizes
 

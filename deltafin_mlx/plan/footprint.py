@@ -125,20 +125,18 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
     # The expert as one process holds it (a sliced record's slices put together).
     sections = expert_layout(manifest).for_rank(0, 1).held_sections
     quant = manifest.quantization["experts"]
-    return Inventory(
-        model_type=manifest.model_type,
-        config=config,
-        units=_build(by_unit, act),
-        embed_bytes=embed,
-        embed_tied=embeddings_tied(config, manifest.tensors),
-        moe_layers=manifest.moe_layers,
-        num_experts=manifest.experts["num_experts"],
-        experts_per_token=manifest.experts["experts_per_token"],
-        record_size=manifest.experts["record_size"],
-        sections=sections,
-        expert_weights=_expert_weights(sections, quant),
-        activation_dtype=act,
-    )
+    return Inventory(model_type=manifest.model_type,
+                     config=config,
+                     units=_build(by_unit, act),
+                     embed_bytes=embed,
+                     embed_tied=embeddings_tied(config, manifest.tensors),
+                     moe_layers=manifest.moe_layers,
+                     num_experts=manifest.experts["num_experts"],
+                     experts_per_token=manifest.experts["experts_per_token"],
+                     record_size=manifest.experts["record_size"],
+                     sections=sections,
+                     expert_weights=_expert_weights(sections, quant),
+                     activation_dtype=act)
 
 
 def embeddings_tied(config: dict, names) -> bool:
@@ -209,18 +207,16 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
         quant = {**recipes[next(iter(linears))], **({"linears": own} if own else {})}
     sections = expert_sections({k: v[1:] for k, v in linears.items()}, quant,
                                name_of(dtype or mx.bfloat16))
-    return Inventory(
-        model_type=config.get("model_type", "?"),
-        config=config,
-        units=_build(by_unit, act),
-        embed_bytes=embed,
-        embed_tied=embeddings_tied(config, dict(tree_flatten(model.parameters()))),
-        moe_layers=sorted(switches),
-        num_experts=next(iter(linears.values()))[0],
-        experts_per_token=experts_per_token(config),
-        record_size=record_size_of(sections),
-        sections=sections,
-        expert_weights=_expert_weights(sections, quant),
-        activation_dtype=act,
-        source_unit_bytes=source_units,
-    )
+    return Inventory(model_type=config.get("model_type", "?"),
+                     config=config,
+                     units=_build(by_unit, act),
+                     embed_bytes=embed,
+                     embed_tied=embeddings_tied(config, dict(tree_flatten(model.parameters()))),
+                     moe_layers=sorted(switches),
+                     num_experts=next(iter(linears.values()))[0],
+                     experts_per_token=experts_per_token(config),
+                     record_size=record_size_of(sections),
+                     sections=sections,
+                     expert_weights=_expert_weights(sections, quant),
+                     activation_dtype=act,
+                     source_unit_bytes=source_units)

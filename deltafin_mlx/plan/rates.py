@@ -40,8 +40,6 @@ def disk_key(path) -> str:
 
 
 def compute_key(mode: str, bits: int, group_size: int, dtype, batch: int = 1) -> str:
-    import mlx.core as mx
-
     return (f"compute:{platform.node()}:{platform.machine()}:{mx.default_device()}:"
             f"mlx-{mx.__version__}:{mode}:{bits}:{group_size}:{str(dtype).split('.')[-1]}"
             + (f":batch{batch}" if batch > 1 else ""))

@@ -145,8 +145,7 @@ def plan_report(options: PlanOptions) -> dict:
                        sequences=options.sequences, max_sequences=AUTO_CAP)
     # What `batch --batch-size auto` takes with requests enough: the sequences whose
     # state the plan allows.
-    auto = choose_sequences(inv, plan.budget, plan.context, stream_trunk=ranks == 1,
-                            cap=AUTO_CAP)
+    auto = choose_sequences(inv, plan.budget, plan.context, stream_trunk=ranks == 1, cap=AUTO_CAP)
     remeasure = options.remeasure
     disk, disk_from = disk_rate(options.disk_gbps, bank, source, remeasure)
     compute, compute_from, layer, layer_from = decode_rates(

@@ -43,8 +43,7 @@ def block_room(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype) -> in
     """What a prefill pass holds beside its tokens (its prompt's KV/state, one
     attention chunk, and whatever its cap at the context leaves): the room a
     scoring pass's transient blocks take their shares of."""
-    return (plan.pass_room()
-            - plan.prefill_pass * pass_bytes_per_token(config, activation_dtype))
+    return (plan.pass_room() - plan.prefill_pass * pass_bytes_per_token(config, activation_dtype))
 
 
 def logit_rows(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype) -> int:

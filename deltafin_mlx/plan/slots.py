@@ -19,8 +19,7 @@ MAX_ELEMENTS = 2**31 - 1 - ALIGN
 
 def slot_bytes(sections, activation_dtype: mx.Dtype) -> int:
     """Memory one slot takes (scales may be wider in memory than on disk)."""
-    return sum(int(np.prod(s.shape)) * in_memory(s.dtype, activation_dtype).size
-               for s in sections)
+    return sum(int(np.prod(s.shape)) * in_memory(s.dtype, activation_dtype).size for s in sections)
 
 
 def max_slots(sections, activation_dtype: mx.Dtype) -> int:
@@ -63,8 +62,7 @@ def pool_chunks(num_slots: int, num_layers: int, experts_per_token: int, num_exp
     return chunks
 
 
-def pool_limit(num_layers: int, experts_per_token: int, num_experts: int,
-               chunk_limit: int) -> int:
+def pool_limit(num_layers: int, experts_per_token: int, num_experts: int, chunk_limit: int) -> int:
     """The most slots a pool can have. A pool above one chunk must be partitioned
     by layer (at least one token's experts per layer), each partition within one
     chunk: up to every expert of the model. Where a partitioned pool would not fit

@@ -63,18 +63,16 @@ def project(inv: Inventory, plan: MemoryPlan, disk_gbps: float, compute_gwps: fl
                                 plan.cache_fraction)
     real_read = plan.streamed_read_bytes + routed * (1 - hit) * inv.record_size
     real_io = real_read / (disk_gbps * 1e9)
-    return {
-        "weights_per_token": weights,
-        "compute_seconds": compute,
-        "layer_overhead_seconds": overhead,
-        "read_bytes_per_token": read,
-        "read_seconds": io,
-        "tokens_per_second_overlapped": 1 / max(compute, io),
-        "tokens_per_second_serial": 1 / (compute + io),
-        "real_routing_hit_rate": hit,
-        "real_routing_read_bytes_per_token": real_read,
-        "real_routing_tokens_per_second": 1 / max(compute, real_io),
-    }
+    return {"weights_per_token": weights,
+            "compute_seconds": compute,
+            "layer_overhead_seconds": overhead,
+            "read_bytes_per_token": read,
+            "read_seconds": io,
+            "tokens_per_second_overlapped": 1 / max(compute, io),
+            "tokens_per_second_serial": 1 / (compute + io),
+            "real_routing_hit_rate": hit,
+            "real_routing_read_bytes_per_token": real_read,
+            "real_routing_tokens_per_second": 1 / max(compute, real_io)}
 
 
 def distinct_experts(tokens: int, experts: int, per_token: int) -> float:

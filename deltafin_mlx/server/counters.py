@@ -80,36 +80,25 @@ class ServerCounters:
     def metrics_text(self, admission, listener) -> str:
         """The counters in Prometheus' text exposition format (`listener`:
         server/listener.py's server, for its connections)."""
+        def metric(name, value):  # a name ending in _total is a counter, others gauges
+            kind = "counter" if name.endswith("_total") else "gauge"
+            return [f"# TYPE deltafin_{name} {kind}", f"deltafin_{name} {value}"]
+
         e = expert_counters(self.model)
         with self._lock:
-            outcomes = dict(self.outcomes)
-            lines = [
-                "# TYPE deltafin_requests_total counter",
-                *(f'deltafin_requests_total{{outcome="{k}"}} {v}'
-                  for k, v in sorted(outcomes.items())),
-                "# TYPE deltafin_prompt_tokens_total counter",
-                f"deltafin_prompt_tokens_total {self.prompt_tokens}",
-                "# TYPE deltafin_reply_tokens_total counter",
-                f"deltafin_reply_tokens_total {self.reply_tokens}",
-                "# TYPE deltafin_generation_restarts_total counter",
-                f"deltafin_generation_restarts_total {self.generation_restarts}",
-            ]
-        lines += [
-            "# TYPE deltafin_expert_hits_total counter",
-            f"deltafin_expert_hits_total {e['hits']}",
-            "# TYPE deltafin_expert_misses_total counter",
-            f"deltafin_expert_misses_total {e['misses']}",
-            "# TYPE deltafin_expert_bytes_read_total counter",
-            f"deltafin_expert_bytes_read_total {e['bytes_read']}",
-            "# TYPE deltafin_requests_running gauge",
-            f"deltafin_requests_running {admission.active}",
-            "# TYPE deltafin_requests_waiting gauge",
-            f"deltafin_requests_waiting {admission.waiting}",
-            "# TYPE deltafin_connections_open gauge",
-            f"deltafin_connections_open {listener.open_connections}",
-            "# TYPE deltafin_connections_refused_total counter",
-            f"deltafin_connections_refused_total {listener.refused_connections}",
-        ]
+            lines = ["# TYPE deltafin_requests_total counter",
+                     *(f'deltafin_requests_total{{outcome="{k}"}} {v}'
+                       for k, v in sorted(self.outcomes.items())),
+                     *metric("prompt_tokens_total", self.prompt_tokens),
+                     *metric("reply_tokens_total", self.reply_tokens),
+                     *metric("generation_restarts_total", self.generation_restarts)]
+        lines += [*metric("expert_hits_total", e["hits"]),
+                  *metric("expert_misses_total", e["misses"]),
+                  *metric("expert_bytes_read_total", e["bytes_read"]),
+                  *metric("requests_running", admission.active),
+                  *metric("requests_waiting", admission.waiting),
+                  *metric("connections_open", listener.open_connections),
+                  *metric("connections_refused_total", listener.refused_connections)]
         return "\n".join(lines) + "\n"
 
 

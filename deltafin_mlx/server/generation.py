@@ -105,8 +105,7 @@ class ResilientGenerator(compat.ResponseGeneratorHooks, ResponseGenerator):
     def preamble(self, tokenizer, request, args):
         """What the template puts before a conversation's first user message
         and its text: the template rendered for one empty user message."""
-        key = json.dumps([args.chat_template_kwargs, request.tools], sort_keys=True,
-                         default=str)
+        key = json.dumps([args.chat_template_kwargs, request.tools], sort_keys=True, default=str)
         if key not in self.preambles:
             empty = CompletionRequest("chat", "", [{"role": "user", "content": ""}],
                                       request.tools, request.role_mapping)

@@ -20,6 +20,7 @@ import logging
 import select
 import socket
 import time
+from itertools import accumulate
 
 from mlx_lm.server import APIHandler
 
@@ -32,8 +33,7 @@ from deltafin_mlx.server.generation import GenerationFailed
 
 log = logging.getLogger("deltafin_mlx.server")
 
-COMPLETIONS = {"/v1/completions": False, "/v1/chat/completions": True,
-               "/chat/completions": True}
+COMPLETIONS = {"/v1/completions": False, "/v1/chat/completions": True, "/chat/completions": True}
 DRAIN_CHUNK = 1 << 16
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 256 << 20
@@ -131,8 +131,7 @@ class Connection:
             self.wfile.write(data)
             self.wfile.flush()
         except (ConnectionError, TimeoutError) as e:
-            log.info("client went away before its answer (%d): %s", status,
-                     type(e).__name__)
+            log.info("client went away before its answer (%d): %s", status, type(e).__name__)
             self.close_connection = True
 
     def refuse(self, status: int, message: str, extra_headers=()):
@@ -394,8 +393,7 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
         self.close_connection = True
         try:
             if self.stream:  # the headers are out: say it in the stream
-                event = {"error": {"message": str(error), "type": "server_error",
-                                   "code": 500}}
+                event = {"error": {"message": str(error), "type": "server_error", "code": 500}}
                 self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
                 self.wfile.flush()
             else:  # mlx-lm's 200 is still in the header buffer
@@ -468,14 +466,10 @@ def logprobs_block(tokenizer, tokens, logprobs, top_tokens, legacy: bool):
     texts = [_token_text(tokenizer, t) for t in tokens]
 
     def entry(token, text, logprob):
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
-                "id": token}
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "id": token}
 
     if legacy:
-        offsets, at = [], 0
-        for s in texts:
-            offsets.append(at)
-            at += len(s)
+        offsets = [0, *accumulate(map(len, texts))][:len(texts)]  # where each token's text starts
         alternatives = [[entry(x["id"], _token_text(tokenizer, x["id"]), x["logprob"])
                          for x in top] for top in tops]
         merged = []

@@ -12,9 +12,9 @@ fetched.
 
 from deltafin_mlx.errors import RequestError
 from deltafin_mlx.generation.request import (  # noqa: F401 - the drop-in's guard reads these here
-    MAX_SEED, GenerationRequest, RequestLimits, _is_int, boolean, integer, logit_bias, number,
-    stops)
+    MAX_SEED, GenerationRequest, RequestLimits, boolean, integer, logit_bias, number, stops)
 from deltafin_mlx.tokenizer.messages import fail, text
+from deltafin_mlx.units import is_int
 
 MAX_DEPTH = 32  # JSON nesting: messages > parts > tool calls > arguments > ...
 
@@ -75,6 +75,6 @@ def check_detokenize(body: dict, limits: RequestLimits) -> list:
     if len(tokens) > limits.context:
         fail("tokens", f"has {len(tokens)} ids, more than the context of {limits.context}")
     for i, t in enumerate(tokens):
-        if not _is_int(t) or not 0 <= t < limits.vocab:
+        if not is_int(t) or not 0 <= t < limits.vocab:
             fail(f"tokens[{i}]", f"must be a token id in 0..{limits.vocab - 1}")
     return tokens

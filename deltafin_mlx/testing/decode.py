@@ -1,9 +1,22 @@
 """The one greedy decode the tests and benchmarks compare models with: mlx-lm's
-prompt cache, the whole prompt in one call, then one token at a time."""
+prompt cache, the whole prompt in one call, then one token at a time; and the model
+they compare Deltafin's with, `load_resident`: mlx-lm's, wholly in memory."""
+
+from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
+
+from deltafin_mlx.engine.linked_reader import LinkedSources
+from deltafin_mlx.engine.load import check_against_manifest, guard_token_ids, switch_shapes
+from deltafin_mlx.format.aligned import aligned_empty
+from deltafin_mlx.format.bank import read_layout
+from deltafin_mlx.format.dtypes import NUMPY, to_mlx
+from deltafin_mlx.format.model_dir import open_model_dir
+from deltafin_mlx.model.build import build_model, quantize_like_config
+from deltafin_mlx.plan.memory import default_activation_dtype
 
 
 def greedy(model, prompt: mx.array, steps: int):
@@ -36,3 +49,56 @@ def greedy_streamed(directory, prompt: mx.array, steps: int):
     finally:
         runtime(model).close()
     return tokens, logits
+
+
+def _gather_linked(manifest) -> list:
+    """Every linked expert read from its source and stacked per section."""
+    sources = LinkedSources(manifest, "buffered")
+    weights = []
+    try:
+        for layer in manifest.moe_layers:
+            bank = sources.bank(manifest, layer)
+            staging = aligned_empty(bank.staging_bytes)
+            stacked = {s.name: np.empty((bank.layout.num_experts, *s.shape), NUMPY[s.dtype])
+                       for s in bank.layout.sections}
+            for e in range(bank.layout.num_experts):
+                bank.read_into(e, {k: v[e] for k, v in stacked.items()}, staging, True)
+            for s in bank.layout.sections:
+                weights.append((f"{manifest.switch_path(layer)}.{s.name}",
+                                to_mlx(stacked[s.name], s.dtype)))
+    finally:
+        sources.close()
+    return weights
+
+
+def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Module:
+    """The whole model in memory: mlx-lm's model class with every bank gathered
+    back into its stacked `switch_mlp` tensors. For checks and comparisons."""
+    model_dir = open_model_dir(path)
+    path, manifest, config = model_dir.path, model_dir.manifest, model_dir.config
+    model = build_model(config, path)
+    switches = switch_shapes(model, manifest)
+    quantize_like_config(model, config)
+    check_against_manifest(model, config, manifest, switches)
+    weights = []
+    if manifest.linked is not None:
+        weights = _gather_linked(manifest)
+    for layer in manifest.moe_layers if manifest.linked is None else ():
+        layout = read_layout(manifest.bank_path(layer)).for_rank(0, 1)
+        data = np.memmap(manifest.bank_path(layer), dtype=np.uint8, mode="r")
+        records = data[layout.header_size:].reshape(layout.num_experts, layout.record_size)
+        experts = [layout.split_record(records[e]) for e in range(layout.num_experts)]
+        for s in layout.held_sections:
+            arr = np.stack([np.ascontiguousarray(x[s.name]) for x in experts])
+            weights.append((f"{manifest.switch_path(layer)}.{s.name}", to_mlx(arr, s.dtype)))
+    for rel in sorted(set(manifest.trunk_files.values())):
+        weights.extend(mx.load(str(path / rel)).items())
+    model.load_weights(weights, strict=True)
+    if activation_dtype == "auto":
+        activation_dtype = default_activation_dtype()
+    if activation_dtype is not None:
+        model.set_dtype(activation_dtype)
+    mx.eval(model.parameters())
+    model.eval()
+    guard_token_ids(model)
+    return model

@@ -16,13 +16,11 @@ from deltafin_mlx.errors import TemplateLimit
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(
-        value,
-        ensure_ascii=ensure_ascii,
-        indent=indent,
-        separators=separators,
-        sort_keys=sort_keys,
-    )
+    return json.dumps(value,
+                      ensure_ascii=ensure_ascii,
+                      indent=indent,
+                      separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _raise_exception(message):

@@ -31,13 +31,8 @@ from deltafin_mlx.tokenizer.encode_thread import run_on_encode_thread
 PIECE_MEMO = 4096
 PIECE_MEMO_CHARS = 1 << 16
 from deltafin_mlx.tokenizer.jinja import render_jinja_chat
-from deltafin_mlx.tokenizer.xtml import (
-    XTML_CLOSE,
-    XTML_END_OF_MSG,
-    XTML_OPEN,
-    XTML_SEP,
-    render_xtml_chat,
-)
+from deltafin_mlx.tokenizer.xtml import (XTML_CLOSE, XTML_END_OF_MSG, XTML_OPEN, XTML_SEP,
+                                         render_xtml_chat)
 
 # The pre-tokenizer of K2, K3 and Kimi-Linear, as `tokenization_kimi.py` has it.
 # `&&` is a character-class intersection (letters that are not Han), which
@@ -125,9 +120,7 @@ def read_special_tokens(config, num_base_tokens, mergeable_ranks=None):
             raise TokenizerError(f"added token id {key!r:.40} is not a number")
         if not first <= int(key) < end:
             # A config for another vocabulary size: every id would be wrong.
-            raise TokenizerError(
-                f"added token {key} is outside the special ids {first}..{end - 1}"
-            )
+            raise TokenizerError(f"added token {key} is outside the special ids {first}..{end - 1}")
         content = entry.get("content") if isinstance(entry, dict) else None
         if not isinstance(content, str) or not content:
             raise TokenizerError(f"added token {key} has content {content!r:.60}; a special "
@@ -148,12 +141,8 @@ def read_special_tokens(config, num_base_tokens, mergeable_ranks=None):
 
 def kimi_encoding(mergeable_ranks, special_tokens, name="kimi"):
     try:
-        return tiktoken.Encoding(
-            name,
-            pat_str=KIMI_PATTERN,
-            mergeable_ranks=mergeable_ranks,
-            special_tokens=special_tokens,
-        )
+        return tiktoken.Encoding(name, pat_str=KIMI_PATTERN, mergeable_ranks=mergeable_ranks,
+                                 special_tokens=special_tokens)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # tiktoken's Rust panics are BaseExceptions (pyo3)
@@ -164,11 +153,8 @@ def kimi_encoding(mergeable_ranks, special_tokens, name="kimi"):
 @lru_cache(maxsize=1)
 def _bytes_to_unicode():
     """GPT-2's byte -> printable character table, used for token strings."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     table, n = {}, 0
     for b in range(256):
         if b in printable:
@@ -225,21 +211,16 @@ class KimiTokenizer:
         self.init_kwargs = config
         self.name_or_path = str(name_or_path)
         # name -> id for every reserved id, named or not
-        self.special_tokens = {
-            name: encoding.encode_single_token(name)
-            for name in encoding.special_tokens_set
-        }
+        self.special_tokens = {name: encoding.encode_single_token(name)
+                               for name in encoding.special_tokens_set}
         self.chat_template = config.get("chat_template")
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
         self.pad_token = _token_content(config.get("pad_token"))
         self.unk_token = _token_content(config.get("unk_token"))
         added = config.get("added_tokens_decoder", {})
-        self.all_special_ids = sorted(
-            i
-            for i in self.special_tokens.values()
-            if added.get(str(i), {}).get("special", True)
-        )
+        self.all_special_ids = sorted(i for i in self.special_tokens.values()
+                                      if added.get(str(i), {}).get("special", True))
         self._special_ids = set(self.all_special_ids)
 
     @property
@@ -278,10 +259,7 @@ class KimiTokenizer:
     @cached_property
     def token_bytes(self):
         """The bytes of every token id; a special token's are its name's."""
-        return [
-            self.encoding.decode_single_token_bytes(i)
-            for i in range(self.encoding.n_vocab)
-        ]
+        return [self.encoding.decode_single_token_bytes(i) for i in range(self.encoding.n_vocab)]
 
     @cached_property
     def _token_strings(self):
@@ -289,10 +267,8 @@ class KimiTokenizer:
         # them; special tokens keep their names.
         byte_char = _bytes_to_unicode()
         names = {i: name for name, i in self.special_tokens.items()}
-        return [
-            names.get(i) or "".join(byte_char[b] for b in token)
-            for i, token in enumerate(self.token_bytes)
-        ]
+        return [names.get(i) or "".join(byte_char[b] for b in token)
+                for i, token in enumerate(self.token_bytes)]
 
     @cached_property
     def vocab(self):
@@ -304,11 +280,8 @@ class KimiTokenizer:
     def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
         if isinstance(ids, int):
             return self._token_strings[ids]
-        return [
-            self._token_strings[i]
-            for i in ids
-            if not (skip_special_tokens and i in self._special_ids)
-        ]
+        return [self._token_strings[i] for i in ids
+                if not (skip_special_tokens and i in self._special_ids)]
 
     def convert_tokens_to_ids(self, tokens):
         if isinstance(tokens, str):
@@ -348,9 +321,7 @@ class KimiTokenizer:
             ids += got
         return ids
 
-    def encode(
-        self, text, add_special_tokens=True, allow_special_tokens=True, **kwargs
-    ):
+    def encode(self, text, add_special_tokens=True, allow_special_tokens=True, **kwargs):
         """Encode text; special token names in it become special tokens.
 
         That is what Hugging Face tokenizers do, and what mlx-lm relies on
@@ -368,17 +339,9 @@ class KimiTokenizer:
             token_ids = [i for i in token_ids if i not in self._special_ids]
         return self.encoding.decode(token_ids)
 
-    def apply_chat_template(
-        self,
-        conversation,
-        tools=None,
-        tokenize=True,
-        add_generation_prompt=True,
-        thinking=True,
-        continue_final_message=False,
-        return_dict=False,
-        **kwargs,
-    ):
+    def apply_chat_template(self, conversation, tools=None, tokenize=True,
+                            add_generation_prompt=True, thinking=True,
+                            continue_final_message=False, return_dict=False, **kwargs):
         """Render a conversation as a prompt: token ids, or text if not tokenize.
 
         K3 (XTML) prompts are rendered in code, as the release does; other
@@ -390,30 +353,22 @@ class KimiTokenizer:
         if self.is_xtml:
             # The release's apply_chat_template defaults the effort to max;
             # pass thinking_effort=None to leave the effort message out.
-            pieces = render_xtml_chat(
-                conversation,
-                tools,
-                add_generation_prompt=add_generation_prompt,
-                thinking=thinking,
-                thinking_effort=kwargs.get("thinking_effort", "max"),
-                continue_final_message=continue_final_message,
-            )
+            pieces = render_xtml_chat(conversation, tools,
+                                      add_generation_prompt=add_generation_prompt,
+                                      thinking=thinking,
+                                      thinking_effort=kwargs.get("thinking_effort", "max"),
+                                      continue_final_message=continue_final_message)
             if not tokenize:
                 return "".join(text for text, _ in pieces)
             # Piece by piece: only markup may become special tokens.
             ids = self._encode_pieces(pieces)
         elif self.chat_template is not None:
-            text = render_jinja_chat(
-                self.chat_template,
-                conversation,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                thinking=thinking,
-                continue_final_message=continue_final_message,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                **kwargs,
-            )
+            text = render_jinja_chat(self.chat_template, conversation, tools=tools,
+                                     add_generation_prompt=add_generation_prompt,
+                                     thinking=thinking,
+                                     continue_final_message=continue_final_message,
+                                     bos_token=self.bos_token, eos_token=self.eos_token,
+                                     **kwargs)
             if not tokenize:
                 return text
             ids = self.encode(text)
@@ -455,12 +410,8 @@ class KimiTokenizer:
         path.mkdir(parents=True, exist_ok=True)
         if source.resolve() == path.resolve():
             return
-        for name in (
-            "tiktoken.model",
-            "tokenizer_config.json",
-            "tokenization_kimi.py",
-            "encoding_k3.py",
-        ):
+        for name in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py",
+                     "encoding_k3.py"):
             if (source / name).is_file():
                 shutil.copyfile(source / name, path / name)
 
@@ -549,14 +500,8 @@ def load_kimi_tokenizer(model_dir, eos_token_ids=None):
         from importlib import import_module
 
         module = import_module(f"mlx_lm.tool_parsers.{parser}")
-        tool_kwargs = dict(
-            tool_parser=module.parse_tool_call,
-            tool_call_start=module.tool_call_start,
-            tool_call_end=module.tool_call_end,
-        )
-    return TokenizerWrapper(
-        tokenizer,
-        KimiStreamingDetokenizer,
-        eos_token_ids=eos_token_ids,
-        **tool_kwargs,
-    )
+        tool_kwargs = dict(tool_parser=module.parse_tool_call,
+                           tool_call_start=module.tool_call_start,
+                           tool_call_end=module.tool_call_end)
+    return TokenizerWrapper(tokenizer, KimiStreamingDetokenizer, eos_token_ids=eos_token_ids,
+                            **tool_kwargs)

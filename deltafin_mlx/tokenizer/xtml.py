@@ -32,12 +32,7 @@ def _close_tag(tag):
 
 
 def _message(attrs, body):
-    return (
-        _open_tag("message", attrs)
-        + body
-        + _close_tag("message")
-        + [(XTML_END_OF_MSG, True)]
-    )
+    return _open_tag("message", attrs) + body + _close_tag("message") + [(XTML_END_OF_MSG, True)]
 
 
 def _content(content):
@@ -60,16 +55,12 @@ def _system_notice(kind, body):
 
 
 def _tool_declaration(tools, dynamic=False):
-    schema = json.dumps(
-        tools, ensure_ascii=False, separators=(",", ":"), sort_keys=True
-    )
+    schema = json.dumps(tools, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
     if dynamic:
-        intro = (
-            "## New Tools Available\n"
-            "The system dynamically extends the toolset via lazy-loading.\n"
-            "You have access to all existing and extended tools.\n"
-            "Here are the specs for the extended tools.\n\n"
-        )
+        intro = ("## New Tools Available\n"
+                 "The system dynamically extends the toolset via lazy-loading.\n"
+                 "You have access to all existing and extended tools.\n"
+                 "Here are the specs for the extended tools.\n\n")
     else:
         intro = "# Tools\nHere are the available tools, described in JSONSchema.\n\n"
     return _system_notice("tool-declare", f"{intro}```json\n{schema}\n```")
@@ -113,9 +104,7 @@ def _tool_call(call, index):
     elif not isinstance(arguments, dict):
         raise ValueError("Kimi K3 tool call arguments must be a dict or a JSON string")
     for key, value in arguments.items():
-        text = (
-            value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        )
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         pieces += _open_tag("argument", [("key", key), ("type", _xtml_type(value))])
         pieces += [(text, False)] + _close_tag("argument")
     return pieces + _close_tag("call")
@@ -170,26 +159,16 @@ def _order_tool_results(messages):
         call_ids = [m.get("tool_call_id", m.get("id")) for m in run]
         answered = [calls.get(str(c)) if c is not None else None for c in call_ids]
         if all(answered):
-            run = [
-                {**m, "tool": name} if name is not None else m
-                for m, (_, name) in zip(run, answered)
-            ]
+            run = [{**m, "tool": name} if name is not None else m
+                   for m, (_, name) in zip(run, answered)]
             order = sorted(range(len(run)), key=lambda k: answered[k][0])
             run = [run[k] for k in order]
         ordered += run
     return ordered
 
 
-def render_xtml_chat(
-    messages,
-    tools=None,
-    *,
-    add_generation_prompt=True,
-    thinking=True,
-    thinking_effort=None,
-    continue_final_message=False,
-    starts=None,
-):
+def render_xtml_chat(messages, tools=None, *, add_generation_prompt=True, thinking=True,
+                     thinking_effort=None, continue_final_message=False, starts=None):
     """A conversation as K3 prompt pieces: a list of (text, is_markup).
 
     A turn is `<|open|>message role="user"<|sep|>` + content +
@@ -206,12 +185,9 @@ def render_xtml_chat(
     message renders the same whatever follows it, so the conversation up to any
     message is those pieces (KimiTokenizer.render_turns renders a conversation once).
     """
-    if thinking and thinking_effort is not None:
-        if thinking_effort not in XTML_THINKING_EFFORTS:
-            raise ValueError(
-                f"unsupported thinking_effort={thinking_effort!r}; "
-                f"use one of {', '.join(XTML_THINKING_EFFORTS)}"
-            )
+    if thinking and thinking_effort is not None and thinking_effort not in XTML_THINKING_EFFORTS:
+        raise ValueError(f"unsupported thinking_effort={thinking_effort!r}; "
+                         f"use one of {', '.join(XTML_THINKING_EFFORTS)}")
     if continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
         raise ValueError("continue_final_message needs a final assistant message")
     messages = _order_tool_results(messages)
@@ -220,12 +196,10 @@ def render_xtml_chat(
         pieces += _tool_declaration(tools)
     if thinking and thinking_effort is not None:
         pieces += _system_notice(
-            "thinking-effort",
-            "`thinking_effort` guides on how much to think in your thinking "
+            "thinking-effort", "`thinking_effort` guides on how much to think in your thinking "
             "channel (not including the response channel), supported values "
             "include `low`, `medium`, `high`, and `max`.\n"
-            f"Now the system is invoked with `thinking_effort={thinking_effort}`.",
-        )
+            f"Now the system is invoked with `thinking_effort={thinking_effort}`.")
     calls, tool_index = [], 0
     for n, message in enumerate(messages):
         if starts is not None:

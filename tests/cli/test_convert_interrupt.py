@@ -7,36 +7,29 @@ the model is whole."""
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
-from helpers import BIN
+from helpers import BIN, run_convert_patched
 
 
 
 def test_a_ctrl_c_in_a_finalizer_as_the_conversion_ends_is_one_line(sources, tmp_path):
     """Deterministic: an object collected inside the conversion's last step gets
     the SIGINT while its __del__ runs."""
-    program = (
-        "import os, signal, sys\n"
-        "import deltafin_mlx.cli.convert as c\n"
-        "import deltafin_mlx.convert.convert as library\n"
-        "real = library.convert\n"
-        "class Bar:\n"
-        "    def __del__(self):\n"
-        "        os.kill(os.getpid(), signal.SIGINT)\n"
-        "        sum(range(1000))  # the handler runs here, inside the finalizer\n"
-        "def convert(*a, **k):\n"
-        "    m = real(*a, **k)\n"
-        "    Bar()\n"
-        "    return m\n"
-        "library.convert = convert  # what the command imports when it runs\n"
-        "sys.argv = ['deltafin-convert', sys.argv[1], sys.argv[2]]\n"
-        "sys.exit(c.main())\n")
+    patch = ("import deltafin_mlx.convert.convert as library\n"
+             "real = library.convert\n"
+             "class Bar:\n"
+             "    def __del__(self):\n"
+             "        os.kill(os.getpid(), signal.SIGINT)\n"
+             "        sum(range(1000))  # the handler runs here, inside the finalizer\n"
+             "def convert(*a, **k):\n"
+             "    m = real(*a, **k)\n"
+             "    Bar()\n"
+             "    return m\n"
+             "library.convert = convert  # what the command imports when it runs\n")
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-c", program, str(sources("mixtral")), str(out)],
-                       capture_output=True, text=True, timeout=300)
+    p = run_convert_patched(patch, sources("mixtral"), out)
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
     assert "interrupted after the conversion had finished" in p.stderr

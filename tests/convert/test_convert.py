@@ -13,7 +13,7 @@ from helpers import make_source, reference_model
 from deltafin_mlx.cli import convert as cli
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.format.bank import read_layout
-from deltafin_mlx.engine.load import load_resident
+from deltafin_mlx.testing.decode import load_resident
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, read_manifest
 from deltafin_mlx.testing.synthetic import ARCHITECTURES
 

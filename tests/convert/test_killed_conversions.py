@@ -54,7 +54,7 @@ def install(kill_at, labels):
         setattr(owner, name, w)
     for owner, name in [(BankWriter, "__init__"), (BankWriter, "write_record"),
                         (BankWriter, "close"), (conv, "_save_safetensors"),
-                        (conv, "_write_atomic_json"), (mx, "save_safetensors"),
+                        (conv, "write_json"), (mx, "save_safetensors"),
                         (os, "replace"), (os, "fsync"), (shutil, "copyfile"),
                         (Manifest, "write")]:
         wrap(owner, name)
@@ -211,7 +211,7 @@ def fill_on_call(monkeypatch, owner, name, nth, fs, state, dest_in=None):
 
 DISK_FULL_AT = {
     "expert record": (BankWriter, "write_record", 21),
-    "partial state": (conv, "_write_atomic_json", 3),
+    "partial state": (conv, "write_json", 3),
     "trunk file": (conv, "_save_safetensors", 2),
     "tokenizer copy": (shutil, "copyfile", 1),  # the first copy into OUT
     "manifest": (Manifest, "write", 1),

@@ -1,13 +1,11 @@
 """The converter's progress: one bar ending at 100%, notes on stderr, Ctrl-C while it reports."""
 
 import re
-import subprocess
-import sys
 
 from deltafin_mlx.cli import convert as convert_cli
 from deltafin_mlx.format.manifest import read_manifest
 
-from helpers import run_tool
+from helpers import run_convert_patched, run_tool
 
 
 def test_progress_ends_at_100_percent_with_rates_and_notes_go_to_stderr(tmp_path, sources, capsys):
@@ -29,19 +27,13 @@ def test_the_converters_bar_ends_once(sources, tmp_path):
 def test_ctrl_c_while_the_converter_reports_is_not_a_traceback(sources, tmp_path):
     """Ctrl-C just after the manifest is written (here: while the result is printed)
     changes nothing and prints no KeyboardInterrupt traceback."""
-    program = (
-        "import os, signal, sys\n"
-        "import deltafin_mlx.cli.convert as c\n"
-        "real = c.human_bytes\n"
-        "def late_ctrl_c(n):\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
-        "    return real(n)\n"
-        "c.human_bytes = late_ctrl_c\n"
-        "sys.argv = ['deltafin-convert', sys.argv[1], sys.argv[2], '--quiet']\n"
-        "sys.exit(c.main())\n")
+    patch = ("real = c.human_bytes\n"
+             "def late_ctrl_c(n):\n"
+             "    os.kill(os.getpid(), signal.SIGINT)\n"
+             "    return real(n)\n"
+             "c.human_bytes = late_ctrl_c\n")
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-c", program, str(sources("mixtral")), str(out)],
-                       capture_output=True, text=True, timeout=300)
+    p = run_convert_patched(patch, sources("mixtral"), out, "--quiet")
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert "converted" in p.stdout
     read_manifest(out)

@@ -213,20 +213,26 @@ def tmpfs_dir(tmp_path):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def assert_direct_load_matches(path, threads, target):
+    """The model at `path`, loaded with --read-mode direct, decodes `target`'s
+    tokens and logits exactly."""
+    model, _ = load(path, **{**FAST, "read_mode": "direct", "reader_threads": threads})
+    try:
+        tokens, logits = greedy(model, PROMPT, 6)
+    finally:
+        close(model)
+    assert (tokens == target["tokens"]).all()
+    assert mx.array_equal(logits, target["logits"]).item()
+
+
 @pytest.mark.parametrize("threads", [0, 2])
 def test_model_on_tmpfs_reads_correctly_whatever_tmpfs_does_with_o_direct(
         k3, tmpfs_dir, eio_target, monkeypatch, threads):
     path = tmpfs_dir / "model"
     shutil.copytree(k3, path)
     opened = opened_banks(monkeypatch)
-    model, _ = load(path, **{**FAST, "read_mode": "direct", "reader_threads": threads})
-    try:
-        tokens, logits = greedy(model, PROMPT, 6)
-    finally:
-        close(model)
+    assert_direct_load_matches(path, threads, eio_target)
     assert opened
-    assert (tokens == eio_target["tokens"]).all()
-    assert mx.array_equal(logits, eio_target["logits"]).item()
 
 
 @pytest.mark.parametrize("threads", [0, 2])
@@ -256,16 +262,10 @@ def test_filesystem_refusing_o_direct_falls_back_to_buffered_reads(
     monkeypatch.setattr(os, "open", no_direct_open)
     monkeypatch.setattr(os, "posix_fadvise", fadvise)
     opened = opened_banks(monkeypatch)
-    model, _ = load(k3, **{**FAST, "read_mode": "direct", "reader_threads": threads})
-    try:
-        tokens, logits = greedy(model, PROMPT, 6)
-    finally:
-        close(model)
+    assert_direct_load_matches(k3, threads, eio_target)
     assert refused["n"] == len(opened) > 0
     assert not any(b.direct for b in opened)
     assert dropped["n"] > 0  # buffered reads drop the pages they read
-    assert (tokens == eio_target["tokens"]).all()
-    assert mx.array_equal(logits, eio_target["logits"]).item()
 
 
 def test_o_direct_is_used_where_the_filesystem_allows_it(k3, monkeypatch):

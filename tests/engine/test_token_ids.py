@@ -4,7 +4,8 @@ import mlx.core as mx
 import pytest
 
 from deltafin_mlx import runtime
-from deltafin_mlx.engine.load import TokenIdError, load, load_resident
+from deltafin_mlx.engine.load import TokenIdError, load
+from deltafin_mlx.testing.decode import load_resident
 
 from helpers import LOAD
 

@@ -20,7 +20,8 @@ from mlx_lm.sample_utils import make_sampler
 
 from deltafin_mlx import runtime
 from deltafin_mlx.compat import prefill_chunk_follows
-from deltafin_mlx.engine.load import load, load_resident
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.testing.decode import load_resident
 from deltafin_mlx.generation.stream import unread_logits_hint
 from deltafin_mlx.model.modules import LayerIndex, layer_paths
 from deltafin_mlx.testing import zoo

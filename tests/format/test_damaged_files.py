@@ -154,6 +154,13 @@ def mutate(doc, ops):
     return doc
 
 
+def report_outcomes(name, outcomes, at_least=0, what="outcomes"):
+    """The reliability figure of a fuzzing test: its cases, counted by outcome."""
+    report(name, sum(outcomes.values()))
+    print(f"[reliability]   {what}: {dict(outcomes)}")
+    assert sum(outcomes.values()) >= at_least
+
+
 def test_fuzzed_manifest_fields_give_a_clear_error_or_the_same_output(work, clean):
     mpath = work / MANIFEST_NAME
     original = mpath.read_bytes()
@@ -171,9 +178,8 @@ def test_fuzzed_manifest_fields_give_a_clear_error_or_the_same_output(work, clea
             mpath.write_bytes(original)
 
     case()
-    report("manifest field mutations", sum(outcomes.values()))
-    print(f"[reliability]   outcomes: {dict(outcomes)}")
-    assert outcomes["error"] >= 100 and sum(outcomes.values()) >= 150
+    report_outcomes("manifest field mutations", outcomes, at_least=150)
+    assert outcomes["error"] >= 100
 
 
 def test_hostile_paths_in_the_manifest_are_refused_by_name(work):
@@ -240,9 +246,7 @@ def test_random_byte_damage_to_the_manifest(work, clean):
             mpath.write_bytes(original)
 
     case()
-    report("manifest byte damage", sum(outcomes.values()))
-    print(f"[reliability]   outcomes: {dict(outcomes)}")
-    assert sum(outcomes.values()) >= 100
+    report_outcomes("manifest byte damage", outcomes, at_least=100)
 
 
 def bank_parts(path):
@@ -350,8 +354,7 @@ def test_fuzzed_bank_headers_give_a_clear_error_or_correct_reads(work, clean):
             path.write_bytes(original)
 
     case()
-    report("bank header damage", sum(outcomes.values()))
-    print(f"[reliability]   outcomes: {dict(outcomes)}")
+    report_outcomes("bank header damage", outcomes)
     assert outcomes["error at load"] >= 75
 
 
@@ -411,9 +414,7 @@ def test_fuzzed_records_are_caught_by_verify_naming_layer_and_expert(work):
                 f.write(original)
 
     case()
-    report("record damage (reader)", sum(ran.values()))
-    print(f"[reliability]   by read path: {dict(ran)}")
-    assert sum(ran.values()) >= 150
+    report_outcomes("record damage (reader)", ran, at_least=150, what="by read path")
 
 
 def test_bank_modified_while_loaded_is_caught_by_verify(work):

@@ -29,7 +29,8 @@ from deltafin_mlx.jobs.batch_lines import read_requests
 from deltafin_mlx.errors import JobError
 from deltafin_mlx.cli.main import main
 from deltafin_mlx.generation.engine import generate
-from deltafin_mlx.engine.load import load, load_resident
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.testing.decode import load_resident
 from deltafin_mlx.format.manifest import read_manifest
 from deltafin_mlx.plan.memory import plan_memory, choose_sequences
 from deltafin_mlx.plan.footprint import inventory_from_manifest

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from deltafin_mlx.engine.load import load, load_resident
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.testing.decode import load_resident
 from deltafin_mlx.format.manifest import ModelError
 
 from helpers import LOAD, reseal

@@ -25,7 +25,8 @@ from helpers import make_source
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.format.bank import read_layout
 from deltafin_mlx.plan.footprint import inventory_from_manifest
-from deltafin_mlx.engine.load import load, load_resident
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.testing.decode import load_resident
 from deltafin_mlx.format.model_dir import read_config
 from deltafin_mlx.format.manifest import ModelError, read_manifest
 from deltafin_mlx.plan.memory import plan_memory

@@ -15,7 +15,8 @@ def main(argv):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from deltafin_mlx.engine.load import load, load_resident
+    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.testing.decode import load_resident
 
     path, mode, budget, tokens = argv[0], argv[1], int(argv[2]), int(argv[3])
     if mode == "resident":

@@ -240,7 +240,8 @@ def decode(argv=None):
     base = proc_status()
     prof = Profiler()
     prof.install()
-    from deltafin_mlx.engine.load import LoadOptions, load, load_resident
+    from deltafin_mlx.engine.load import LoadOptions, load
+    from deltafin_mlx.testing.decode import load_resident
 
     phase("loading")
     t0 = time.perf_counter()

@@ -80,7 +80,7 @@ def _load(path: str, config: str, tokens: int):
 
 
 def main(argv):
-    from deltafin_mlx.engine.load import load_resident
+    from deltafin_mlx.testing.decode import load_resident
     from deltafin_mlx.engine.runtime import runtime
     from deltafin_mlx.generation.stream import planned_pass
 

@@ -4,7 +4,7 @@ fresh process and time it (bench.studies.scoring).
     --mode deltafin   deltafin_mlx's scoring (score/job.py's passes) at --cache-slots,
                       then Deltafin's greedy decode rate in the same process
     --mode mlx-lm     mlx-lm's own scoring (mlx_lm.perplexity.eval_ppl) of the same
-                      texts with every expert in memory (engine/load.load_resident)
+                      texts with every expert in memory (testing/decode.load_resident)
     --mode ab         both in one process, alternating --repeats times (Deltafin at
                       each of --configs: every expert held, S% of the experts, a
                       budget): the ratio of each pair, on a machine too noisy for
@@ -90,7 +90,7 @@ def ab(args) -> int:
     --configs, alternated: each repeat runs mlx-lm, then every configuration."""
     from mlx_lm.perplexity import eval_ppl
 
-    from deltafin_mlx.engine.load import load_resident
+    from deltafin_mlx.testing.decode import load_resident
     from deltafin_mlx.engine.runtime import runtime
 
     reference = load_resident(args.model)
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     if args.mode == "mlx-lm":
         from mlx_lm.perplexity import eval_ppl
 
-        from deltafin_mlx.engine.load import load_resident
+        from deltafin_mlx.testing.decode import load_resident
 
         model = load_resident(args.model)
         vocab = model.args.text_config.vocab_size if hasattr(model.args, "text_config") else 1024
