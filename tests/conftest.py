@@ -238,6 +238,7 @@ E2E = [
     # issue 30: every mlx-lm MoE type (2-10 s each, ~4 min loaded); commands and servers
     # on a new family
     "tests/convert/test_every_moe_type.py::test_every_moe_type_streams_to_mlx_lms_tokens",
+    "tests/convert/test_every_moe_type.py::test_every_moe_type_runs_through_every_command",
     "tests/convert/test_every_command_on_a_new_family.py::*",
     # issue 31's measured bars, in fresh processes (at full size, DELTAFIN_FULL_BARS=1,
     # the 20,000-token text takes ~20 min at 40 MB on a loaded 2-core machine)
