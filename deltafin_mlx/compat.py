@@ -241,16 +241,15 @@ def body_and_head(model):
     there is no `lm_head`; K3 keeps both under `language_model`). A model whose
     `__call__` does more between them (phixtral builds its mask there) is its own
     body, with the logits as they come."""
+    import functools
+
     lm = getattr(model, "language_model", model)
     body = getattr(lm, "model", None) or getattr(lm, "backbone", None)  # nemotron_h's
     if body is None:
         return (lambda inputs, cache: lm(inputs, cache=cache)), (lambda logits: logits)
     head = getattr(lm, "lm_head", None)
     if head is None:
-        module = body
-        for part in embedding_path(body).split("."):
-            module = module[part]
-        head = module.as_linear
+        head = functools.reduce(getattr, embedding_path(body).split("."), body).as_linear
     return body, head
 
 

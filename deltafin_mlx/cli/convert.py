@@ -141,9 +141,7 @@ def _main(argv):
 def finished_after_interrupt(out, started: float):
     """The manifest, if the interrupted run had already written a valid one (the
     conversion is complete; only removing the partial file may be left)."""
-    from pathlib import Path
-
-    from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, read_manifest
+    from deltafin_mlx.format.manifest import read_manifest
 
     try:
         if (Path(out) / MANIFEST_NAME).stat().st_mtime < started - 1:

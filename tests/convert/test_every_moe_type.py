@@ -130,6 +130,20 @@ def test_every_moe_type_streams_to_mlx_lms_tokens(model_type, conversion, steps=
         assert mx.allclose(logits, want_logits, atol=1e-4).item(), bits
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "bailing_moe", "phixtral", "nemotron_h",
+                                        "longcat_flash_ngram"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_body_and_head_compose_as_the_models_own_call(model_type, tied):
+    """What score and perplexity run (compat.body_and_head), on the types whose
+    embedding, body or head mlx-lm names otherwise, with a tied embedding too."""
+    from deltafin_mlx.compat import body_and_head
+
+    model = zoo.build({**zoo.config(model_type, 300), "tie_word_embeddings": tied})
+    body, head = body_and_head(model)
+    x = prompt(300)
+    assert mx.array_equal(head(body(x, None)), model(x)).item()
+
+
 # The commands some types cannot run yet, each with what its one error line says
 # (found by the test below, issue 43 item 8; each an issue of its own). A command that
 # starts to run, or fails otherwise, fails the test: the table is then brought up to date.
