@@ -227,11 +227,8 @@ EMBEDDING_NAMES = ("embed_tokens", "word_embeddings", "wte", "embeddings")
 def embedding_path(model):
     """The path of the table token ids index (where they enter the model), or None."""
     paths = [path for path, _ in model.named_modules()]
-    for name in EMBEDDING_NAMES:
-        for path in paths:
-            if path == name or path.endswith("." + name):
-                return path
-    return None
+    return next((path for name in EMBEDDING_NAMES for path in paths
+                 if path == name or path.endswith("." + name)), None)
 
 
 def body_and_head(model):
