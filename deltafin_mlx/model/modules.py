@@ -109,15 +109,10 @@ def switch_linears(switch: nn.Module) -> dict:
     return out
 
 
-def find_path(model: nn.Module, suffix: str):
-    for path, _ in model.named_modules():
-        if path == suffix or path.endswith("." + suffix):
-            return path
-    return None
-
-
 def model_vocab(model) -> int:
     """Rows of the model's embedding table, which token ids index (a tokenizer may
     know more ids than the model has rows)."""
-    embed = get_module(model, find_path(model, "embed_tokens"))
+    from deltafin_mlx.compat import embedding_path
+
+    embed = get_module(model, embedding_path(model))
     return getattr(type(embed), "vocab_size", None) or embed.weight.shape[0]
