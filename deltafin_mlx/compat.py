@@ -60,6 +60,10 @@ PRIVATE = (
     ("mlx_lm.generate", "PromptProcessingBatch.empty"),
     ("mlx_lm.generate", "PromptProcessingBatch.prompt"),
     ("mlx_lm.generate", "PromptProcessingBatch.model"),
+    # transformers' (not mlx-lm's): the class its chat templates compile in, and that
+    # compiling's cache (bound_chat_templates)
+    ("transformers.utils.chat_template_utils", "ImmutableSandboxedEnvironment"),
+    ("transformers.utils.chat_template_utils", "_compile_jinja_template"),
     # make_sampler's closure cells `sampling_methods` and `temp`: read by sampler_chain
     # (checked by tests/structure/test_mlx_lm_surface.py calling it)
     # generate_step's prefill loop, which never reads a chunk's logits: read by
@@ -114,6 +118,17 @@ def decode_tagged_floats(obj, raw: bytes = None):
     import mlx_lm.utils
 
     return mlx_lm.utils._decode_tagged_floats(obj)
+
+
+def bound_chat_templates(sandbox):
+    """Have transformers compile every chat template in `sandbox` (a subclass of
+    the immutable sandbox it uses; tokenizer/jinja.py's BoundedSandbox), so a
+    Hugging Face template renders as before, within Deltafin's bounds."""
+    from transformers.utils import chat_template_utils
+
+    if chat_template_utils.ImmutableSandboxedEnvironment is not sandbox:
+        chat_template_utils.ImmutableSandboxedEnvironment = sandbox
+        chat_template_utils._compile_jinja_template.cache_clear()
 
 
 def server_prompt_tokens(response_generator, tokenizer, request, args):

@@ -24,6 +24,10 @@ def read_tokenizer(path: Path, kind: str, config: dict):
         else:
             from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
+            from deltafin_mlx import compat
+            from deltafin_mlx.tokenizer.jinja import BoundedSandbox
+
+            compat.bound_chat_templates(BoundedSandbox)  # the bounds K2's template has
             # Remote code off, always: transformers would otherwise ask on a terminal
             # (or read the answer from stdin) and run a module the model carries.
             tokenizer = load_hf_tokenizer(Path(path), {"trust_remote_code": False},
