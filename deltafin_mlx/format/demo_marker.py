@@ -5,12 +5,15 @@ folder a user names, holding anything. The demo records in `DIR/deltafin-demo.js
 what it writes there, before writing it:
 
     {"kind": "deltafin demo", "model": "model" or null,
-     "source": {"config.json": 1234, ...} or null, "writing": ".source-XXXX" or null}
+     "source": {"config.json": 1234, ...} or null, "writing": ".source-XXXX" or null,
+     "writing_id": [device, inode] or null}
 
 `model`: DIR/model is a conversion the demo started (a model found there already is
 used, never claimed); `source`: the synthetic checkpoint in DIR/source, file by file
 with its size; `writing`: the folder of its own (mkdtemp) the checkpoint is being
-written in, renamed to DIR/source once complete. `rm --demo` checks everything first
+written in, renamed to DIR/source once complete, and `writing_id` that folder's
+identity: a folder of that name that is not the one the demo made (a forged or stale
+record) is never deleted. `rm --demo` checks everything first
 and deletes only what the marker names: without a marker, or with anything in a
 claimed folder the demo did not write (a file added, a size changed, a link), it
 deletes nothing.
@@ -60,7 +63,10 @@ def read_marker(root: Path) -> Optional[dict]:
                 isinstance(k, str) and _plain_rel(k) and type(v) is int
                 for k, v in source.items()))
             or not (d.get("writing") is None or isinstance(d["writing"], str)
-                    and d["writing"].startswith(".source-") and "/" not in d["writing"])):
+                    and d["writing"].startswith(".source-") and "/" not in d["writing"])
+            or not (d.get("writing_id") is None or isinstance(d["writing_id"], list)
+                    and len(d["writing_id"]) == 2
+                    and all(type(n) is int for n in d["writing_id"]))):
         raise ModelError(f"{path}: not a record the demo wrote; nothing removed")
     return d
 
@@ -72,7 +78,8 @@ def _plain_rel(rel: str) -> bool:
 
 def write_marker(root: Path, marker: dict):
     """Record `marker` (written whole: a temporary file renamed over the old one)."""
-    marker = {"kind": KIND, "model": None, "source": None, "writing": None, **marker}
+    marker = {"kind": KIND, "model": None, "source": None, "writing": None,
+              "writing_id": None, **marker}
     fd, tmp = tempfile.mkstemp(prefix=f".{MARKER_NAME}.", suffix=".tmp", dir=root)
     try:
         with os.fdopen(fd, "w") as f:
@@ -94,20 +101,40 @@ def file_sizes(folder: Path) -> Dict[str, int]:
     return out
 
 
+def _identity(path: Path) -> Optional[list]:
+    """[device, inode] of the folder at `path` (not followed), None if none is there."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino] if stat.S_ISDIR(st.st_mode) else None
+
+
+def _writing_problem(root: Path, marker: dict) -> Optional[str]:
+    """Why the folder the marker names as `writing` is not the one the demo made
+    (None: it is, or none is there)."""
+    folder = root / marker["writing"] if marker.get("writing") else None
+    if folder is None or not os.path.lexists(folder):
+        return None
+    if marker.get("writing_id") is None or _identity(folder) != marker["writing_id"]:
+        return f"{folder}: not the folder the demo was writing in"
+    return None
+
+
 def start_source(root: Path) -> Path:
     """A fresh folder of the demo's own to write the checkpoint in, recorded before
     anything is written to it; finish_source makes it DIR/source. A folder an
     interrupted demo left (recorded as `writing`) is deleted first: it was ours."""
     root = Path(root)
     marker = read_marker(root) or {}
-    if marker.get("writing"):
+    if marker.get("writing") and _writing_problem(root, marker) is None:
         shutil.rmtree(root / marker["writing"], ignore_errors=True)
     if os.path.lexists(root / SOURCE):
         raise ModelError(f"{root / SOURCE}: already there and not a checkpoint the demo "
                          "finished writing; not touched (choose another --demo-dir, or "
                          "remove it yourself)")
     work = Path(tempfile.mkdtemp(prefix=".source-", dir=root))
-    write_marker(root, {**marker, "writing": work.name})
+    write_marker(root, {**marker, "writing": work.name, "writing_id": _identity(work)})
     return work
 
 
@@ -117,7 +144,8 @@ def finish_source(root: Path, work: Path):
     marker = read_marker(root) or {}
     write_marker(root, {**marker, "source": file_sizes(work), "writing": work.name})
     os.rename(work, root / SOURCE)
-    write_marker(root, {**marker, "source": file_sizes(root / SOURCE), "writing": None})
+    write_marker(root, {**marker, "source": file_sizes(root / SOURCE), "writing": None,
+                        "writing_id": None})
 
 
 def claim_model(root: Path):
@@ -161,6 +189,9 @@ def check_demo_files(root: Path) -> dict:
     if marker is None:
         raise ModelError(f"{root}: no {MARKER_NAME} here, so nothing in it is known to be the "
                          "demo's; nothing removed")
+    problem = _writing_problem(root, marker)
+    if problem:
+        raise ModelError(f"{problem}; nothing removed")
     if marker["model"] == MODEL and os.path.lexists(root / MODEL):
         check_removable(root / MODEL)
     if marker["source"] is not None and os.path.lexists(root / SOURCE):
