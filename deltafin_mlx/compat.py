@@ -121,9 +121,8 @@ def decode_tagged_floats(obj, raw: bytes = None):
 
 
 def bound_chat_templates(sandbox):
-    """Have transformers compile every chat template in `sandbox` (a subclass of
-    the immutable sandbox it uses; tokenizer/jinja.py's BoundedSandbox), so a
-    Hugging Face template renders as before, within Deltafin's bounds."""
+    """Have transformers compile every chat template in `sandbox` (a subclass of its
+    immutable sandbox: tokenizer/jinja.py's BoundedSandbox), rendering as before."""
     from transformers.utils import chat_template_utils
 
     if chat_template_utils.ImmutableSandboxedEnvironment is not sandbox:

@@ -1,5 +1,5 @@
-"""Chat templates in Jinja: K2's rendered here as transformers renders them, and
-every template, transformers' too (compat.bound_chat_templates), in one sandbox.
+"""Chat templates in Jinja, K2's and Hugging Face's: transformers renders every
+one, in one sandbox (compat.bound_chat_templates).
 
 A chat template comes with the model: it runs sandboxed (no attribute access
 to Python internals), and within bounds of time and output size, so a
@@ -7,27 +7,13 @@ template that loops or grows without end is one TemplateLimit line in every
 entry point, not a hang or an allocation the memory cap kills.
 """
 
-import json
 import threading
 import time
-from functools import lru_cache
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from deltafin_mlx import compat
 from deltafin_mlx.errors import TemplateLimit
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(
-        value,
-        ensure_ascii=ensure_ascii,
-        indent=indent,
-        separators=separators,
-        sort_keys=sort_keys,
-    )
-
-
-def _raise_exception(message):
-    raise ValueError(message)
 
 
 # The bounds a template runs within.
@@ -52,13 +38,19 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         super().__init__(*args, **kwargs)
         self.globals["range"] = self.bounded_range
 
+    def from_string(self, source, *args, **kwargs):
+        if not isinstance(source, str) or len(source) > JINJA_MAX_TEMPLATE_CHARS:
+            raise TemplateLimit("the chat template is not a string of at most "
+                                f"{JINJA_MAX_TEMPLATE_CHARS} characters")
+        return super().from_string(source, *args, **kwargs)
+
     def check(self):
         if time.monotonic() > getattr(self.deadline, "at", float("inf")):
             raise TemplateLimit(f"the chat template ran over {JINJA_MAX_SECONDS:.0f} s")
 
     def concat(self, pieces):
         outermost = getattr(self.deadline, "at", float("inf")) == float("inf")
-        if outermost:
+        if outermost:  # a render (inner concats join a block's or a macro's pieces)
             self.deadline.at = time.monotonic() + JINJA_MAX_SECONDS
         try:
             out, size = [], 0
@@ -105,27 +97,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
-@lru_cache(maxsize=4)
-def _compile_jinja(template):
-    if not isinstance(template, str):
-        raise TemplateLimit("the chat template is not a string")
-    if len(template) > JINJA_MAX_TEMPLATE_CHARS:
-        raise TemplateLimit(f"the chat template is {len(template)} characters long")
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
-                         extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(template)
+def render_jinja_chat(template, messages, **context):
+    """Render a chat template over messages (and context) as one string, as
+    transformers renders it (continue_final_message included), bounded."""
+    from transformers.utils.chat_template_utils import render_jinja_template
 
-
-def render_jinja_chat(template, messages, continue_final_message=False, **context):
-    """Render a chat template over messages (and context) as one string."""
-    text = _compile_jinja(template).render(messages=messages, **context)
-    if continue_final_message:
-        # As transformers does: cut the text after the final message's content.
-        final = messages[-1]["content"]
-        if not isinstance(final, str):
-            final = final[-1]["text"]
-        final = final.strip()
-        text = text[: text.rindex(final) + len(final)]
-    return text
+    compat.bound_chat_templates(BoundedSandbox)
+    return render_jinja_template([messages], chat_template=template, **context)[0][0]

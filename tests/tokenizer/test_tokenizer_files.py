@@ -108,7 +108,6 @@ def test_a_jinja_template_that_never_ends_is_stopped(monkeypatch):
     import deltafin_mlx.tokenizer.jinja as tok
 
     monkeypatch.setattr(tok, "JINJA_MAX_SECONDS", 1.0)
-    tok._compile_jinja.cache_clear()
     loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     start = time.monotonic()
     with pytest.raises(TemplateLimit, match="ran over"):
@@ -122,7 +121,8 @@ def test_a_jinja_template_that_never_ends_is_stopped(monkeypatch):
 
     with pytest.raises(SecurityError):
         render_jinja_chat("{{ messages.__class__.__mro__[1].__subclasses__() }}", [])
-    tok._compile_jinja.cache_clear()
+    with pytest.raises(TemplateLimit, match="not a string of at most"):
+        render_jinja_chat("x" * (tok.JINJA_MAX_TEMPLATE_CHARS + 1), [])
 
 
 def test_a_byte_level_tokenizer_without_a_bytes_token_is_refused_at_load(converted, copy_of,
