@@ -97,29 +97,27 @@ PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"  # a terminal's bracketed past
 
 
 class Pasted(str):
-    """A message holding a paste: text to send, never a command (a paste may carry
-    the end marker itself, with a command after it)."""
+    """A message holding a paste: text, never a command (even after an end marker)."""
 
 
 def bracketed_paste(tty: bool):
-    """Have a paste of several lines arrive as one message, and as text: the
-    terminal is asked for its markers (ESC[200~ ... ESC[201~) and read_message joins
-    the lines between them (True: the terminal's mode was set, to be reset at the
-    end). GNU readline's own paste mode is off, its markers inserted as they are
-    (quoted-insert): readline would end a paste at a marker the paste itself holds
-    and take what follows as typed (a command). libedit: left as is."""
+    """Have a paste of several lines arrive as one message, as text: the terminal
+    is asked for its markers (ESC[200~ ... ESC[201~), read_message joins the lines
+    between them (True: the mode was set, to be reset at the end). GNU readline
+    inserts the markers as they are (quoted-insert): its own paste mode would end a
+    paste at a marker the paste holds and take what follows as typed. libedit: as is."""
     if not tty:
         return False
     try:
         import readline
-    except ImportError:
-        readline = None
-    if readline is not None:
+
         if "libedit" in (readline.__doc__ or ""):
             return False
         readline.parse_and_bind("set enable-bracketed-paste off")
         for marker in ("200~", "201~"):
             readline.parse_and_bind(f'"\\e[{marker}": "\\C-v\\e[{marker}"')
+    except ImportError:
+        pass
     sys.stdout.write("\x1b[?2004h")
     sys.stdout.flush()
     return True

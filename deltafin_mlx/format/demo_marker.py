@@ -6,7 +6,7 @@ what it writes there, before writing it:
 
     {"kind": "deltafin demo", "model": "model" or null,
      "source": {"config.json": 1234, ...} or null, "writing": ".source-XXXX" or null,
-     "writing_id": [device, inode] or null}
+     "writing_id": "device:inode" or null}
 
 `model`: DIR/model is a conversion the demo started (a model found there already is
 used, never claimed); `source`: the synthetic checkpoint in DIR/source, file by file
@@ -64,9 +64,7 @@ def read_marker(root: Path) -> Optional[dict]:
                 for k, v in source.items()))
             or not (d.get("writing") is None or isinstance(d["writing"], str)
                     and d["writing"].startswith(".source-") and "/" not in d["writing"])
-            or not (d.get("writing_id") is None or isinstance(d["writing_id"], list)
-                    and len(d["writing_id"]) == 2
-                    and all(type(n) is int for n in d["writing_id"]))):
+            or not isinstance(d.get("writing_id"), (str, type(None)))):
         raise ModelError(f"{path}: not a record the demo wrote; nothing removed")
     return d
 
@@ -78,8 +76,7 @@ def _plain_rel(rel: str) -> bool:
 
 def write_marker(root: Path, marker: dict):
     """Record `marker` (written whole: a temporary file renamed over the old one)."""
-    marker = {"kind": KIND, "model": None, "source": None, "writing": None,
-              "writing_id": None, **marker}
+    marker = {"kind": KIND, "model": None, "source": None, "writing": None, **marker}
     fd, tmp = tempfile.mkstemp(prefix=f".{MARKER_NAME}.", suffix=".tmp", dir=root)
     try:
         with os.fdopen(fd, "w") as f:
@@ -101,24 +98,17 @@ def file_sizes(folder: Path) -> Dict[str, int]:
     return out
 
 
-def _identity(path: Path) -> Optional[list]:
-    """[device, inode] of the folder at `path` (not followed), None if none is there."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return [st.st_dev, st.st_ino] if stat.S_ISDIR(st.st_mode) else None
+def _folder_id(path: Path) -> Optional[str]:
+    """A folder's identity, "device:inode" (None: no folder there; links not followed)."""
+    st = os.lstat(path) if os.path.lexists(path) else None
+    return f"{st.st_dev}:{st.st_ino}" if st and stat.S_ISDIR(st.st_mode) else None
 
 
-def _writing_problem(root: Path, marker: dict) -> Optional[str]:
-    """Why the folder the marker names as `writing` is not the one the demo made
-    (None: it is, or none is there)."""
-    folder = root / marker["writing"] if marker.get("writing") else None
-    if folder is None or not os.path.lexists(folder):
-        return None
-    if marker.get("writing_id") is None or _identity(folder) != marker["writing_id"]:
-        return f"{folder}: not the folder the demo was writing in"
-    return None
+def _foreign_writing(root: Path, marker: dict) -> bool:
+    """The marker's `writing` names something there that is not the folder the demo made."""
+    name = marker.get("writing")
+    return bool(name) and os.path.lexists(root / name) and (
+        marker.get("writing_id") is None or _folder_id(root / name) != marker["writing_id"])
 
 
 def start_source(root: Path) -> Path:
@@ -127,14 +117,14 @@ def start_source(root: Path) -> Path:
     interrupted demo left (recorded as `writing`) is deleted first: it was ours."""
     root = Path(root)
     marker = read_marker(root) or {}
-    if marker.get("writing") and _writing_problem(root, marker) is None:
+    if marker.get("writing") and not _foreign_writing(root, marker):
         shutil.rmtree(root / marker["writing"], ignore_errors=True)
     if os.path.lexists(root / SOURCE):
         raise ModelError(f"{root / SOURCE}: already there and not a checkpoint the demo "
                          "finished writing; not touched (choose another --demo-dir, or "
                          "remove it yourself)")
     work = Path(tempfile.mkdtemp(prefix=".source-", dir=root))
-    write_marker(root, {**marker, "writing": work.name, "writing_id": _identity(work)})
+    write_marker(root, {**marker, "writing": work.name, "writing_id": _folder_id(work)})
     return work
 
 
@@ -144,8 +134,7 @@ def finish_source(root: Path, work: Path):
     marker = read_marker(root) or {}
     write_marker(root, {**marker, "source": file_sizes(work), "writing": work.name})
     os.rename(work, root / SOURCE)
-    write_marker(root, {**marker, "source": file_sizes(root / SOURCE), "writing": None,
-                        "writing_id": None})
+    write_marker(root, {**marker, "source": file_sizes(root / SOURCE), "writing": None})
 
 
 def claim_model(root: Path):
@@ -189,9 +178,9 @@ def check_demo_files(root: Path) -> dict:
     if marker is None:
         raise ModelError(f"{root}: no {MARKER_NAME} here, so nothing in it is known to be the "
                          "demo's; nothing removed")
-    problem = _writing_problem(root, marker)
-    if problem:
-        raise ModelError(f"{problem}; nothing removed")
+    if _foreign_writing(root, marker):
+        raise ModelError(f"{root / marker['writing']}: not the folder the demo was writing in; "
+                         "nothing removed")
     if marker["model"] == MODEL and os.path.lexists(root / MODEL):
         check_removable(root / MODEL)
     if marker["source"] is not None and os.path.lexists(root / SOURCE):
