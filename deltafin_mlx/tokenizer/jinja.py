@@ -7,8 +7,10 @@ template that loops or grows without end is one TemplateLimit line in every
 entry point, not a hang or an allocation the memory cap kills.
 """
 
+import ctypes
+import functools
 import threading
-import time
+from contextlib import contextmanager
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -23,20 +25,72 @@ JINJA_MAX_SECONDS = 10.0
 JINJA_MAX_RANGE = 100_000
 
 
+class TemplateRanOver(TemplateLimit):
+    def __init__(self, *args):
+        super().__init__(*args or (f"the chat template ran over {JINJA_MAX_SECONDS:.0f} s",))
+
+
+@contextmanager
+def _deadline(seconds: float):
+    """TemplateRanOver in this thread once `seconds` pass, repeated until the block
+    ends: a template's loop over a list has no hook a check could run in, and an
+    asynchronous exception reaches any Python code (a C call ends first)."""
+    thread, lock, stop, fired = threading.get_ident(), threading.Lock(), threading.Event(), []
+    set_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+
+    def watch():
+        wait = seconds
+        while not stop.wait(wait):
+            with lock:
+                if not stop.is_set():
+                    fired.append(set_exc(ctypes.c_ulong(thread), ctypes.py_object(TemplateRanOver)))
+            wait = 0.1
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        yield
+    finally:
+        with lock:
+            stop.set()
+            if fired:
+                set_exc(ctypes.c_ulong(thread), None)  # one not yet raised: raised here
+        if fired:
+            raise TemplateRanOver()
+
+
+def _bounded(value):
+    """`value`, unless it is a number or a length past what a template may output
+    (what a call or filter would allocate, a string grown by doubling)."""
+    size = value if type(value) is int else len(value) if isinstance(value, (str, list)) else 0
+    if size > JINJA_MAX_OUTPUT_CHARS:
+        raise TemplateLimit(f"the chat template uses a value of {size} items, past "
+                            f"{JINJA_MAX_OUTPUT_CHARS}")
+    return value
+
+
+def _bounded_filter(f):
+    @functools.wraps(f)  # keeps jinja's pass_context marks
+    def filtered(*args, **kwargs):
+        for v in (*args, *kwargs.values()):
+            _bounded(v)
+        return f(*args, **kwargs)
+    return filtered
+
+
 class BoundedSandbox(ImmutableSandboxedEnvironment):
     """Jinja's immutable sandbox, bounded: every render (Template.render joins its
-    pieces through `concat`) runs within JINJA_MAX_SECONDS and JINJA_MAX_OUTPUT_CHARS,
-    checked at each piece, call, attribute and item; `range` and `*` are bounded
-    before they allocate. Transformers renders Hugging Face templates in it too
-    (compat.bound_chat_templates), so every chat template has the same bounds."""
+    pieces through `concat`) ends within JINJA_MAX_SECONDS and JINJA_MAX_OUTPUT_CHARS;
+    the numbers and lengths calls, filters, `range`, `*` and `+` take, and the values
+    attributes and items give, are bounded before they allocate. Transformers renders
+    every template in it (compat.bound_chat_templates): one bound for all."""
 
-    deadline = threading.local()  # per rendering thread: serve renders in several
-    # "a" * 10**10 would allocate before any check could run.
-    intercepted_binops = frozenset(["*", "**"])
+    rendering = threading.local()  # per rendering thread: serve renders in several
+    intercepted_binops = frozenset(["*", "**", "+"])
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.globals["range"] = self.bounded_range
+        self.filters = {name: _bounded_filter(f) for name, f in self.filters.items()}
 
     def from_string(self, source, *args, **kwargs):
         if not isinstance(source, str) or len(source) > JINJA_MAX_TEMPLATE_CHARS:
@@ -44,27 +98,22 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                                 f"{JINJA_MAX_TEMPLATE_CHARS} characters")
         return super().from_string(source, *args, **kwargs)
 
-    def check(self):
-        if time.monotonic() > getattr(self.deadline, "at", float("inf")):
-            raise TemplateLimit(f"the chat template ran over {JINJA_MAX_SECONDS:.0f} s")
-
     def concat(self, pieces):
-        outermost = getattr(self.deadline, "at", float("inf")) == float("inf")
-        if outermost:  # a render (inner concats join a block's or a macro's pieces)
-            self.deadline.at = time.monotonic() + JINJA_MAX_SECONDS
+        if getattr(self.rendering, "on", False):  # a block's or a macro's pieces
+            return _bounded("".join(pieces))
+        self.rendering.on = True
         try:
-            out, size = [], 0
-            for piece in pieces:
-                size += len(piece)
-                if size > JINJA_MAX_OUTPUT_CHARS:
-                    raise TemplateLimit(f"the chat template's output passed "
-                                        f"{JINJA_MAX_OUTPUT_CHARS} characters")
-                self.check()
-                out.append(piece)
-            return "".join(out)
+            with _deadline(JINJA_MAX_SECONDS):
+                out, size = [], 0
+                for piece in pieces:
+                    size += len(piece)
+                    if size > JINJA_MAX_OUTPUT_CHARS:
+                        raise TemplateLimit(f"the chat template's output passed "
+                                            f"{JINJA_MAX_OUTPUT_CHARS} characters")
+                    out.append(piece)
+                return "".join(out)
         finally:
-            if outermost:
-                self.deadline.at = float("inf")
+            self.rendering.on = False
 
     def bounded_range(self, *args):
         r = range(*args)
@@ -73,27 +122,25 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return r
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's names)
-        __self.check()
+        for v in (*args, *kwargs.values()):
+            _bounded(v)
         return super().call(__context, __obj, *args, **kwargs)
 
     def getattr(self, obj, attribute):
-        self.check()
-        return super().getattr(obj, attribute)
+        return _bounded(super().getattr(obj, attribute))
 
     def getitem(self, obj, argument):
-        self.check()
-        return super().getitem(obj, argument)
+        return _bounded(super().getitem(obj, argument))
 
     def call_binop(self, context, operator, left, right):
-        self.check()
         if operator == "**" and (not isinstance(right, (int, float)) or abs(right) > 64):
             raise TemplateLimit("the chat template raises to a power over 64")
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
-                if (isinstance(seq, (str, list, tuple)) and isinstance(n, int)
-                        and len(seq) * n > JINJA_MAX_OUTPUT_CHARS):
-                    raise TemplateLimit("the chat template repeats a value past "
-                                        f"{JINJA_MAX_OUTPUT_CHARS} items")
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                    _bounded(len(seq) * n)
+        if operator == "+" and isinstance(left, (str, list)) and isinstance(right, (str, list)):
+            _bounded(len(left) + len(right))
         return super().call_binop(context, operator, left, right)
 
 

@@ -20,7 +20,8 @@ TEMPLATES = {
     "loop": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "multiplier": '{{ "a" * 10000000000 }}',
 }
-SAYS = {"loop": "the chat template ran over", "multiplier": "the chat template repeats a value"}
+SAYS = {"loop": "the chat template ran over",
+        "multiplier": "the chat template uses a value of 10000000000 items"}
 
 
 @pytest.fixture(scope="module")

@@ -113,8 +113,18 @@ def test_a_jinja_template_that_never_ends_is_stopped(monkeypatch):
     with pytest.raises(TemplateLimit, match="ran over"):
         render_jinja_chat(loop, [{"role": "user", "content": "x"}])
     assert time.monotonic() - start < 30  # 10**10 iterations unstopped: hours
-    with pytest.raises(TemplateLimit, match="repeats a value"):
-        render_jinja_chat('{{ "a" * 10000000000 }}', [])
+    # A loop over a list touches nothing a check could run in.
+    listed = ("{% set r = range(100000)|list %}"
+              "{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}")
+    with pytest.raises(TemplateLimit, match="ran over"):
+        render_jinja_chat(listed, [])
+    assert time.monotonic() - start < 30
+    doubling = ('{% set ns = namespace(s="a") %}{% for i in range(40) %}'
+                "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}")
+    for allocating in ['{{ "a" * 10000000000 }}', '{{ "a" + "b" * 16777216 }}', doubling,
+                       '{{ "a"|center(10000000000) }}', '{{ "a".center(10000000000) }}']:
+        with pytest.raises(TemplateLimit, match="uses a value of"):
+            render_jinja_chat(allocating, [])
     with pytest.raises(TemplateLimit):
         render_jinja_chat("{{ 9 ** 99999999 }}", [])
     from jinja2.exceptions import SecurityError
