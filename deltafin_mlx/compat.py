@@ -60,8 +60,7 @@ PRIVATE = (
     ("mlx_lm.generate", "PromptProcessingBatch.empty"),
     ("mlx_lm.generate", "PromptProcessingBatch.prompt"),
     ("mlx_lm.generate", "PromptProcessingBatch.model"),
-    # transformers' (not mlx-lm's): the class its chat templates compile in, and that
-    # compiling's cache (bound_chat_templates)
+    # transformers': its templates' sandbox class and compile cache (bound_chat_templates)
     ("transformers.utils.chat_template_utils", "ImmutableSandboxedEnvironment"),
     ("transformers.utils.chat_template_utils", "_compile_jinja_template"),
     # make_sampler's closure cells `sampling_methods` and `temp`: read by sampler_chain

@@ -11,9 +11,8 @@ what it writes there, before writing it:
 `model`: DIR/model is a conversion the demo started (a model found there already is
 used, never claimed); `source`: the synthetic checkpoint in DIR/source, file by file
 with its size; `writing`: the folder of its own (mkdtemp) the checkpoint is being
-written in, renamed to DIR/source once complete, and `writing_id` that folder's
-identity: a folder of that name that is not the one the demo made (a forged or stale
-record) is never deleted. `rm --demo` checks everything first
+written in, renamed to DIR/source once complete (`writing_id`: its identity; any
+other folder of that name is never deleted). `rm --demo` checks everything first
 and deletes only what the marker names: without a marker, or with anything in a
 claimed folder the demo did not write (a file added, a size changed, a link), it
 deletes nothing.

@@ -1,11 +1,7 @@
-"""Chat templates in Jinja, K2's and Hugging Face's: transformers renders every
-one, in one sandbox (compat.bound_chat_templates).
-
-A chat template comes with the model: it runs sandboxed (no attribute access
-to Python internals), and within bounds of time and output size, so a
-template that loops or grows without end is one TemplateLimit line in every
-entry point, not a hang or an allocation the memory cap kills.
-"""
+"""Chat templates in Jinja, K2's and Hugging Face's: transformers renders every one
+in one sandbox (compat.bound_chat_templates), bounded in time and output size, so a
+template that loops or grows without end (it comes with the model) is one
+TemplateLimit line in every entry point, not a hang or the memory cap."""
 
 import ctypes
 import functools
@@ -58,23 +54,19 @@ def _deadline(seconds: float):
             raise TemplateRanOver()
 
 
-def _bounded(value):
-    """`value`, unless it is a number or a length past what a template may output
-    (what a call or filter would allocate, a string grown by doubling)."""
-    size = value if type(value) is int else len(value) if isinstance(value, (str, list)) else 0
-    if size > JINJA_MAX_OUTPUT_CHARS:
-        raise TemplateLimit(f"the chat template uses a value of {size} items, past "
-                            f"{JINJA_MAX_OUTPUT_CHARS}")
+def _bounded(value, *more):
+    """`value`, unless it or one of `more` is a number or a length past what a template
+    may output (what a call or filter would allocate, a string grown by doubling)."""
+    for v in (value, *more):
+        size = v if type(v) is int else len(v) if isinstance(v, (str, list)) else 0
+        if size > JINJA_MAX_OUTPUT_CHARS:
+            raise TemplateLimit(f"the chat template uses a value of {size} items, past "
+                                f"{JINJA_MAX_OUTPUT_CHARS}")
     return value
 
 
-def _bounded_filter(f):
-    @functools.wraps(f)  # keeps jinja's pass_context marks
-    def filtered(*args, **kwargs):
-        for v in (*args, *kwargs.values()):
-            _bounded(v)
-        return f(*args, **kwargs)
-    return filtered
+def _bounded_filter(f):  # functools.wraps keeps jinja's pass_context marks
+    return functools.wraps(f)(lambda *a, **k: _bounded(None, *a, *k.values()) or f(*a, **k))
 
 
 class BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -122,8 +114,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return r
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's names)
-        for v in (*args, *kwargs.values()):
-            _bounded(v)
+        _bounded(None, *args, *kwargs.values())
         return super().call(__context, __obj, *args, **kwargs)
 
     def getattr(self, obj, attribute):
