@@ -60,6 +60,9 @@ PRIVATE = (
     ("mlx_lm.generate", "PromptProcessingBatch.empty"),
     ("mlx_lm.generate", "PromptProcessingBatch.prompt"),
     ("mlx_lm.generate", "PromptProcessingBatch.model"),
+    # transformers': its templates' sandbox class and compile cache (bound_chat_templates)
+    ("transformers.utils.chat_template_utils", "ImmutableSandboxedEnvironment"),
+    ("transformers.utils.chat_template_utils", "_compile_jinja_template"),
     # make_sampler's closure cells `sampling_methods` and `temp`: read by sampler_chain
     # (checked by tests/structure/test_mlx_lm_surface.py calling it)
     # generate_step's prefill loop, which never reads a chunk's logits: read by
@@ -114,6 +117,16 @@ def decode_tagged_floats(obj, raw: bytes = None):
     import mlx_lm.utils
 
     return mlx_lm.utils._decode_tagged_floats(obj)
+
+
+def bound_chat_templates(sandbox):
+    """Have transformers compile every chat template in `sandbox` (a subclass of its
+    immutable sandbox: tokenizer/jinja.py's BoundedSandbox), rendering as before."""
+    from transformers.utils import chat_template_utils
+
+    if chat_template_utils.ImmutableSandboxedEnvironment is not sandbox:
+        chat_template_utils.ImmutableSandboxedEnvironment = sandbox
+        chat_template_utils._compile_jinja_template.cache_clear()
 
 
 def server_prompt_tokens(response_generator, tokenizer, request, args):
