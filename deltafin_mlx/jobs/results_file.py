@@ -29,9 +29,11 @@ STDOUT = "-"
 STDIN = "-"
 
 
-def _open_regular(path, flags: int, what: str) -> int:
+def open_regular(path, flags: int, what: str) -> int:
     """A descriptor for `path`, a regular file; opened non-blocking so that a FIFO
-    cannot hold the open, and checked after opening so nothing is swapped in."""
+    cannot hold the open, and checked after opening so nothing is swapped in. Every
+    file a job reads or writes by name opens here (perplexity's text and references,
+    options records too)."""
     try:
         fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o644)
     except OSError as e:
@@ -122,7 +124,7 @@ def open_input(path):
         f = os.fdopen(os.dup(_stdin_copy.fileno()), "rb")  # shares the offset: rewind
         f.seek(0)
         return f
-    return os.fdopen(_open_regular(path, os.O_RDONLY, "input"), "rb")
+    return os.fdopen(open_regular(path, os.O_RDONLY, "input"), "rb")
 
 
 def result_key(rec) -> str:
@@ -144,7 +146,7 @@ class Results:
         if not self.resumable:
             self.fd = sys.stdout.fileno()
             return
-        self.fd = _open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, "output")
+        self.fd = open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, "output")
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
