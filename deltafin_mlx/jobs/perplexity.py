@@ -44,12 +44,15 @@ from deltafin_mlx.jobs.outcome import Outcome
 from deltafin_mlx.jobs.progress import Progress
 from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
 from deltafin_mlx.jobs.score_lines import ScoreItem
-from deltafin_mlx.jobs.results_file import open_regular
+from deltafin_mlx.jobs.results_file import open_regular, read_regular
 from deltafin_mlx.jobs.score_results import write_safetensors
 from deltafin_mlx.format.safetensors import header_length, parse_header
 from deltafin_mlx.model.modules import model_vocab
 
 REFERENCE_KIND = "deltafin-kl-reference"
+# Far above the texts perplexity is measured on (wikitext-2's test set: 1.3 MB);
+# a text's tokens are held as Python ints, several times its bytes.
+TEXT_MAX_BYTES = 64 << 20
 # A reference's five tensors and its windows: a header of a few hundred bytes.
 REFERENCE_HEADER_MAX_BYTES = 1 << 16
 # name: (dtype, dimensions) of a reference's tensors (docs/FORMAT.md).
@@ -98,12 +101,10 @@ class PerplexityOptions:
 
 def read_text(path) -> str:
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return read_regular(path, "text", TEXT_MAX_BYTES).decode("utf-8")
     except UnicodeDecodeError as e:
         raise JobError(f"{path}: not UTF-8 text (byte {e.start}); perplexity reads a text "
                          "file") from None
-    except OSError as e:
-        raise JobError(f"{path}: cannot read it ({e.strerror or e})") from None
 
 
 def window_items(tokens: List[int], windows: Windows, chunks: Optional[int] = None

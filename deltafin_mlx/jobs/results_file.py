@@ -20,6 +20,7 @@ import tempfile
 from typing import Iterator, Optional, Set, Tuple
 
 from deltafin_mlx.errors import JobError
+from deltafin_mlx.units import human_bytes
 from deltafin_mlx.format.integrity import file_kind
 
 # One line of input or output at most: a result holds its text, tokens and, with
@@ -44,6 +45,21 @@ def open_regular(path, flags: int, what: str) -> int:
         raise JobError(f"{path}: the {what} must be a regular file (this is {file_kind(mode)})")
     os.set_blocking(fd, True)
     return fd
+
+
+def read_regular(path, what: str, limit: int) -> bytes:
+    """All of `path`, a regular file (open_regular) of at most `limit` bytes: a
+    larger one is refused unread."""
+    with os.fdopen(open_regular(path, os.O_RDONLY, what), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            data = f.read(limit + 1) if size <= limit else b""
+        except OSError as e:
+            raise JobError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+    if size > limit or len(data) > limit:
+        raise JobError(f"{path}: the {what} is {human_bytes(max(size, len(data)))}, more "
+                       f"than the {human_bytes(limit)} it may have")
+    return data
 
 
 def check_regular(path, what: str, missing_ok: bool = False):
