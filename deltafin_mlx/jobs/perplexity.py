@@ -135,6 +135,8 @@ def perplexity(model, tokenizer, text: str, opts: PerplexityOptions,
                          "compares with one: give one of them")
     if opts.top_k < 1:
         raise JobError(f"--kl-top-k must be 1 or more (got {opts.top_k})")
+    if opts.kl_base:
+        check_reference_output(opts.kl_base)
     tokens = [int(t) for t in tokenizer.encode(text)]
     reference = None
     if opts.kl_reference:
@@ -281,6 +283,26 @@ def read_reference(path) -> Reference:
                        f"({why})") from None
     return Reference(windows, chunks, t["tokens"], t["top_ids"], t["top_logprobs"],
                      t["tail_logprob"], t["token_logprobs"])
+
+
+def check_reference_output(path, text=None, model_dir=None):
+    """Refuse a --kl-divergence-base REF that would replace what is not a reference:
+    the text, a file or folder of the model's (its config, its tokenizer), or any
+    existing file but a KL reference written here."""
+    real = os.path.realpath(path)
+    for given, what in ((text, "the text measured"), (model_dir, "in the model directory")):
+        if given is not None and os.path.commonpath([os.path.realpath(given), real]) == \
+                os.path.realpath(given):
+            raise JobError(f"{path}: this is {what} ({given}); write the reference to "
+                           "another file")
+    if not os.path.lexists(path):
+        return
+    try:
+        with os.fdopen(open_regular(path, os.O_RDONLY, "KL reference"), "rb") as f:
+            _reference_header(f, path)
+    except (OSError, ValueError):
+        raise JobError(f"{path}: exists and is not a KL reference; --kl-divergence-base "
+                       "replaces only a reference: give a new file") from None
 
 
 def reference_windows(ref: Reference, path, context: Optional[int] = None,

@@ -1,9 +1,13 @@
 """A KL reference comes from a file anyone can write: `--kl-divergence REF` checks
 all of it before use (ids within the model's vocabulary, log-probabilities finite
 and not positive, every tensor of the shape its windows give) and refuses a forged
-one in one line, never a crash or a wrong KL."""
+one in one line, never a crash or a wrong KL; `--kl-divergence-base REF` never
+replaces the text measured, a model's file or an existing file that is not a
+reference."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -102,3 +106,46 @@ def test_a_reference_id_outside_the_models_vocabulary_is_refused_not_gathered(ba
     assert out.returncode == 1, (out.returncode, out.stderr)
     assert (f"{bad}: token id {value} is outside this model's vocabulary (0 to "
             f"{vocab_of(model) - 1})") in one_line_error(out)
+
+
+@pytest.mark.parametrize("target", ["the text", "config.json", "a new file in the model",
+                                    "an existing text", "a FIFO"])
+def test_the_reference_written_never_replaces_the_text_the_models_files_or_other_files(
+        base, tmp_path, capsys, target):
+    model_src, text_src, _ = base
+    model, text = tmp_path / "model", tmp_path / "corpus.txt"
+    shutil.copytree(model_src, model)
+    shutil.copy(text_src, text)
+    other = tmp_path / "notes.txt"
+    other.write_text("my notes\n")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    path, says = {
+        "the text": (text, f"{text}: this is the text measured"),
+        "config.json": (model / "config.json", f"{model / 'config.json'}: this is in the "
+                        "model directory"),
+        "a new file in the model": (model / "tokenizer_config.json", "this is in the model "
+                                    "directory"),
+        "an existing text": (other, f"{other}: exists and is not a KL reference"),
+        "a FIFO": (fifo, f"{fifo}: exists and is not a KL reference"),
+    }[target]
+    def files():
+        return {p: p.read_bytes() for p in (text, other, *model.rglob("*")) if p.is_file()}
+
+    before = files()
+    assert main(["perplexity", str(model), str(text), "-c", "48", "--budget", "200MB",
+                 "--kl-divergence-base", str(path)]) == 1
+    assert says in one_error_line(capsys)
+    assert files() == before  # nothing replaced, nothing added
+
+
+def test_an_existing_reference_is_replaced_by_a_new_one(base, tmp_path, capsys):
+    model, text, ref = base
+    again = tmp_path / "again.kld"
+    shutil.copy(ref, again)
+    with open(again, "r+b") as f:  # a reference of other values: replaced whole
+        f.seek(-4, 2)
+        f.write(b"\0\0\0\0")
+    assert main(["perplexity", str(model), str(text), "-c", "48", "--budget", "200MB",
+                 "--kl-top-k", "8", "--kl-divergence-base", str(again)]) == 0
+    assert again.read_bytes() == ref.read_bytes()
