@@ -63,21 +63,12 @@ def read_regular(path, what: str, limit: int) -> bytes:
 
 
 def check_regular(path, what: str, missing_ok: bool = False):
-    """Refuse early (before a model loads) a `path` that is not a regular file: a
-    FIFO, device or directory would block or never end. `missing_ok`: an output
-    not made yet. `-` (stdin, for an input) is read as it comes."""
-    if path == STDIN and what == "input":
+    """Refuse early (before a model loads) a `path` that is not a regular file
+    (open_regular). `missing_ok`: an output not made yet. `-` (stdin, for an
+    input) is read as it comes."""
+    if (path == STDIN and what == "input") or (missing_ok and not os.path.exists(path)):
         return
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        if missing_ok:
-            return
-        raise JobError(f"{path}: no such {what} file") from None
-    except OSError as e:
-        raise JobError(f"{path}: cannot open the {what} ({e.strerror or e})") from None
-    if not stat.S_ISREG(mode):
-        raise JobError(f"{path}: the {what} must be a regular file (this is {file_kind(mode)})")
+    os.close(open_regular(path, os.O_RDONLY, what))
 
 
 def check_not_input(in_path, out_path):
