@@ -42,8 +42,8 @@ from .source import (ConvertError, Source, copy_tokenizer_file, free_bytes, open
 from deltafin_mlx.errors import DeltafinError
 from deltafin_mlx.format.hub import looks_like_hub_id
 from deltafin_mlx.units import human_bytes
-from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, switch_linears,
-                                        switch_path)
+from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, routed_expert_paths,
+                                        switch_linears)
 from deltafin_mlx.model.shard import check_glu_sections
 from deltafin_mlx.errors import ModelError
 
@@ -369,7 +369,7 @@ def _layout(src: str, source: Source, options: ConvertOptions) -> Layout:
     model = build_model(config)
     paths = layer_paths(model)
     units, notes = _sort_units(source, paths)
-    moe_layers = _moe_layers(model, paths, model_type)
+    moe_layers = routed_expert_paths(model, paths, model_type)
     first_switch = get_module(model, next(iter(moe_layers.values())))
     num_experts = next(iter(switch_linears(first_switch).values()))[0]
     float_quant = {"mode": "affine", "bits": options.expert_bits,
@@ -410,24 +410,6 @@ def _sort_units(source: Source, paths: list):
     return units, notes
 
 
-def _moe_layers(model, paths: list, model_type) -> dict:
-    """Every routed-expert module (mlx-lm's SwitchGLU/SwitchMLP), which is streamed."""
-    moe_layers = {}
-    try:
-        for i, path in enumerate(paths):
-            sp = switch_path(get_module(model, path))
-            if sp is not None:
-                moe_layers[i] = f"{path}.{sp}"
-    except DeltafinError as e:
-        raise ConvertError(f"{model_type}: {e}") from None
-    if not moe_layers:
-        raise ConvertError(
-            f"{model_type}: mlx-lm's model has no SwitchGLU/SwitchMLP modules; Deltafin "
-            "streams routed experts that are such modules, and this configuration's are not "
-            "(or it has no MoE layers)")
-    return moe_layers
-
-
 def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
                    options: ConvertOptions):
     expert_quant = experts.quant
@@ -443,13 +425,6 @@ def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
             "quantizing them, not the source's bytes; only experts carried over byte for byte "
             "(Kimi K3's MXFP4 ones, or those mlx-lm quantized) can be linked (convert without "
             "--link-experts)")
-    for p, (o, i, _) in experts.linears.items():
-        group = linear_quant(expert_quant, p)["group_size"]
-        if i % group:
-            raise ConvertError(
-                f"expert {p} input size {i} is not a multiple of the expert group size "
-                f"{group} (choose another --expert-group-size)"
-            )
     if options.link_experts:  # a section sanitize changes cannot be linked: said now
         experts.locations(next(iter(moe_layers)), 0)
 
