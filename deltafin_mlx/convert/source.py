@@ -20,7 +20,7 @@ from deltafin_mlx.format.hub import cache_root, download_snapshot, looks_like_hu
 from deltafin_mlx.format.manifest import MANIFEST_NAME
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.safetensors import parse_header, read_header
-from deltafin_mlx.model.config import check_config
+from deltafin_mlx.model.config import check_config, most_source_tensors
 
 
 TOKENIZER_FILES = (
@@ -225,6 +225,7 @@ def read_source(src: str, path: Path, root: Path, remote=None) -> Source:
     tensors: Dict[str, TensorInfo] = {}
     defined_in: Dict[str, str] = {}
     total = 0
+    most = most_source_tensors(config)
     for shard in shards:
         if remote is not None:
             header, size = remote.header(shard)
@@ -234,6 +235,9 @@ def read_source(src: str, path: Path, root: Path, remote=None) -> Source:
             shard_path = regular_file_inside(path, shard, "shard", root)
             header = read_safetensors_header(shard_path)
             size = shard_path.stat().st_size
+        if len(defined_in) + len(header) > most:  # each costs memory: refused before held
+            raise ConvertError(f"{path / shard}: the safetensors headers list more than "
+                               f"{most:,} tensors, more than a model of its config.json holds")
         for name in header:
             header[name].shard = shard
         h.update(f"{shard}:{size}".encode())

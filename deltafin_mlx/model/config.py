@@ -68,10 +68,11 @@ def _int(v) -> bool:
 # one by one; its arrays are lazy but MLX's shapes are int32), so a forged
 # config.json is refused in one line before any model is built.
 MAX_LAYERS = 512
+LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 MAX_EXPERTS = 1 << 16
 MAX_WIDTH = 1 << 20
 SIZES = {
-    **{k: (1, MAX_LAYERS) for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers")},
+    **{k: (1, MAX_LAYERS) for k in LAYER_KEYS},
     **{k: (1, MAX_EXPERTS) for k in ("n_routed_experts", "num_experts", "num_local_experts",
                                      "moe_num_experts", "num_experts_per_tok",
                                      "num_experts_per_token")},
@@ -125,3 +126,12 @@ def check_config(config: dict, where, error=ModelError):
         k = tc.get(key)
         if experts and k is not None and k > experts:
             raise error(f"{where}: {key} is {k:,}, more than the {experts:,} routed experts")
+
+
+def most_source_tensors(config: dict) -> int:
+    """More tensors than any checkpoint of this (checked) config.json holds: per
+    layer, every routed expert's linears with their companions (scales, shapes,
+    biases) and the trunk's, with room to spare (K3 holds about a third of it)."""
+    tc = text_config(config)
+    layers = next((tc[k] for k in LAYER_KEYS if tc.get(k)), MAX_LAYERS)
+    return 16 * (layers + 8) * (routed_experts(config) + 16)
