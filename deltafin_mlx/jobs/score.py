@@ -202,20 +202,13 @@ def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
 
 
 def job_requests(in_path, line_limit: Optional[int] = None) -> Iterator[Request]:
-    """IN's lines as batch reads its own (a regular file, lines bounded: a longer
-    line is an error line, never held), each line's object kept as it is
+    """IN's lines as batch reads its own (a regular file, a longer line than
+    `line_limit` an error line, never held), each line's object kept as it is
     (`prepare` says which cannot be scored), read one at a time: only the ids
     seen are held."""
     with open_input(in_path) as f:
         yield from iter_requests((line for _, line, _ in read_lines(f, line_limit)),
                                  spec_of=dict)
-
-
-def line_limit(model, tokenizer, sizing: "Sizing") -> int:
-    """The longest line a text this model can score fits in (its longest context)."""
-    context = sizing.limit or (sizing.state.plan.context if sizing.state else 1 << 20)
-    return min(LINE_MAX_BYTES,
-               max_json_bytes(max_text_bytes(tokenizer, model_vocab(model), context)))
 
 
 # Texts prepared at a time: this many passes' worth of tokens (at least one text),
@@ -249,8 +242,9 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
     a line at a time: once to count its lines and refuse duplicate ids before
     anything runs, then to prepare and score it a window at a time (`windows`)."""
     check_not_input(in_path, out_path)
-    sizing = Sizing(model)
-    longest = line_limit(model, tokenizer, sizing)
+    sizing = Sizing(model)  # a line longer than the longest text it can score: not held
+    longest = min(LINE_MAX_BYTES, max_json_bytes(max_text_bytes(
+        tokenizer, model_vocab(model), sizing.limit or sizing.state.plan.context)))
     keys = [r.key for r in job_requests(in_path, longest)]
     out = open_output(out_path, opts.format, opts.top_logprobs)
     try:

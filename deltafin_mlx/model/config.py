@@ -58,27 +58,19 @@ def tied_embeddings(config: dict) -> bool:
                                          config.get("tie_word_embeddings", False)))
 
 
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-# The sizes mlx-lm's model classes are built from, each as mlx-lm's ModelArgs name it:
-# key -> (least, most). The bounds are far above any released model and far below
-# what building mlx-lm's model would exhaust (its layers are Python objects, built
-# one by one; its arrays are lazy but MLX's shapes are int32), so a forged
-# config.json is refused in one line before any model is built.
+# key -> (least, most), as mlx-lm's ModelArgs name them: far above any released model,
+# far below what building mlx-lm's model would exhaust (a layer is Python objects,
+# built one by one), so a forged config.json is one line before any model is built.
 MAX_LAYERS = 512
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
-MAX_EXPERTS = 1 << 16
-MAX_WIDTH = 1 << 20
 SIZES = {
     **{k: (1, MAX_LAYERS) for k in LAYER_KEYS},
-    **{k: (1, MAX_EXPERTS) for k in ("n_routed_experts", "num_experts", "num_local_experts",
-                                     "moe_num_experts", "num_experts_per_tok",
-                                     "num_experts_per_token")},
-    **{k: (1, MAX_WIDTH) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
-                                   "head_dim")},
-    **{k: (0, MAX_WIDTH) for k in ("moe_intermediate_size", "intermediate_size")},
+    **{k: (1, 1 << 16) for k in ("n_routed_experts", "num_experts", "num_local_experts",
+                                 "moe_num_experts", "num_experts_per_tok",
+                                 "num_experts_per_token")},
+    **{k: (1, 1 << 20) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                 "head_dim")},
+    **{k: (0, 1 << 20) for k in ("moe_intermediate_size", "intermediate_size")},
     "first_k_dense_replace": (0, MAX_LAYERS),
     "vocab_size": (1, 1 << 24),
 }
@@ -88,13 +80,12 @@ FLOATS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", 
 
 
 def check_config(config: dict, where, error=ModelError):
-    """config.json's shape and sizes, checked before anything builds a model from it
-    (`plan` and `deltafin-convert` both): a list where an object belongs, a string
-    where a number belongs, a size no model has, or more experts per token than
-    experts is one line (raised as `error`), not a traceback or memory exhausted later."""
+    """config.json's shape, sizes and numbers, before `plan` or `deltafin-convert`
+    builds a model from it: one line (raised as `error`), not a traceback or memory
+    exhausted later."""
     if not isinstance(config, dict):
         raise error(f"{where}: not a JSON object")
-    tc = config.get("text_config", config)
+    tc = config if config.get("text_config") is None else config["text_config"]
     if not isinstance(tc, dict):
         raise error(f"{where}: text_config must be an object")
     if not isinstance(config.get("model_type"), (str, type(None))):
@@ -102,30 +93,27 @@ def check_config(config: dict, where, error=ModelError):
     for c in (config, tc):
         for key, (least, most) in SIZES.items():
             v = c.get(key)
-            if v is not None and not (_int(v) and least <= v <= most):
+            if v is not None and not (type(v) is int and least <= v <= most):
                 raise error(f"{where}: {key} is {v!r:.60}, not an integer from {least} "
                             f"to {most:,}")
         for key in FLOATS:
             v = c.get(key)
-            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                      and math.isfinite(v)):
+            if v is not None and not (type(v) in (int, float) and math.isfinite(v)):
                 raise error(f"{where}: {key} is {v!r:.60}, not a number")
         # mlx-lm takes an every-Nth-layer integer (deepseek_v3) or one flag per layer
         # (mimo_v2_flash, minimax_m3_vl).
         freq = c.get("moe_layer_freq")
-        if freq is not None and not (_int(freq) and 0 <= freq <= MAX_LAYERS) and not (
-                isinstance(freq, list) and len(freq) <= MAX_LAYERS
-                and all(_int(f) and 0 <= f <= MAX_LAYERS for f in freq)):
+        if freq is not None and not all(type(f) is int and 0 <= f <= MAX_LAYERS
+                                        for f in (freq if isinstance(freq, list) else [freq])):
             raise error(f"{where}: moe_layer_freq is {freq!r:.60}, not a non-negative "
-                        "integer or a list of them (one a layer)")
-        qc = c.get("quantization_config")
-        if qc is not None and not isinstance(qc, dict):
+                        "integer or a list of them")
+        if not isinstance(c.get("quantization_config") or {}, dict):
             raise error(f"{where}: quantization_config must be an object")
-    experts = routed_experts(config)
-    for key in ("num_experts_per_tok", "num_experts_per_token"):
-        k = tc.get(key)
-        if experts and k is not None and k > experts:
-            raise error(f"{where}: {key} is {k:,}, more than the {experts:,} routed experts")
+    experts, per_token = routed_experts(config), tc.get("num_experts_per_tok",
+                                                        tc.get("num_experts_per_token"))
+    if experts and per_token is not None and per_token > experts:
+        raise error(f"{where}: {per_token:,} experts per token, more than the {experts:,} "
+                    "routed experts")
 
 
 def most_source_tensors(config: dict) -> int:

@@ -48,7 +48,7 @@ SIZES = [
     ({"num_local_experts": 0}, "num_local_experts is 0"),
     ({"num_experts_per_tok": 0}, "num_experts_per_tok is 0"),
     ({"num_experts_per_tok": 10**9}, "num_experts_per_tok is 1000000000"),
-    ({"num_experts_per_tok": 17}, "more than the 16 routed experts"),
+    ({"num_experts_per_tok": 17}, "17 experts per token, more than the 16 routed experts"),
     ({"rope_theta": "1e6"}, "rope_theta is '1e6', not a number"),
 ]
 
