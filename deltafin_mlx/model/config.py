@@ -120,6 +120,7 @@ def most_source_tensors(config: dict) -> int:
     """More tensors than any checkpoint of this (checked) config.json holds: per
     layer, every routed expert's linears with their companions (scales, shapes,
     biases) and the trunk's, with room to spare (K3 holds about a third of it)."""
-    tc = text_config(config)
+    tc = text_config(config)  # where a count is named otherwise: the most allowed
     layers = next((tc[k] for k in LAYER_KEYS if tc.get(k)), MAX_LAYERS)
-    return 16 * (layers + 8) * (routed_experts(config) + 16)
+    experts = routed_experts(config) or tc.get("moe_num_experts") or SIZES["num_experts"][1]
+    return 16 * (layers + 8) * (experts + 16)
