@@ -7,7 +7,10 @@ import shutil
 
 import pytest
 
-from helpers import make_source, only_stderr_line, run_measured
+from deltafin_mlx.engine.load import load
+from deltafin_mlx.errors import ModelError
+
+from helpers import LOAD, make_source, only_stderr_line, reseal, run_measured
 
 RATES = ("--disk-gbps", "2", "--compute-gwps", "3", "--prefill-gwps", "3", "--layer-ms", "1")
 PEAK = 200 << 20
@@ -90,3 +93,13 @@ def test_float_experts_the_group_size_does_not_divide_are_one_line(tmp_path):
     words = "expert down_proj input size 96 is not a multiple of the expert group size 64"
     refused("deltafin-run", ["plan", src / "config.json", *RATES], words)
     refused("deltafin-convert", [src, tmp_path / "out", "--quiet"], words)
+
+
+def test_loading_a_converted_model_checks_its_config_sizes_too(converted, copy_of):
+    """A converted model's config.json edited and resealed: `load` builds no model of it
+    (what the plan refuses first, a size, is refused before; a number is not sized)."""
+    path = copy_of(converted("mixtral"))
+    edit_config(path, rope_theta="1e6")
+    reseal(path, "config.json")
+    with pytest.raises(ModelError, match="rope_theta is '1e6', not a number"):
+        load(path, **LOAD)
