@@ -224,6 +224,9 @@ E2E = [
     # added with issues 29-33 (a full run's durations, 2026-12-03: 4-16 s each)
     "tests/jobs/test_score_streaming.py::test_a_job_of_many_windows_scores_every_line_once",
     "tests/jobs/test_long_texts.py::*",
+    "tests/jobs/test_job_inputs.py::test_a_score_line_longer_than_*",
+    "tests/jobs/test_job_inputs.py::test_a_stdin_the_temporary_folder_*",
+    "tests/model/test_config_sizes.py::test_float_experts_*",
     "tests/jobs/test_score_sweeps.py::test_16_texts_*",
     "tests/jobs/test_score_outputs_safety.py::test_a_full_disk_*",
     "tests/jobs/test_score_outputs_safety.py::test_only_a_shard_of_its_own_*",

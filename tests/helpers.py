@@ -126,6 +126,29 @@ def run_command(args, stdin=None, env=None, cwd=None, tool="deltafin-run", timeo
                           text=True, timeout=timeout, cwd=cwd, env={**os.environ, **(env or {})})
 
 
+def run_measured(args, tool="deltafin-run", timeout=120):
+    """A command's exit status, stderr, peak RSS in bytes (its own, from wait4) and
+    seconds; killed after `timeout` seconds (its status then says so)."""
+    import tempfile
+    import threading
+    import time
+
+    with tempfile.TemporaryFile() as err:
+        start = time.monotonic()
+        p = subprocess.Popen([str(BIN / tool), *map(str, args)], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=err)
+        timer = threading.Timer(timeout, p.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(p.pid, 0)
+        finally:
+            timer.cancel()
+        p.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.monotonic() - start
+        err.seek(0)
+        return p.returncode, err.read().decode(errors="replace"), usage.ru_maxrss * 1024, seconds
+
+
 def one_error_line(p_or_err, *words):
     err = (p_or_err if isinstance(p_or_err, str) else p_or_err.stderr).strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err

@@ -125,9 +125,15 @@ def open_input(path):
     global _stdin_copy
     if path == STDIN:
         if _stdin_copy is None:
-            _stdin_copy = tempfile.TemporaryFile()
-            shutil.copyfileobj(sys.stdin.buffer, _stdin_copy)
-            _stdin_copy.flush()
+            try:
+                copy = tempfile.TemporaryFile()  # unnamed: gone with the process
+                shutil.copyfileobj(sys.stdin.buffer, copy)
+                copy.flush()
+            except OSError as e:  # the temporary folder's room, not the output's disk
+                raise JobError(f"stdin: cannot keep a copy of the input in "
+                               f"{tempfile.gettempdir()} ({e.strerror or e}); give the input "
+                               "as a file, or set TMPDIR to a folder with room") from None
+            _stdin_copy = copy
         f = os.fdopen(os.dup(_stdin_copy.fileno()), "rb")  # shares the offset: rewind
         f.seek(0)
         return f
