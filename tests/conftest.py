@@ -246,6 +246,11 @@ E2E = [
     # issue 40: serve and the drop-in in processes of their own
     "tests/generation/test_one_engine.py::test_every_process_entry_point_*",
     "tests/generation/test_one_engine.py::test_the_drop_in_refuses_*",
+    # a wide trunk streamed through long prompts and scoring passes (15-45 s each); the
+    # fast run keeps its plan and its fits-beside-the-cache case
+    "tests/engine/test_trunk_pass.py::test_a_long_prompt_streams_*",
+    "tests/engine/test_trunk_pass.py::test_scoring_passes_stream_*",
+    "tests/engine/test_trunk_pass.py::test_a_stop_while_the_trunk_*",
 ]
 
 

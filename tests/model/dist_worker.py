@@ -74,7 +74,10 @@ def main():
             import traceback
 
             traceback.print_exc()
-    (out / f"rank-{rank}.json").write_text(json.dumps(result))
+    # Whole or not at all: mlx.launch may kill this rank mid-write once the other dies.
+    tmp = out / f".rank-{rank}.json.tmp"
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, out / f"rank-{rank}.json")
     if "error" in result:
         print(f"rank {rank}: error: {result['error']}", file=sys.stderr, flush=True)
         sys.exit(1)
