@@ -61,21 +61,24 @@ class Prepared:
 
 def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True,
                 thinking_effort: Optional[str] = None, add_generation_prompt: bool = True,
-                tools: Optional[list] = None, template_kwargs: Optional[dict] = None
-                ) -> List[int]:
-    """A conversation's token ids, by the one renderer (the module's docstring).
-    `thinking_effort` is K3's (None: the model's default); `template_kwargs` (a
-    request's chat_template_kwargs) win over the thinking switch."""
+                tools: Optional[list] = None, template_kwargs: Optional[dict] = None,
+                tokenize: bool = True):
+    """A conversation's token ids (its text: not `tokenize`), by the one renderer
+    (the module's docstring). `thinking_effort` is K3's (None: the model's
+    default); `template_kwargs` (a request's chat_template_kwargs) win over the
+    thinking switch."""
     if not getattr(tokenizer, "has_chat_template", False):
-        return list(tokenizer.encode(untemplated(messages))) if messages else []
+        text = untemplated(messages) if messages else ""
+        return text if not tokenize else list(tokenizer.encode(text)) if text else []
     kwargs = {"thinking": thinking, "enable_thinking": thinking}
     if thinking_effort is not None:
         kwargs["thinking_effort"] = thinking_effort
     kwargs.update(template_kwargs or {})
     if tools:
         kwargs["tools"] = tools
-    return list(tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs))
+    out = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs)
+    return list(out) if tokenize else out
 
 
 def untemplated(messages: List[dict]) -> str:
