@@ -131,15 +131,26 @@ def _turns_of_one_text(tokenizer, msgs, turns, tokens, thinking: bool, content_o
     marked = text([{**m, "content": marks[j]} for j, m in enumerate(msgs)], False)
     if _MARK[0] in whole:
         return None
-    spans, at, length = [], 0, 0  # spans[j]: where message j's content is in `whole`
-    for mark, m in zip(marks, msgs):
+    between, at = [], 0  # what the template renders between contents
+    for mark in marks:
         k = marked.find(mark, at)
-        a = length + k - at
-        if k < 0 or whole[length:a] != marked[at:k] or not whole.startswith(m["content"], a):
+        if k < 0:
             return None
-        spans.append((a, a + len(m["content"])))
-        length, at = spans[-1][1], k + len(mark)
-    if whole[length:] != marked[at:]:
+        between.append(marked[at:k])
+        at = k + len(mark)
+    between.append(marked[at:])
+    spans, at = [], 0  # spans[j]: where message j's content renders in `whole`
+    for m, piece, following in zip(msgs, between, between[1:]):
+        if not following or not whole.startswith(piece, at):
+            return None
+        a = at + len(piece)  # the content as it renders (a template may trim it)
+        b = a + len(m["content"]) if whole.startswith(m["content"] + following, a) \
+            else whole.find(following, a)
+        if b < 0:
+            return None
+        spans.append((a, b))
+        at = b
+    if whole[at:] != between[-1]:
         return None
     learned = {}
 
