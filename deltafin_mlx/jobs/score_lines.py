@@ -117,20 +117,23 @@ def _turns_of_one_text(tokenizer, msgs, turns, tokens, thinking: bool, content_o
     (and once more with each content a numbered mark, which shows where each
     content renders), or None where the template does not render that way (the
     caller then renders each prefix). What the template puts after a message's
-    content when it ends the conversation (and after the one before a turn, with
-    the generation prompt) is taken from one render of the first conversation that
-    ends in a message of its kind; the text is tokenized in windows that end where
-    each turn does, which must give the conversation's tokens. The first and last
-    turns are checked against `_turn`: a template that renders a message by where
-    it stands, not by what it holds, is found there and rendered turn by turn."""
+    content when it ends the conversation (with the generation prompt or without)
+    is taken from one render of the first conversation that ends in a message of
+    its kind (role, tool calls), and must follow it in the whole wherever a turn
+    ends. The text is tokenized in windows cut where each turn's message starts and
+    ends, which must give the conversation's tokens; a prefix with the generation
+    prompt, or a turn rendered empty, is then its windows' tokens and its last
+    window's with what differs. The first two and the last turn are checked against
+    `_turn`: what renders a message by its place, not by what it holds, is found
+    there (or where its end differs) and rendered turn by turn."""
     if len(turns) <= len(CHECKED_TURNS) or turns[0] == 0:
         return None
     text = lambda ms, gen: _render(tokenizer, ms, gen, thinking, tokenize=False)  # noqa: E731
     whole = text(msgs, False)
-    marks = [_MARK.format(j) for j in range(len(msgs))]
-    marked = text([{**m, "content": marks[j]} for j, m in enumerate(msgs)], False)
     if _MARK[0] in whole:
         return None
+    marks = [_MARK.format(j) for j in range(len(msgs))]
+    marked = text([{**m, "content": marks[j]} for j, m in enumerate(msgs)], False)
     between, at = [], 0  # what the template renders between contents
     for mark in marks:
         k = marked.find(mark, at)
