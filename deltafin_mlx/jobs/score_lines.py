@@ -109,7 +109,6 @@ def _turn(tokenizer, msgs, tokens, i, thinking: bool, content_only: bool):
 
 # The turns `_turns_of_one_text` checks against `_turn`: the first two, the last.
 CHECKED_TURNS = (0, 1, -1)
-_MARK = "\ue000{}\ue001"  # a message's content while finding where contents render
 
 
 def _turns_of_one_text(tokenizer, msgs, turns, tokens, thinking: bool, content_only: bool):
@@ -130,9 +129,11 @@ def _turns_of_one_text(tokenizer, msgs, turns, tokens, thinking: bool, content_o
         return None
     text = lambda ms, gen: _render(tokenizer, ms, gen, thinking, tokenize=False)  # noqa: E731
     whole = text(msgs, False)
-    if _MARK[0] in whole:
+    used = set(whole)  # a mark's delimiter is a private-use character the text lacks
+    edge = next((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used), None)
+    if edge is None:
         return None
-    marks = [_MARK.format(j) for j in range(len(msgs))]
+    marks = [f"{edge}{j}{edge}" for j in range(len(msgs))]
     marked = text([{**m, "content": marks[j]} for j, m in enumerate(msgs)], False)
     between, at = [], 0  # what the template renders between contents
     for mark in marks:

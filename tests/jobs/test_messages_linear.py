@@ -176,8 +176,9 @@ def jinja_tokenizer(tmp_path_factory):
 
 def long_conversation(name, n=12):
     """n exchanges in the template's kind of conversation, with what trips a
-    renderer up: contents that need trimming, empty contents, reasoning, tool calls."""
-    msgs = [{"role": "system", "content": "be brief"}]
+    renderer up: contents that need trimming, empty contents, reasoning, tool calls,
+    private-use characters (what a renderer might mark contents with)."""
+    msgs = [{"role": "system", "content": "be brief \ue000\ue0001\ue000\ue001"}]
     for i in range(n):
         msgs.append({"role": "user", "content": f"question {i} about the experts "})
         reply = {"role": "assistant", "content": f"answer {i}: they stream from disk"}
