@@ -238,6 +238,15 @@ class BatchedSequence:
         return token_event(self.render, self.p, r.token, r.logprobs, r.finish_reason, stats)
 
 
+def batchable(model) -> bool:
+    """Whether mlx-lm's BatchGenerator can decode `model`'s sequences together:
+    every cache the model makes merges into a batch (mlx-lm's server's rule; a
+    cache without `merge`, llama4's chunked one, deepseek_v41's own, cannot)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return all(hasattr(c, "merge") for c in make_prompt_cache(model))
+
+
 def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=None
           ) -> Iterator[Tuple[Prepared, Union[Event, Exception]]]:
     """(prepared, event) for each token of each sequence, as mlx-lm's
@@ -245,9 +254,13 @@ def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=N
     sequence's place goes to the next prompt). A step that fails retires its
     sequences and reruns each alone from its start (its first event again has
     `stats.tokens == 1`): only a sequence that fails alone fails, as (prepared,
-    the exception). `progress(tokens, prompt_responses)` after each step."""
+    the exception). `progress(tokens, prompt_responses)` after each step. A
+    model that is not `batchable` has its sequences run one at a time by `stream`."""
     todo, alone, running = deque(prepareds), deque(), {}
     if not todo:
+        return
+    if not batchable(model):
+        yield from one_at_a_time(model, todo, progress)
         return
     tokenizer, b = todo[0].tokenizer, max(1, int(scheduler.batch_size))
     gen = scheduler.generator(model, tokenizer)
@@ -294,6 +307,24 @@ def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=N
                 progress(len(gen_rs), prompt_rs)
     finally:
         gen.close()
+
+
+def one_at_a_time(model, prepareds: Iterable[Prepared], progress=None
+                  ) -> Iterator[Tuple[Prepared, Union[Event, Exception]]]:
+    """`batch`'s events for a model mlx-lm cannot batch: each sequence by
+    `stream`, in turn (its tokens are stream's); one that fails is (prepared,
+    the exception)."""
+    for p in prepareds:
+        try:
+            for e in stream(model, p):
+                e.stats = BatchStats(**vars(e.stats), mean_batch=1.0)
+                yield p, e
+                if progress is not None:
+                    progress(1, ())
+        except DeltafinError:
+            raise  # the model's files or the machine, not a request: stop, resumable
+        except Exception as e:
+            yield p, e
 
 
 @dataclass
