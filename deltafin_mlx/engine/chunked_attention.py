@@ -42,22 +42,18 @@ def chunk_mask(mask, start: int, end: int, tokens: int, linear: bool, cache=None
     if linear:
         return mask[..., start:end]
     offset = mask.shape[-1] - tokens
-    # A sliding window's cache (mlx-lm's RotatingKVCache and its batch form) keeps
-    # only its last max_size - 1 keys before a call of several tokens, and its own
-    # mask then starts there: a chunk attends those and its own tokens.
-    kept = getattr(cache, "max_size", None)
-    first = 0 if kept is None else max(0, offset + start - (kept - 1))
+    # A sliding window's cache (mlx-lm's RotatingKVCache, batched or not) keeps its
+    # last max_size - 1 keys before a call of several tokens; its own masks start there.
+    first = max(0, offset + start - cache.max_size + 1) if hasattr(cache, "max_size") else 0
     return mask[..., start:end, first : offset + end]
 
 
 def chunkable(module) -> bool:
     """Whether `module` is called as mlx-lm's attention modules mostly are,
-    `(x, mask, cache, ...)` with a cache that positions each call itself, which is
-    what taking a call in chunks relies on, and nothing more. Others are left
-    whole: they run as mlx-lm runs them, one attention call per pass —
-    deepseek_v41's keyword-only `start_pos`/`window_idx` and its own layer cache,
-    and the layers that share keys (gemma4's `shared_kv`, hunyuan's `kv_states`):
-    what they take and hand back is the whole call's, for the next layer."""
+    `(x, mask, cache)` with a cache that positions each call itself, which is
+    what taking a call in chunks relies on, and nothing more. Others run whole, as
+    mlx-lm runs them: deepseek_v41's (keyword-only positions, its own layer cache),
+    gemma4's and hunyuan's (they take and hand back keys shared between layers)."""
     if not isinstance(module, nn.Module):
         return False
     try:
@@ -86,8 +82,8 @@ def chunk_attention(module, step: int, linear: bool = False):
                                      linear, *args, **kwargs)
         outs = []
         for start, end in chunk_bounds(tokens, step):
-            out = base.__call__(self, x[:, start:end], chunk_mask(mask, start, end, tokens, linear, cache),
-                                cache, *args, **kwargs)
+            m = chunk_mask(mask, start, end, tokens, linear, cache)
+            out = base.__call__(self, x[:, start:end], m, cache, *args, **kwargs)
             # Evaluated chunk by chunk, as a chunked prefill evaluates its calls: the
             # chunk's scores are freed before the next chunk's are made, and MLX's
             # cache of freed buffers (sized by a context that grows each chunk) is

@@ -239,9 +239,8 @@ class BatchedSequence:
 
 
 def batchable(model) -> bool:
-    """Whether mlx-lm's BatchGenerator can decode `model`'s sequences together:
-    every cache the model makes merges into a batch (mlx-lm's server's rule; a
-    cache without `merge`, llama4's chunked one, deepseek_v41's own, cannot)."""
+    """Whether every cache of `model` merges into mlx-lm's BatchGenerator's batch
+    (mlx-lm's server's rule: llama4's chunked cache, deepseek_v41's own do not)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     return all(hasattr(c, "merge") for c in make_prompt_cache(model))
@@ -254,8 +253,8 @@ def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=N
     sequence's place goes to the next prompt). A step that fails retires its
     sequences and reruns each alone from its start (its first event again has
     `stats.tokens == 1`): only a sequence that fails alone fails, as (prepared,
-    the exception). `progress(tokens, prompt_responses)` after each step. A
-    model that is not `batchable` has its sequences run one at a time by `stream`."""
+    the exception); a model not `batchable` runs them one at a time by `stream`.
+    `progress(tokens, prompt_responses)` after each step."""
     todo, alone, running = deque(prepareds), deque(), {}
     if not todo:
         return
@@ -309,11 +308,8 @@ def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=N
         gen.close()
 
 
-def one_at_a_time(model, prepareds: Iterable[Prepared], progress=None
-                  ) -> Iterator[Tuple[Prepared, Union[Event, Exception]]]:
-    """`batch`'s events for a model mlx-lm cannot batch: each sequence by
-    `stream`, in turn (its tokens are stream's); one that fails is (prepared,
-    the exception)."""
+def one_at_a_time(model, prepareds: Iterable[Prepared], progress=None):
+    """`batch`'s (prepared, event or exception) by `stream`, a sequence at a time."""
     for p in prepareds:
         try:
             for e in stream(model, p):
