@@ -241,6 +241,14 @@ class BatchedSequence:
         return token_event(self.render, self.p, r.token, r.logprobs, r.finish_reason, stats)
 
 
+def batchable(model) -> bool:
+    """Whether every cache of `model` merges into mlx-lm's BatchGenerator's batch
+    (mlx-lm's server's rule: llama4's chunked cache, deepseek_v41's own do not)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return all(hasattr(c, "merge") for c in make_prompt_cache(model))
+
+
 def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=None
           ) -> Iterator[Tuple[Prepared, Union[Event, Exception]]]:
     """(prepared, event) for each token of each sequence, as mlx-lm's
@@ -248,9 +256,13 @@ def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=N
     sequence's place goes to the next prompt). A step that fails retires its
     sequences and reruns each alone from its start (its first event again has
     `stats.tokens == 1`): only a sequence that fails alone fails, as (prepared,
-    the exception). `progress(tokens, prompt_responses)` after each step."""
+    the exception); a model not `batchable` runs them one at a time by `stream`.
+    `progress(tokens, prompt_responses)` after each step."""
     todo, alone, running = deque(prepareds), deque(), {}
     if not todo:
+        return
+    if not batchable(model):
+        yield from one_at_a_time(model, todo, progress)
         return
     tokenizer, b = todo[0].tokenizer, max(1, int(scheduler.batch_size))
     gen = scheduler.generator(model, tokenizer)
@@ -297,6 +309,21 @@ def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=N
                 progress(len(gen_rs), prompt_rs)
     finally:
         gen.close()
+
+
+def one_at_a_time(model, prepareds: Iterable[Prepared], progress=None):
+    """`batch`'s (prepared, event or exception) by `stream`, a sequence at a time."""
+    for p in prepareds:
+        try:
+            for e in stream(model, p):
+                e.stats = BatchStats(**vars(e.stats), mean_batch=1.0)
+                yield p, e
+                if progress is not None:
+                    progress(1, ())
+        except DeltafinError:
+            raise  # the model's files or the machine, not a request: stop, resumable
+        except Exception as e:
+            yield p, e
 
 
 @dataclass
