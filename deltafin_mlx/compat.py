@@ -60,6 +60,9 @@ PRIVATE = (
     ("mlx_lm.generate", "PromptProcessingBatch.empty"),
     ("mlx_lm.generate", "PromptProcessingBatch.prompt"),
     ("mlx_lm.generate", "PromptProcessingBatch.model"),
+    # transformers': its templates' sandbox class and compile cache (bound_chat_templates)
+    ("transformers.utils.chat_template_utils", "ImmutableSandboxedEnvironment"),
+    ("transformers.utils.chat_template_utils", "_compile_jinja_template"),
     # make_sampler's closure cells `sampling_methods` and `temp`: read by sampler_chain
     # (checked by tests/structure/test_mlx_lm_surface.py calling it)
     # generate_step's prefill loop, which never reads a chunk's logits: read by
@@ -114,6 +117,16 @@ def decode_tagged_floats(obj, raw: bytes = None):
     import mlx_lm.utils
 
     return mlx_lm.utils._decode_tagged_floats(obj)
+
+
+def bound_chat_templates(sandbox):
+    """Have transformers compile every chat template in `sandbox` (a subclass of its
+    immutable sandbox: tokenizer/jinja.py's BoundedSandbox), rendering as before."""
+    from transformers.utils import chat_template_utils
+
+    if chat_template_utils.ImmutableSandboxedEnvironment is not sandbox:
+        chat_template_utils.ImmutableSandboxedEnvironment = sandbox
+        chat_template_utils._compile_jinja_template.cache_clear()
 
 
 def server_prompt_tokens(response_generator, tokenizer, request, args):
@@ -219,16 +232,34 @@ def unread_logits_in_prompt_batches(set_unread):
     PromptProcessingBatch.prompt = wrapped
 
 
+# What mlx-lm's classes call their token-embedding table, most common first:
+# bailing's `word_embeddings`, phixtral's `wte`, nemotron_h's `embeddings`.
+EMBEDDING_NAMES = ("embed_tokens", "word_embeddings", "wte", "embeddings")
+
+
+def embedding_path(model):
+    """The path of the table token ids index (where they enter the model), or None."""
+    paths = [path for path, _ in model.named_modules()]
+    return next((path for name in EMBEDDING_NAMES for path in paths
+                 if path == name or path.endswith("." + name)), None)
+
+
 def body_and_head(model):
     """(body, head) of an mlx-lm language model: `body(inputs, cache)` is its
     decoder stack up to the final norm, `head(h)` the logits, composed exactly as
     the model's own `__call__` composes them (a tied embedding as the head where
-    there is no `lm_head`; K3 keeps both under `language_model`)."""
+    there is no `lm_head`; K3 keeps both under `language_model`). A model whose
+    `__call__` does more between them (phixtral builds its mask there) is its own
+    body, with the logits as they come."""
+    import functools
+
     lm = getattr(model, "language_model", model)
-    body = lm.model
+    body = getattr(lm, "model", None) or getattr(lm, "backbone", None)  # nemotron_h's
+    if body is None:
+        return (lambda inputs, cache: lm(inputs, cache=cache)), (lambda logits: logits)
     head = getattr(lm, "lm_head", None)
     if head is None:
-        head = body.embed_tokens.as_linear
+        head = functools.reduce(getattr, embedding_path(body).split("."), body).as_linear
     return body, head
 
 

@@ -126,6 +126,48 @@ def run_command(args, stdin=None, env=None, cwd=None, tool="deltafin-run", timeo
                           text=True, timeout=timeout, cwd=cwd, env={**os.environ, **(env or {})})
 
 
+# Runs a command as its own child and prints that child's peak RSS (KiB) and exit
+# status. Linux carries the RSS high-water mark of the process that calls exec into
+# the new program's, so a command started straight from a test process (an xdist
+# worker holds hundreds of MB of fixtures) would report the test's peak; forked from
+# this small launcher instead, its peak is its own.
+_PEAK_LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+print(usage.ru_maxrss, os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_measured(args, tool="deltafin-run", timeout=120):
+    """A command's exit status, stderr, peak RSS in bytes (its own, from wait4 in
+    `_PEAK_LAUNCHER`) and seconds; killed after `timeout` seconds (its status then
+    says so)."""
+    import tempfile
+    import time
+
+    with tempfile.TemporaryFile() as err:
+        start = time.monotonic()
+        p = subprocess.Popen([sys.executable, "-c", _PEAK_LAUNCHER, str(BIN / tool),
+                              *map(str, args)], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            return -signal.SIGKILL, "", 0, time.monotonic() - start
+        seconds = time.monotonic() - start
+        err.seek(0)
+        peak_kib, code = map(int, out.split())
+        return code, err.read().decode(errors="replace"), peak_kib * 1024, seconds
+
+
 def one_error_line(p_or_err, *words):
     err = (p_or_err if isinstance(p_or_err, str) else p_or_err.stderr).strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err

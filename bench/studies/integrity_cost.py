@@ -109,13 +109,14 @@ def direct_read_rate(directory, mb):
 def token_check_cost(model_dir, tokens=48, repeats=5):
 
     from deltafin_mlx.engine.load import load
-    from deltafin_mlx.model.modules import find_path, get_module
+    from deltafin_mlx.compat import embedding_path
+    from deltafin_mlx.model.modules import get_module
 
     out = {}
     for label, slots in (("all experts cached", None), ("streaming, 4 slots", 4)):
         model, _ = load(model_dir, cache_slots=slots, tokenizer=False, memory_budget="2GB",
                         warm_start=False)
-        embed = get_module(model, find_path(model, "embed_tokens"))
+        embed = get_module(model, embedding_path(model))
         guarded, original = type(embed), type(embed).__mro__[1]
         from mlx_lm.models.cache import make_prompt_cache
 

@@ -96,23 +96,31 @@ class StopOnSignal:
 PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"  # a terminal's bracketed paste
 
 
+class Pasted(str):
+    """A message holding a paste: text, never a command (even after an end marker)."""
+
+
 def bracketed_paste(tty: bool):
-    """Have a paste of several lines arrive as one message. GNU readline reads a
-    bracketed paste (the terminal's ESC[200~ ... ESC[201~) as one line when the
-    setting is on (turned on here); without readline the terminal is asked for the
-    markers and read_message joins the lines between them (True: the terminal's
-    mode was set, to be reset at the end). libedit: left as is."""
+    """Have a paste of several lines arrive as one message, as text: the terminal
+    is asked for its markers (ESC[200~ ... ESC[201~), read_message joins the lines
+    between them (True: the mode was set, to be reset at the end). GNU readline
+    inserts the markers as they are (quoted-insert): its own paste mode would end a
+    paste at a marker the paste holds and take what follows as typed. libedit: as is."""
     if not tty:
         return False
     try:
         import readline
+
+        if "libedit" in (readline.__doc__ or ""):
+            return False
+        readline.parse_and_bind("set enable-bracketed-paste off")
+        for marker in ("200~", "201~"):
+            readline.parse_and_bind(f'"\\e[{marker}": "\\C-v\\e[{marker}"')
     except ImportError:
-        sys.stdout.write("\x1b[?2004h")
-        sys.stdout.flush()
-        return True
-    if "libedit" not in (readline.__doc__ or ""):
-        readline.parse_and_bind("set enable-bracketed-paste on")
-    return False
+        pass
+    sys.stdout.write("\x1b[?2004h")
+    sys.stdout.flush()
+    return True
 
 
 def read_message(prompt: str = "> ", more: str = "... ", out=None):
@@ -138,10 +146,10 @@ def read_message(prompt: str = "> ", more: str = "... ", out=None):
 
     try:
         first = line(prompt)
-        if PASTE_START in first:
+        if PASTE_START in first or PASTE_END in first:  # an end alone: a paste's rest
             while first.count(PASTE_START) > first.count(PASTE_END):
                 first += "\n" + line("")
-            return first.replace(PASTE_START, "").replace(PASTE_END, "")
+            return Pasted(first.replace(PASTE_START, "").replace(PASTE_END, ""))
         if first.strip() == '"""':
             lines = []
             while True:
@@ -215,7 +223,7 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
             break
         if not text.strip():
             continue
-        command = text.strip()
+        command = "" if isinstance(text, Pasted) else text.strip()
         if command.startswith("/") and not command.startswith("//"):
             if command in ("/quit", "/exit"):
                 break

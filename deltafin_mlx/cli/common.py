@@ -106,9 +106,15 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg} (rerun with --debug for details)"
 
 
+# An error line at most this long: a message may quote what a file holds (an
+# options record, a reference), and a file of any size must not make a huge line.
+ERROR_LINE_MAX = 2000
+
+
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line if len(line) <= ERROR_LINE_MAX else f"{line[:ERROR_LINE_MAX]}… (cut short)"
 
 
 @contextlib.contextmanager

@@ -102,15 +102,18 @@ def _main(argv):
     try:
         with interrupts_in_finalizers_reach_main():
             manifest = convert(args.src, args.out, options)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # done: a late Ctrl-C changes nothing
+            # done: a late Ctrl-C changes nothing (ignored before the block's end, so
+            # none can land in a finalizer outside it)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while reporting
+        # A Ctrl-C after the manifest was written came too late to stop anything:
+        # the conversion finished, and says so as any finished one does.
         manifest = finished_after_interrupt(args.out, started)
         if manifest is None:
             print("\ndeltafin-convert: interrupted; rerun the same command to resume",
                   file=sys.stderr)
             return 130
-        print("\ndeltafin-convert: interrupted after the conversion had finished", file=sys.stderr)
     except OSError as e:
         if e.errno == errno.ENOSPC and not e.filename:
             e.filename = args.out  # guarded's line names what filled up

@@ -3,6 +3,7 @@ as llama-perplexity and mlx_lm.perplexity measure it, and the KL divergence from
 reference run (deltafin_mlx/jobs/perplexity.py)."""
 
 import json
+import os
 import sys
 
 from deltafin_mlx.cli.options import Parser, add_load_options, load_model, positive
@@ -27,7 +28,8 @@ def perplexity_parser():
                    help="score the first N windows only (default: all)")
     p.add_argument("--kl-divergence-base", metavar="REF", default=None,
                    help="write this run's next-token distributions (top K and the tail's "
-                   "mass at each scored position) to REF, a safetensors file")
+                   "mass at each scored position) to REF, a safetensors file: a new file or "
+                   "an earlier reference")
     p.add_argument("--kl-divergence", metavar="REF", default=None,
                    help="compare this run's distributions with REF's (written by "
                    "--kl-divergence-base, with another conversion of the same model): "
@@ -45,12 +47,16 @@ def perplexity_parser():
 
 def cmd_perplexity(argv) -> int:
     from deltafin_mlx.errors import UsageError
-    from deltafin_mlx.jobs.perplexity import (PerplexityOptions, Windows, perplexity,
+    from deltafin_mlx.jobs.perplexity import (PerplexityOptions, Windows,
+                                              check_reference_output, perplexity,
                                               read_reference, read_text, reference_windows,
                                               summary_lines)
 
     args = perplexity_parser().parse_args(argv)
     text = read_text(args.file)  # before the model loads, not after
+    if args.kl_divergence_base:
+        check_reference_output(args.kl_divergence_base, args.file,
+                               args.model if os.path.isdir(args.model) else None)
     windows, chunks = Windows(args.context or 512, args.stride), args.chunks
     if args.kl_top_k is not None and not args.kl_divergence_base:
         raise UsageError("--kl-top-k is what --kl-divergence-base keeps: it goes with it")

@@ -34,8 +34,8 @@ from deltafin_mlx.format.model_dir import (PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_
 from deltafin_mlx.format.record import linear_quant, record_linears
 from deltafin_mlx.model.build import build_model, source_dtype
 from deltafin_mlx.model.config import experts_per_token
-from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, switch_linears,
-                                        switch_path)
+from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, routed_expert_paths,
+                                        switch_linears)
 from deltafin_mlx.model.quantization import (check_quantization, mlx_lm_quantization,
                                              module_quantization)
 from deltafin_mlx.model.shard import check_glu_sections
@@ -351,7 +351,7 @@ def _layout(src: str, source: Source, options: ConvertOptions) -> Layout:
     model = build_model(config)
     paths = layer_paths(model)
     units, notes = _sort_units(source, paths)
-    moe_layers = _moe_layers(model, paths, model_type)
+    moe_layers = routed_expert_paths(model, paths, model_type)
     first_switch = get_module(model, next(iter(moe_layers.values())))
     num_experts = next(iter(switch_linears(first_switch).values()))[0]
     float_quant = {"mode": "affine", "bits": options.expert_bits,
@@ -392,25 +392,8 @@ def _sort_units(source: Source, paths: list):
     return units, notes
 
 
-def _moe_layers(model, paths: list, model_type) -> dict:
-    """Every routed-expert module (mlx-lm's SwitchGLU/SwitchMLP), which is streamed."""
-    moe_layers = {}
-    try:
-        for i, path in enumerate(paths):
-            sp = switch_path(get_module(model, path))
-            if sp is not None:
-                moe_layers[i] = f"{path}.{sp}"
-    except DeltafinError as e:
-        raise ConvertError(f"{model_type}: {e}") from None
-    if not moe_layers:
-        raise ConvertError(
-            f"{model_type}: mlx-lm's model has no SwitchGLU/SwitchMLP modules; Deltafin "
-            "streams routed experts that are such modules, and this configuration's are not "
-            "(or it has no MoE layers)")
-    return moe_layers
-
-
-def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict, options: ConvertOptions):
+def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
+                   options: ConvertOptions):
     expert_quant = experts.quant
     if expert_quant.get("carried_over") and (options.expert_bits, options.expert_group_size) \
             != (ConvertOptions.expert_bits, ConvertOptions.expert_group_size):
@@ -424,13 +407,6 @@ def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict, option
             "quantizing them, not the source's bytes; only experts carried over byte for byte "
             "(Kimi K3's MXFP4 ones, or those mlx-lm quantized) can be linked (convert without "
             "--link-experts)")
-    for p, (o, i, _) in experts.linears.items():
-        group = linear_quant(expert_quant, p)["group_size"]
-        if i % group:
-            raise ConvertError(
-                f"expert {p} input size {i} is not a multiple of the expert group size "
-                f"{group} (choose another --expert-group-size)"
-            )
     if options.link_experts:  # a section sanitize changes cannot be linked: said now
         experts.locations(next(iter(moe_layers)), 0)
 

@@ -20,8 +20,7 @@ from deltafin_mlx.format.hub import cache_root, download_snapshot, looks_like_hu
 from deltafin_mlx.format.manifest import MANIFEST_NAME
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.safetensors import parse_header, read_header
-from deltafin_mlx.model.config import text_config
-from deltafin_mlx.units import is_int
+from deltafin_mlx.model.config import check_config, most_source_tensors
 
 
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -173,38 +172,6 @@ def resolve_source(src: str, revision: Optional[str] = None,
     return snapshot, cache_root(snapshot)
 
 
-# config.json values the conversion computes with: positive integers when present
-CONFIG_INTS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_experts_per_tok",
-               "num_experts_per_token", "n_routed_experts", "num_experts", "num_local_experts",
-               "moe_intermediate_size", "intermediate_size", "num_attention_heads",
-               "num_key_value_heads", "first_k_dense_replace")
-
-
-def check_config(config: dict, config_path: Path):
-    """The shape of config.json, so a list where an object belongs, a string where
-    a number belongs or a deep nest is one line here, not a traceback later."""
-    tc = text_config(config)
-    if not isinstance(tc, dict):
-        raise ConvertError(f"{config_path}: text_config must be an object")
-    if not isinstance(config.get("model_type"), (str, type(None))):
-        raise ConvertError(f"{config_path}: model_type must be a string")
-    for c in (config, tc):
-        for key in CONFIG_INTS:
-            if key in c and not (is_int(c[key]) and 0 <= c[key] < 1 << 40):
-                raise ConvertError(f"{config_path}: {key} is {c[key]!r:.60}, "
-                                   "not a non-negative integer")
-        # mlx-lm takes an every-Nth-layer integer (deepseek_v3) or one flag per layer
-        # (mimo_v2_flash, minimax_m3_vl).
-        freq = c.get("moe_layer_freq")
-        if freq is not None and not (is_int(freq) and 0 <= freq < 1 << 40) and not (
-                isinstance(freq, list) and all(is_int(f) and 0 <= f < 1 << 40 for f in freq)):
-            raise ConvertError(f"{config_path}: moe_layer_freq is {freq!r:.60}, not a "
-                               "non-negative integer or a list of them")
-        qc = c.get("quantization_config")
-        if qc is not None and not isinstance(qc, dict):
-            raise ConvertError(f"{config_path}: quantization_config must be an object")
-
-
 def open_source(src: str, revision: Optional[str] = None, progress: bool = True) -> Source:
     path, root = resolve_source(src, revision, progress)
     return read_source(src, path, root)
@@ -223,9 +190,7 @@ def read_source(src: str, path: Path, root: Path, remote=None) -> Source:
         raise ConvertError(f"{path}: no config.json (not a Hugging Face model directory)")
     regular_file_inside(path, "config.json", "config.json", root)
     config_bytes, config = read_json(config_path, "config.json")
-    if not isinstance(config, dict):
-        raise ConvertError(f"{config_path}: not a JSON object")
-    check_config(config, config_path)
+    check_config(config, config_path, ConvertError)
 
     index_path = path / "model.safetensors.index.json"
     h = hashlib.sha256(config_bytes)
@@ -251,6 +216,7 @@ def read_source(src: str, path: Path, root: Path, remote=None) -> Source:
     tensors: Dict[str, TensorInfo] = {}
     defined_in: Dict[str, str] = {}
     total = 0
+    most = most_source_tensors(config)
     for shard in shards:
         if remote is not None:
             header, size = remote.header(shard)
@@ -260,6 +226,9 @@ def read_source(src: str, path: Path, root: Path, remote=None) -> Source:
             shard_path = regular_file_inside(path, shard, "shard", root)
             header = read_safetensors_header(shard_path)
             size = shard_path.stat().st_size
+        if len(defined_in) + len(header) > most:  # each costs memory: refused before held
+            raise ConvertError(f"{path / shard}: the safetensors headers list more than "
+                               f"{most:,} tensors, more than a model of its config.json holds")
         for name in header:
             header[name].shard = shard
         h.update(f"{shard}:{size}".encode())

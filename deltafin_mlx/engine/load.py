@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from deltafin_mlx.compat import embedding_path
 from deltafin_mlx.engine.allocator import tune_malloc
 from deltafin_mlx.engine.cache import CacheStats, ExpertCache, switch_over_slots
 from deltafin_mlx.engine.chunked_attention import chunk_attention, chunkable
@@ -30,7 +31,7 @@ from deltafin_mlx.format.manifest import ModelError
 from deltafin_mlx.format.model_dir import open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
 from deltafin_mlx.model.config import text_config
-from deltafin_mlx.model.modules import find_path, get_module, layer_paths, set_module
+from deltafin_mlx.model.modules import get_module, layer_paths, set_module
 from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view,
                                       shard_model, sharded_inventory)
 from deltafin_mlx.plan.footprint import inventory_from_manifest
@@ -120,7 +121,7 @@ def guard_token_ids(model: nn.Module):
     """Check ids where they enter the model, at its embedding table, before any
     gather could read outside it (an out-of-range id crashes MLX's gather or, for
     rows read from disk, would read another tensor's bytes)."""
-    path = find_path(model, "embed_tokens")
+    path = embedding_path(model)
     if path is None:
         return
     module = get_module(model, path)
@@ -388,7 +389,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     paths = layer_paths(model)
     streamed = sorted(int(k) for k in plan.streamed)
     prefixes = tuple(paths[i] + "." for i in streamed)
-    embed = find_path(model, "embed_tokens") if plan.embed_on_demand else None
+    embed = embedding_path(model) if plan.embed_on_demand else None
     if embed is not None:
         prefixes += (embed + ".",)
         set_module(model, embed, RowEmbedding(get_module(model, embed),

@@ -5,12 +5,14 @@ folder a user names, holding anything. The demo records in `DIR/deltafin-demo.js
 what it writes there, before writing it:
 
     {"kind": "deltafin demo", "model": "model" or null,
-     "source": {"config.json": 1234, ...} or null, "writing": ".source-XXXX" or null}
+     "source": {"config.json": 1234, ...} or null, "writing": ".source-XXXX" or null,
+     "writing_id": "device:inode" or null}
 
 `model`: DIR/model is a conversion the demo started (a model found there already is
 used, never claimed); `source`: the synthetic checkpoint in DIR/source, file by file
 with its size; `writing`: the folder of its own (mkdtemp) the checkpoint is being
-written in, renamed to DIR/source once complete. `rm --demo` checks everything first
+written in, renamed to DIR/source once complete (`writing_id`: its identity; any
+other folder of that name is never deleted). `rm --demo` checks everything first
 and deletes only what the marker names: without a marker, or with anything in a
 claimed folder the demo did not write (a file added, a size changed, a link), it
 deletes nothing.
@@ -60,7 +62,8 @@ def read_marker(root: Path) -> Optional[dict]:
                 isinstance(k, str) and _plain_rel(k) and type(v) is int
                 for k, v in source.items()))
             or not (d.get("writing") is None or isinstance(d["writing"], str)
-                    and d["writing"].startswith(".source-") and "/" not in d["writing"])):
+                    and d["writing"].startswith(".source-") and "/" not in d["writing"])
+            or not isinstance(d.get("writing_id"), (str, type(None)))):
         raise ModelError(f"{path}: not a record the demo wrote; nothing removed")
     return d
 
@@ -94,20 +97,33 @@ def file_sizes(folder: Path) -> Dict[str, int]:
     return out
 
 
+def _folder_id(path: Path) -> Optional[str]:
+    """A folder's identity, "device:inode" (None: no folder there; links not followed)."""
+    st = os.lstat(path) if os.path.lexists(path) else None
+    return f"{st.st_dev}:{st.st_ino}" if st and stat.S_ISDIR(st.st_mode) else None
+
+
+def _foreign_writing(root: Path, marker: dict) -> bool:
+    """The marker's `writing` names something there that is not the folder the demo made."""
+    name = marker.get("writing")
+    return bool(name) and os.path.lexists(root / name) and (
+        marker.get("writing_id") is None or _folder_id(root / name) != marker["writing_id"])
+
+
 def start_source(root: Path) -> Path:
     """A fresh folder of the demo's own to write the checkpoint in, recorded before
     anything is written to it; finish_source makes it DIR/source. A folder an
     interrupted demo left (recorded as `writing`) is deleted first: it was ours."""
     root = Path(root)
     marker = read_marker(root) or {}
-    if marker.get("writing"):
+    if marker.get("writing") and not _foreign_writing(root, marker):
         shutil.rmtree(root / marker["writing"], ignore_errors=True)
     if os.path.lexists(root / SOURCE):
         raise ModelError(f"{root / SOURCE}: already there and not a checkpoint the demo "
                          "finished writing; not touched (choose another --demo-dir, or "
                          "remove it yourself)")
     work = Path(tempfile.mkdtemp(prefix=".source-", dir=root))
-    write_marker(root, {**marker, "writing": work.name})
+    write_marker(root, {**marker, "writing": work.name, "writing_id": _folder_id(work)})
     return work
 
 
@@ -161,6 +177,9 @@ def check_demo_files(root: Path) -> dict:
     if marker is None:
         raise ModelError(f"{root}: no {MARKER_NAME} here, so nothing in it is known to be the "
                          "demo's; nothing removed")
+    if _foreign_writing(root, marker):
+        raise ModelError(f"{root / marker['writing']}: not the folder the demo was writing in; "
+                         "nothing removed")
     if marker["model"] == MODEL and os.path.lexists(root / MODEL):
         check_removable(root / MODEL)
     if marker["source"] is not None and os.path.lexists(root / SOURCE):

@@ -11,6 +11,7 @@ before conversion.
 
 from typing import Dict, List, Optional
 
+from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.bank import Section, make_sections
 
 # mlx-lm's SwitchGLU projections, in record order (the layout tensor parallelism splits).
@@ -31,12 +32,17 @@ def expert_sections(linears: Dict[str, tuple], quant: dict, scales_dtype: str,
                     bias_dtype: Optional[str] = None) -> List[Section]:
     """The record layout for experts whose linears are `linears` (name -> (out, in)
     or (out, in, has_bias), in the module's order), quantized as `quant` says (`linear_quant`);
-    per-expert biases are kept in `bias_dtype` (default: `scales_dtype`)."""
+    per-expert biases are kept in `bias_dtype` (default: `scales_dtype`). A linear
+    whose input size the group size does not divide cannot be quantized: one line
+    (the converter and the planner both lay records out here)."""
     tensors = []
     for name, dims in linears.items():
         q = linear_quant(quant, name)
         bits, group, mode = q["bits"], q["group_size"], q["mode"]
         out_dim, in_dim = dims[:2]
+        if in_dim % group:
+            raise ModelError(f"expert {name} input size {in_dim} is not a multiple of the "
+                             f"expert group size {group} (choose another --expert-group-size)")
         tensors.append((f"{name}.weight", "uint32", (out_dim, in_dim * bits // 32)))
         if mode == "affine":
             tensors.append((f"{name}.scales", scales_dtype, (out_dim, in_dim // group)))

@@ -22,7 +22,7 @@ from deltafin_mlx.format.dtypes import ITEMSIZE, SAFETENSORS
 from deltafin_mlx.units import is_int
 
 # Far above any real header (docs/LEARNED.md has K3's), far below memory.
-MAX_HEADER_BYTES = 1 << 28
+MAX_HEADER_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,10 @@ def header_length(where, head: bytes, size: int, error=ModelError) -> int:
     if len(head) < 8:
         raise error(f"{where}: truncated safetensors file ({size} bytes)")
     (n,) = struct.unpack("<Q", head[:8])
-    if n > min(size - 8, MAX_HEADER_BYTES):
+    if MAX_HEADER_BYTES < n <= size - 8:  # parsing it would take gigabytes
+        raise error(f"{where}: a safetensors header of {n:,} bytes, more than any checkpoint's "
+                    f"({MAX_HEADER_BYTES:,} at most)")
+    if n > size - 8:
         raise error(f"{where}: corrupt safetensors header (length {n} in a {size}-byte file)")
     return n
 

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Optional
 
 from deltafin_mlx.errors import JobError
-from deltafin_mlx.jobs.results_file import write_failed
+from deltafin_mlx.jobs.results_file import read_regular, write_failed
 
 SUFFIX = ".options.json"
+# A record holds a few flags (stop strings the longest): far below this.
+RECORD_MAX_BYTES = 1 << 20
 
 
 def record_path(out_path) -> Path:
@@ -42,13 +44,7 @@ def check_options(out_path, options: dict, started: bool) -> Optional[str]:
     raises JobError when the record differs."""
     path = record_path(out_path)
     wanted = json.loads(json.dumps(options))  # as it reads back (tuples as lists)
-    try:
-        recorded = json.loads(path.read_text())
-    except FileNotFoundError:
-        recorded = None
-    except (OSError, ValueError) as e:
-        raise JobError(f"{path}: cannot read the options this output was written with "
-                         f"({e}); delete it to resume without checking them") from None
+    recorded = _read(path) if os.path.lexists(path) else None
     if started and recorded is not None:
         differ = [k for k in sorted(set(wanted) | set(recorded))
                   if wanted.get(k) != recorded.get(k)]
@@ -63,6 +59,20 @@ def check_options(out_path, options: dict, started: bool) -> Optional[str]:
         return (f"{out_path} records no options (written before they were recorded): "
                 "resuming without checking them, and recording this run's")
     return None
+
+
+def _read(path: Path) -> dict:
+    """The record at `path`: a regular file (a FIFO or device is refused unread) of a
+    JSON object, {flag: value}."""
+    data = read_regular(path, "options record", RECORD_MAX_BYTES)
+    try:
+        recorded = json.loads(data)
+        if not isinstance(recorded, dict):
+            raise ValueError(f"a JSON {type(recorded).__name__}, not an object")
+    except (ValueError, RecursionError) as e:
+        raise JobError(f"{path}: not the options this output was written with "
+                       f"({str(e)[:200]}); delete it to resume without checking them") from None
+    return recorded
 
 
 def _write(path: Path, options: dict):

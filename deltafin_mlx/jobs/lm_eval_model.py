@@ -36,31 +36,48 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.engine.runtime import runtime
-from deltafin_mlx.errors import JobError
+from deltafin_mlx.errors import JobError, RequestError
 from deltafin_mlx.generation.engine import untemplated
+from deltafin_mlx.generation.request import MAX_TOKENS, integer
 from deltafin_mlx.jobs.batch import batch_generate
 from deltafin_mlx.jobs.score import ScoreOptions, Sizing, iter_passes, within
 from deltafin_mlx.jobs.score_lines import ScoreItem, completion_item
 
 
+KNOWN_ARGS = "model, budget, context, max_length, max_gen_toks"
+
+
+def tokens(name: str, value) -> int:
+    """A model_args count of tokens: a whole number, at least 1."""
+    try:
+        return integer({name: value}, name, 1, MAX_TOKENS)
+    except RequestError as e:
+        raise JobError(f"deltafin model_args: {e}") from None
+
+
 @register_model("deltafin")
 class DeltafinLM(LM):
-    def __init__(self, model: str, budget: Optional[str] = None, context: int = 4096,
-                 max_length: Optional[int] = None, max_gen_toks: int = 256,
+    def __init__(self, model: Optional[str] = None, budget: Optional[str] = None,
+                 context: int = 4096, max_length: Optional[int] = None, max_gen_toks: int = 256,
                  batch_size=None, max_batch_size=None, device=None, **unused):
         # lm-eval passes its --batch_size, --max_batch_size and --device to every
         # model: here the memory plan sizes passes and batches, and MLX picks the device.
         super().__init__()
         if unused:
             raise JobError(f"deltafin model_args: unknown {', '.join(sorted(unused))} "
-                                "(known: model, budget, context, max_length, max_gen_toks)")
+                           f"(known: {KNOWN_ARGS})")
+        if model is None:
+            raise JobError(f"deltafin model_args: model=DIR is missing, a directory written "
+                           f"by deltafin-convert (known: {KNOWN_ARGS})")
+        self.max_gen_toks = tokens("max_gen_toks", max_gen_toks)
+        max_length = None if max_length is None else tokens("max_length", max_length)
         self.path = str(model)
-        # as many sequences as the budget allows, for generate_until's batches
-        self.model, self.tokenizer = load(self.path, budget, context=int(context),
+        # as many sequences as the budget allows, for generate_until's batches; `load`
+        # checks the budget and the context (plan/memory.py check_context)
+        self.model, self.tokenizer = load(self.path, budget, context=context,
                                           sequences="auto", warm_start=False)
-        self.context = int(context)
-        self.max_length = int(max_length or context)
-        self.max_gen_toks = int(max_gen_toks)
+        self.context = context
+        self.max_length = max_length or context
 
     @property
     def tokenizer_name(self) -> str:

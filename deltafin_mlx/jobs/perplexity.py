@@ -28,13 +28,14 @@ mean, median, 99th percentile and maximum, and how often the two models' most
 likely tokens agree.
 """
 
+import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-import mlx.core as mx
 import numpy as np
 
 from deltafin_mlx.units import count
@@ -43,9 +44,20 @@ from deltafin_mlx.jobs.outcome import Outcome
 from deltafin_mlx.jobs.progress import Progress
 from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
 from deltafin_mlx.jobs.score_lines import ScoreItem
+from deltafin_mlx.jobs.results_file import open_regular, read_regular
 from deltafin_mlx.jobs.score_results import write_safetensors
+from deltafin_mlx.format.safetensors import header_length, parse_header
+from deltafin_mlx.model.modules import model_vocab
 
 REFERENCE_KIND = "deltafin-kl-reference"
+# Far above the texts perplexity is measured on (wikitext-2's test set: 1.3 MB);
+# a text's tokens are held as Python ints, several times its bytes.
+TEXT_MAX_BYTES = 64 << 20
+# A reference's five tensors and its windows: a header of a few hundred bytes.
+REFERENCE_HEADER_MAX_BYTES = 1 << 16
+# name: (dtype, dimensions) of a reference's tensors (docs/FORMAT.md).
+REFERENCE_TENSORS = {"tokens": ("I32", 1), "top_ids": ("I32", 2), "top_logprobs": ("F32", 2),
+                     "tail_logprob": ("F32", 1), "token_logprobs": ("F32", 1)}
 
 
 @dataclass
@@ -89,12 +101,10 @@ class PerplexityOptions:
 
 def read_text(path) -> str:
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return read_regular(path, "text", TEXT_MAX_BYTES).decode("utf-8")
     except UnicodeDecodeError as e:
         raise JobError(f"{path}: not UTF-8 text (byte {e.start}); perplexity reads a text "
                          "file") from None
-    except OSError as e:
-        raise JobError(f"{path}: cannot read it ({e.strerror or e})") from None
 
 
 def window_items(tokens: List[int], windows: Windows, chunks: Optional[int] = None
@@ -125,10 +135,16 @@ def perplexity(model, tokenizer, text: str, opts: PerplexityOptions,
                          "compares with one: give one of them")
     if opts.top_k < 1:
         raise JobError(f"--kl-top-k must be 1 or more (got {opts.top_k})")
+    if opts.kl_base:
+        check_reference_output(opts.kl_base)
     tokens = [int(t) for t in tokenizer.encode(text)]
     reference = None
     if opts.kl_reference:
         reference = read_reference(opts.kl_reference)
+        vocab = model_vocab(model)
+        if reference.top_ids.max() >= vocab:  # gathered unchecked, in the passes
+            raise JobError(f"{opts.kl_reference}: token id {reference.top_ids.max()} is "
+                           f"outside this model's vocabulary (0 to {vocab - 1})")
         opts.windows, opts.chunks = reference_windows(reference, opts.kl_reference,
                                                       opts.windows.context,
                                                       opts.windows.stride, opts.chunks)
@@ -212,21 +228,80 @@ def write_reference(path, tokens, opts: PerplexityOptions, top_ids, top_logprobs
                  "stride": str(opts.windows.stride or 0), "chunks": str(opts.chunks or 0)})
 
 
+def _reference_header(f, path):
+    """The checked header of the safetensors file `f` (format/safetensors.py) and its
+    metadata, which must say it is a KL reference."""
+    size = os.fstat(f.fileno()).st_size
+    n = header_length(path, f.read(8), size, JobError)
+    if n > REFERENCE_HEADER_MAX_BYTES:
+        raise ValueError(f"a header of {n} bytes")
+    raw = f.read(n)
+    entries = parse_header(path, raw, size, JobError)
+    meta = json.loads(raw).get("__metadata__")
+    if not isinstance(meta, dict) or meta.get("kind") != REFERENCE_KIND:
+        raise ValueError("not a KL reference")
+    return entries, meta
+
+
 def read_reference(path) -> Reference:
+    """The reference at `path`, checked whole before anything uses it: a regular file,
+    its tensors of the dtypes and shapes written (as many positions as its windows
+    score), ids not negative (the vocabulary is the model's: `perplexity` checks
+    them against it), log-probabilities finite and not positive."""
+    f = os.fdopen(open_regular(path, os.O_RDONLY, "KL reference"), "rb")
     try:
-        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
-        if (meta or {}).get("kind") != REFERENCE_KIND:
-            raise ValueError("not a KL reference")
-        t = {k: np.array(arrays[k]) for k in ("tokens", "top_ids", "top_logprobs",
-                                               "tail_logprob", "token_logprobs")}
+        with f:
+            entries, meta = _reference_header(f, path)
+            t = {}
+            for name, (dtype, dims) in REFERENCE_TENSORS.items():
+                e = entries.get(name)
+                if e is None or e.dtype != dtype or len(e.shape) != dims:
+                    raise ValueError(f"no {dims}-d {dtype} tensor {name}")
+                f.seek(e.offset)
+                t[name] = np.fromfile(f, f"<{dtype[0].lower()}4", math.prod(e.shape)
+                                      ).reshape(e.shape)
         windows = Windows(int(meta["context"]), int(meta["stride"]) or None)
         chunks = int(meta["chunks"]) or None
         windows.check()
-    except (OSError, RuntimeError, ValueError, KeyError, JobError) as e:
+        starts = windows.starts(len(t["tokens"]), chunks)
+        n, k = t["top_ids"].shape
+        if (not starts or starts[-1] + windows.context != len(t["tokens"]) or k < 1
+                or (chunks or 1) < 1
+                or n != len(starts) * (windows.context - windows.first_scored)
+                or t["top_logprobs"].shape != (n, k)
+                or not t["tail_logprob"].shape == t["token_logprobs"].shape == (n,)):
+            raise ValueError("its tensors' shapes are not those of its windows")
+        if (t["top_ids"] < 0).any():
+            raise ValueError("a negative token id")
+        for x in ("top_logprobs", "tail_logprob", "token_logprobs"):
+            if not (np.isfinite(t[x]).all() and (t[x] <= 0).all()):
+                raise ValueError(f"{x} holds a value that is not a log-probability")
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise JobError(f"{path}: not a KL reference written by --kl-divergence-base "
-                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+                       f"({why})") from None
     return Reference(windows, chunks, t["tokens"], t["top_ids"], t["top_logprobs"],
                      t["tail_logprob"], t["token_logprobs"])
+
+
+def check_reference_output(path, text=None, model_dir=None):
+    """Refuse a --kl-divergence-base REF that would replace what is not a reference:
+    the text, a file or folder of the model's (its config, its tokenizer), or any
+    existing file but a KL reference written here."""
+    real = os.path.realpath(path)
+    for given, what in ((text, "the text measured"), (model_dir, "in the model directory")):
+        if given is not None and os.path.commonpath([os.path.realpath(given), real]) == \
+                os.path.realpath(given):
+            raise JobError(f"{path}: this is {what} ({given}); write the reference to "
+                           "another file")
+    if not os.path.lexists(path):
+        return
+    try:
+        with os.fdopen(open_regular(path, os.O_RDONLY, "KL reference"), "rb") as f:
+            _reference_header(f, path)
+    except (OSError, ValueError):
+        raise JobError(f"{path}: exists and is not a KL reference; --kl-divergence-base "
+                       "replaces only a reference: give a new file") from None
 
 
 def reference_windows(ref: Reference, path, context: Optional[int] = None,

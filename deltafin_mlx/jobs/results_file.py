@@ -20,6 +20,7 @@ import tempfile
 from typing import Iterator, Optional, Set, Tuple
 
 from deltafin_mlx.errors import JobError
+from deltafin_mlx.units import human_bytes
 from deltafin_mlx.format.integrity import file_kind
 
 # One line of input or output at most: a result holds its text, tokens and, with
@@ -29,9 +30,11 @@ STDOUT = "-"
 STDIN = "-"
 
 
-def _open_regular(path, flags: int, what: str) -> int:
+def open_regular(path, flags: int, what: str) -> int:
     """A descriptor for `path`, a regular file; opened non-blocking so that a FIFO
-    cannot hold the open, and checked after opening so nothing is swapped in."""
+    cannot hold the open, and checked after opening so nothing is swapped in. Every
+    file a job reads or writes by name opens here (perplexity's text and references,
+    options records too)."""
     try:
         fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o644)
     except OSError as e:
@@ -44,22 +47,28 @@ def _open_regular(path, flags: int, what: str) -> int:
     return fd
 
 
+def read_regular(path, what: str, limit: int) -> bytes:
+    """All of `path`, a regular file (open_regular) of at most `limit` bytes: a
+    larger one is refused unread."""
+    with os.fdopen(open_regular(path, os.O_RDONLY, what), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            data = f.read(limit + 1) if size <= limit else b""
+        except OSError as e:
+            raise JobError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+    if size > limit or len(data) > limit:
+        raise JobError(f"{path}: the {what} is {human_bytes(max(size, len(data)))}, more "
+                       f"than the {human_bytes(limit)} it may have")
+    return data
+
+
 def check_regular(path, what: str, missing_ok: bool = False):
-    """Refuse early (before a model loads) a `path` that is not a regular file: a
-    FIFO, device or directory would block or never end. `missing_ok`: an output
-    not made yet. `-` (stdin, for an input) is read as it comes."""
-    if path == STDIN and what == "input":
+    """Refuse early (before a model loads) a `path` that is not a regular file
+    (open_regular). `missing_ok`: an output not made yet. `-` (stdin, for an
+    input) is read as it comes."""
+    if (path == STDIN and what == "input") or (missing_ok and not os.path.exists(path)):
         return
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        if missing_ok:
-            return
-        raise JobError(f"{path}: no such {what} file") from None
-    except OSError as e:
-        raise JobError(f"{path}: cannot open the {what} ({e.strerror or e})") from None
-    if not stat.S_ISREG(mode):
-        raise JobError(f"{path}: the {what} must be a regular file (this is {file_kind(mode)})")
+    os.close(open_regular(path, os.O_RDONLY, what))
 
 
 def check_not_input(in_path, out_path):
@@ -116,13 +125,19 @@ def open_input(path):
     global _stdin_copy
     if path == STDIN:
         if _stdin_copy is None:
-            _stdin_copy = tempfile.TemporaryFile()
-            shutil.copyfileobj(sys.stdin.buffer, _stdin_copy)
-            _stdin_copy.flush()
+            try:
+                copy = tempfile.TemporaryFile()  # unnamed: gone with the process
+                shutil.copyfileobj(sys.stdin.buffer, copy)
+                copy.flush()
+            except OSError as e:  # the temporary folder's room, not the output's disk
+                raise JobError(f"stdin: cannot keep a copy of the input in "
+                               f"{tempfile.gettempdir()} ({e.strerror or e}); give the input "
+                               "as a file, or set TMPDIR to a folder with room") from None
+            _stdin_copy = copy
         f = os.fdopen(os.dup(_stdin_copy.fileno()), "rb")  # shares the offset: rewind
         f.seek(0)
         return f
-    return os.fdopen(_open_regular(path, os.O_RDONLY, "input"), "rb")
+    return os.fdopen(open_regular(path, os.O_RDONLY, "input"), "rb")
 
 
 def result_key(rec) -> str:
@@ -144,7 +159,7 @@ class Results:
         if not self.resumable:
             self.fd = sys.stdout.fileno()
             return
-        self.fd = _open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, "output")
+        self.fd = open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, "output")
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -22,7 +22,7 @@ from deltafin_mlx.units import count
 from deltafin_mlx.jobs.outcome import Outcome, error_line
 from deltafin_mlx.jobs.progress import Progress
 from deltafin_mlx.jobs.job_options import check_options
-from deltafin_mlx.jobs.results_file import check_not_input, open_input, read_lines
+from deltafin_mlx.jobs.results_file import LINE_MAX_BYTES, check_not_input, open_input, read_lines
 from deltafin_mlx.jobs.batch_lines import Request, iter_requests, read_requests
 from deltafin_mlx.engine.runtime import find_runtime
 from deltafin_mlx.errors import JobError
@@ -31,6 +31,7 @@ from deltafin_mlx.model.modules import model_vocab
 from deltafin_mlx.plan.scoring import (attention_tokens, logit_rows, long_text_tokens,
                                        scoring_pass_tokens)
 from deltafin_mlx.jobs.score_lines import ScoreItem, prepare
+from deltafin_mlx.tokenizer.text_bound import max_json_bytes, max_text_bytes
 from deltafin_mlx.jobs.score_results import open_output, result_line
 from deltafin_mlx.jobs.score_packing import pack
 from deltafin_mlx.jobs.score_sweep import PassStats, Scored, run_long, run_pass
@@ -200,12 +201,14 @@ def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
     return results
 
 
-def job_requests(in_path) -> Iterator[Request]:
-    """IN's lines as batch reads its own (a regular file, lines bounded), each line's
-    object kept as it is (`prepare` says which cannot be scored), read one at a
-    time: only the ids seen are held."""
+def job_requests(in_path, line_limit: Optional[int] = None) -> Iterator[Request]:
+    """IN's lines as batch reads its own (a regular file, a longer line than
+    `line_limit` an error line, never held), each line's object kept as it is
+    (`prepare` says which cannot be scored), read one at a time: only the ids
+    seen are held."""
     with open_input(in_path) as f:
-        yield from iter_requests((line for _, line, _ in read_lines(f)), spec_of=dict)
+        yield from iter_requests((line for _, line, _ in read_lines(f, line_limit)),
+                                 spec_of=dict)
 
 
 # Texts prepared at a time: this many passes' worth of tokens (at least one text),
@@ -239,7 +242,10 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
     a line at a time: once to count its lines and refuse duplicate ids before
     anything runs, then to prepare and score it a window at a time (`windows`)."""
     check_not_input(in_path, out_path)
-    keys = [r.key for r in job_requests(in_path)]
+    sizing = Sizing(model)  # a line longer than the longest text it can score: not held
+    longest = min(LINE_MAX_BYTES, max_json_bytes(max_text_bytes(
+        tokenizer, model_vocab(model), sizing.limit or sizing.state.plan.context)))
+    keys = [r.key for r in job_requests(in_path, longest)]
     out = open_output(out_path, opts.format, opts.top_logprobs)
     try:
         note = check_options(out_path, opts.recorded(), started=bool(out.done))
@@ -255,9 +261,8 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
     progress = Progress(total, skipped, show, outcome, items="texts")
     totals = Totals()
     start = time.perf_counter()
-    sizing = Sizing(model)
     try:
-        todo = (r for r in job_requests(in_path) if r.key not in out.done)
+        todo = (r for r in job_requests(in_path, longest) if r.key not in out.done)
         for items, errors in windows(todo, tokenizer, opts, sizing, model_vocab(model)):
             for e in errors:
                 out.write_error(e)

@@ -13,11 +13,12 @@ import mlx.nn as nn
 from deltafin_mlx.compat import model_classes
 from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.dtypes import FLOATS, mlx_dtype
-from deltafin_mlx.model.config import text_config
+from deltafin_mlx.model.config import check_config, text_config
 
 def build_model(config: dict, where="config.json") -> nn.Module:
     """mlx-lm's model for `config`, lazily: its random initial weights are never
-    evaluated unless something loads over them."""
+    evaluated unless something loads over them. Its sizes are checked first."""
+    check_config(config, where)
     try:
         model_class, args_class = model_classes(config)
         return model_class(args_class.from_dict(config))

@@ -96,6 +96,24 @@ def switch_path(layer: nn.Module):
     return paths[0] if paths else None
 
 
+def routed_expert_paths(model: nn.Module, paths: list, model_type) -> dict:
+    """layer index -> the path of its routed-expert module, for every layer that has
+    one; a model with none (a dense model, or no layers) is refused in one line."""
+    from deltafin_mlx.errors import ModelError
+
+    try:
+        found = {i: f"{p}.{sp}" for i, p in enumerate(paths)
+                 if (sp := switch_path(get_module(model, p))) is not None}
+    except ModelError as e:
+        raise ModelError(f"{model_type}: {e}") from None
+    if not found:
+        raise ModelError(
+            f"{model_type}: mlx-lm's model has no SwitchGLU/SwitchMLP modules; Deltafin "
+            "streams routed experts that are such modules, and this configuration's are not "
+            "(or it has no MoE layers)")
+    return found
+
+
 def switch_linears(switch: nn.Module) -> dict:
     """A routed-expert module's expert linears in the module's order: name ->
     (num_experts, out, in, has per-expert bias), float or quantized."""
@@ -109,15 +127,10 @@ def switch_linears(switch: nn.Module) -> dict:
     return out
 
 
-def find_path(model: nn.Module, suffix: str):
-    for path, _ in model.named_modules():
-        if path == suffix or path.endswith("." + suffix):
-            return path
-    return None
-
-
 def model_vocab(model) -> int:
     """Rows of the model's embedding table, which token ids index (a tokenizer may
     know more ids than the model has rows)."""
-    embed = get_module(model, find_path(model, "embed_tokens"))
+    from deltafin_mlx.compat import embedding_path
+
+    embed = get_module(model, embedding_path(model))
     return getattr(type(embed), "vocab_size", None) or embed.weight.shape[0]

@@ -18,8 +18,8 @@ from deltafin_mlx.plan.slots import slot_bytes
 from deltafin_mlx.format.record import expert_sections, linear_quant
 from deltafin_mlx.model.build import build_model, expert_recipe, quantize_like_mlx_lm, source_dtype
 from deltafin_mlx.model.config import experts_per_token, tied_embeddings
-from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, switch_linears,
-                                        switch_path)
+from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, routed_expert_paths,
+                                        switch_linears)
 from deltafin_mlx.model.quantization import check_quantization, expert_quantization
 from deltafin_mlx.model.shard import expert_layout
 
@@ -162,11 +162,7 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     dtype = source_dtype(config)
     paths = layer_paths(model)
     layer_of = LayerIndex(paths)
-    switches = {}
-    for i, p in enumerate(paths):
-        sp = switch_path(get_module(model, p))
-        if sp is not None:
-            switches[i] = f"{p}.{sp}"
+    switches = routed_expert_paths(model, paths, config.get("model_type", "?"))
 
     def skip(p):
         return any(p == s or p.startswith(s + ".") for s in switches.values())

@@ -23,7 +23,7 @@ from deltafin_mlx.format.hub import (SOURCE_PATTERNS, HubError, fetch_config, li
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
 from deltafin_mlx.model.build import source_dtype
-from deltafin_mlx.model.config import max_context
+from deltafin_mlx.model.config import check_config, max_context
 from deltafin_mlx.model.quantization import expert_quantization
 from deltafin_mlx.model.shard import expert_layout, sharded_inventory
 from deltafin_mlx.plan.disk import disk_routes, itemsize_of
@@ -127,6 +127,7 @@ def plan_report(options: PlanOptions) -> dict:
     else:
         config_path = _config_path(target, options.model, options.revision)
         config = read_source_config(config_path)
+        check_config(config, config_path)
         check_context(options.context, config)
         opts = {k: CONVERSION_OPTIONS[k] if v is None else v for k, v in given.items()}
         act = act or mx.bfloat16

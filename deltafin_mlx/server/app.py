@@ -31,10 +31,6 @@ from deltafin_mlx.units import human_bytes
 
 log = logging.getLogger("deltafin_mlx.server")
 
-JSON_ESCAPE = 6  # the most bytes JSON spends on one byte of text (\u0001)
-BODY_SLACK = 64 << 10  # JSON structure around the text
-
-
 @dataclass
 class ServeConfig:
     model: str
@@ -167,7 +163,7 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
                                                 TurnTakingBatchGenerator)
     from deltafin_mlx.server.handler import DeltafinHandler
     from deltafin_mlx.model.modules import model_vocab
-    from deltafin_mlx.tokenizer.text_bound import max_text_bytes
+    from deltafin_mlx.tokenizer.text_bound import max_json_bytes, max_text_bytes
 
     options = cfg.load or LoadOptions(sequences="auto")
     context = options.context
@@ -182,7 +178,7 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
     except RequestError as e:
         state.close()
         raise UsageError(f"--top-k: {e}") from None
-    max_body = cfg.max_body_bytes or limits.max_text_bytes * JSON_ESCAPE + BODY_SLACK
+    max_body = cfg.max_body_bytes or max_json_bytes(limits.max_text_bytes)
     counters = ServerCounters(model, rank)
     # Bodies held at once: the generating requests' and one more of the largest,
     # however many smaller ones that is (a queue of ordinary requests holds little).

@@ -4,6 +4,7 @@ what the converter reads from a source before any work."""
 
 from pathlib import Path
 
+from deltafin_mlx import compat
 from deltafin_mlx.errors import ModelError, TokenizerError
 from deltafin_mlx.model.config import eos_token_ids, text_config
 from deltafin_mlx.tokenizer.coverage import check_tokenizer
@@ -24,6 +25,9 @@ def read_tokenizer(path: Path, kind: str, config: dict):
         else:
             from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
+            from deltafin_mlx.tokenizer.jinja import BoundedSandbox
+
+            compat.bound_chat_templates(BoundedSandbox)  # every template's bounds
             # Remote code off, always: transformers would otherwise ask on a terminal
             # (or read the answer from stdin) and run a module the model carries.
             tokenizer = load_hf_tokenizer(Path(path), {"trust_remote_code": False},

@@ -1,7 +1,7 @@
 """How much text a context can hold, known before anything is tokenized: no token
 of the vocabulary is longer than `longest_token_bytes`, so text of more UTF-8 bytes
-than the context times that cannot fit. `serve` bounds request bodies with it and
-`batch` each line's prompt, so a huge prompt is refused before the tokenizer (and
+than the context times that cannot fit. `serve` bounds request bodies with it,
+`batch` each line's prompt and `score` each line, so a huge prompt is refused before the tokenizer (and
 its memory) ever sees it."""
 
 
@@ -22,6 +22,16 @@ def longest_token_bytes(tokenizer, vocab: int) -> int:
 def max_text_bytes(tokenizer, vocab: int, context: int) -> int:
     """UTF-8 bytes of text beyond which a prompt cannot fit `context` tokens."""
     return context * longest_token_bytes(tokenizer, vocab)
+
+
+JSON_ESCAPE = 6  # the most bytes JSON spends on one byte of text (\u0001)
+JSON_SLACK = 64 << 10  # JSON structure around the text
+
+
+def max_json_bytes(text_limit: int) -> int:
+    """The most bytes a JSON request (a serve body, a job's line) holding at most
+    `text_limit` bytes of text can take: a longer one is refused unread."""
+    return text_limit * JSON_ESCAPE + JSON_SLACK
 
 
 def text_bytes(value) -> int:

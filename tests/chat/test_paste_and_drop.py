@@ -127,3 +127,40 @@ def test_a_turn_dropped_in_its_prefill_leaves_the_plan_as_before_it(converted):
     assert session.growth is None and session.tokens == held
     assert session.ask("Short now.", 4).reused == len(held)  # the cache was kept
     runtime(current[-1]).close()
+
+
+# A paste that holds the terminal's end marker, a command and a newline: a terminal
+# that does not filter what is pasted sends that before its own end marker.
+HOSTILE_PASTE = "\x1b[200~\x1b[201~/reset\n\x1b[201~\n"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_at_the_terminal_a_paste_holding_its_end_marker_and_a_command_is_text(converted,
+                                                                              tmp_path):
+    session = tmp_path / "talk.safetensors"
+    term = Terminal([converted("kimi_k3"), "--chat", "-n", "1", "--budget", "200MB",
+                     "--session", session], env={"XDG_CACHE_HOME": str(tmp_path)})
+    term.until(rb"> ")
+    term.type("Hello\n")
+    term.until(rb"from the cache\)[^>]*> ")
+    term.type(HOSTILE_PASTE)
+    said = term.until(rb"from the cache\)[^>]*> ")
+    assert b"history cleared" not in said
+    assert [m["content"] for m in saved(session)[0] if m["role"] == "user"] == \
+        ["Hello", "/reset"]
+    assert term.close() == 0
+
+
+def test_a_piped_paste_holding_its_end_marker_and_a_command_is_text(converted, tmp_path,
+                                                                     monkeypatch, capsys):
+    import io
+
+    from deltafin_mlx.cli.main import main
+
+    session = tmp_path / "talk.safetensors"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n" + HOSTILE_PASTE))
+    assert main([str(converted("kimi_k3")), "--chat", "-n", "1", "--budget", "200MB",
+                 "--session", str(session)]) == 0
+    assert "history cleared" not in capsys.readouterr().err
+    assert [m["content"] for m in saved(session)[0] if m["role"] == "user"] == \
+        ["Hello", "/reset"]

@@ -82,6 +82,46 @@ def test_rm_demo_leaves_a_claimed_folder_holding_a_users_file(demo, tmp_path):
     assert tree(root) == before
 
 
+@pytest.mark.parametrize("marker", ["forged", "the demo's, naming another folder"])
+def test_rm_demo_never_deletes_a_folder_the_demo_was_not_writing_in(demo, tmp_path, marker):
+    """A record whose `writing` names a folder of the user's (forged, or the demo's
+    own record edited to name another folder): refused in one line, every byte left."""
+    import json
+
+    from deltafin_mlx.format.demo_marker import MARKER_NAME, start_source
+
+    root = tmp_path / "demo"
+    if marker == "forged":
+        root.mkdir()
+        record = {"kind": "deltafin demo", "model": None, "source": None}
+    else:
+        shutil.copytree(demo, root, symlinks=True)
+        shutil.rmtree(root / "source")
+        start_source(root)  # an interrupted demo: its folder and identity recorded
+        record = json.loads((root / MARKER_NAME).read_text())
+    (root / ".source-mine").mkdir()
+    (root / ".source-mine" / "thesis.tex").write_text("my thesis\n")
+    (root / MARKER_NAME).write_text(json.dumps({**record, "writing": ".source-mine"}))
+    before = tree(root)
+    one_error_line(rm("--demo", "--demo-dir", root, "--yes"), ".source-mine",
+                   "not the folder the demo was writing in", "nothing removed")
+    assert tree(root) == before
+
+
+def test_rm_demo_removes_the_folder_an_interrupted_demo_was_writing_in(demo, tmp_path):
+    from deltafin_mlx.format.demo_marker import start_source
+
+    root = tmp_path / "demo"
+    shutil.copytree(demo, root, symlinks=True)
+    shutil.rmtree(root / "source")
+    (start_source(root) / "config.json").write_text("{}")  # written when interrupted
+    (root / "thesis.tex").write_text("my thesis\n")
+    r = rm("--demo", "--demo-dir", root, "--yes")
+    assert r.returncode == 0 and "freed" in r.stderr, r.stderr
+    assert tree(root) == {"thesis.tex": hashlib.sha256(b"my thesis\n").hexdigest()}
+    assert sorted(p.name for p in root.iterdir()) == ["thesis.tex"]
+
+
 def test_the_demo_never_writes_over_a_users_checkpoint(sources, tmp_path):
     """A folder of the user's at DIR/source that the demo did not write is not
     replaced by the demo's checkpoint: the demo refuses in one line."""

@@ -7,14 +7,22 @@ a tiny random model built with mlx-lm's own class is saved as `mlx_lm.convert` s
 it, float and 4-bit affine, converted with the default options and streamed with an
 expert cache holding a quarter of its experts: the greedy tokens are those of
 `mlx_lm.load` of the same directory (float32 on the CPU, as the other exactness tests
-compute; a float directory quantized by mlx-lm as the default options say).
+compute; a float directory quantized by mlx-lm as the default options say). Every
+command that runs a model (`run`, `chat`, `score`, `batch`, `perplexity`) then runs
+each 4-bit conversion, through the command line's own `main` (in this process: one
+import for all of them).
 """
+
+import io
+import json
+import math
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.utils import load_model, quantize_model
 
+from deltafin_mlx.cli.main import main
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.format.manifest import read_manifest
 from deltafin_mlx.testing import zoo
@@ -86,10 +94,27 @@ def oracle(src, rolled=False):
     return model
 
 
+@pytest.fixture(scope="module")
+def conversion(tmp_path_factory):
+    """(source, conversion) of a type at `bits`, written once for the tests below."""
+    root = tmp_path_factory.mktemp("every_type")
+    cache = {}
+
+    def get(model_type, bits):
+        if (model_type, bits) not in cache:
+            name = f"{model_type}-{bits or 'float'}"
+            src = zoo.write(root / "src" / name, model_type, bits)
+            convert(str(src), root / "out" / name, ConvertOptions(progress=False))
+            cache[model_type, bits] = (src, root / "out" / name)
+        return cache[model_type, bits]
+
+    return get
+
+
 @pytest.mark.parametrize("model_type", [t for t in TYPES if t not in CANNOT_PASS])
-def test_every_moe_type_streams_to_mlx_lms_tokens(model_type, tmp_path, steps=8):
+def test_every_moe_type_streams_to_mlx_lms_tokens(model_type, conversion, steps=8):
     for bits in (None, 4):
-        src = zoo.write(tmp_path / f"src-{bits or 'float'}", model_type, bits)
+        src, out = conversion(model_type, bits)
         expected = oracle(src)
         assert zoo.switch_modules(expected), "the built model has no switch modules"
         x = prompt(zoo.vocab(src))
@@ -98,10 +123,64 @@ def test_every_moe_type_streams_to_mlx_lms_tokens(model_type, tmp_path, steps=8)
             # The experts decide the tokens: a converter that misplaces them fails.
             moved, _ = greedy(oracle(src, rolled=True), x, steps)
             assert moved.tolist() != want.tolist()
-        out = tmp_path / f"out-{bits or 'float'}"
-        convert(str(src), out, ConvertOptions(progress=False))
         carried = read_manifest(out).quantization["experts"].get("carried_over", False)
         assert carried == (bits is not None)
         tokens, logits = greedy_streamed(out, x, steps)  # asserts experts were read
         assert tokens.tolist() == want.tolist(), bits
         assert mx.allclose(logits, want_logits, atol=1e-4).item(), bits
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "bailing_moe", "phixtral", "nemotron_h",
+                                        "longcat_flash_ngram"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_body_and_head_compose_as_the_models_own_call(model_type, tied):
+    """What score and perplexity run (compat.body_and_head), on the types whose
+    embedding, body or head mlx-lm names otherwise, with a tied embedding too."""
+    from deltafin_mlx.compat import body_and_head
+
+    model = zoo.build({**zoo.config(model_type, 300), "tie_word_embeddings": tied})
+    body, head = body_and_head(model)
+    x = prompt(300)
+    assert mx.array_equal(head(body(x, None)), model(x)).item()
+
+
+@pytest.mark.parametrize("model_type", [t for t in TYPES if t not in CANNOT_PASS])
+def test_every_moe_type_runs_through_every_command(model_type, conversion, tmp_path, capsys,
+                                                   monkeypatch):
+    _, out = conversion(model_type, 4)
+    capsys.readouterr()  # what writing the source printed (mlx-lm's quantization line)
+    model, budget = str(out), ["--budget", "200MB"]
+    text = "the experts stream from disk while the trunk stays in memory " * 4
+    (tmp_path / "texts.jsonl").write_text(json.dumps({"id": 1, "text": text}) + "\n")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"id": 1, "prompt": text}) + "\n")
+    (tmp_path / "text.txt").write_text(text)
+    failed = {}
+
+    def ran(name, *argv):
+        """The command's stdout if it succeeded; else its one error line is kept."""
+        code = main([*argv, *budget])
+        captured = capsys.readouterr()
+        if code == 0:
+            return captured.out
+        # (a chat's error line follows its prompt, "> ")
+        (line,) = [l for l in captured.err.splitlines() if "deltafin-run: " in l]
+        failed[name] = line
+        return None
+
+    said = ran("run", model, "The router", "-n", "3", "--json")
+    if said is not None:
+        assert len(json.loads(said)["tokens"]) == 3
+    # two turns: the second continues from the cache the first left (a sliding window full)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nand what do the experts read\n"))
+    ran("chat", model, "--chat", "-n", "3")
+    for command, lines in (("score", "texts.jsonl"), ("batch", "prompts.jsonl")):
+        result = tmp_path / f"{command}.jsonl"
+        if ran(command, command, model, str(tmp_path / lines), "-o", str(result),
+               "--no-progress") is not None:
+            (line,) = map(json.loads, result.read_text().splitlines())
+            assert "error" not in line, (command, line)
+    said = ran("perplexity", "perplexity", model, str(tmp_path / "text.txt"), "-c", "16",
+               "--json", "--no-progress")
+    if said is not None:
+        assert math.isfinite(json.loads(said)["perplexity"])
+    assert not failed, failed

@@ -100,5 +100,6 @@ def test_sigint_after_the_manifest_is_written_reports_a_finished_conversion(
     monkeypatch.setattr(conv, "_finish", finish_then_interrupt)
     assert convert_cli.main([str(src_copy), str(out), "--quiet"]) == 0
     captured = capsys.readouterr()
-    assert "converted" in captured.out and "finished" in captured.err
+    # as any finished conversion reports: nothing says "interrupted" (issue 43, item 15)
+    assert "converted" in captured.out and "interrupted" not in captured.err
     read_manifest(out)

@@ -4,6 +4,7 @@ outside the source, overlapping or doubled tensors, odd config.json, index and h
 import json
 import os
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import mlx.core as mx
 import pytest
 
 from deltafin_mlx.convert.source import ConvertError, open_source
+from deltafin_mlx.format.safetensors import MAX_HEADER_BYTES
 
-from helpers import BIN, no_hang, only_stderr_line
+from helpers import BIN, no_hang, only_stderr_line, run_measured
 
 
 def convert_cli_run(*args):
@@ -169,3 +171,31 @@ def test_oddly_typed_safetensors_header_values_are_one_line(src_copy, entry):
     _rewrite_header(shard, damage)
     with pytest.raises(ConvertError, match="corrupt safetensors header"):
         open_source(str(src_copy))
+
+
+def _extra_shard(src: Path, header: bytes):
+    """A shard beside the source's, globbed (the index would leave it out)."""
+    (src / "model.safetensors.index.json").unlink()
+    (src / "model-extra.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+
+
+def test_a_source_listing_more_tensors_than_its_config_holds_is_one_line_in_bounded_memory(
+        src_copy, tmp_path):
+    entries = b",".join(b'"x.%d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}' % i
+                        for i in range(100_000))
+    _extra_shard(src_copy, b"{" + entries + b"}")
+    code, err, peak, _ = run_measured([src_copy, tmp_path / "out", "--quiet"],
+                                      tool="deltafin-convert")
+    assert code == 1
+    assert "model-extra.safetensors: the safetensors headers list more than" in \
+        only_stderr_line(err)
+    assert peak < 200 << 20, f"{peak / 2**20:.0f} MiB"
+
+
+def test_a_safetensors_header_larger_than_any_checkpoints_is_refused_unparsed(src_copy,
+                                                                              tmp_path):
+    _extra_shard(src_copy, b"{" + b" " * (MAX_HEADER_BYTES + 1) + b"}")
+    code, err = convert_cli_run(src_copy, tmp_path / "out")
+    assert code == 1
+    assert "model-extra.safetensors: a safetensors header of 8,388,611 bytes, more than any " \
+        "checkpoint's" in only_stderr_line(err)

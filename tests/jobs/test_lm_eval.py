@@ -2,11 +2,13 @@
 model registered: `deltafin-lm-eval`, here `python -m deltafin_mlx.cli.evaluate`) runs tasks defined by local YAML files over local JSON data, no
 download: a multiple-choice task's log-likelihoods equal `deltafin_mlx.score`'s for
 the same strings, a rolling log-likelihood task's equal the sum over lm-eval's
-rolling windows, and a generation task's answers are batch's. `import
-deltafin_mlx` never imports lm-eval."""
+rolling windows, and a generation task's answers are batch's. A model_args value or
+a request the model cannot run is a DeltafinError, which the command reports in one
+line with exit status 1. `import deltafin_mlx` never imports lm-eval."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +141,85 @@ def test_import_deltafin_mlx_never_imports_lm_eval():
                         "print('lm_eval' in sys.modules)"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+
+# What the "deltafin" model refuses, and what its error says: model_args first, then
+# requests of a generation task (lm-eval's (context, generation_kwargs) arguments).
+BAD_MODEL_ARGS = [
+    ("budget=200MB", "model=DIR is missing"),
+    ("model={root},budget=200MB", "not a Deltafin model"),
+    ("model={root}/none,budget=200MB", "no such model directory"),
+    ("model={model},budget=-5", "memory budget must be a positive"),
+    ("model={model},budget=lots", "bad memory size 'lots'"),
+    ("model={model},budget=200MB,context=0", "--context must be at least 1 token"),
+    ("model={model},budget=200MB,max_gen_toks=ten", "max_gen_toks: must be an integer"),
+    ("model={model},budget=200MB,max_length=0", "max_length: must be in 1.."),
+    ("model={model},budget=200MB,window=8", "unknown window"),
+]
+LONG = "the experts stream from disk " * 20
+BAD_REQUESTS = [
+    ("The", {"until": [""]}, "stop[0]: must not be empty"),
+    ("The", {"until": [f"s{i}" for i in range(40)]}, "stop: has 40 entries, more than 16"),
+    ("The", {"until": ["\n"], "temperature": 500, "do_sample": True},
+     "temperature: must be in [0, 100]"),
+    ("The", {"until": ["\n"], "max_gen_toks": 0}, "max_tokens: must be in 1.."),
+    (LONG, {"until": ["\n"]}, "beyond the planned context"),
+]
+
+
+@pytest.mark.parametrize("args, says", BAD_MODEL_ARGS, ids=[a for a, _ in BAD_MODEL_ARGS])
+def test_every_bad_model_arg_is_a_deltafin_error(args, says, converted, tmp_path):
+    from deltafin_mlx.errors import DeltafinError
+    from deltafin_mlx.jobs.lm_eval_model import DeltafinLM
+
+    with pytest.raises(DeltafinError, match=re.escape(says)):
+        DeltafinLM.create_from_arg_string(
+            args.format(model=converted("qwen3_moe"), root=tmp_path))
+
+
+@pytest.fixture(scope="module")
+def small_context_lm(converted):
+    from deltafin_mlx.jobs.lm_eval_model import DeltafinLM
+
+    lm = DeltafinLM.create_from_arg_string(
+        f"model={converted('qwen3_moe')},budget=200MB,context=64")
+    yield lm
+    runtime(lm.model).close()
+
+
+@pytest.mark.parametrize("context, kwargs, says", BAD_REQUESTS,
+                         ids=[says.split(":")[0] for _, _, says in BAD_REQUESTS])
+def test_every_generation_request_that_cannot_run_is_a_deltafin_error(
+        context, kwargs, says, small_context_lm):
+    from lm_eval.api.instance import Instance
+
+    from deltafin_mlx.errors import DeltafinError
+
+    request = Instance("generate_until", {}, (context, kwargs), 0)
+    with pytest.raises(DeltafinError, match="a request cannot run: .*" + re.escape(says)):
+        small_context_lm.generate_until([request])
+
+
+@pytest.mark.parametrize("model_args, task, says", [
+    ("model={root}", "deltafin_local_mc", "not a Deltafin model"),
+    ("model={model},budget=200MB,context=4", "deltafin_local_gen",
+     "a request cannot run: line 1: the prompt is"),
+], ids=["a model arg", "a request"])
+def test_deltafin_lm_eval_reports_an_error_in_one_line(model_args, task, says, converted,
+                                                       tmp_path, capsys, monkeypatch):
+    """The command's own main, in this process."""
+    from deltafin_mlx.cli.evaluate import main
+
+    write_tasks(tmp_path)
+    # lm-eval's log handler keeps the stderr of the test that first ran it: its INFO off
+    for name, value in (("LMEVAL_LOG_LEVEL", "ERROR"), ("HF_HUB_OFFLINE", "1"),
+                        ("HF_DATASETS_OFFLINE", "1")):
+        monkeypatch.setenv(name, value)
+    code = main(["--model", "deltafin", "--model_args",
+                 model_args.format(model=converted("qwen3_moe"), root=tmp_path),
+                 "--tasks", task, "--include_path", str(tmp_path)])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("deltafin-lm-eval: error: ")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert says in errors[0], errors[0]

@@ -108,21 +108,31 @@ def test_a_jinja_template_that_never_ends_is_stopped(monkeypatch):
     import deltafin_mlx.tokenizer.jinja as tok
 
     monkeypatch.setattr(tok, "JINJA_MAX_SECONDS", 1.0)
-    tok._compile_jinja.cache_clear()
     loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     start = time.monotonic()
     with pytest.raises(TemplateLimit, match="ran over"):
         render_jinja_chat(loop, [{"role": "user", "content": "x"}])
     assert time.monotonic() - start < 30  # 10**10 iterations unstopped: hours
-    with pytest.raises(TemplateLimit, match="repeats a value"):
-        render_jinja_chat('{{ "a" * 10000000000 }}', [])
+    # A loop over a list touches nothing a check could run in.
+    listed = ("{% set r = range(100000)|list %}"
+              "{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}")
+    with pytest.raises(TemplateLimit, match="ran over"):
+        render_jinja_chat(listed, [])
+    assert time.monotonic() - start < 30
+    doubling = ('{% set ns = namespace(s="a") %}{% for i in range(40) %}'
+                "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}")
+    for allocating in ['{{ "a" * 10000000000 }}', '{{ "a" + "b" * 16777216 }}', doubling,
+                       '{{ "a"|center(10000000000) }}', '{{ "a".center(10000000000) }}']:
+        with pytest.raises(TemplateLimit, match="uses a value of"):
+            render_jinja_chat(allocating, [])
     with pytest.raises(TemplateLimit):
         render_jinja_chat("{{ 9 ** 99999999 }}", [])
     from jinja2.exceptions import SecurityError
 
     with pytest.raises(SecurityError):
         render_jinja_chat("{{ messages.__class__.__mro__[1].__subclasses__() }}", [])
-    tok._compile_jinja.cache_clear()
+    with pytest.raises(TemplateLimit, match="not a string of at most"):
+        render_jinja_chat("x" * (tok.JINJA_MAX_TEMPLATE_CHARS + 1), [])
 
 
 def test_a_byte_level_tokenizer_without_a_bytes_token_is_refused_at_load(converted, copy_of,
