@@ -1,9 +1,11 @@
 """Where scores go: JSONL result lines, or safetensors shards with a JSONL index.
 
 JSONL (`--format jsonl`): one line per text, appended and fsynced as each pass
-finishes (batch_io.Results, which also locks OUT): id, tokens, token_logprobs (null where not scored, the
-first token included), top_logprobs with K > 0 ([id, logprob] pairs best first,
-null where not scored), logprob (the sum), scored_tokens, greedy.
+finishes (batch_io.Results, which also locks OUT), so in pass order: id, line (IN's
+line number, which puts them back in input order), tokens, token_logprobs (null where
+not scored, the first token included), with K > 0 top_ids, top_logprobs (per position
+K ids and K log-probabilities, best first) and tail_logprob (log of the mass outside
+them), null where not scored, then logprob (the sum), scored_tokens, greedy.
 
 Safetensors (`--format safetensors`, docs/FORMAT.md): each pass is one shard of
 rows, one row per token of its texts, `tokens` (int32), `token_logprobs` (float16,
@@ -33,7 +35,7 @@ import numpy as np
 from deltafin_mlx.jobs.results_file import Results, read_lines, write_failed
 from deltafin_mlx.errors import JobError
 from deltafin_mlx.format.dtypes import SAFETENSORS_CODE
-from deltafin_mlx.generation.logprobs import top_pairs
+from deltafin_mlx.generation.logprobs import tail_logprob
 from deltafin_mlx.jobs.score_sweep import Scored
 
 FORMATS = ("jsonl", "safetensors")
@@ -45,12 +47,19 @@ def summary_fields(s: Scored) -> dict:
 
 def result_line(s: Scored) -> dict:
     scored = s.item.scored
-    line = {"id": s.item.id, "tokens": s.item.tokens,
-            "token_logprobs": [float(v) if ok else None
-                               for v, ok in zip(s.token_logprobs, scored)]}
+    line = {"id": s.item.id}
+    if s.item.line is not None:
+        line["line"] = s.item.line
+    line["tokens"] = s.item.tokens
+    line["token_logprobs"] = [float(v) if ok else None for v, ok in zip(s.token_logprobs, scored)]
     if s.top_ids is not None:
-        line["top_logprobs"] = [top_pairs(i, v) if ok else None
-                                for i, v, ok in zip(s.top_ids, s.top_logprobs, scored)]
+        # Separate arrays, not [id, logprob] pairs: a reader that types columns
+        # (pyarrow, datasets) keeps the ids integers.
+        line["top_ids"] = [row.tolist() if ok else None for row, ok in zip(s.top_ids, scored)]
+        line["top_logprobs"] = [row.tolist() if ok else None
+                                for row, ok in zip(s.top_logprobs, scored)]
+        line["tail_logprob"] = [float(v) if ok else None
+                                for v, ok in zip(tail_logprob(s.top_logprobs), scored)]
     line.update(summary_fields(s))
     return line
 
