@@ -198,8 +198,8 @@ def test_killed_job_resumes_without_duplicates_or_lost_lines(converted, tmp_path
 def test_safetensors_output_reads_back_with_plain_numpy(converted, tmp_path):
     """--format safetensors: the index maps each id to a shard and rows; the shard
     loads with the safetensors package's numpy loader (no Deltafin), and its rows
-    hold the JSONL output's tokens, float16 log-probs (NaN where not scored) and
-    top-K ids and log-probs."""
+    hold the JSONL output's tokens, float16 log-probs (NaN where not scored),
+    top-K ids and log-probs and the same tail masses; index lines name IN's line."""
     from safetensors.numpy import load_file
 
     model, tok = load(converted("qwen3_moe"), "200MB", warm_start=False)
@@ -225,6 +225,10 @@ def test_safetensors_output_reads_back_with_plain_numpy(converted, tmp_path):
         assert np.allclose(lp[1:], [v for v in w["token_logprobs"][1:]], atol=1e-2)
         assert shard["top_ids"][rows][1:].tolist() == w["top_ids"][1:]
         assert shard["top_logprobs"].dtype == np.float16
+        tail = shard["tail_logprob"][rows]
+        assert tail.dtype == np.float32 and np.isnan(tail[0])
+        assert tail[1:].tolist() == w["tail_logprob"][1:]  # the same float32 values
+        assert line["line"] == w["line"] == int(line["id"][1:]) + 1
     assert not list(tmp_path.glob(".*.tmp"))
 
 
