@@ -69,6 +69,15 @@ def logprob_rows(logits: mx.array, targets=None, top_k: int = 0,
     return LogprobRows(chosen, greedy, top_ids, top_vals, at_logprobs)
 
 
+def tail_logprob(top_logprobs: np.ndarray) -> np.ndarray:
+    """log(1 - the mass of the top K), per row, in float32, floored at log(1e-30):
+    the one tail rule of score's outputs and the KL references, for the base's rows
+    and the ones compared with them alike, so a model against its own reference
+    differs by nothing."""
+    top = np.exp(top_logprobs.astype(np.float64)).sum(axis=-1)
+    return np.log(np.maximum(1.0 - top, 1e-30)).astype(np.float32)
+
+
 def top_pairs(ids: np.ndarray, values: np.ndarray) -> List[list]:
     """One row's top K as JSON's `[[id, logprob], ...]`, best first."""
     return [[int(i), float(v)] for i, v in zip(ids, values)]

@@ -47,6 +47,7 @@ from deltafin_mlx.jobs.score_lines import ScoreItem
 from deltafin_mlx.jobs.results_file import open_regular, read_regular
 from deltafin_mlx.jobs.score_results import write_safetensors
 from deltafin_mlx.format.safetensors import header_length, parse_header
+from deltafin_mlx.generation.logprobs import tail_logprob
 from deltafin_mlx.model.modules import model_vocab
 
 REFERENCE_KIND = "deltafin-kl-reference"
@@ -116,14 +117,6 @@ def window_items(tokens: List[int], windows: Windows, chunks: Optional[int] = No
                          f"{windows.context} (-c)")
     return [ScoreItem.scored_from(i, tokens[s : s + windows.context], windows.first_scored)
             for i, s in enumerate(starts)]
-
-
-def tail_logprob(top_logprobs: np.ndarray) -> np.ndarray:
-    """log(1 - the mass of the top K), per row, in float32: the same function for
-    the base's rows and the ones compared with them, so a model against its own
-    reference differs by nothing."""
-    top = np.exp(top_logprobs.astype(np.float64)).sum(axis=-1)
-    return np.log(np.maximum(1.0 - top, 1e-30)).astype(np.float32)
 
 
 def perplexity(model, tokenizer, text: str, opts: PerplexityOptions,
