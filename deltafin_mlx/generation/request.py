@@ -355,9 +355,15 @@ class GenerationRequest:
             raise RequestError("the body must be a JSON object")
         if body.get("stream") not in (None, False):
             fail("stream", "must be false in a batch")
-        for key in ("echo", "prompt_logprobs"):  # a prompt scored is `score`'s line
-            if body.get(key) not in (None, False):
-                fail(key, "is serve's; a batch generates (score a prompt with `score`)")
+        req = cls._batch_line(body, url, limits, raw)
+        if req.scoring:  # a prompt scored is `score`'s line
+            fail("echo" if req.echo else "prompt_logprobs",
+                 "is serve's; a batch generates (score a prompt with `score`)")
+        return req
+
+    @classmethod
+    def _batch_line(cls, body: dict, url: Optional[str], limits: RequestLimits,
+                    raw: bool) -> "GenerationRequest":
         if url is not None:
             return cls.from_openai(body, url == "/v1/chat/completions", limits)
         check_fields(body)  # an unknown key is named before a missing prompt
