@@ -334,12 +334,22 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
         self.headers["Content-Length"] = str(len(data))
         self.rfile = io.BytesIO(data)
         self.prompt_scores = None  # (prompt text, tokens, Scored) of a scored prompt
-        with self.settings.admission.place():
+        if request.scoring:
+            # Scored without a generation place: its passes are the plan's whatever
+            # waits, so requests waiting together share them.
             self.meter = self.settings.counters.start(path)
             self.outcome = "refused"
             try:
-                if request.scoring and self.scored_alone(path, request):
+                if self.scored_alone(path, request):
                     return
+            finally:
+                if self.prompt_scores is None:  # answered or refused
+                    self.settings.counters.finish(self.meter, self.outcome)
+        with self.settings.admission.place():
+            if self.prompt_scores is None:
+                self.meter = self.settings.counters.start(path)
+            self.outcome = "refused"
+            try:
                 super().do_POST()
             finally:
                 self.settings.counters.finish(self.meter, self.outcome)

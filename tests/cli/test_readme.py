@@ -24,6 +24,8 @@ NOT_RUN = {
     "curl -s localhost:8080": "requests to that server (tests/server/test_server_endpoints.py sends them)",
     "pip install -q \".[eval]\"": "the test extra already holds lm-eval",
     "deltafin-lm-eval": "its tasks download datasets (tests/jobs/test_lm_eval.py runs a local task)",
+    "lm_eval --model local-completions": "needs the server above and downloads its task "
+                                         "(tests/server/test_scoring_server.py runs lm-eval's client)",
 }
 
 

@@ -113,6 +113,17 @@ def test_prompt_logprobs_are_vllms_shape_with_scores_values(served, local):
     assert chat["prompt_logprobs"][0] is None
     assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) > len(w["tokens"])
     assert chat["choices"][0]["message"]["content"] == ""
+    # with a reply generated after it, the same prompt's scores
+    status, replied = post(served[1], "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": TEXTS[0]}], "prompt_logprobs": 1,
+        "max_tokens": 3, "temperature": 0})
+    assert status == 200, replied
+    assert replied["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert replied["usage"]["completion_tokens"] >= 1
+    for a, b in zip(replied["prompt_logprobs"][1:], chat["prompt_logprobs"][1:]):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key]["logprob"] == pytest.approx(b[key]["logprob"], abs=1e-5)
 
 
 def test_lm_evals_local_completions_equals_deltafin_lm_eval(served, local):
