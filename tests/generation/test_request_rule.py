@@ -127,6 +127,11 @@ def test_serve_scores_a_prompt_that_a_batch_line_refuses(url, body):
                  {"id": "r", **body}):
         verdict = batched(line, raw=url == TEXT)
         assert isinstance(verdict, str) and "is serve's" in verdict, verdict
+    # mlx_lm.server through the drop-in (its guard checks by serve's schema) scores none
+    from deltafin_mlx.server.schema import check_completion
+
+    with pytest.raises(RequestError, match="mlx_lm.server does not score prompts"):
+        check_completion(body, url == CHAT, LIMITS)
 
 
 def test_the_table_holds_every_field_a_request_takes_and_openais_bookkeeping():
