@@ -147,6 +147,7 @@ E2E = [
     "tests/model/test_distributed.py::*",
     "tests/server/test_server_load.py::*",
     "tests/server/test_stalled_bodies.py::*",
+    "tests/server/test_scoring_server.py::*",
     "tests/convert/test_hub.py::*",
     "tests/convert/test_hub_downloads.py::*",
     "tests/convert/test_hub_scratch.py::*",
