@@ -60,8 +60,8 @@ def test_echo_gives_the_prompts_tokens_with_scores_logprobs(served, local):
         assert lp["text_offset"][0] == 0 and len(lp["tokens"]) == len(w["tokens"])
         for got, value in zip(lp["token_logprobs"][1:], w["token_logprobs"][1:]):
             assert got == pytest.approx(value, abs=1e-5)
-        for alternatives, pairs in zip(lp["top_tokens"][1:], w["top_logprobs"][1:]):
-            assert [a["id"] for a in alternatives] == [i for i, _ in pairs]
+        for alternatives, ids in zip(lp["top_tokens"][1:], w["top_ids"][1:]):
+            assert [a["id"] for a in alternatives] == ids
         assert reply["usage"]["prompt_tokens"] == len(w["tokens"])
         assert reply["usage"]["completion_tokens"] == 0
 
@@ -95,8 +95,10 @@ def test_prompt_logprobs_are_vllms_shape_with_scores_values(served, local):
     entries = reply["choices"][0]["prompt_logprobs"]
     assert reply["choices"][0]["prompt_token_ids"] == w["tokens"]
     assert entries[0] is None and len(entries) == len(w["tokens"])
-    for token, value, pairs, entry in zip(w["tokens"][1:], w["token_logprobs"][1:],
-                                          w["top_logprobs"][1:], entries[1:]):
+    for token, value, ids, values, entry in zip(w["tokens"][1:], w["token_logprobs"][1:],
+                                                w["top_ids"][1:], w["top_logprobs"][1:],
+                                                entries[1:]):
+        pairs = list(zip(ids, values))
         own = entry[str(token)]
         assert own["logprob"] == pytest.approx(value, abs=1e-5)
         assert own["decoded_token"] == tok.decode([token])
