@@ -30,29 +30,40 @@ def perplexity_parser():
                    help="write this run's next-token distributions (top K and the tail's "
                    "mass at each scored position) to REF, a safetensors file: a new file or "
                    "an earlier reference")
-    p.add_argument("--kl-divergence", metavar="REF", default=None,
+    p.add_argument("--kl-divergence", metavar="REF", default=None, nargs="?", const="",
                    help="compare this run's distributions with REF's (written by "
                    "--kl-divergence-base, with another conversion of the same model): "
-                   "mean/median/p99 KL and top-1 agreement")
+                   "llama-perplexity's KL, Δp, same-top and perplexity-ratio statistics")
     p.add_argument("--kl-top-k", type=positive, default=None, metavar="K",
                    help="with --kl-divergence-base: the K likeliest tokens kept per position "
-                   "(default: 32)")
+                   "(default: 32; the vocabulary's size or more: all of it, for the exact KL)")
+    p.add_argument("-o", "--output", metavar="OUT", default=None,
+                   help="keep each window's scores in OUT (JSONL) as its pass finishes: a "
+                   "rerun of the same command (after a Ctrl-C) scores only the windows "
+                   "OUT lacks")
     p.add_argument("--pass-tokens", type=positive, default=None, metavar="N",
                    help="at most N tokens per pass (default: what the memory plan allows)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    p.add_argument("--no-progress", action="store_true", help="no progress line on a terminal")
+    p.add_argument("--no-progress", action="store_true", help="no progress (on a terminal "
+                   "one line redrawn, elsewhere a line per window), each with the running "
+                   "perplexity")
     add_load_options(p)
     return p
 
 
 def cmd_perplexity(argv) -> int:
     from deltafin_mlx.errors import UsageError
-    from deltafin_mlx.jobs.perplexity import (PerplexityOptions, Windows,
-                                              check_reference_output, perplexity,
-                                              read_reference, read_text, reference_windows,
-                                              summary_lines)
+    from deltafin_mlx.jobs.job_options import check_options
+    from deltafin_mlx.jobs.perplexity import (Interrupted, PerplexityOptions, Windows,
+                                              check_reference_output, coverage_warning,
+                                              perplexity, read_reference, read_text,
+                                              reference_windows, summary_lines)
+    from deltafin_mlx.jobs.results_file import check_not_input, check_regular
 
     args = perplexity_parser().parse_args(argv)
+    if args.kl_divergence == "":
+        raise UsageError("--kl-divergence needs REF, the reference a run of the base model "
+                         "wrote with --kl-divergence-base REF")
     text = read_text(args.file)  # before the model loads, not after
     if args.kl_divergence_base:
         check_reference_output(args.kl_divergence_base, args.file,
@@ -67,16 +78,38 @@ def cmd_perplexity(argv) -> int:
     opts = PerplexityOptions(windows=windows, chunks=chunks,
                              max_pass_tokens=args.pass_tokens,
                              kl_base=args.kl_divergence_base,
-                             kl_reference=args.kl_divergence, top_k=args.kl_top_k or 32)
+                             kl_reference=args.kl_divergence, top_k=args.kl_top_k or 32,
+                             output=args.output)
     windows.check()
+    if args.output:
+        check_regular(args.output, "output", missing_ok=True)
+        for other in (args.file, args.kl_divergence_base, args.kl_divergence):
+            if other:
+                check_not_input(other, args.output)
+        if os.path.exists(args.output) and os.path.getsize(args.output) > 0:
+            # another run's output is refused before the model loads (perplexity
+            # checks again under OUT's lock)
+            check_options(args.output, opts.recorded(text), started=True)
     model, tokenizer = load_model(args)
+    tty = sys.stderr.isatty()
     try:
-        summary = perplexity(model, tokenizer, text, opts,
-                             show_progress=sys.stderr.isatty() and not args.no_progress)
+        summary = perplexity(model, tokenizer, text, opts, show_progress=not args.no_progress,
+                             progress_lines=not tty)
+    except Interrupted as e:
+        for line in summary_lines(e.summary):
+            print(f"[deltafin] {line}", file=sys.stderr)
+        print("[deltafin] " + (f"{args.output} keeps the windows scored: rerun the same "
+                               "command to resume" if args.output else "nothing kept: with "
+                               "-o OUT each window's scores are kept and a rerun resumes"),
+              file=sys.stderr)
+        raise
     finally:
         runtime(model).close()
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "passes"}))
     for line in summary_lines(summary):
         print(f"[deltafin] {line}", file=sys.stderr)
+    warning = coverage_warning(summary)
+    if warning:
+        print(f"[deltafin] {warning}", file=sys.stderr)
     return 0
