@@ -55,9 +55,8 @@ def cmd_perplexity(argv) -> int:
     from deltafin_mlx.errors import UsageError
     from deltafin_mlx.jobs.job_options import check_options
     from deltafin_mlx.jobs.perplexity import (Interrupted, PerplexityOptions, Windows,
-                                              check_reference_output, coverage_warning,
-                                              perplexity, read_reference, read_text,
-                                              reference_windows, summary_lines)
+                                              check_reference_output, perplexity,
+                                              read_reference, read_text, reference_windows)
     from deltafin_mlx.jobs.results_file import check_not_input, check_regular
 
     args = perplexity_parser().parse_args(argv)
@@ -96,8 +95,7 @@ def cmd_perplexity(argv) -> int:
         summary = perplexity(model, tokenizer, text, opts, show_progress=not args.no_progress,
                              progress_lines=not tty)
     except Interrupted as e:
-        for line in summary_lines(e.summary):
-            print(f"[deltafin] {line}", file=sys.stderr)
+        report(e.summary, args.json)
         print("[deltafin] " + (f"{args.output} keeps the windows scored: rerun the same "
                                "command to resume" if args.output else "nothing kept: with "
                                "-o OUT each window's scores are kept and a rerun resumes"),
@@ -105,11 +103,16 @@ def cmd_perplexity(argv) -> int:
         raise
     finally:
         runtime(model).close()
-    if args.json:
-        print(json.dumps({k: v for k, v in summary.items() if k != "passes"}))
-    for line in summary_lines(summary):
-        print(f"[deltafin] {line}", file=sys.stderr)
-    warning = coverage_warning(summary)
-    if warning:
-        print(f"[deltafin] {warning}", file=sys.stderr)
+    report(summary, args.json)
     return 0
+
+
+def report(summary: dict, as_json: bool):
+    """The summary (of every window, or of those scored before a Ctrl-C)."""
+    from deltafin_mlx.jobs.perplexity import coverage_warning, summary_lines
+
+    if as_json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "passes"}))
+    warning = coverage_warning(summary)
+    for line in summary_lines(summary) + ([warning] if warning else []):
+        print(f"[deltafin] {line}", file=sys.stderr)

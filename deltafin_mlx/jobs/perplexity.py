@@ -17,15 +17,22 @@ sweep over the experts serves every window of a pass.
 Perplexity is exp(mean NLL of the scored tokens); its standard error is
 mlx_lm.perplexity's: perplexity x the standard error of the mean NLL.
 
+A long text is a long job: each window's scores are kept as its pass finishes,
+with `output` in a JSONL file (one line a window, docs/FORMAT.md) appended, locked
+and resumed by score's rule (jobs/results_file.py `Results`, jobs/job_options.py),
+so a rerun scores only the windows it lacks and ends with the value a run never
+stopped gives; a Ctrl-C raises `Interrupted` with the estimate so far.
+
 KL divergence (llama-perplexity's --kl-divergence-base / --kl-divergence): a base
 run writes, for every scored position, the top K next tokens and their
 log-probabilities, the log of the mass outside them (the tail) and the scored
 token's log-probability (docs/FORMAT.md, "KL reference"); a run of another
 conversion of the same model against that file reports KL(base || this) per
-position over the K + 1 bins (the top K of the base and the tail; a lower bound of
-the KL over the whole vocabulary, and equal to it as K covers the mass), its
-mean, median, 99th percentile and maximum, and how often the two models' most
-likely tokens agree.
+position over the K + 1 bins (the top K of the base and the tail: a lower bound of
+the KL over the whole vocabulary, as loose as the tail is heavy, so the mass the
+top K held is shown, and warned of under COVERAGE_WARNING); with K the whole
+vocabulary there is no tail and the KL is exact. Its statistics are
+llama-perplexity's (`kl_summary`).
 """
 
 import hashlib
@@ -247,7 +254,8 @@ def perplexity(model, tokenizer, text: str, opts: PerplexityOptions,
                 done[w] = rec
                 logprob += float(rec["token_logprobs"].astype(np.float64).sum())
                 progress.tokens += n
-                progress.status = f", perplexity {math.exp(min(-logprob / (len(done) * n), 700)):.4f}"
+                running = math.exp(min(-logprob / (len(done) * n), 700))
+                progress.status = f", perplexity {running:.4f}"
                 progress.finished({})
     except KeyboardInterrupt:
         raise Interrupted(summarize(opts, tokens, items, done, resumed, passes, start,
@@ -273,14 +281,16 @@ def resume(opts: PerplexityOptions, text: str, windows: int, n: int, fields, don
     options record checked or written (jobs/job_options.py); None without one."""
     if opts.output is None:
         return None
+
     def keep(line):
         w, rec = window_record(line, windows, n, fields)
         done[w] = rec
 
     out = Results(opts.output)
-    try:
+    try:  # the options first: another run's lines are refused by them, not line by line
+        note = check_options(opts.output, opts.recorded(text),
+                             started=os.fstat(out.fd).st_size > 0)
         out.scan(on_record=keep)
-        note = check_options(opts.output, opts.recorded(text), started=bool(done))
     except BaseException:
         out.close()
         raise

@@ -48,7 +48,7 @@ class Progress:
 
     def _draw(self, force=False):
         now = time.perf_counter()
-        if not self.show or (not force and (self.every_line or now - self.last < 0.5)):
+        if not self.show or not force and (self.every_line or now - self.last < 0.5):
             return
         self.last = now
         answered = self.outcome.answered
