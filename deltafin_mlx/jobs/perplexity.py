@@ -423,8 +423,13 @@ def read_reference(path) -> Reference:
 def check_reference_output(path, text=None, model_dir=None):
     """Refuse a --kl-divergence-base REF that would replace what is not a reference:
     the text, a file or folder of the model's (its config, its tokenizer), or any
-    existing file but a KL reference written here."""
+    existing file but a KL reference written here; and one that could not be written
+    (its folder missing or read-only): refused now, not after the scoring."""
     real = os.path.realpath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)):
+        raise JobError(f"{path}: {folder} is not a folder this run can write the reference "
+                       "in; give a path in one")
     for given, what in ((text, "the text measured"), (model_dir, "in the model directory")):
         if given is not None and os.path.commonpath([os.path.realpath(given), real]) == \
                 os.path.realpath(given):
