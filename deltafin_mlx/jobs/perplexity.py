@@ -47,14 +47,14 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from deltafin_mlx.units import count, is_int
+from deltafin_mlx.units import count, human_bytes, is_int
 from deltafin_mlx.errors import JobError
 from deltafin_mlx.jobs.job_options import check_options
 from deltafin_mlx.jobs.outcome import Outcome
 from deltafin_mlx.jobs.progress import Progress
 from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
 from deltafin_mlx.jobs.score_lines import ScoreItem
-from deltafin_mlx.jobs.results_file import Results, open_regular, read_regular
+from deltafin_mlx.jobs.results_file import LINE_MAX_BYTES, Results, open_regular, read_regular
 from deltafin_mlx.jobs.score_results import write_safetensors
 from deltafin_mlx.format.safetensors import header_length, parse_header
 from deltafin_mlx.model.modules import model_vocab
@@ -167,6 +167,8 @@ def kl_rows(p_log: np.ndarray, p_tail: np.ndarray, q_log: np.ndarray, exact: boo
     return np.maximum(kl, 0.0)  # rounding can leave -1e-9 where the two agree
 
 
+# An id and a log-probability in a JSON line at most ("12345678, -1.2345678901234567e-05, ").
+PAIR_JSON_BYTES = 40
 # A window's line in OUTPUT (docs/FORMAT.md): name -> dtype, per scored position.
 WINDOW_FIELDS = {"token_logprobs": np.float32, "top_ids": np.int64,
                  "top_logprobs": np.float32, "top1": np.int64, "kl": np.float64}
@@ -222,6 +224,11 @@ def perplexity(model, tokenizer, text: str, opts: PerplexityOptions,
     n = len(items[0].tokens) - first  # scored tokens per window
     fields = ["token_logprobs"] + (["top_ids", "top_logprobs"] if opts.kl_base else []) + \
         (["top1", "kl"] if reference is not None else [])
+    if opts.output and opts.kl_base and n * kept * PAIR_JSON_BYTES > LINE_MAX_BYTES:
+        raise JobError(f"-o {opts.output} with --kl-top-k {kept}: a window's line would hold "
+                       f"{n} x {kept} ids and log-probabilities, more than the "
+                       f"{human_bytes(LINE_MAX_BYTES)} a line may have; give a smaller "
+                       "--kl-top-k or -c, or leave -o out")
     done = {}  # window -> its arrays (WINDOW_FIELDS)
     out = resume(opts, text, len(items), n, fields, done)
     exact = reference is not None and reference.top_ids.shape[1] >= vocab

@@ -193,3 +193,33 @@ def test_a_finished_output_resumes_with_nothing_to_score_and_other_options_are_r
     assert len(err) == 1 and f"{out} was written with -c 48; this run asks for -c 32" in err[0]
     assert main([str(a) for a in argv[:3]] + ["-c", "48", "-o", str(text_file)]) == 1
     assert "this is the input file" in capsys.readouterr().err
+
+
+def test_an_output_whose_window_lines_would_be_too_long_is_refused_before_scoring(
+        converted, text_file, tmp_path, capsys, monkeypatch):
+    """-o keeps each window's top K in one JSONL line: a K that would make a line
+    longer than a line may be is refused in one line before any pass runs."""
+    import deltafin_mlx.jobs.perplexity as job
+    from deltafin_mlx.units import human_bytes
+
+    passes = []
+    monkeypatch.setattr(job, "LINE_MAX_BYTES", 1 << 18)  # 24 x 512 pairs: up to ~0.5 MB
+    real = job.iter_passes
+
+    def counted(*args, **kwargs):
+        passes.append(args)
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(job, "iter_passes", counted)
+    argv = ["perplexity", str(converted("qwen3_moe")), str(text_file), "-c", "48",
+            "--budget", "200MB", "-o", str(tmp_path / "w.jsonl"), "--kl-divergence-base",
+            str(tmp_path / "ref.safetensors")]
+    assert main(argv + ["--kl-top-k", "1000"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("with --kl-top-k 512: a window's line would hold 24 x 512 ids and "
+                            f"log-probabilities, more than the {human_bytes(1 << 18)} a line may have; give a "
+                            "smaller --kl-top-k or -c, or leave -o out")
+    assert passes == [] and not (tmp_path / "w.jsonl").exists()
+    monkeypatch.setattr(job, "LINE_MAX_BYTES", 1 << 26)
+    assert main(argv + ["--kl-top-k", "1000", "--chunks", "1"]) == 0
+    assert len(passes) == 1
