@@ -223,3 +223,29 @@ def test_an_output_whose_window_lines_would_be_too_long_is_refused_before_scorin
     monkeypatch.setattr(job, "LINE_MAX_BYTES", 1 << 26)
     assert main(argv + ["--kl-top-k", "1000", "--chunks", "1"]) == 0
     assert len(passes) == 1
+
+
+def test_ctrl_c_without_an_output_prints_the_estimate_and_says_nothing_was_kept(
+        converted, text_file, capsys, monkeypatch):
+    import deltafin_mlx.jobs.perplexity as job
+
+    real = job.iter_passes
+
+    def interrupted_after_the_first_pass(*args, **kwargs):
+        passes = real(*args, **kwargs)
+        yield next(passes)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "iter_passes", interrupted_after_the_first_pass)
+    assert main(["perplexity", str(converted("qwen3_moe")), str(text_file), "-c", "48",
+                 "--pass-tokens", "96", "--budget", "200MB", "--json", "--no-progress"]) == 130
+    out, err = capsys.readouterr()
+    s = json.loads(out)
+    assert s["interrupted"] and s["windows_done"] == 2 < s["windows"]
+    assert s["scored_tokens"] == 48 and s["perplexity"] > 1
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert (f"interrupted after 2 of them: perplexity {s['perplexity']:.4f} ± "
+            f"{s['perplexity_se']:.4f}") in lines[-3]
+    assert lines[-2] == ("[deltafin] nothing kept: with -o OUT each window's scores are kept "
+                         "and a rerun resumes")
+    assert lines[-1] == "deltafin-run: interrupted"
