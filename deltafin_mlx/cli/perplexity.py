@@ -10,8 +10,16 @@ from deltafin_mlx.cli.options import Parser, add_load_options, load_model, posit
 from deltafin_mlx.engine.runtime import runtime
 
 
+class PerplexityParser(Parser):
+    def error(self, message):
+        if message.startswith("argument --kl-divergence: expected one argument"):
+            message = ("--kl-divergence needs REF, the reference a run of the base model "
+                       "wrote with --kl-divergence-base REF")
+        super().error(message)
+
+
 def perplexity_parser():
-    p = Parser(prog="deltafin-run perplexity", description="The perplexity of a text file, "
+    p = PerplexityParser(prog="deltafin-run perplexity", description="The perplexity of a text file, "
                "in windows of -c tokens scored many per sweep over the experts (llama-"
                "perplexity's windows; --stride as its --ppl-stride, and --stride C as "
                "mlx_lm.perplexity); with --kl-divergence-base / --kl-divergence, the KL "
@@ -30,7 +38,7 @@ def perplexity_parser():
                    help="write this run's next-token distributions (top K and the tail's "
                    "mass at each scored position) to REF, a safetensors file: a new file or "
                    "an earlier reference")
-    p.add_argument("--kl-divergence", metavar="REF", default=None, nargs="?", const="",
+    p.add_argument("--kl-divergence", metavar="REF", default=None,
                    help="compare this run's distributions with REF's (written by "
                    "--kl-divergence-base, with another conversion of the same model): "
                    "llama-perplexity's KL, Δp, same-top and perplexity-ratio statistics")
@@ -60,9 +68,6 @@ def cmd_perplexity(argv) -> int:
     from deltafin_mlx.jobs.results_file import check_not_input, check_regular
 
     args = perplexity_parser().parse_args(argv)
-    if args.kl_divergence == "":
-        raise UsageError("--kl-divergence needs REF, the reference a run of the base model "
-                         "wrote with --kl-divergence-base REF")
     text = read_text(args.file)  # before the model loads, not after
     if args.kl_divergence_base:
         check_reference_output(args.kl_divergence_base, args.file,

@@ -256,10 +256,13 @@ def test_a_reference_of_another_text_or_not_a_reference_is_refused(converted, ba
     assert main(["perplexity", str(converted("qwen3_moe")), str(text), "--kl-top-k", "8",
                  "--kl-divergence", str(ref)]) == 1
     assert "--kl-top-k is what --kl-divergence-base keeps" in capsys.readouterr().err
-    assert main(["perplexity", str(converted("qwen3_moe")), str(text), "--kl-divergence"]) == 1
+    with pytest.raises(SystemExit) as exit:
+        main(["perplexity", str(converted("qwen3_moe")), str(text), "--kl-divergence"])
+    assert exit.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["deltafin-run: error: --kl-divergence needs REF, the reference a run of the "
-                   "base model wrote with --kl-divergence-base REF"]
+    assert err == ["deltafin-run perplexity: error: --kl-divergence needs REF, the reference a "
+                   "run of the base model wrote with --kl-divergence-base REF (see deltafin-run "
+                   "perplexity --help)"]
 
 
 def test_the_library_refuses_a_reference_of_other_windows_as_the_command_does(converted,
