@@ -87,9 +87,13 @@ def cmd_perplexity(argv) -> int:
     windows.check()
     if args.output:
         check_regular(args.output, "output", missing_ok=True)
-        for other in (args.file, args.kl_divergence_base, args.kl_divergence):
+        for other in (args.file, args.kl_divergence):
             if other:
                 check_not_input(other, args.output)
+        if args.kl_divergence_base and \
+                os.path.realpath(args.kl_divergence_base) == os.path.realpath(args.output):
+            raise UsageError("-o and --kl-divergence-base name one file: the windows' scores "
+                             "and the reference go to two")
         if os.path.exists(args.output) and os.path.getsize(args.output) > 0:
             # another run's output is refused before the model loads (perplexity
             # checks again under OUT's lock)

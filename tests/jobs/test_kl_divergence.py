@@ -286,3 +286,16 @@ def test_the_library_refuses_a_reference_of_other_windows_as_the_command_does(co
         assert s["context"] == 48 and s["kl"]["positions"] == s["scored_tokens"] > 100
     finally:
         runtime(model).close()
+
+
+def test_a_comparison_kept_in_an_output_resumes_to_the_same_statistics(two_bit, base, tmp_path,
+                                                                       capsys):
+    text, ref = base
+    out = tmp_path / "windows.jsonl"
+    first, _, _ = kl_of(capsys, two_bit, text, ref, "-o", str(out))
+    again, _, _ = kl_of(capsys, two_bit, text, ref, "-o", str(out))
+    assert first["windows_resumed"] == 0 and again["windows_resumed"] == again["windows"] > 3
+    assert again["sweeps"] == 0 and again["kl"] == first["kl"]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(line["id"] for line in lines) == list(range(first["windows"]))
+    assert set(lines[0]) == {"id", "token_logprobs", "top1", "kl"}

@@ -193,6 +193,12 @@ def test_a_finished_output_resumes_with_nothing_to_score_and_other_options_are_r
     assert len(err) == 1 and f"{out} was written with -c 48; this run asks for -c 32" in err[0]
     assert main([str(a) for a in argv[:3]] + ["-c", "48", "-o", str(text_file)]) == 1
     assert "this is the input file" in capsys.readouterr().err
+    ref = tmp_path / "new.kld.safetensors"
+    assert main([str(a) for a in argv[:3]] + ["-o", str(ref), "--kl-divergence-base",
+                                               str(ref)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "deltafin-run: error: -o and --kl-divergence-base name one file: the windows' scores "
+        "and the reference go to two"]
 
 
 def test_an_output_whose_window_lines_would_be_too_long_is_refused_before_scoring(
