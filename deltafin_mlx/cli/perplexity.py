@@ -11,6 +11,8 @@ from deltafin_mlx.engine.runtime import runtime
 
 
 class PerplexityParser(Parser):
+    """Parser, but --kl-divergence without REF says what REF is."""
+
     def error(self, message):
         if message.startswith("argument --kl-divergence: expected one argument"):
             message = ("--kl-divergence needs REF, the reference a run of the base model "
@@ -19,11 +21,12 @@ class PerplexityParser(Parser):
 
 
 def perplexity_parser():
-    p = PerplexityParser(prog="deltafin-run perplexity", description="The perplexity of a text file, "
-               "in windows of -c tokens scored many per sweep over the experts (llama-"
-               "perplexity's windows; --stride as its --ppl-stride, and --stride C as "
-               "mlx_lm.perplexity); with --kl-divergence-base / --kl-divergence, the KL "
-               "divergence of this model's next-token distributions from a reference run's.")
+    p = PerplexityParser(
+        prog="deltafin-run perplexity", description="The perplexity of a text file, "
+        "in windows of -c tokens scored many per sweep over the experts (llama-"
+        "perplexity's windows; --stride as its --ppl-stride, and --stride C as "
+        "mlx_lm.perplexity); with --kl-divergence-base / --kl-divergence, the KL "
+        "divergence of this model's next-token distributions from a reference run's.")
     p.add_argument("model", help="a directory written by deltafin-convert")
     p.add_argument("file", help="a UTF-8 text file")
     p.add_argument("-c", "--context", type=positive, default=None, metavar="N",
@@ -97,7 +100,9 @@ def cmd_perplexity(argv) -> int:
         if os.path.exists(args.output) and os.path.getsize(args.output) > 0:
             # another run's output is refused before the model loads (perplexity
             # checks again under OUT's lock)
-            check_options(args.output, opts.recorded(text), started=True)
+            note = check_options(args.output, opts.recorded(text), started=True)
+            if note:
+                print(f"[perplexity] {note}", file=sys.stderr)
     model, tokenizer = load_model(args)
     tty = sys.stderr.isatty()
     try:

@@ -223,8 +223,8 @@ def test_an_output_whose_window_lines_would_be_too_long_is_refused_before_scorin
     assert main(argv + ["--kl-top-k", "1000"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("with --kl-top-k 512: a window's line would hold 24 x 512 ids and "
-                            f"log-probabilities, more than the {human_bytes(1 << 18)} a line may have; give a "
-                            "smaller --kl-top-k or -c, or leave -o out")
+                            f"log-probabilities, more than the {human_bytes(1 << 18)} a line "
+                            "may have; give a smaller --kl-top-k or -c, or leave -o out")
     assert passes == [] and not (tmp_path / "w.jsonl").exists()
     monkeypatch.setattr(job, "LINE_MAX_BYTES", 1 << 26)
     assert main(argv + ["--kl-top-k", "1000", "--chunks", "1"]) == 0
