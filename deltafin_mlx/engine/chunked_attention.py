@@ -31,29 +31,33 @@ def chunk_bounds(tokens: int, step: int):
     return bounds
 
 
-def chunk_mask(mask, start: int, end: int, tokens: int, linear: bool):
+def chunk_mask(mask, start: int, end: int, tokens: int, linear: bool, cache=None):
     """The mask mlx-lm would have made for the chunk [start, end) of a call of
     `tokens` tokens: "causal" and None stay as they are; an attention mask array
     (..., tokens, offset + tokens) keeps the chunk's rows and the keys up to its
-    end; a recurrent layer's padding mask (B, tokens) keeps the chunk's columns."""
+    end, from the first key `cache` still holds when the chunk comes; a recurrent
+    layer's padding mask (B, tokens) keeps the chunk's columns."""
     if mask is None or isinstance(mask, str):
         return mask
     if linear:
         return mask[..., start:end]
     offset = mask.shape[-1] - tokens
-    return mask[..., start:end, : offset + end]
+    # A sliding window's cache (mlx-lm's RotatingKVCache, batched or not) keeps its
+    # last max_size - 1 keys before a call of several tokens; its own masks start there.
+    first = max(0, offset + start - cache.max_size + 1) if hasattr(cache, "max_size") else 0
+    return mask[..., start:end, first : offset + end]
 
 
 def chunkable(module) -> bool:
     """Whether `module` is called as mlx-lm's attention modules mostly are,
-    `(x, mask, cache, ...)` with a cache that positions each call itself, which is
-    what taking a call in chunks relies on. Others (deepseek_v41's keyword-only
-    `start_pos`/`window_idx` and its own layer cache) are left whole: they run as
-    mlx-lm runs them, one attention call per pass."""
+    `(x, mask, cache)` with a cache that positions each call itself, which is
+    what taking a call in chunks relies on, and nothing more. Others run whole, as
+    mlx-lm runs them: deepseek_v41's (keyword-only positions, its own layer cache),
+    gemma4's and hunyuan's (they take and hand back keys shared between layers)."""
     if not isinstance(module, nn.Module):
         return False
     try:
-        params = list(inspect.signature(type(module).__call__).parameters.values())[1:4]
+        params = list(inspect.signature(type(module).__call__).parameters.values())[1:]
     except (TypeError, ValueError):
         return False
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -78,8 +82,8 @@ def chunk_attention(module, step: int, linear: bool = False):
                                      linear, *args, **kwargs)
         outs = []
         for start, end in chunk_bounds(tokens, step):
-            out = base.__call__(self, x[:, start:end], chunk_mask(mask, start, end, tokens, linear),
-                                cache, *args, **kwargs)
+            m = chunk_mask(mask, start, end, tokens, linear, cache)
+            out = base.__call__(self, x[:, start:end], m, cache, *args, **kwargs)
             # Evaluated chunk by chunk, as a chunked prefill evaluates its calls: the
             # chunk's scores are freed before the next chunk's are made, and MLX's
             # cache of freed buffers (sized by a context that grows each chunk) is
@@ -123,7 +127,7 @@ def _rows_over_chunks(module, base, step: int, rows: int, x, mask, cache, linear
         own = copy.deepcopy(cache)
         pieces = []
         for start, end in chunk_bounds(tokens, step):
-            m = chunk_mask(mask, start, end, tokens, linear)
+            m = chunk_mask(mask, start, end, tokens, linear, own)
             if isinstance(m, mx.array) and m.ndim >= 3 and m.shape[0] == x.shape[0]:
                 m = m[part]  # a mask with a row per text
             elif isinstance(m, mx.array) and linear and m.ndim == 2 and m.shape[0] == x.shape[0]:

@@ -61,21 +61,24 @@ class Prepared:
 
 def chat_prompt(tokenizer, messages: List[dict], thinking: bool = True,
                 thinking_effort: Optional[str] = None, add_generation_prompt: bool = True,
-                tools: Optional[list] = None, template_kwargs: Optional[dict] = None
-                ) -> List[int]:
-    """A conversation's token ids, by the one renderer (the module's docstring).
-    `thinking_effort` is K3's (None: the model's default); `template_kwargs` (a
-    request's chat_template_kwargs) win over the thinking switch."""
+                tools: Optional[list] = None, template_kwargs: Optional[dict] = None,
+                tokenize: bool = True):
+    """A conversation's token ids (its text: not `tokenize`), by the one renderer
+    (the module's docstring). `thinking_effort` is K3's (None: the model's
+    default); `template_kwargs` (a request's chat_template_kwargs) win over the
+    thinking switch."""
     if not getattr(tokenizer, "has_chat_template", False):
-        return list(tokenizer.encode(untemplated(messages))) if messages else []
+        text = untemplated(messages) if messages else ""
+        return text if not tokenize else list(tokenizer.encode(text)) if text else []
     kwargs = {"thinking": thinking, "enable_thinking": thinking}
     if thinking_effort is not None:
         kwargs["thinking_effort"] = thinking_effort
     kwargs.update(template_kwargs or {})
     if tools:
         kwargs["tools"] = tools
-    return list(tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs))
+    out = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs)
+    return list(out) if tokenize else out
 
 
 def untemplated(messages: List[dict]) -> str:
@@ -238,6 +241,14 @@ class BatchedSequence:
         return token_event(self.render, self.p, r.token, r.logprobs, r.finish_reason, stats)
 
 
+def batchable(model) -> bool:
+    """Whether every cache of `model` merges into mlx-lm's BatchGenerator's batch
+    (mlx-lm's server's rule: llama4's chunked cache, deepseek_v41's own do not)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return all(hasattr(c, "merge") for c in make_prompt_cache(model))
+
+
 def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=None
           ) -> Iterator[Tuple[Prepared, Union[Event, Exception]]]:
     """(prepared, event) for each token of each sequence, as mlx-lm's
@@ -245,9 +256,13 @@ def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=N
     sequence's place goes to the next prompt). A step that fails retires its
     sequences and reruns each alone from its start (its first event again has
     `stats.tokens == 1`): only a sequence that fails alone fails, as (prepared,
-    the exception). `progress(tokens, prompt_responses)` after each step."""
+    the exception); a model not `batchable` runs them one at a time by `stream`.
+    `progress(tokens, prompt_responses)` after each step."""
     todo, alone, running = deque(prepareds), deque(), {}
     if not todo:
+        return
+    if not batchable(model):
+        yield from one_at_a_time(model, todo, progress)
         return
     tokenizer, b = todo[0].tokenizer, max(1, int(scheduler.batch_size))
     gen = scheduler.generator(model, tokenizer)
@@ -294,6 +309,21 @@ def batch(model, prepareds: Iterable[Prepared], scheduler: Scheduler, progress=N
                 progress(len(gen_rs), prompt_rs)
     finally:
         gen.close()
+
+
+def one_at_a_time(model, prepareds: Iterable[Prepared], progress=None):
+    """`batch`'s (prepared, event or exception) by `stream`, a sequence at a time."""
+    for p in prepareds:
+        try:
+            for e in stream(model, p):
+                e.stats = BatchStats(**vars(e.stats), mean_batch=1.0)
+                yield p, e
+                if progress is not None:
+                    progress(1, ())
+        except DeltafinError:
+            raise  # the model's files or the machine, not a request: stop, resumable
+        except Exception as e:
+            yield p, e
 
 
 @dataclass

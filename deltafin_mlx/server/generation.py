@@ -30,10 +30,10 @@ from queue import Queue
 from typing import List
 
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.server import CompletionRequest, ModelProvider, ResponseGenerator
 
 from deltafin_mlx import compat
+from deltafin_mlx.generation.engine import batchable
 from deltafin_mlx.generation.stream import common_prefix
 from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
 from deltafin_mlx.jobs.score_lines import ScoreItem
@@ -56,7 +56,7 @@ class LoadedModelProvider(ModelProvider):
         self.model_key = ("default_model", None, None)
         self.model, self.tokenizer = model, tokenizer
         self.processor, self.draft_model = None, None
-        self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+        self.is_batchable = batchable(model)
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
         return self.model, self.tokenizer

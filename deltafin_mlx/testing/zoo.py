@@ -180,7 +180,10 @@ OVERRIDES: Dict[str, dict] = {
                          "attention_bias": False, "layer_types": ["mamba", "attention"],
                          "shared_intermediate_size": 64, "mamba_n_heads": 4,
                          "mamba_d_head": 16, "mamba_proj_bias": False, "mamba_d_state": 16,
-                         "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_conv_bias": False},
+                         "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_conv_bias": False,
+                         # transformers' config (the tokenizer loads it) checks that the
+                         # heads fill mamba_expand * hidden_size (its default expand: 2)
+                         "mamba_expand": 1},
     "hunyuan": {"rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"},
                 "attention_bias": False, "num_shared_expert": 1, "use_mixed_mlp_moe": True,
                 "use_qk_norm": True, "use_cla": False, "cla_share_factor": 1},
