@@ -291,7 +291,14 @@ class ResponseGeneratorHooks:
     `thread_stopped()` (the error raised where mlx-lm's `_await_response` finds its
     thread stopped) and `split_prompt(tokenizer, request, args, segments, types)`
     (a prompt's segments, where mlx-lm's prompt cache keeps state, unless it holds
-    images; `_tokenize` returns (prompt, segments, types, state, vision))."""
+    images; `_tokenize` returns (prompt, segments, types, state, vision)) and
+    `side_work()` (run on mlx-lm's generation thread between its steps, once
+    `wake_for_side_work()` has asked for it)."""
+
+    _SIDE_WORK = ("side work",)  # on mlx-lm's queue of requests: not a request
+
+    def wake_for_side_work(self):
+        self.requests.put(self._SIDE_WORK)
 
     def _run_generate(self):
         while not self._stop:
@@ -303,6 +310,9 @@ class ResponseGeneratorHooks:
 
     def _next_request(self, timeout=None):
         item = super()._next_request(timeout)
+        if item is self._SIDE_WORK:
+            self.side_work()
+            return None
         if item is not None:
             self.request_taken(item[0])
         return item

@@ -147,6 +147,7 @@ E2E = [
     "tests/model/test_distributed.py::*",
     "tests/server/test_server_load.py::*",
     "tests/server/test_stalled_bodies.py::*",
+    "tests/server/test_scoring_server.py::*",
     "tests/convert/test_hub.py::*",
     "tests/convert/test_hub_downloads.py::*",
     "tests/convert/test_hub_scratch.py::*",
@@ -220,6 +221,7 @@ E2E = [
     "tests/jobs/test_lm_eval.py::test_loglikelihoods_equal_deltafin_score_for_the_same_strings",
     "tests/jobs/test_lm_eval.py::test_deltafin_lm_eval_reports_an_error_in_one_line",
     "tests/jobs/test_perplexity.py::test_perplexity_equals_the_same_windows_scored_through_jsonl",
+    "tests/jobs/test_perplexity.py::test_ctrl_c_keeps_the_windows_scored_*",
     "tests/jobs/test_score.py::test_texts_longer_than_an_attention_group_are_exact_too",
     # added with issues 29-33 (a full run's durations, 2026-12-03: 4-16 s each)
     "tests/jobs/test_score_streaming.py::test_a_job_of_many_windows_scores_every_line_once",

@@ -65,6 +65,10 @@ COMMANDS = (
     Command("score", "score:cmd_score", "score:score_parser", "MODEL IN.jsonl -o OUT.jsonl [options]",
             "teacher-forced log-probs (and top-K) of every text of a JSONL file, many texts per "
             "sweep over the experts (resumable)"),
+    Command("export", "score:cmd_export", "score:export_parser", "SCORES.jsonl -o DATASET.parquet",
+            "score's top-K results as a parquet dataset in trainers' layout (ms-swift's "
+            "teacher_topk_* columns, input order); needs the distill extra",
+            model=False, loads_model=False),
     Command("perplexity", "perplexity:cmd_perplexity", "perplexity:perplexity_parser",
             "MODEL FILE [options]", "perplexity of a text file in windows (llama-perplexity's), "
             "and the KL divergence from a reference run (--kl-divergence-base/--kl-divergence)"),

@@ -10,12 +10,23 @@ from deltafin_mlx.cli.options import Parser, add_load_options, load_model, posit
 from deltafin_mlx.engine.runtime import runtime
 
 
+class PerplexityParser(Parser):
+    """Parser, but --kl-divergence without REF says what REF is."""
+
+    def error(self, message):
+        if message.startswith("argument --kl-divergence: expected one argument"):
+            message = ("--kl-divergence needs REF, the reference a run of the base model "
+                       "wrote with --kl-divergence-base REF")
+        super().error(message)
+
+
 def perplexity_parser():
-    p = Parser(prog="deltafin-run perplexity", description="The perplexity of a text file, "
-               "in windows of -c tokens scored many per sweep over the experts (llama-"
-               "perplexity's windows; --stride as its --ppl-stride, and --stride C as "
-               "mlx_lm.perplexity); with --kl-divergence-base / --kl-divergence, the KL "
-               "divergence of this model's next-token distributions from a reference run's.")
+    p = PerplexityParser(
+        prog="deltafin-run perplexity", description="The perplexity of a text file, "
+        "in windows of -c tokens scored many per sweep over the experts (llama-"
+        "perplexity's windows; --stride as its --ppl-stride, and --stride C as "
+        "mlx_lm.perplexity); with --kl-divergence-base / --kl-divergence, the KL "
+        "divergence of this model's next-token distributions from a reference run's.")
     p.add_argument("model", help="a directory written by deltafin-convert")
     p.add_argument("file", help="a UTF-8 text file")
     p.add_argument("-c", "--context", type=positive, default=None, metavar="N",
@@ -33,24 +44,31 @@ def perplexity_parser():
     p.add_argument("--kl-divergence", metavar="REF", default=None,
                    help="compare this run's distributions with REF's (written by "
                    "--kl-divergence-base, with another conversion of the same model): "
-                   "mean/median/p99 KL and top-1 agreement")
+                   "llama-perplexity's KL, Δp, same-top and perplexity-ratio statistics")
     p.add_argument("--kl-top-k", type=positive, default=None, metavar="K",
                    help="with --kl-divergence-base: the K likeliest tokens kept per position "
-                   "(default: 32)")
+                   "(default: 32; the vocabulary's size or more: all of it, for the exact KL)")
+    p.add_argument("-o", "--output", metavar="OUT", default=None,
+                   help="keep each window's scores in OUT (JSONL) as its pass finishes: a "
+                   "rerun of the same command (after a Ctrl-C) scores only the windows "
+                   "OUT lacks")
     p.add_argument("--pass-tokens", type=positive, default=None, metavar="N",
                    help="at most N tokens per pass (default: what the memory plan allows)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    p.add_argument("--no-progress", action="store_true", help="no progress line on a terminal")
+    p.add_argument("--no-progress", action="store_true", help="no progress (on a terminal "
+                   "one line redrawn, elsewhere a line per window), each with the running "
+                   "perplexity")
     add_load_options(p)
     return p
 
 
 def cmd_perplexity(argv) -> int:
     from deltafin_mlx.errors import UsageError
-    from deltafin_mlx.jobs.perplexity import (PerplexityOptions, Windows,
+    from deltafin_mlx.jobs.job_options import check_options
+    from deltafin_mlx.jobs.perplexity import (Interrupted, PerplexityOptions, Windows,
                                               check_reference_output, perplexity,
-                                              read_reference, read_text, reference_windows,
-                                              summary_lines)
+                                              read_reference, read_text, reference_windows)
+    from deltafin_mlx.jobs.results_file import check_not_input, check_regular
 
     args = perplexity_parser().parse_args(argv)
     text = read_text(args.file)  # before the model loads, not after
@@ -67,16 +85,48 @@ def cmd_perplexity(argv) -> int:
     opts = PerplexityOptions(windows=windows, chunks=chunks,
                              max_pass_tokens=args.pass_tokens,
                              kl_base=args.kl_divergence_base,
-                             kl_reference=args.kl_divergence, top_k=args.kl_top_k or 32)
+                             kl_reference=args.kl_divergence, top_k=args.kl_top_k or 32,
+                             output=args.output)
     windows.check()
+    if args.output:
+        check_regular(args.output, "output", missing_ok=True)
+        for other in (args.file, args.kl_divergence):
+            if other:
+                check_not_input(other, args.output)
+        if args.kl_divergence_base and \
+                os.path.realpath(args.kl_divergence_base) == os.path.realpath(args.output):
+            raise UsageError("-o and --kl-divergence-base name one file: the windows' scores "
+                             "and the reference go to two")
+        if os.path.exists(args.output) and os.path.getsize(args.output) > 0:
+            # another run's output is refused before the model loads (perplexity
+            # checks again under OUT's lock)
+            note = check_options(args.output, opts.recorded(text), started=True)
+            if note:
+                print(f"[perplexity] {note}", file=sys.stderr)
     model, tokenizer = load_model(args)
+    tty = sys.stderr.isatty()
     try:
-        summary = perplexity(model, tokenizer, text, opts,
-                             show_progress=sys.stderr.isatty() and not args.no_progress)
+        summary = perplexity(model, tokenizer, text, opts, show_progress=not args.no_progress,
+                             progress_lines=not tty)
+    except Interrupted as e:
+        report(e.summary, args.json)
+        print("[deltafin] " + (f"{args.output} keeps the windows scored: rerun the same "
+                               "command to resume" if args.output else "nothing kept: with "
+                               "-o OUT each window's scores are kept and a rerun resumes"),
+              file=sys.stderr)
+        raise
     finally:
         runtime(model).close()
-    if args.json:
-        print(json.dumps({k: v for k, v in summary.items() if k != "passes"}))
-    for line in summary_lines(summary):
-        print(f"[deltafin] {line}", file=sys.stderr)
+    report(summary, args.json)
     return 0
+
+
+def report(summary: dict, as_json: bool):
+    """The summary (of every window, or of those scored before a Ctrl-C)."""
+    from deltafin_mlx.jobs.perplexity import coverage_warning, summary_lines
+
+    if as_json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "passes"}))
+    warning = coverage_warning(summary)
+    for line in summary_lines(summary) + ([warning] if warning else []):
+        print(f"[deltafin] {line}", file=sys.stderr)

@@ -74,3 +74,30 @@ def cmd_score(argv) -> int:
     if last:
         print(f"deltafin-run: score: {last}", file=sys.stderr)
     return outcome.status
+
+
+def export_parser():
+    p = Parser(prog="deltafin-run export", description="score's JSONL results (scored with "
+               "--top-logprobs K) as a parquet dataset in trainers' layout: one row per text in "
+               "input order; input_ids, labels (-100 where not scored), teacher_topk_indices, "
+               "teacher_topk_logprobs (row t predicts token t+1) and teacher_tail_logprob "
+               "(docs/FORMAT.md). Needs pyarrow: pip install 'deltafin[distill]'.")
+    p.add_argument("scores", help="the JSONL that deltafin-run score wrote (-o)")
+    p.add_argument("-o", "--output", required=True,
+                   help="the parquet file (an earlier export there is replaced)")
+    return p
+
+
+def cmd_export(argv) -> int:
+    from deltafin_mlx.jobs.results_file import check_not_input, check_regular
+    from deltafin_mlx.jobs.score_export import export_parquet
+    from deltafin_mlx.units import count as counted
+
+    args = export_parser().parse_args(argv)
+    check_regular(args.scores, "input")
+    check_regular(args.output, "output", missing_ok=True)
+    check_not_input(args.scores, args.output)
+    s = export_parquet(args.scores, args.output)
+    print(f"[deltafin] {counted(s['texts'], 'text')} (top {s['top_k']} per position) written "
+          f"to {args.output}; {counted(s['errors'], 'error line')} left out", file=sys.stderr)
+    return 0

@@ -9,7 +9,10 @@ The rule per field is serve's, which is OpenAI's where OpenAI has the field:
 `temperature` 0..100, `top_p` and `min_p` 0..1 (0 is off), `top_k` below the
 vocabulary, `repetition_penalty` 0 (none) or 0.01..10, `presence_penalty` and
 `frequency_penalty` -100..100, `seed` 0..2**63-1, `stop` at most 16 non-empty
-strings, `top_logprobs` 0..10, `n` 1. OpenAI's bookkeeping fields (`user`,
+strings, `top_logprobs` 0..10, `n` 1; scoring (serve only): `echo` (a text
+completion's prompt given back with its log-probabilities, vLLM's and OpenAI's
+legacy API) and vLLM's `prompt_logprobs` 0..20, where `max_tokens` may be 0 and a
+text completion's `prompt` may be token ids or a list of prompts. OpenAI's bookkeeping fields (`user`,
 `metadata`, `store`, ...) are taken and change nothing; its fields for what this
 runtime does not do are taken only at the value that asks for nothing.
 
@@ -33,6 +36,8 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 10
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default cap (its --max-logprobs)
+MAX_PROMPTS = 64  # prompts in one scoring request (a list `prompt`)
 MAX_SEED = 2**63 - 1
 MAX_TOKENS = 1 << 31
 MAX_TOOLS = 256
@@ -132,6 +137,29 @@ def logit_bias(v, vocab):
     return out or None
 
 
+def prompt_list(v: list, limits: "RequestLimits") -> list:
+    """A text completion's list `prompt`: token ids (one prompt), or a list of
+    prompts, each a string or token ids (lm-eval's local-completions sends these);
+    as a list of prompts."""
+    if v and all(is_int(t) for t in v):
+        v = [v]
+    if not v or len(v) > MAX_PROMPTS:
+        fail("prompt", f"a list must hold 1..{MAX_PROMPTS} prompts, not {len(v)}")
+    for i, p in enumerate(v):
+        f = f"prompt[{i}]"
+        if isinstance(p, str):
+            text(p, f, allow_empty=False)
+            continue
+        if not isinstance(p, list) or not p or not all(is_int(t) for t in p):
+            fail(f, "must be a string or a non-empty list of token ids")
+        if len(p) > limits.context:
+            fail(f, f"has {len(p)} tokens, more than the planned context of {limits.context}")
+        bad = next((t for t in p if not 0 <= t < limits.vocab), None)
+        if bad is not None:
+            fail(f, f"has token id {bad}, outside the vocabulary (0..{limits.vocab - 1})")
+    return v
+
+
 def repetition_penalty(body):
     """0 is mlx-lm's "no penalty" (it skips the processor); otherwise a factor that
     divides repeated tokens' positive logits (multiplies negative ones), so a tiny
@@ -150,13 +178,13 @@ READ_FIELDS = {
     "presence_penalty", "frequency_penalty", "xtc_probability", "xtc_threshold",
     "repetition_penalty", "min_tokens_to_keep", "top_k", "repetition_context_size",
     "presence_context_size", "frequency_context_size", "seed", "logit_bias", "stop",
-    "logprobs", "top_logprobs", "chat_template_kwargs",
+    "logprobs", "top_logprobs", "chat_template_kwargs", "echo", "prompt_logprobs",
 }
 # OpenAI's fields that say nothing about the reply (bookkeeping for the client's side).
 INFORMATIONAL_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # OpenAI's fields for what this runtime does not do: taken only at the value that asks
 # for nothing (a client library may send it), refused otherwise.
-NO_OP_VALUES = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+NO_OP_VALUES = {"best_of": (None, 1), "suffix": (None, ""),
                 "tool_choice": (None, "auto"), "response_format": (None, {"type": "text"}),
                 "modalities": (None, ["text"]), "functions": (None,), "function_call": (None,),
                 "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
@@ -214,6 +242,17 @@ class GenerationRequest:
     top_logprobs: int = 0
     stream: bool = False
     stream_options: Optional[dict] = None
+    # Scoring (serve): the prompt given back with its log-probabilities (`echo`),
+    # vLLM's per-position top `prompt_logprobs`; a text completion's prompts when
+    # its `prompt` is a list (each a string or token ids; `prompt` is then None).
+    echo: bool = False
+    prompt_logprobs: Optional[int] = None
+    prompts: Optional[list] = None
+
+    @property
+    def scoring(self) -> bool:
+        """Whether the prompt is scored (echo, prompt_logprobs): serve answers it."""
+        return self.echo or self.prompt_logprobs is not None
 
     # --- the constructors ----------------------------------------------------
 
@@ -249,15 +288,29 @@ class GenerationRequest:
             for key in ("messages", "tools"):
                 if key in body:
                     fail(key, "is not a field of a text completion (it takes prompt)")
-            req.prompt = text(body.get("prompt"), "prompt", allow_empty=False)
-            prompt_text = req.prompt
+            if isinstance(body.get("prompt"), list):
+                req.prompts = prompt_list(body["prompt"], limits)
+            else:
+                req.prompt = text(body.get("prompt"), "prompt", allow_empty=False)
+            prompt_text = req.prompt if req.prompts is None else req.prompts
         size = text_bytes(prompt_text)
         if size > limits.max_text_bytes:
             fail("prompt", f"is {size} bytes of text, more than the planned context of "
                            f"{limits.context} tokens can hold (plan for more with --context N)")
-        req.max_tokens = integer(body, "max_completion_tokens", 1, MAX_TOKENS)
+        req.echo = boolean(body, "echo")
+        req.prompt_logprobs = integer(body, "prompt_logprobs", 0, MAX_PROMPT_LOGPROBS)
+        if req.echo and chat:
+            fail("echo", "is a text completion's (/v1/completions); a chat takes "
+                         "prompt_logprobs")
+        if req.scoring and req.stream:
+            fail("stream", "must be false with echo or prompt_logprobs")
+        if req.prompts is not None and not req.scoring:
+            fail("prompt", "a list (token ids, or several prompts) is taken with echo or "
+                           "prompt_logprobs only")
+        least = 0 if req.scoring else 1  # a prompt scored alone generates nothing
+        req.max_tokens = integer(body, "max_completion_tokens", least, MAX_TOKENS)
         if req.max_tokens is None:
-            req.max_tokens = integer(body, "max_tokens", 1, MAX_TOKENS)
+            req.max_tokens = integer(body, "max_tokens", least, MAX_TOKENS)
         for key, low, high in NUMBER_FIELDS:
             setattr(req, key, number(body, key, low, high))
         req.repetition_penalty = repetition_penalty(body)
@@ -302,6 +355,15 @@ class GenerationRequest:
             raise RequestError("the body must be a JSON object")
         if body.get("stream") not in (None, False):
             fail("stream", "must be false in a batch")
+        req = cls._batch_line(body, url, limits, raw)
+        if req.scoring:  # a prompt scored is `score`'s line
+            fail("echo" if req.echo else "prompt_logprobs",
+                 "is serve's; a batch generates (score a prompt with `score`)")
+        return req
+
+    @classmethod
+    def _batch_line(cls, body: dict, url: Optional[str], limits: RequestLimits,
+                    raw: bool) -> "GenerationRequest":
         if url is not None:
             return cls.from_openai(body, url == "/v1/chat/completions", limits)
         check_fields(body)  # an unknown key is named before a missing prompt
@@ -366,7 +428,10 @@ class GenerationRequest:
         `logprobs` as `logprobs` plus `top_logprobs`, -1 for none)."""
         out = {"stream": self.stream, "stop": list(self.stop), "logprobs": self.logprobs,
                "top_logprobs": self.top_logprobs or -1}
+        scoring = ("echo", "prompt_logprobs", "prompts")  # serve's own, before mlx-lm
         for f in fields(self):
+            if f.name in scoring:
+                continue
             v = getattr(self, f.name)
             if f.name not in out and v is not None:
                 out[f.name] = {str(k): b for k, b in v.items()} if f.name == "logit_bias" else v

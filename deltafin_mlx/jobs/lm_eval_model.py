@@ -21,7 +21,8 @@ The requests run through Deltafin's jobs, so the experts stream once per pass:
     generate_until         batch_generate: decoded together, stop strings and
                            max_gen_toks per request
 
-model_args: model (a directory written by deltafin-convert), budget (as --budget),
+model_args: model (a directory written by deltafin-convert; `pretrained`, lm-eval's
+key for hf and vllm, is taken for it), budget (as --budget),
 context (tokens of KV cache per sequence, 4096), max_length (tokens per rolling
 window; default: context), max_gen_toks (256, unless a task gives its own).
 
@@ -44,7 +45,7 @@ from deltafin_mlx.jobs.score import ScoreOptions, Sizing, iter_passes, within
 from deltafin_mlx.jobs.score_lines import ScoreItem, completion_item
 
 
-KNOWN_ARGS = "model, budget, context, max_length, max_gen_toks"
+KNOWN_ARGS = "model (or pretrained), budget, context, max_length, max_gen_toks"
 
 
 def tokens(name: str, value) -> int:
@@ -57,7 +58,8 @@ def tokens(name: str, value) -> int:
 
 @register_model("deltafin")
 class DeltafinLM(LM):
-    def __init__(self, model: Optional[str] = None, budget: Optional[str] = None,
+    def __init__(self, model: Optional[str] = None, pretrained: Optional[str] = None,
+                 budget: Optional[str] = None,
                  context: int = 4096, max_length: Optional[int] = None, max_gen_toks: int = 256,
                  batch_size=None, max_batch_size=None, device=None, **unused):
         # lm-eval passes its --batch_size, --max_batch_size and --device to every
@@ -66,6 +68,10 @@ class DeltafinLM(LM):
         if unused:
             raise JobError(f"deltafin model_args: unknown {', '.join(sorted(unused))} "
                            f"(known: {KNOWN_ARGS})")
+        if model is not None and pretrained is not None and str(model) != str(pretrained):
+            raise JobError(f"deltafin model_args: model and pretrained name two models; give "
+                           f"one (known: {KNOWN_ARGS})")
+        model = model if model is not None else pretrained
         if model is None:
             raise JobError(f"deltafin model_args: model=DIR is missing, a directory written "
                            f"by deltafin-convert (known: {KNOWN_ARGS})")

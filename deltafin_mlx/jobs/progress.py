@@ -9,11 +9,14 @@ from deltafin_mlx.jobs.outcome import Outcome
 class Progress:
     """The lines `outcome` counts done and failed of `total` (`items` names them: a
     score job counts texts), the prefill's tokens while prompts are read, aggregate
-    tokens/s and ETA, on one stderr line."""
+    tokens/s, ETA and the job's own `status` (perplexity's running value), on one
+    stderr line redrawn, or with `every_line` (a log, not a terminal) a line per
+    item finished."""
 
     def __init__(self, total: int, skipped: int, show: bool, outcome: Outcome,
-                 items: str = "requests"):
+                 items: str = "requests", every_line: bool = False):
         self.total, self.skipped, self.show = total, skipped, show
+        self.every_line, self.status = every_line, ""
         self.outcome, self.items, self.tokens = outcome, items, 0
         self.prefill = {}  # uid -> (prompt tokens done, of total), while prefilling
         self.in_layer = ""  # where the prefill step now running is (the engine says)
@@ -45,7 +48,7 @@ class Progress:
 
     def _draw(self, force=False):
         now = time.perf_counter()
-        if not self.show or (not force and now - self.last < 0.5):
+        if not self.show or not force and (self.every_line or now - self.last < 0.5):
             return
         self.last = now
         answered = self.outcome.answered
@@ -59,11 +62,12 @@ class Progress:
             want = sum(p[1] for p in self.prefill.values())
             reading = (f", prefill {have}/{want} tokens of {len(self.prefill)} prompts"
                        f"{self.in_layer}")
-        print(f"\r\033[K[{self.outcome.label}] {done}/{self.total} {self.items} "
+        start, end = ("", "\n") if self.every_line else ("\r\033[K", "")
+        print(f"{start}[{self.outcome.label}] {done}/{self.total} {self.items} "
               f"({self.outcome.errors} errors){reading}, "
-              f"{self.tokens_per_second:.2f} tok/s, ETA {eta}", end="", file=sys.stderr,
-              flush=True)
+              f"{self.tokens_per_second:.2f} tok/s, ETA {eta}{self.status}", end=end,
+              file=sys.stderr, flush=True)
 
     def close(self):
-        if self.show:
+        if self.show and not self.every_line:
             print(file=sys.stderr)

@@ -17,7 +17,7 @@ import shutil
 import stat
 import sys
 import tempfile
-from typing import Iterator, Optional, Set, Tuple
+from typing import Callable, Iterator, Optional, Set, Tuple
 
 from deltafin_mlx.errors import JobError
 from deltafin_mlx.units import human_bytes
@@ -167,10 +167,12 @@ class Results:
             raise JobError(f"{path}: another batch job is writing to this output; wait for "
                              "it to finish or choose another output file") from None
 
-    def scan(self) -> Set[str]:
-        """Keys of the requests already answered (error lines included). A last
-        line without its newline is what a kill mid-write leaves: it is truncated
-        away. Any other line that is not a result refuses the output."""
+    def scan(self, on_record: Optional[Callable[[dict], None]] = None) -> Set[str]:
+        """Keys of the requests already answered (error lines included), each
+        line's object handed to `on_record` too (a job that needs its values: it
+        raises ValueError for a line that is not one of its own). A last line
+        without its newline is what a kill mid-write leaves: it is truncated away.
+        Any other line that is not a result refuses the output."""
         keys: Set[str] = set()
         if not self.resumable:
             return keys
@@ -184,7 +186,10 @@ class Results:
                 if raw is not None and not raw.strip():
                     continue
                 try:
-                    keys.add(result_key(json.loads(raw)))
+                    rec = json.loads(raw)
+                    keys.add(result_key(rec))
+                    if on_record is not None:
+                        on_record(rec)
                 except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
                     raise self._not_results(n) from None
         if end < os.fstat(self.fd).st_size:

@@ -179,9 +179,9 @@ def score(model, tokenizer, inputs: Sequence, **options) -> List[dict]:
     inputs: strings (each a "text") or dicts in the score line format
         ({"text"}, {"prompt", "completion"}, {"messages"} or {"tokens"}, optional "id").
     options: ScoreOptions fields (top_logprobs, thinking, content_only).
-    Each result: {"id", "tokens", "token_logprobs", ["top_logprobs"], "logprob",
-    "scored_tokens", "greedy"} or {"id", "line", "error"}.
-    """
+    Each result: {"id", "line", "tokens", "token_logprobs", ["top_ids", "top_logprobs",
+    "tail_logprob"], "logprob", "scored_tokens", "greedy"} or {"id", "line", "error"}
+    (docs/FORMAT.md, "Score lines")."""
     opts = ScoreOptions(**options)
     lines = []
     for i, x in enumerate(inputs):

@@ -38,6 +38,7 @@ class ScoreItem:
     id: object
     tokens: List[int]
     scored: np.ndarray  # (len(tokens),) bool: positions whose token is scored
+    line: Optional[int] = None  # the job input's line number it answers (1-based)
 
     @classmethod
     def scored_from(cls, id, tokens: List[int], start: int) -> "ScoreItem":
@@ -270,6 +271,7 @@ def prepare(req: Request, tokenizer, thinking: bool = True, content_only: bool =
         item = ScoreItem(req.id, [int(t) for t in tokens], scored)
     if not item.tokens:
         raise ValueError("nothing to score: no tokens")
+    item.line = req.line
     return item
 
 

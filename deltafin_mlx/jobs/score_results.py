@@ -1,17 +1,19 @@
 """Where scores go: JSONL result lines, or safetensors shards with a JSONL index.
 
 JSONL (`--format jsonl`): one line per text, appended and fsynced as each pass
-finishes (batch_io.Results, which also locks OUT): id, tokens, token_logprobs (null where not scored, the
-first token included), top_logprobs with K > 0 ([id, logprob] pairs best first,
-null where not scored), logprob (the sum), scored_tokens, greedy.
+finishes (batch_io.Results, which also locks OUT), so in pass order: id, line (IN's
+line number, which puts them back in input order), tokens, token_logprobs (null where
+not scored, the first token included), with K > 0 top_ids, top_logprobs (per position
+K ids and K log-probabilities, best first) and tail_logprob (log of the mass outside
+them), null where not scored, then logprob (the sum), scored_tokens, greedy.
 
 Safetensors (`--format safetensors`, docs/FORMAT.md): each pass is one shard of
 rows, one row per token of its texts, `tokens` (int32), `token_logprobs` (float16,
-NaN where not scored) and with K > 0 `top_ids` (int32, T x K) and `top_logprobs`
-(float16, T x K); a shard is created under a name no file has (never overwriting
-anything), written whole, fsynced with its directory, and only then are its texts'
-lines appended to the index (OUT itself): {"id", "shard", "offset", "length",
-"logprob", "scored_tokens", "greedy"}. A kill leaves at worst a shard no index line
+NaN where not scored) and with K > 0 `top_ids` (int32, T x K), `top_logprobs`
+(float16, T x K) and `tail_logprob` (float32, T); a shard is created under a name no
+file has (never overwriting anything), written whole, fsynced with its directory, and
+only then are its texts' lines appended to the index (OUT itself): {"id", "line",
+"shard", "offset", "length", "logprob", "scored_tokens", "greedy"}. A kill leaves at worst a shard no index line
 names, which the next run deletes (it can tell its own: ShardOutput) before scoring
 those texts again; no other file beside OUT is ever deleted or written.
 
@@ -33,10 +35,15 @@ import numpy as np
 from deltafin_mlx.jobs.results_file import Results, read_lines, write_failed
 from deltafin_mlx.errors import JobError
 from deltafin_mlx.format.dtypes import SAFETENSORS_CODE
-from deltafin_mlx.generation.logprobs import top_pairs
+from deltafin_mlx.generation.logprobs import tail_logprob
 from deltafin_mlx.jobs.score_sweep import Scored
 
 FORMATS = ("jsonl", "safetensors")
+
+
+def text_fields(s: Scored) -> dict:
+    """The id, and the input line it answers (which puts lines in input order)."""
+    return {"id": s.item.id} if s.item.line is None else {"id": s.item.id, "line": s.item.line}
 
 
 def summary_fields(s: Scored) -> dict:
@@ -45,12 +52,16 @@ def summary_fields(s: Scored) -> dict:
 
 def result_line(s: Scored) -> dict:
     scored = s.item.scored
-    line = {"id": s.item.id, "tokens": s.item.tokens,
-            "token_logprobs": [float(v) if ok else None
-                               for v, ok in zip(s.token_logprobs, scored)]}
+    line = {**text_fields(s), "tokens": s.item.tokens}
+    line["token_logprobs"] = [float(v) if ok else None for v, ok in zip(s.token_logprobs, scored)]
     if s.top_ids is not None:
-        line["top_logprobs"] = [top_pairs(i, v) if ok else None
-                                for i, v, ok in zip(s.top_ids, s.top_logprobs, scored)]
+        # Separate arrays, not [id, logprob] pairs: a reader that types columns
+        # (pyarrow, datasets) keeps the ids integers.
+        line["top_ids"] = [row.tolist() if ok else None for row, ok in zip(s.top_ids, scored)]
+        line["top_logprobs"] = [row.tolist() if ok else None
+                                for row, ok in zip(s.top_logprobs, scored)]
+        line["tail_logprob"] = [float(v) if ok else None
+                                for v, ok in zip(tail_logprob(s.top_logprobs), scored)]
     line.update(summary_fields(s))
     return line
 
@@ -220,8 +231,9 @@ class ShardOutput:
         }
         if self.top_k:
             tensors["top_ids"] = np.concatenate([s.top_ids for s in results]).astype(np.int32)
-            tensors["top_logprobs"] = np.concatenate(
-                [s.top_logprobs for s in results]).astype(np.float16)
+            top = np.concatenate([s.top_logprobs for s in results])
+            tensors["top_logprobs"] = top.astype(np.float16)
+            tensors["tail_logprob"] = tail_logprob(top)  # of the float32 values, as JSONL's
         while True:
             if self.next > 99999:
                 raise JobError(f"{self.index}: 100,000 shards already; use another output file")
@@ -236,7 +248,7 @@ class ShardOutput:
         offset = 0
         for s in results:
             n = len(s.item.tokens)
-            self.out.write({"id": s.item.id, "shard": name, "offset": offset,
+            self.out.write({**text_fields(s), "shard": name, "offset": offset,
                             "length": n, **summary_fields(s)})
             offset += n
 

@@ -41,6 +41,7 @@ class Scored:
     # (scored positions, J) float32: the log-probabilities of the ids `run_pass`
     # was asked about at each scored position, or None
     at_logprobs: Optional[np.ndarray] = None
+    ranks: Optional[np.ndarray] = None  # (T,) int64, 0 where not scored (LogprobRows.ranks)
 
     @property
     def logprob(self) -> float:
@@ -74,12 +75,15 @@ class Rows:
     top_ids: Optional[np.ndarray]  # (N, K) int64, or None without top-K
     top_vals: Optional[np.ndarray]
     at_vals: Optional[np.ndarray]  # (N, J) float32, or None
+    ranks: np.ndarray  # (N,) int64: each target's rank (LogprobRows.ranks)
 
     def scored(self, item: ScoreItem, at: int, n: int) -> Scored:
         """`item`'s scores from its `n` rows starting at row `at`."""
         pos = np.nonzero(item.scored)[0]
         lp = np.full(len(item.tokens), np.nan, np.float32)
         lp[pos] = self.chosen[at : at + n]
+        ranks = np.zeros(len(item.tokens), np.int64)
+        ranks[pos] = self.ranks[at : at + n]
         ids = vals = None
         if self.top_ids is not None:
             k = self.top_ids.shape[1]
@@ -87,7 +91,7 @@ class Rows:
             vals = np.full((len(item.tokens), k), np.nan, np.float32)
             ids[pos], vals[pos] = self.top_ids[at : at + n], self.top_vals[at : at + n]
         return Scored(item, lp, ids, vals, bool(self.greedy[at : at + n].all()),
-                      None if self.at_vals is None else self.at_vals[at : at + n])
+                      None if self.at_vals is None else self.at_vals[at : at + n], ranks)
 
     @staticmethod
     def join(parts) -> "Rows":
@@ -97,7 +101,8 @@ class Rows:
         def cat(name):
             xs = [getattr(p, name) for p in parts]
             return None if xs[0] is None else np.concatenate(xs)
-        return Rows(*(cat(n) for n in ("chosen", "greedy", "top_ids", "top_vals", "at_vals")))
+        return Rows(*(cat(n) for n in ("chosen", "greedy", "top_ids", "top_vals", "at_vals",
+                                       "ranks")))
 
 
 def score_rows(flat: mx.array, head, where: np.ndarray, targets: np.ndarray, top_k: int,
@@ -109,13 +114,14 @@ def score_rows(flat: mx.array, head, where: np.ndarray, targets: np.ndarray, top
     at_vals = None if asked is None else np.zeros(asked.shape, np.float32)
     chosen = np.zeros(where.size, np.float32)
     greedy = np.zeros(where.size, bool)
+    ranks = np.zeros(where.size, np.int64)
     k = max(0, int(top_k))
     top_ids = top_vals = None
     for s in range(0, where.size, logit_rows):
         part = slice(s, s + logit_rows)
         h = flat[mx.array(where[part].astype(np.uint32))]
         out = logprob_rows(head(h), targets[part], k, at_ids=None if asked is None else asked[part])
-        chosen[part], greedy[part] = out.chosen, out.greedy
+        chosen[part], greedy[part], ranks[part] = out.chosen, out.greedy, out.ranks
         if asked is not None:
             at_vals[part] = out.at_logprobs
         if top_ids is None:  # K is at most the vocabulary
@@ -125,7 +131,7 @@ def score_rows(flat: mx.array, head, where: np.ndarray, targets: np.ndarray, top
         top_ids[part], top_vals[part] = out.top_ids, out.top_logprobs
     if not k:
         top_ids = top_vals = None
-    return Rows(chosen, greedy, top_ids, top_vals, at_vals)
+    return Rows(chosen, greedy, top_ids, top_vals, at_vals, ranks)
 
 
 @dataclass

@@ -73,6 +73,8 @@ class ServeSettings:
     socket_timeout: float
     header_timeout: float
     chat_template_args: dict = None  # serve's --chat-template-args: every request's
+    temp: float = 0.0  # serve's --temp: a request's unless it sets its own
+    scoring: bool = True  # prompts scored (echo, prompt_logprobs): not under mlx.launch
 
 
 def bind(host: str, port: int, backlog: int, max_connections: int = 256) -> DeltafinHTTPServer:
@@ -146,13 +148,13 @@ def serve(cfg: ServeConfig) -> int:
     # The port first: a port in use is one line before minutes of loading.
     httpd = bind(cfg.host, cfg.port, cfg.backlog, cfg.max_connections) if rank == 0 else None
     try:
-        return _serve(cfg, httpd, rank)
+        return _serve(cfg, httpd, rank, scoring=group is None)
     finally:
         if httpd is not None:
             httpd.server_close()
 
 
-def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
+def _serve(cfg: ServeConfig, httpd, rank: int, scoring: bool = True) -> int:
     import mlx_lm.server as server
 
     from deltafin_mlx.engine.load import LoadOptions, load
@@ -206,7 +208,8 @@ def _serve(cfg: ServeConfig, httpd, rank: int) -> int:
                                  created=int(time.time()), admission=admission,
                                  counters=counters, socket_timeout=cfg.socket_timeout,
                                  header_timeout=cfg.header_timeout,
-                                 chat_template_args=cfg.chat_template_args or {})
+                                 chat_template_args=cfg.chat_template_args or {},
+                                 temp=cfg.temp, scoring=scoring)
         fingerprint = server.get_system_fingerprint()
         httpd.RequestHandlerClass = lambda *a, **k: DeltafinHandler(
             generator, *a, settings=settings, system_fingerprint=fingerprint, **k)

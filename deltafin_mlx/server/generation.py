@@ -9,7 +9,11 @@ It also splits a chat prompt with no system message of its own where the chat
 template's preamble ends (K3's opens every conversation with a long system message
 of its own): mlx-lm's prompt cache keeps the state at a segment's end, so each new
 conversation starts from the cached preamble. A prompt is always prefilled in the
-same segments, cached or not, so a reply is the same either way.
+same segments, cached or not, so a reply is the same either way. And it scores
+prompts (`score`: echo, prompt_logprobs) on its own thread between generation
+steps, so a scoring pass never runs beside a step on the same model: every request
+waiting to be scored when the thread gets to them is packed into the same passes
+(jobs/score.py `iter_passes`, the rule `score` runs by).
 
 `TurnTakingBatchGenerator`: mlx-lm's batch generator runs a pass of the next prompt
 in the same call as the decode step and hands the step's tokens out only after it,
@@ -21,6 +25,9 @@ import json
 import logging
 import threading
 import weakref
+from dataclasses import dataclass, field
+from queue import Queue
+from typing import List
 
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.server import CompletionRequest, ModelProvider, ResponseGenerator
@@ -28,6 +35,8 @@ from mlx_lm.server import CompletionRequest, ModelProvider, ResponseGenerator
 from deltafin_mlx import compat
 from deltafin_mlx.generation.engine import batchable
 from deltafin_mlx.generation.stream import common_prefix
+from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
+from deltafin_mlx.jobs.score_lines import ScoreItem
 
 log = logging.getLogger("deltafin_mlx.server")
 
@@ -53,6 +62,14 @@ class LoadedModelProvider(ModelProvider):
         return self.model, self.tokenizer
 
 
+@dataclass
+class ScoreJob:
+    """One request's texts to score, and where their scores (or the error) go."""
+    items: List[ScoreItem]
+    top_k: int
+    answer: Queue = field(default_factory=Queue)
+
+
 class ResilientGenerator(compat.ResponseGeneratorHooks, ResponseGenerator):
     """mlx-lm's ResponseGenerator whose loop restarts after an exception (the
     requests it had taken get GenerationFailed) and whose chat prompts are split
@@ -65,7 +82,53 @@ class ResilientGenerator(compat.ResponseGeneratorHooks, ResponseGenerator):
         self.taken_lock = threading.Lock()
         self.on_restart = on_restart
         self.preambles = {}  # (template arguments, tools) -> the preamble's tokens
+        self.score_jobs = []  # ScoreJobs not yet taken by the generation thread
+        self.score_lock = threading.Lock()
         super().__init__(model_provider, prompt_cache)
+
+    def score(self, items: List[ScoreItem], top_k: int) -> list:
+        """Each item's Scored (jobs/score_sweep.py), in order, from passes the
+        generation thread runs between its steps, shared with every other
+        request waiting to be scored then."""
+        job = ScoreJob(items, top_k)
+        if not self.generation_available():
+            raise self.thread_stopped()
+        with self.score_lock:
+            self.score_jobs.append(job)
+        self.wake_for_side_work()
+        answer = self._await_response(job.answer)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def side_work(self):
+        """The scoring jobs waiting, their texts packed into passes together (on
+        the generation thread); a failure fails those jobs only."""
+        with self.score_lock:
+            jobs, self.score_jobs = self.score_jobs, []
+        if not jobs:
+            return
+        items, owner = [], []
+        for j, job in enumerate(jobs):
+            for i, it in enumerate(job.items):
+                items.append(ScoreItem((j, i), it.tokens, it.scored))
+                owner.append(j)
+        answers = [[None] * len(job.items) for job in jobs]
+        try:
+            opts = ScoreOptions(top_logprobs=max(job.top_k for job in jobs))
+            for done, _ in iter_passes(self.model_provider.model, items, opts):
+                for s in done:
+                    j, i = s.item.id
+                    answers[j][i] = s
+        except Exception as e:  # noqa: BLE001 - the requests get it, generation goes on
+            log.error("scoring failed (%s: %s)", type(e).__name__, str(e)[:300])
+            failed = GenerationFailed(f"scoring failed ({type(e).__name__}); other requests "
+                                      "are unaffected")
+            for job in jobs:
+                job.answer.put(failed)
+            return
+        for job, answer in zip(jobs, answers):
+            job.answer.put(answer)
 
     def request_taken(self, response_queue):
         with self.taken_lock:

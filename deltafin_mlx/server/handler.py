@@ -20,14 +20,14 @@ import logging
 import select
 import socket
 import time
-from itertools import accumulate
 
 from mlx_lm.server import APIHandler
 
 from deltafin_mlx import compat
 from deltafin_mlx.errors import ContextError, RequestError
-from deltafin_mlx.generation.engine import Defaults, prepare
-from deltafin_mlx.server import schema
+from deltafin_mlx.generation.engine import Defaults, prepare, prompt_tokens
+from deltafin_mlx.generation.request import fit_max_tokens
+from deltafin_mlx.server import schema, scoring
 from deltafin_mlx.server.admission import Busy
 from deltafin_mlx.server.generation import GenerationFailed
 
@@ -333,13 +333,83 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
         del self.headers["Content-Length"]
         self.headers["Content-Length"] = str(len(data))
         self.rfile = io.BytesIO(data)
-        with self.settings.admission.place():
+        self.prompt_scores = None  # (prompt text, tokens, Scored) of a scored prompt
+        if request.scoring:
+            # Scored without a generation place: its passes are the plan's whatever
+            # waits, so requests waiting together share them.
             self.meter = self.settings.counters.start(path)
+            self.outcome = "refused"
+            try:
+                if self.scored_alone(path, request):
+                    return
+            finally:
+                if self.prompt_scores is None:  # answered or refused
+                    self.settings.counters.finish(self.meter, self.outcome)
+        with self.settings.admission.place():
+            if self.prompt_scores is None:
+                self.meter = self.settings.counters.start(path)
             self.outcome = "refused"
             try:
                 super().do_POST()
             finally:
                 self.settings.counters.finish(self.meter, self.outcome)
+
+    # --- a scored prompt (server/scoring.py) --------------------------------
+
+    def scored_alone(self, path, request) -> bool:
+        """Score the prompts (echo, prompt_logprobs); True when that answers the
+        request (or refused it), False when its reply is still to be generated
+        (then `prompt_scores` holds the prompt's)."""
+        chat, tok = COMPLETIONS[path], self.settings.tokenizer
+        if not self.settings.scoring:
+            self.refuse(400, "echo and prompt_logprobs are not served under mlx.launch")
+            return True
+        prompts = request.prompts or [None if chat else request.prompt]
+        alone = scoring.answered_by_the_pass(request, self.settings.temp)
+        if not alone and (len(prompts) > 1 or not isinstance(prompts[0], (str, type(None)))):
+            self.refuse(400, "prompt: token ids or several prompts are scored with max_tokens "
+                             "0, or 1 decoded greedily (temperature 0)")
+            return True
+        kwargs = {**(self.settings.chat_template_args or {}),
+                  **(request.chat_template_kwargs or {})}
+        try:
+            tokens = [list(p) if isinstance(p, list) else self.tokens_of(dataclasses.replace(
+                request, prompt=p, prompts=None, chat_template_kwargs=kwargs)) for p in prompts]
+            for t in tokens:
+                fit_max_tokens(len(t), request.max_tokens if alone else 0,
+                               self.settings.limits.context)
+        except (RequestError, ContextError) as e:
+            self.refuse(400, str(e))
+            return True
+        next_token = alone and request.max_tokens == 1
+        k = max(request.top_logprobs if request.logprobs else 0, request.prompt_logprobs or 0,
+                int(next_token))
+        self.meter.prompt_tokens = sum(map(len, tokens))
+        try:
+            scored = self.response_generator.score(scoring.items(tokens, next_token), k)
+        except GenerationFailed as e:
+            self.outcome = "failed"
+            self.refuse(500, str(e))
+            return True
+        if not alone:
+            self.prompt_scores = (prompts[0], tokens[0], scored[0])
+            return False
+        self.meter.reply_tokens = len(tokens) * next_token
+        self.send_json(200, scoring.pass_response(self, request, chat, prompts, tokens, scored,
+                                                  next_token))
+        self.outcome = "ok"
+        return True
+
+    def tokens_of(self, request) -> list:
+        """A prompt's tokens as generation/engine.py builds them (a template's
+        failure is the request's)."""
+        try:
+            return prompt_tokens(request, self.settings.tokenizer)
+        except (KeyboardInterrupt, SystemExit, RequestError):
+            raise
+        except BaseException as e:  # template errors of any kind
+            raise RequestError(f"cannot build the prompt ({type(e).__name__}: "
+                               f"{str(e)[:200]})") from None
 
     # --- a completion ------------------------------------------------------
 
@@ -425,11 +495,15 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
             top_tokens = [r.top_tokens for r in self.streamed]
             self.streamed = []
         if tokens and token_logprobs:
-            choice["logprobs"] = logprobs_block(
+            choice["logprobs"] = scoring.logprobs_block(
                 self.settings.tokenizer, tokens, token_logprobs, top_tokens or [],
                 legacy=self.legacy_logprobs)
         elif not self.stream and "logprobs" not in choice:
             choice["logprobs"] = None
+        if self.prompt_scores is not None and finish_reason is not None:
+            prompt, tokens, scored = self.prompt_scores
+            scoring.attach(response, self.settings.tokenizer, self.checked,
+                           "message" in choice, prompt or "", tokens, scored)
         return response
 
     def rendered_text(self, finish_reason):
@@ -446,47 +520,6 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
         response = super().completion_usage_response(*args, **kwargs)
         response["model"] = self.settings.model_id
         return response
-
-
-def _token_text(tokenizer, token: int) -> str:
-    return tokenizer.decode([token])
-
-
-def logprobs_block(tokenizer, tokens, logprobs, top_tokens, legacy: bool):
-    """OpenAI's logprobs of a reply: per generated token its own logprob and the
-    top alternatives, best first (ties by id). `legacy`: /v1/completions' shape
-    (tokens, token_logprobs, top_logprobs as {text: logprob}, text_offset), where
-    alternatives that decode to the same text (pieces of one UTF-8 character all
-    decode to U+FFFD) share one key, holding the best of their logprobs; every
-    alternative, with its id, is in `top_tokens` (as chat's top_logprobs entries)."""
-    tops = []
-    for i in range(len(tokens)):
-        top = top_tokens[i] if i < len(top_tokens) else ()
-        tops.append(sorted(top, key=lambda t: (-t["logprob"], t["id"])))
-    texts = [_token_text(tokenizer, t) for t in tokens]
-
-    def entry(token, text, logprob):
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "id": token}
-
-    if legacy:
-        offsets = [0, *accumulate(map(len, texts))][:len(texts)]  # where each token's text starts
-        alternatives = [[entry(x["id"], _token_text(tokenizer, x["id"]), x["logprob"])
-                         for x in top] for top in tops]
-        merged = []
-        for top in alternatives:
-            by_text = {}
-            for x in top:  # best first: a shared text keeps the best logprob
-                by_text.setdefault(x["token"], x["logprob"])
-            merged.append(by_text)
-        return {"tokens": texts, "token_ids": list(tokens), "token_logprobs": list(logprobs),
-                "top_logprobs": merged if any(tops) else None,
-                "top_tokens": alternatives if any(tops) else None,
-                "text_offset": offsets}
-
-    return {"content": [
-        {**entry(t, s, lp), "top_logprobs": [entry(x["id"], _token_text(tokenizer, x["id"]),
-                                                   x["logprob"]) for x in top]}
-        for t, s, lp, top in zip(tokens, texts, logprobs, tops)]}
 
 
 class _Watched:

@@ -32,8 +32,13 @@ def check_depth(value, limit=MAX_DEPTH):
 
 
 def check_completion(body: dict, chat: bool, limits: RequestLimits) -> dict:
-    """The checked fields of a chat (`chat`) or text completion body, for mlx-lm."""
-    return read_completion(body, chat, limits).mlx_lm_body()
+    """The checked fields of a chat (`chat`) or text completion body, for mlx-lm's
+    own server (the drop-in), which scores no prompt."""
+    request = read_completion(body, chat, limits)
+    if request.scoring:
+        fail("echo" if request.echo else "prompt_logprobs",
+             "is deltafin-run serve's (mlx_lm.server does not score prompts)")
+    return request.mlx_lm_body()
 
 
 def read_completion(body: dict, chat: bool, limits: RequestLimits) -> GenerationRequest:

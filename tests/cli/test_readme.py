@@ -24,6 +24,10 @@ NOT_RUN = {
     "curl -s localhost:8080": "requests to that server (tests/server/test_server_endpoints.py sends them)",
     "pip install -q \".[eval]\"": "the test extra already holds lm-eval",
     "deltafin-lm-eval": "its tasks download datasets (tests/jobs/test_lm_eval.py runs a local task)",
+    "mlx_lm dwq": "DWQ needs a vocabulary of 1,024 or more (tests/dropin/test_dwq.py runs both "
+                  "steps on a local dataset)",
+    "lm_eval --model local-completions": "needs the server above and downloads its task "
+                                         "(tests/server/test_scoring_server.py runs lm-eval's client)",
 }
 
 

@@ -89,7 +89,11 @@ TABLE = [
     (CHAT, chat(user="u1", metadata={"k": "v"}, store=False, service_tier="auto",
                 parallel_tool_calls=True), None),
     (TEXT, text(best_of=1, echo=False, suffix=""), None),
-    (TEXT, text(echo=True), "echo"),
+    (CHAT, chat(echo=True), "echo"),  # a text completion's; a chat takes prompt_logprobs
+    (TEXT, text(echo="yes"), "echo"),
+    (TEXT, text(prompt_logprobs=21), "prompt_logprobs"),
+    (CHAT, chat(prompt_logprobs=-1), "prompt_logprobs"),
+    (TEXT, text(prompt=[1, 2]), "prompt"),  # token ids: with echo or prompt_logprobs only
     (CHAT, chat(tool_choice="required"), "tool_choice"),
     (CHAT, chat(temprature=0.5), "temprature"),
     (CHAT, chat(chat_template_kwargs={"thinking": False}), None),
@@ -105,8 +109,33 @@ TABLE = [
 ]
 
 
+# What serve scores (echo, prompt_logprobs) and a batch refuses: `score` scores a file.
+SCORING = [
+    (TEXT, text(echo=True, logprobs=1, max_tokens=0)),
+    (TEXT, text(prompt=[[1, 2, 3], "two"], echo=True, max_tokens=1)),
+    (TEXT, text(prompt_logprobs=20)),
+    (CHAT, chat(prompt_logprobs=0, max_tokens=0)),
+]
+
+
+@pytest.mark.parametrize("url,body", SCORING, ids=[str(i) for i in range(len(SCORING))])
+def test_serve_scores_a_prompt_that_a_batch_line_refuses(url, body):
+    req = served(url, body)
+    assert isinstance(req, GenerationRequest) and req.scoring, req
+    assert not {"echo", "prompt_logprobs", "prompts"} & set(req.mlx_lm_body())
+    for line in ({"custom_id": "r", "method": "POST", "url": url, "body": body},
+                 {"id": "r", **body}):
+        verdict = batched(line, raw=url == TEXT)
+        assert isinstance(verdict, str) and "is serve's" in verdict, verdict
+    # mlx_lm.server through the drop-in (its guard checks by serve's schema) scores none
+    from deltafin_mlx.server.schema import check_completion
+
+    with pytest.raises(RequestError, match="mlx_lm.server does not score prompts"):
+        check_completion(body, url == CHAT, LIMITS)
+
+
 def test_the_table_holds_every_field_a_request_takes_and_openais_bookkeeping():
-    used = {k for _, body, _ in TABLE for k in body}
+    used = {k for _, body, _ in TABLE + [(u, b, None) for u, b in SCORING] for k in body}
     every = READ_FIELDS | INFORMATIONAL_FIELDS
     assert every <= used, every - used
     assert {url for url, _, _ in TABLE} == {CHAT, TEXT} and len(TABLE) >= 25

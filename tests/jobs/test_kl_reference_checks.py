@@ -109,7 +109,7 @@ def test_a_reference_id_outside_the_models_vocabulary_is_refused_not_gathered(ba
 
 
 @pytest.mark.parametrize("target", ["the text", "config.json", "a new file in the model",
-                                    "an existing text", "a FIFO"])
+                                    "an existing text", "a FIFO", "a missing folder"])
 def test_the_reference_written_never_replaces_the_text_the_models_files_or_other_files(
         base, tmp_path, capsys, target):
     model_src, text_src, _ = base
@@ -128,6 +128,8 @@ def test_the_reference_written_never_replaces_the_text_the_models_files_or_other
                                     "directory"),
         "an existing text": (other, f"{other}: exists and is not a KL reference"),
         "a FIFO": (fifo, f"{fifo}: exists and is not a KL reference"),
+        "a missing folder": (tmp_path / "nowhere" / "base.kld.safetensors",
+                             f"{tmp_path / 'nowhere'} is not a folder this run can write"),
     }[target]
     def files():
         return {p: p.read_bytes() for p in (text, other, *model.rglob("*")) if p.is_file()}

@@ -155,7 +155,10 @@ BAD_MODEL_ARGS = [
     ("model={model},budget=200MB,context=0", "--context must be at least 1 token"),
     ("model={model},budget=200MB,max_gen_toks=ten", "max_gen_toks: must be an integer"),
     ("model={model},budget=200MB,max_length=0", "max_length: must be in 1.."),
-    ("model={model},budget=200MB,window=8", "unknown window"),
+    ("model={model},budget=200MB,window=8",
+     "unknown window (known: model (or pretrained), budget, context, max_length, "
+     "max_gen_toks)"),
+    ("model={model},pretrained={root},budget=200MB", "model and pretrained name two models"),
 ]
 LONG = "the experts stream from disk " * 20
 BAD_REQUESTS = [
@@ -176,6 +179,39 @@ def test_every_bad_model_arg_is_a_deltafin_error(args, says, converted, tmp_path
     with pytest.raises(DeltafinError, match=re.escape(says)):
         DeltafinLM.create_from_arg_string(
             args.format(model=converted("qwen3_moe"), root=tmp_path))
+
+
+def test_pretrained_is_taken_for_model_as_lm_evals_hf_and_vllm_take_it(converted):
+    from deltafin_mlx.jobs.lm_eval_model import DeltafinLM
+
+    model = converted("qwen3_moe")
+    lm = DeltafinLM.create_from_arg_string(f"pretrained={model},budget=200MB,context=64")
+    try:
+        assert lm.path == str(model) and lm.context == 64
+    finally:
+        runtime(lm.model).close()
+
+
+def test_the_readme_says_how_rolling_windows_differ_from_mlx_lm_evaluate():
+    """lm-eval's EOT-prefixed windows against mlx_lm.evaluate's all-but-the-first, and
+    its chat template on by default: said where the lm-eval model is described,
+    with the reason Deltafin declares no lm_eval entry point."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### lm-evaluation-harness", 1)[1].split("\n### ", 1)[0]
+    for says in ("pretrained", "EOT", "every token but the first", "`mlx_lm.evaluate`",
+                 "chat template by default", "no plugin discovery", "local-completions"):
+        assert says in section, says
+
+
+def test_no_lm_eval_entry_point_is_declared_as_lm_eval_reads_none():
+    """lm-eval 0.4's registry finds models in its own MODEL_MAPPING and in modules
+    already imported; nothing in it reads entry points, so one declared would be
+    found by nothing (the README says so)."""
+    import lm_eval
+
+    sources = Path(lm_eval.__file__).parent.rglob("*.py")
+    assert not any("entry_points(" in f.read_text(errors="replace") for f in sources)
+    assert "[project.entry-points" not in (ROOT / "pyproject.toml").read_text()
 
 
 @pytest.fixture(scope="module")

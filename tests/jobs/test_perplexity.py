@@ -2,13 +2,20 @@
 llama-perplexity cuts them (side by side, second half scored; --stride S: a window
 every S tokens scoring its last S; --stride C: mlx_lm.perplexity's), each window
 scored as the same tokens scored through a JSONL `score` job are (within 1e-4),
-packed many per pass, and every pass reads each routed expert at most once."""
+packed many per pass, and every pass reads each routed expert at most once. With
+-o OUT each window's scores are kept as its pass finishes: a Ctrl-C prints the
+estimate so far and the same command resumes, to the value of a run never
+interrupted."""
 
 import json
 import math
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from deltafin_mlx.cli.main import main
 from deltafin_mlx.engine.load import load
@@ -102,3 +109,149 @@ def test_a_text_shorter_than_a_window_or_not_text_is_refused(converted, tmp_path
     assert main(["perplexity", str(converted("qwen3_moe")), str(short), "-c", "8",
                  "--stride", "9"]) == 1
     assert "--stride must be between 1 and the context, 8" in capsys.readouterr().err
+
+
+# The command in a process of its own, held after its first pass until a signal
+# comes (so the test's SIGINT lands between passes however fast they are).
+HELD_AFTER_FIRST_PASS = """
+import signal, sys
+import deltafin_mlx.jobs.perplexity as job
+from deltafin_mlx.cli.main import main
+
+real = job.iter_passes
+
+def held(*args, **kwargs):
+    for scored in real(*args, **kwargs):
+        yield scored
+        signal.pause()
+
+job.iter_passes = held
+sys.argv = ["deltafin-run", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_keeps_the_windows_scored_and_a_rerun_resumes_to_the_same_value(
+        converted, text_file, tmp_path, capsys):
+    """SIGINT after the first window's progress line: the command prints the
+    estimate so far and exits 130, OUT keeps that window (the reference is not
+    written yet); the same command again scores only the other windows and ends
+    with the perplexity and the reference of a run never interrupted, exactly."""
+    model_dir = converted("qwen3_moe")
+    out, ref = tmp_path / "windows.jsonl", tmp_path / "base.kld.safetensors"
+    argv = ["perplexity", str(model_dir), str(text_file), "-c", "48", "--pass-tokens", "48",
+            "--budget", "200MB", "-o", str(out), "--kl-divergence-base", str(ref)]
+    proc = subprocess.Popen([sys.executable, "-c", HELD_AFTER_FIRST_PASS, *argv],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("[perplexity] 1/"):
+            break
+    assert seen and seen[-1].startswith("[perplexity] 1/"), seen
+    assert ", perplexity " in seen[-1]  # the running value
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, rest
+    lines = [line for line in rest.splitlines() if line.strip()]
+    assert "Traceback" not in rest
+    estimate = [line for line in lines if "interrupted after" in line]
+    assert len(estimate) == 1 and "interrupted after 1 of them: perplexity " in estimate[0]
+    assert "so far" in estimate[0]
+    assert lines[-2] == (f"[deltafin] {out} keeps the windows scored: rerun the same command "
+                         "to resume")
+    assert lines[-1] == "deltafin-run: interrupted"
+    assert len(out.read_text().splitlines()) == 1 and not ref.exists()
+
+    s, _ = run_json(capsys, *argv, "--json", "--no-progress")
+    assert s["windows_resumed"] == 1 and s["sweeps"] == s["windows"] - 1 > 2
+    assert s["windows_done"] == s["windows"] and not s["interrupted"]
+    once_out, once_ref = tmp_path / "once.jsonl", tmp_path / "once.kld.safetensors"
+    once, _ = run_json(capsys, *argv[:-4], "-o", once_out, "--kl-divergence-base", once_ref,
+                       "--json", "--no-progress")
+    assert once["windows_resumed"] == 0 and once["sweeps"] == once["windows"]
+    assert s["perplexity"] == once["perplexity"] and s["mean_nll"] == once["mean_nll"]
+    assert s["perplexity_se"] == once["perplexity_se"]
+    a, b = load_file(str(ref)), load_file(str(once_ref))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert out.read_text() == once_out.read_text()  # the same windows, in order
+
+
+def test_a_finished_output_resumes_with_nothing_to_score_and_other_options_are_refused(
+        converted, text_file, tmp_path, capsys):
+    model_dir = converted("qwen3_moe")
+    out = tmp_path / "windows.jsonl"
+    argv = ["perplexity", model_dir, text_file, "-c", 48, "--budget", "200MB", "-o", out,
+            "--json", "--no-progress"]
+    first, _ = run_json(capsys, *argv)
+    again, _ = run_json(capsys, *argv)
+    assert again["windows_resumed"] == again["windows"] and again["sweeps"] == 0
+    assert again["perplexity"] == first["perplexity"]
+    assert main([str(a) for a in argv[:3]] + ["-c", "32", "--budget", "200MB", "-o",
+                                               str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{out} was written with -c 48; this run asks for -c 32" in err[0]
+    assert main([str(a) for a in argv[:3]] + ["-c", "48", "-o", str(text_file)]) == 1
+    assert "this is the input file" in capsys.readouterr().err
+    ref = tmp_path / "new.kld.safetensors"
+    assert main([str(a) for a in argv[:3]] + ["-o", str(ref), "--kl-divergence-base",
+                                               str(ref)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "deltafin-run: error: -o and --kl-divergence-base name one file: the windows' scores "
+        "and the reference go to two"]
+
+
+def test_an_output_whose_window_lines_would_be_too_long_is_refused_before_scoring(
+        converted, text_file, tmp_path, capsys, monkeypatch):
+    """-o keeps each window's top K in one JSONL line: a K that would make a line
+    longer than a line may be is refused in one line before any pass runs."""
+    import deltafin_mlx.jobs.perplexity as job
+    from deltafin_mlx.units import human_bytes
+
+    passes = []
+    monkeypatch.setattr(job, "LINE_MAX_BYTES", 1 << 18)  # 24 x 512 pairs: up to ~0.5 MB
+    real = job.iter_passes
+
+    def counted(*args, **kwargs):
+        passes.append(args)
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(job, "iter_passes", counted)
+    argv = ["perplexity", str(converted("qwen3_moe")), str(text_file), "-c", "48",
+            "--budget", "200MB", "-o", str(tmp_path / "w.jsonl"), "--kl-divergence-base",
+            str(tmp_path / "ref.safetensors")]
+    assert main(argv + ["--kl-top-k", "1000"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("with --kl-top-k 512: a window's line would hold 24 x 512 ids and "
+                            f"log-probabilities, more than the {human_bytes(1 << 18)} a line "
+                            "may have; give a smaller --kl-top-k or -c, or leave -o out")
+    assert passes == [] and not (tmp_path / "w.jsonl").exists()
+    monkeypatch.setattr(job, "LINE_MAX_BYTES", 1 << 26)
+    assert main(argv + ["--kl-top-k", "1000", "--chunks", "1"]) == 0
+    assert len(passes) == 1
+
+
+def test_ctrl_c_without_an_output_prints_the_estimate_and_says_nothing_was_kept(
+        converted, text_file, capsys, monkeypatch):
+    import deltafin_mlx.jobs.perplexity as job
+
+    real = job.iter_passes
+
+    def interrupted_after_the_first_pass(*args, **kwargs):
+        passes = real(*args, **kwargs)
+        yield next(passes)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "iter_passes", interrupted_after_the_first_pass)
+    assert main(["perplexity", str(converted("qwen3_moe")), str(text_file), "-c", "48",
+                 "--pass-tokens", "96", "--budget", "200MB", "--json", "--no-progress"]) == 130
+    out, err = capsys.readouterr()
+    s = json.loads(out)
+    assert s["interrupted"] and s["windows_done"] == 2 < s["windows"]
+    assert s["scored_tokens"] == 48 and s["perplexity"] > 1
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert (f"interrupted after 2 of them: perplexity {s['perplexity']:.4f} ± "
+            f"{s['perplexity_se']:.4f}") in lines[-3]
+    assert lines[-2] == ("[deltafin] nothing kept: with -o OUT each window's scores are kept "
+                         "and a rerun resumes")
+    assert lines[-1] == "deltafin-run: interrupted"

@@ -53,6 +53,7 @@ def test_logprobs_equal_mlx_lm_in_memory(converted, references, arch, slots):
         assert "error" not in r, r
         lp = reference_logprobs(ref, r["tokens"])
         assert r["token_logprobs"][0] is None and r["top_logprobs"][0] is None
+        assert r["top_ids"][0] is None and r["tail_logprob"][0] is None
         scored = 0
         for p in range(1, len(r["tokens"])):
             got = r["token_logprobs"][p]
@@ -61,7 +62,7 @@ def test_logprobs_equal_mlx_lm_in_memory(converted, references, arch, slots):
             scored += 1
             want = lp[p - 1]
             assert abs(got - want[r["tokens"][p]]) < 1e-4
-            top = r["top_logprobs"][p]
+            top = list(zip(r["top_ids"][p], r["top_logprobs"][p]))
             assert top[0][0] == int(np.argmax(want))
             assert [round(v, 4) for _, v in top] == [round(float(want[i]), 4) for i, _ in top]
             assert all(abs(v - want[i]) < 1e-4 for i, v in top)
@@ -197,8 +198,8 @@ def test_killed_job_resumes_without_duplicates_or_lost_lines(converted, tmp_path
 def test_safetensors_output_reads_back_with_plain_numpy(converted, tmp_path):
     """--format safetensors: the index maps each id to a shard and rows; the shard
     loads with the safetensors package's numpy loader (no Deltafin), and its rows
-    hold the JSONL output's tokens, float16 log-probs (NaN where not scored) and
-    top-K ids and log-probs."""
+    hold the JSONL output's tokens, float16 log-probs (NaN where not scored),
+    top-K ids and log-probs and the same tail masses; index lines name IN's line."""
     from safetensors.numpy import load_file
 
     model, tok = load(converted("qwen3_moe"), "200MB", warm_start=False)
@@ -222,8 +223,12 @@ def test_safetensors_output_reads_back_with_plain_numpy(converted, tmp_path):
         lp = shard["token_logprobs"][rows]
         assert np.isnan(lp[0]) and line["scored_tokens"] == w["scored_tokens"]
         assert np.allclose(lp[1:], [v for v in w["token_logprobs"][1:]], atol=1e-2)
-        assert shard["top_ids"][rows][1:].tolist() == [[i for i, _ in t] for t in w["top_logprobs"][1:]]
+        assert shard["top_ids"][rows][1:].tolist() == w["top_ids"][1:]
         assert shard["top_logprobs"].dtype == np.float16
+        tail = shard["tail_logprob"][rows]
+        assert tail.dtype == np.float32 and np.isnan(tail[0])
+        assert tail[1:].tolist() == w["tail_logprob"][1:]  # the same float32 values
+        assert line["line"] == w["line"] == int(line["id"][1:]) + 1
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -345,6 +350,5 @@ def test_score_runs_on_a_model_deltafin_did_not_load(converted, references):
     for a, b in zip(ours, theirs):
         assert a["tokens"] == b["tokens"] and a["greedy"] == b["greedy"]
         assert abs(a["logprob"] - b["logprob"]) < 1e-3
-        assert [t and [i for i, _ in t] for t in a["top_logprobs"]] == \
-            [t and [i for i, _ in t] for t in b["top_logprobs"]]
+        assert a["top_ids"] == b["top_ids"]
     runtime(model).close()

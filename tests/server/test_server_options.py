@@ -136,3 +136,37 @@ def test_a_config_naming_another_model_file_is_refused_before_serving(converted,
     (model / "config.json").write_text(json.dumps(config))
     p = serve(model, "--budget", "40MB", "--port", free_port())
     assert p.returncode == 1 and "config.json" in one_line(p.stderr)
+
+
+def test_scoring_requests_waiting_together_share_passes(monkeypatch):
+    """server/generation.py's ResilientGenerator scores on its generation thread:
+    the requests waiting when it gets to them go into one packing of passes
+    (jobs/score.py iter_passes, at the largest top K asked), each gets its own
+    items' scores in order, and a failing pass fails those requests only."""
+    from deltafin_mlx.jobs.score_lines import ScoreItem
+    from deltafin_mlx.server import generation
+    from deltafin_mlx.server.generation import GenerationFailed, ResilientGenerator, ScoreJob
+
+    calls = []
+
+    def passes(model, items, opts):
+        calls.append(([list(it.tokens) for it in items], opts.top_logprobs))
+        if any(it.tokens == [9, 9] for it in items):
+            raise ValueError("a pass failed")
+        yield [type("S", (), {"item": it, "value": sum(it.tokens)})() for it in items], None
+
+    monkeypatch.setattr(generation, "iter_passes", passes)
+    gen = ResilientGenerator.__new__(ResilientGenerator)  # its scoring alone: no thread
+    gen.score_lock, gen.model_provider = threading.Lock(), type("P", (), {"model": None})()
+    item = lambda *t: ScoreItem.scored_from(0, list(t), 1)  # noqa: E731
+    gen.score_jobs = [ScoreJob([item(1, 2), item(3, 4, 5)], 1), ScoreJob([item(6, 7)], 4)]
+    jobs = list(gen.score_jobs)
+    gen.side_work()
+    assert calls == [([[1, 2], [3, 4, 5], [6, 7]], 4)]  # one packing, the largest K
+    assert [s.value for s in jobs[0].answer.get_nowait()] == [3, 12]
+    assert [s.value for s in jobs[1].answer.get_nowait()] == [13]
+    assert gen.score_jobs == []
+    gen.score_jobs = [ScoreJob([item(9, 9)], 0)]
+    failed = gen.score_jobs[0]
+    gen.side_work()
+    assert isinstance(failed.answer.get_nowait(), GenerationFailed)

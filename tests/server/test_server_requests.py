@@ -91,7 +91,8 @@ HOSTILE = [
     (CHAT, chat(min_tokens_to_keep=5), "min_tokens_to_keep"),  # mlx-lm's server keeps 1
     (CHAT, chat("stream " * (CONTEXT + 64)), "planned context"),
     # What the server does not do is refused, never dropped.
-    (TEXT, text(echo=True), "echo"),
+    (TEXT, text(echo=True, stream=True), "stream"),  # scoring answers whole
+    (CHAT, chat(echo=True), "echo"),  # a text completion's (a chat: prompt_logprobs)
     (TEXT, text(best_of=2), "best_of"),
     (TEXT, text(suffix="and so on"), "suffix"),
     (CHAT, chat(tool_choice="required"), "tool_choice"),
