@@ -30,7 +30,7 @@ def greedy(model, prompt: mx.array, steps: int):
     return np.array(mx.stack(tokens, axis=1)), mx.stack(all_logits, axis=1)
 
 
-def greedy_streamed(directory, prompt: mx.array, steps: int):
+def greedy_streamed(directory, prompt: mx.array, steps: int, activation_dtype="auto"):
     """`greedy` of the converted model at `directory`, loaded with an expert cache
     of a quarter of its experts; fails unless experts were read while decoding."""
     from deltafin_mlx.engine.load import load
@@ -39,7 +39,8 @@ def greedy_streamed(directory, prompt: mx.array, steps: int):
 
     m = read_manifest(directory)
     slots = max(m.experts["num_experts"] * len(m.moe_layers) // 4, 1)
-    model, _ = load(directory, cache_slots=slots, tokenizer=False)
+    model, _ = load(directory, cache_slots=slots, tokenizer=False,
+                    activation_dtype=activation_dtype)
     try:
         tokens, logits = greedy(model, prompt, steps)
         assert runtime(model).stats.misses > 0, "no expert was read: nothing streamed"

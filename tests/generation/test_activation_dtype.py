@@ -8,6 +8,9 @@ ran. (`auto` keeps its own oracle, mlx-lm's model cast to float32, logits bit fo
 tests/convert/test_every_moe_type.py and the other exactness tests.)"""
 
 import json
+import os
+import subprocess
+import sys
 
 import mlx_lm
 import pytest
@@ -18,7 +21,7 @@ from deltafin_mlx.cli.main import main
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.testing import zoo
 
-FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3", "llama4")
+FAMILIES = ("mixtral", "gpt_oss", "glm4_moe", "deepseek_v3", "llama4")
 PROMPT = "the experts stream from disk while the trunk stays in memory"
 STEPS = 12
 RATES = ("--disk-gbps", 1, "--compute-gwps", 1, "--prefill-gwps", 1, "--layer-ms", 1)  # unmeasured
@@ -71,24 +74,57 @@ def deltafin_run(capsys, out, *flags):
     return reply
 
 
-@pytest.mark.parametrize("bits", [None, 4], ids=["bf16", "4bit"])
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_model_dtype_gives_stock_mlx_lms_greedy_tokens(model_type, bits, conversion, capsys):
+def check_model_dtype(conversion, capsys, model_type, bits):
     src, out = conversion(model_type, bits)
     reply = deltafin_run(capsys, out, "--activation-dtype", "model")
     assert reply["tokens"] == stock_tokens(src)
     assert reply["stats"]["activation_dtype"] == "bfloat16"
 
 
+@pytest.mark.parametrize("bits", [None, 4], ids=["bf16", "4bit"])
+def test_model_dtype_gives_stock_mlx_lms_greedy_tokens(bits, conversion, capsys):
+    check_model_dtype(conversion, capsys, "qwen3_moe", bits)
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["bf16", "4bit"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_model_dtype_gives_stock_mlx_lms_greedy_tokens_on_more_families(
+        model_type, bits, conversion, capsys):
+    """(e2e; tests/convert/test_every_moe_type.py holds every type to it in-process)"""
+    check_model_dtype(conversion, capsys, model_type, bits)
+
+
 def test_the_default_computes_in_float32_and_its_tokens_differ_from_stock(conversion, capsys):
     """Where float32's tokens and bf16's part, a wrong dtype at `model` fails above."""
     parted = []
-    for model_type in ("qwen3_moe", "gpt_oss"):
-        src, out = conversion(model_type, None)
+    for bits in (None, 4):
+        src, out = conversion("qwen3_moe", bits)
         reply = deltafin_run(capsys, out)
         assert reply["stats"]["activation_dtype"] == "float32"
         parted.append(reply["tokens"] != stock_tokens(src))
     assert any(parted)
+
+
+def test_the_drop_in_computes_as_told_and_refuses_a_bad_dtype_in_one_line(conversion):
+    """DELTAFIN_ACTIVATION_DTYPE=model: `mlx_lm.load` of the conversion (the drop-in)
+    gives stock mlx-lm's tokens on the source; a name it does not know is one line."""
+    src, out = conversion("qwen3_moe", None)
+    code = ("import json, mlx_lm\n"
+            "from mlx_lm.sample_utils import make_sampler\n"
+            f"model, tok = mlx_lm.load({str(out)!r}, trust_remote_code=True)\n"
+            f"print(json.dumps([r.token for r in mlx_lm.stream_generate(model, tok, {PROMPT!r}, "
+            f"max_tokens={STEPS}, sampler=make_sampler(temp=0.0))]))\n")
+    for dtype in ("model", "bf16"):
+        env = {**os.environ, "DELTAFIN_BUDGET": "200MB", "DELTAFIN_ACTIVATION_DTYPE": dtype}
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=600, env=env)
+        if dtype == "model":
+            assert p.returncode == 0, p.stderr[-2000:]
+            assert json.loads(p.stdout.splitlines()[-1]) == stock_tokens(src)
+        else:
+            assert p.returncode == 1 and p.stderr.strip() == (
+                "deltafin: error: DELTAFIN_ACTIVATION_DTYPE='bf16': not one of auto, model, "
+                "float32, bfloat16, float16")
 
 
 def test_a_bad_activation_dtype_is_one_line_listing_the_choices(capsys):
