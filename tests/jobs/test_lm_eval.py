@@ -156,6 +156,8 @@ BAD_MODEL_ARGS = [
     ("model={model},budget=200MB,max_gen_toks=ten", "max_gen_toks: must be an integer"),
     ("model={model},budget=200MB,max_length=0", "max_length: must be in 1.."),
     ("model={model},budget=200MB,window=8", "unknown window"),
+    ("model={model},budget=200MB,activation_dtype=bf16", "activation_dtype must be one of "
+     "auto, model, float32, bfloat16, float16"),
 ]
 LONG = "the experts stream from disk " * 20
 BAD_REQUESTS = [
