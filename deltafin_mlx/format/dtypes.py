@@ -13,8 +13,7 @@ import numpy as np
 
 # The float dtypes a model's weights and activations come in.
 FLOATS = ("bfloat16", "float16", "float32")
-# What a model may compute in (--activation-dtype, DELTAFIN_ACTIVATION_DTYPE,
-# LoadOptions.activation_dtype): compute_dtype says what each means.
+# What a model may compute in (--activation-dtype, ...): compute_dtype says each.
 ACTIVATION_DTYPES = ("auto", "model", "float32", "bfloat16", "float16")
 
 # safetensors' dtype codes -> names
@@ -34,13 +33,6 @@ ITEMSIZE = {
 # How the bytes of each dtype that Deltafin reads itself are viewed in numpy.
 NUMPY = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32,
          "uint8": np.uint8, "uint32": np.uint32, "int32": np.int32}
-
-
-def nbytes(dtype: str, shape) -> int:
-    n = ITEMSIZE[dtype]
-    for s in shape:
-        n *= s
-    return n
 
 
 def name_of(dtype) -> str:
