@@ -11,6 +11,7 @@ from pathlib import Path
 
 from deltafin_mlx.units import human_bytes
 from deltafin_mlx.errors import ModelError
+from deltafin_mlx.format.dtypes import compute_dtype, name_of
 from deltafin_mlx.format.hub import HubError, fetch_config, list_repo, looks_like_hub_id
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
 from deltafin_mlx.model.config import (architecture_name, experts_per_token, max_context,
@@ -80,6 +81,7 @@ def model_info(path) -> dict:
         "hidden_size": tc.get("hidden_size"),
         "max_context": max_context(model_dir.config),
         "dtype": m.dtype,
+        "activation_dtype": {"auto": name_of(compute_dtype("auto", m.dtype)), "model": m.dtype},
         "quantization": m.quantization,
         "bytes": {"trunk": sizes["trunk"], "experts": sizes["experts"],
                   "tokenizer": sizes["tokenizer"], "other": sizes["other"],
@@ -105,7 +107,7 @@ def _quant(q) -> str:
 
 
 def format_info(r: dict) -> str:
-    b = r["bytes"]
+    b, act = r["bytes"], r["activation_dtype"]
     context = f", context up to {r['max_context']:,} tokens" if r.get("max_context") else ""
     converted = r["converted"] or "unknown"
     if r["converted_by"]:
@@ -118,6 +120,8 @@ def format_info(r: dict) -> str:
         f"token, {r['experts_total']:,} in all; {human_bytes(r['expert_record_bytes'])} each",
         f"quantization   trunk {_quant(r['quantization'].get('trunk'))}; "
         f"experts {_quant(r['quantization'].get('experts'))}; weights dtype {r['dtype']}",
+        f"activations    {act['auto']} here by default; {act['model']} with --activation-dtype "
+        "model (as mlx-lm computes)",
         f"size on disk   {human_bytes(b['total'])} in {r['files']} files: trunk "
         f"{human_bytes(b['trunk'])}, experts {human_bytes(b['experts'])}, tokenizer "
         f"{human_bytes(b['tokenizer'])} ({r['tokenizer']}), other {human_bytes(b['other'])}",

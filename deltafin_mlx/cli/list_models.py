@@ -75,14 +75,13 @@ def model_row(path, context: int) -> dict:
     from deltafin_mlx.format.model_dir import open_model_dir
     from deltafin_mlx.model.config import architecture_name
     from deltafin_mlx.plan.floor import floor_bytes
-    from deltafin_mlx.format.dtypes import mlx_dtype
-    from deltafin_mlx.plan.memory import default_activation_dtype
+    from deltafin_mlx.format.dtypes import compute_dtype
 
     model_dir = open_model_dir(path)
     m = model_dir.manifest
     if m.linked:  # experts read from a source that may have gone since (rm --demo)
         check_linked_sources(m.linked)
-    act = default_activation_dtype() or mlx_dtype(m.dtype)
+    act = compute_dtype("auto", m.dtype)
     return {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
             "architecture_name": architecture_name(m.model_type),
             "quantization": quantization_name(m.quantization),

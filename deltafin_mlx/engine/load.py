@@ -26,7 +26,7 @@ from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
 from deltafin_mlx.engine.wired import wire
 from deltafin_mlx.errors import LoadOptionError, TokenIdError
 from deltafin_mlx.format.bank import BankError, read_layout
-from deltafin_mlx.format.dtypes import mlx_dtype
+from deltafin_mlx.format.dtypes import ACTIVATION_DTYPES, compute_dtype
 from deltafin_mlx.format.manifest import ModelError
 from deltafin_mlx.format.model_dir import open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
@@ -35,7 +35,7 @@ from deltafin_mlx.model.modules import get_module, layer_paths, set_module
 from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view,
                                       shard_model, sharded_inventory)
 from deltafin_mlx.plan.footprint import inventory_from_manifest
-from deltafin_mlx.plan.memory import MAX_SEQUENCES, default_activation_dtype, plan_memory
+from deltafin_mlx.plan.memory import MAX_SEQUENCES, plan_memory
 from deltafin_mlx.units import is_int, parse_size
 
 READ_MODES = ("direct", "mmap")
@@ -181,8 +181,9 @@ class LoadOptions:
     memory_budget: bytes or a string like "8GB" for trunk + KV/state + expert cache
         + working buffers (kept as bytes); None: from available memory
         (cgroup-aware), with headroom.
-    activation_dtype: "auto" (float32 on MLX's CPU backend, the model's dtype on
-        GPU), None (the model's dtype) or an mx.Dtype.
+    activation_dtype: "auto" (float32 on MLX's CPU backend), "model" (or None: each
+        tensor in its saved dtype, mlx_lm.load's tokens), a float's name or an
+        mx.Dtype (format/dtypes.py compute_dtype).
     reader_threads: background threads reading experts (0: read in the caller).
     lookahead: queue the next MoE layer's predicted experts as speculative reads.
     pipeline: compute resident experts while missing ones are read ("auto": on
@@ -257,8 +258,8 @@ class LoadOptions:
         for name in ("lookahead", "verify", "stream_trunk", "progress", "warm_start"):
             need(isinstance(getattr(self, name), bool), name, "True or False")
         dt = self.activation_dtype  # an mx.Dtype compared with None raises TypeError
-        need(dt is None or isinstance(dt, mx.Dtype) or isinstance(dt, str) and dt == "auto",
-             "activation_dtype", "'auto', None or an mx.Dtype")
+        need(dt is None or isinstance(dt, mx.Dtype) or dt in ACTIVATION_DTYPES,
+             "activation_dtype", f"one of {', '.join(ACTIVATION_DTYPES)}, None or an mx.Dtype")
         need(is_int(self.reader_threads) and self.reader_threads >= 0, "reader_threads",
              "0 or more")
         need(isinstance(self.pipeline, bool) or self.pipeline == "auto", "pipeline",
@@ -299,10 +300,8 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
         from deltafin_mlx.format.integrity import bank_files, check_all_files
 
         check_all_files(manifest, skip=bank_files(manifest))
-    activation_dtype = o.activation_dtype
-    if activation_dtype == "auto":
-        activation_dtype = default_activation_dtype()
-    act = activation_dtype or mlx_dtype(manifest.dtype)
+    activation_dtype = compute_dtype(o.activation_dtype)  # None: each tensor as saved
+    act = compute_dtype(o.activation_dtype, manifest.dtype)  # what the plan is made for
     inventory = inventory_from_manifest(manifest, config, act)
     if group is not None:
         # Streamed trunk layers would need sliced reads of their own: a rank

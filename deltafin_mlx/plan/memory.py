@@ -40,13 +40,6 @@ PROCESS_BYTES = 12 << 20
 BUFFER_CACHE_SHARE = 4
 
 
-def default_activation_dtype():
-    """The activation dtype a model is planned and run in unless told: float32 on
-    MLX's CPU backend (far faster there, and more accurate); None on a GPU, where
-    the model's own dtype is used."""
-    return mx.float32 if mx.default_device() == mx.cpu else None
-
-
 HEADROOM = 0.85  # of available memory, for the default budget
 RING = 2  # buffers per streamed layer shape: one in use, one being read
 PREFILL_STEPS = (512, 256, 128, 64, 32, 16)  # prompt tokens per forward pass, largest first

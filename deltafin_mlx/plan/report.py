@@ -15,9 +15,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Optional
 
-import mlx.core as mx
-
-from deltafin_mlx.format.dtypes import mlx_dtype, name_of
+from deltafin_mlx.format.dtypes import compute_dtype, name_of
 from deltafin_mlx.format.hub import (SOURCE_PATTERNS, HubError, fetch_config, list_repo,
                                      looks_like_hub_id)
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
@@ -28,8 +26,7 @@ from deltafin_mlx.model.quantization import expert_quantization
 from deltafin_mlx.model.shard import expert_layout, sharded_inventory
 from deltafin_mlx.plan.disk import disk_routes, itemsize_of
 from deltafin_mlx.plan.footprint import inventory_from_config, inventory_from_manifest
-from deltafin_mlx.plan.memory import (check_context, choose_sequences, default_activation_dtype,
-                                      plan_memory)
+from deltafin_mlx.plan.memory import check_context, choose_sequences, plan_memory
 from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, layer_key,
                                      measure_compute_gwps, measure_disk_gbps,
                                      measure_layer_seconds)
@@ -62,7 +59,7 @@ class PlanOptions:
     context: int = 4096
     sequences: object = 1  # a number, or "auto"
     ranks: int = 1
-    dtype: Optional[str] = None  # a name of format.dtypes.FLOATS; None: default_activation_dtype's
+    activation_dtype: str = "auto"  # a name of format.dtypes.ACTIVATION_DTYPES
     revision: Optional[str] = None
     bits: Optional[int] = None
     group_size: Optional[int] = None
@@ -100,7 +97,6 @@ def plan_report(options: PlanOptions) -> dict:
     """The plan report of `options.model`, as `deltafin-run plan --json` prints it:
     every figure per rank (`ranks`), each rate with where it came from."""
     target = Path(options.model).expanduser()
-    act = mlx_dtype(options.dtype) if options.dtype else default_activation_dtype()
     given = {k: getattr(options, k) for k in CONVERSION_OPTIONS}
     bank = None
     routes = None  # a converted model has taken its route
@@ -119,7 +115,8 @@ def plan_report(options: PlanOptions) -> dict:
                 + f", experts {q['experts']['mode']} {q['experts']['bits']}-bit); these options "
                 "plan a source: pass its config.json or hub id instead")
         check_context(options.context, config)
-        act = act or getattr(mx, manifest.dtype)
+        saved = manifest.dtype
+        act = compute_dtype(options.activation_dtype, saved)
         inv = inventory_from_manifest(manifest, config, act)
         layout = expert_layout(manifest)
         bank = None if manifest.linked else manifest.bank_path(manifest.moe_layers[0])
@@ -130,7 +127,8 @@ def plan_report(options: PlanOptions) -> dict:
         check_config(config, config_path)
         check_context(options.context, config)
         opts = {k: CONVERSION_OPTIONS[k] if v is None else v for k, v in given.items()}
-        act = act or mx.bfloat16
+        saved = name_of(source_dtype(config) or "bfloat16")
+        act = compute_dtype(options.activation_dtype, saved)
         inv = inventory_from_config(config, act, bits=opts["bits"] or None,
                                     group_size=opts["group_size"],
                                     expert_bits=opts["expert_bits"],
@@ -174,6 +172,7 @@ def plan_report(options: PlanOptions) -> dict:
         "whole_expert_record_bytes": whole.record_size,
         "model_type": inv.model_type,
         "activation_dtype": name_of(act),
+        "model_dtype": saved,  # what mlx-lm computes in (--activation-dtype model)
         "budget_bytes": plan.budget,
         "context": plan.context,
         "max_context": max_context(inv.config),

@@ -7,7 +7,8 @@ a tiny random model built with mlx-lm's own class is saved as `mlx_lm.convert` s
 it, float and 4-bit affine, converted with the default options and streamed with an
 expert cache holding a quarter of its experts: the greedy tokens are those of
 `mlx_lm.load` of the same directory (float32 on the CPU, as the other exactness tests
-compute; a float directory quantized by mlx-lm as the default options say). Every
+compute; a float directory quantized by mlx-lm as the default options say), and with
+`--activation-dtype model` those of stock mlx-lm, computing in the saved bf16. Every
 command that runs a model (`run`, `chat`, `score`, `batch`, `perplexity`) then runs
 each 4-bit conversion, through the command line's own `main` (in this process: one
 import for all of them).
@@ -76,14 +77,16 @@ def prompt(vocab):
     return mx.array(rng.integers(1, vocab - 4, size=(1, 12)).astype(np.int32))
 
 
-def oracle(src, rolled=False):
-    """mlx-lm's load of `src` at float32; a float directory quantized as
-    `mlx_lm.convert -q` does with the default options (4-bit, group 64). `rolled`:
-    every switch module's experts moved one place (expert e runs e+1's weights)."""
+def oracle(src, rolled=False, dtype=mx.float32):
+    """mlx-lm's load of `src` at float32 (`dtype` None: as loaded, stock mlx-lm); a
+    float directory quantized as `mlx_lm.convert -q` does with the default options
+    (4-bit, group 64). `rolled`: every switch module's experts moved one place
+    (expert e runs e+1's weights)."""
     model, config = load_model(src, lazy=True)
     if "quantization" not in config:
         model, _ = quantize_model(model, config, 64, 4)
-    model.set_dtype(mx.float32)
+    if dtype is not None:
+        model.set_dtype(dtype)
     if rolled:
         for name in zoo.switch_modules(model):
             module = model
@@ -128,6 +131,10 @@ def test_every_moe_type_streams_to_mlx_lms_tokens(model_type, conversion, steps=
         tokens, logits = greedy_streamed(out, x, steps)  # asserts experts were read
         assert tokens.tolist() == want.tolist(), bits
         assert mx.allclose(logits, want_logits, atol=1e-4).item(), bits
+        # --activation-dtype model: stock mlx-lm's tokens, computing in the saved bf16.
+        stock, _ = greedy(oracle(src, dtype=None), x, steps)
+        tokens, _ = greedy_streamed(out, x, steps, activation_dtype="model")
+        assert tokens.tolist() == stock.tolist(), (bits, "model")
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "bailing_moe", "phixtral", "nemotron_h",

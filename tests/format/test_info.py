@@ -19,9 +19,12 @@ def test_info_describes_the_model(converted, capsys):
     assert r["bytes"]["experts"] == sum(s for f, s in m.files.items() if f.endswith(".bank"))
     assert r["source"] == m.source["id"] and r["converted"] == m.source["converted"]
     assert r["converted_by"] == deltafin_mlx.__version__
+    # On this CPU a run computes in float32 unless told; mlx-lm in the saved bf16.
+    assert r["activation_dtype"] == {"auto": "float32", "model": m.dtype} and m.dtype == "bfloat16"
     assert main(["info", str(model)]) == 0
     text = capsys.readouterr().out
     for word in ("Kimi K3", "4 layers", "16 per MoE layer", "mxfp4", "size on disk",
+                 "activations    float32 here by default; bfloat16 with --activation-dtype model",
                  m.source["id"], m.source["converted"]):
         assert word in text, text
 

@@ -56,7 +56,7 @@ def plan_json(*args):
 
 @pytest.fixture(scope="module")
 def k3():
-    return plan_json(K3_CONFIG, "--bits", "4", "--dtype", "bfloat16", "--budget", "16GB")
+    return plan_json(K3_CONFIG, "--bits", "4", "--activation-dtype", "bfloat16", "--budget", "16GB")
 
 
 def test_k3_expert_record_and_totals_match_the_checkpoint(k3):
@@ -106,7 +106,7 @@ def test_k3_plan_streams_most_layers_at_16_gb_and_states_a_projection(k3):
 
 
 def test_budget_below_the_k3_floor_is_refused_stating_the_floor(k3, capsys):
-    code = main(["plan", str(K3_CONFIG), "--dtype", "bfloat16", "--budget", "2GB",
+    code = main(["plan", str(K3_CONFIG), "--activation-dtype", "bfloat16", "--budget", "2GB",
                  "--disk-gbps", "5", "--compute-gwps", "400"])
     err = capsys.readouterr().err
     assert code == 1 and "below this model's floor of 3.4" in err
@@ -141,7 +141,7 @@ def test_k3_expert_cache_goes_past_one_mlx_array(k3):
     """MLX dimensions are int32: one slot array holds at most 2**31 - 1 - 4096
     elements, so at 3072 x 448 uint32 per K3 gate weight, 1560 slots (27 GB). A
     200 GB budget buys more, in several sets of slot arrays, and plan says so."""
-    r = plan_json(K3_CONFIG, "--bits", "4", "--dtype", "bfloat16", "--budget", "200GB")
+    r = plan_json(K3_CONFIG, "--bits", "4", "--activation-dtype", "bfloat16", "--budget", "200GB")
     assert r["expert_slots_per_array"] == (2**31 - 1 - 4096) // (3072 * 448) == 1560
     assert r["expert_cache_slots"] > 1560
     assert r["expert_cache_bytes"] > 150 * GB
