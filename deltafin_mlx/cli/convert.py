@@ -1,5 +1,6 @@
 """`deltafin-convert SRC OUT [options]`."""
 
+import argparse
 import errno
 import signal
 import sys
@@ -12,7 +13,8 @@ from deltafin_mlx.cli.options import Parser
 from deltafin_mlx.errors import ConvertError, DeltafinError
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
 from deltafin_mlx.model.config import ARCHITECTURES
-from deltafin_mlx.model.quantization import BITS, GROUP_SIZES
+from deltafin_mlx.model.quantization import (BITS, EXPERT_BITS, GROUP_SIZES, KEEP_FLOAT,
+                                             describe_experts)
 from deltafin_mlx.units import human_bytes, parse_size
 
 
@@ -32,8 +34,10 @@ def build_parser():
                    help="trunk quantization group size")
     p.add_argument("--no-trunk-quant", action="store_true",
                    help="keep the trunk (non-expert weights) unquantized")
-    p.add_argument("--expert-bits", type=int, default=4, choices=BITS,
-                   help="bits for bf16/fp16 experts (K3's MXFP4 experts are kept as they are)")
+    p.add_argument("--expert-bits", type=expert_bits, default=4, choices=EXPERT_BITS,
+                   metavar="{" + ",".join(map(str, EXPERT_BITS)) + "}",
+                   help="bits for bf16/fp16 experts, or float to keep them in their float "
+                        "dtype, byte for byte (K3's MXFP4 experts are kept as they are)")
     p.add_argument("--expert-group-size", type=int, default=64, choices=GROUP_SIZES,
                    help="group size for bf16/fp16 experts")
     p.add_argument("--ranks", type=int, default=1,
@@ -57,6 +61,14 @@ def build_parser():
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     add_version(p)
     return p
+
+
+def expert_bits(text: str):
+    """--expert-bits: a bit width, or "float" (argparse then checks the choices)."""
+    if text == KEEP_FLOAT or text.isdigit():
+        return text if text == KEEP_FLOAT else int(text)
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {text!r} (choose from {', '.join(map(str, EXPERT_BITS))})")
 
 
 @quiet_broken_pipe
@@ -130,8 +142,10 @@ def _main(argv):
               "options); nothing to do", file=sys.stderr)
         return 0
     size = sum(manifest.files.values())
+    experts = describe_experts(manifest.quantization["experts"],
+                               manifest.source.get("experts_from", manifest.dtype))
     print(f"converted {args.src} -> {args.out} ({human_bytes(size)}, "
-          f"{len(manifest.moe_layers)} expert banks)")
+          f"{len(manifest.moe_layers)} expert banks); {experts}")
     return 0
 
 

@@ -100,6 +100,8 @@ def model_info(path) -> dict:
 def _quant(q) -> str:
     if not q:
         return "unquantized"
+    if q["mode"] == "float":  # experts kept in float (--expert-bits float)
+        return f"{q['dtype']}, kept unquantized"
     text = f"{q['mode']} {q['bits']}-bit, group size {q['group_size']}"
     return text + (" (carried over from the source as is)" if q.get("carried_over") else "")
 

@@ -94,6 +94,8 @@ def quantization_name(q: dict) -> str:
     def one(part):
         if not part:
             return "16-bit"
+        if part["mode"] == "float":  # experts kept in float (--expert-bits float)
+            return part["dtype"]
         return part["mode"].upper() if part.get("mode", "affine") != "affine" else \
             f"{part['bits']}-bit/{part['group_size']}"
 

@@ -5,10 +5,15 @@ source it has not downloaded.
 """
 
 from deltafin_mlx.errors import ConvertError
+from deltafin_mlx.format.dtypes import FLOATS
+from deltafin_mlx.format.record import FLOAT_MODE, float_experts
 from deltafin_mlx.model.config import text_config
 
 BITS = (2, 3, 4, 6, 8)
 GROUP_SIZES = (32, 64, 128)
+# `--expert-bits float`: float experts kept in their float dtype, not quantized.
+KEEP_FLOAT = "float"
+EXPERT_BITS = BITS + (KEEP_FLOAT,)
 
 
 def check_quantization(bits, group_size: int, expert_bits: int, expert_group_size: int):
@@ -17,8 +22,8 @@ def check_quantization(bits, group_size: int, expert_bits: int, expert_group_siz
         raise ConvertError(f"--bits must be one of {BITS} (got {bits})")
     if group_size not in GROUP_SIZES:
         raise ConvertError(f"--group-size must be one of {GROUP_SIZES}")
-    if expert_bits not in BITS:
-        raise ConvertError(f"--expert-bits must be one of {BITS}")
+    if expert_bits not in EXPERT_BITS:
+        raise ConvertError(f"--expert-bits must be one of {', '.join(map(str, EXPERT_BITS))}")
     if expert_group_size not in GROUP_SIZES:
         raise ConvertError(f"--expert-group-size must be one of {GROUP_SIZES}")
 
@@ -71,7 +76,28 @@ def carried_quantization(quant: dict, where: str) -> dict:
     return {"mode": mode, "bits": bits, "group_size": group, "carried_over": True}
 
 
-def expert_quantization(config: dict, expert_bits: int, expert_group_size: int) -> dict:
+def float_quantization(expert_bits, expert_group_size: int, dtype: str) -> dict:
+    """What float experts become with the options: quantized (affine), or kept in
+    `dtype` (the dtype mlx_lm.convert casts them to) with `--expert-bits float`."""
+    if expert_bits == KEEP_FLOAT:
+        return float_experts(dtype)
+    return {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}
+
+
+def describe_experts(quant: dict, source_dtype: str) -> str:
+    """What the conversion made of the routed experts (whose float dtype before it
+    was `source_dtype`), for its last line."""
+    if quant["mode"] == FLOAT_MODE:
+        return f"experts: {quant['dtype']}, kept"
+    bits = f"{quant['bits']}-bit {quant['mode']}" if quant["mode"] == "affine" \
+        else quant["mode"]
+    if quant.get("carried_over"):
+        return f"experts: {bits} (group size {quant['group_size']}), carried over as saved"
+    return (f"experts: {bits} (group size {quant['group_size']}), quantized from "
+            f"{source_dtype}")
+
+
+def expert_quantization(config: dict, expert_bits, expert_group_size: int) -> dict:
     """What a source's routed experts become: K3's MXFP4 experts, and experts
     mlx-lm already quantized (its config.json block), are carried over as they are;
     bf16/fp16/fp32 experts are quantized (affine) with the options. From
@@ -95,10 +121,23 @@ def expert_quantization(config: dict, expert_bits: int, expert_group_size: int) 
                 or qc.get("quant_method") == "mxfp4"):
             return {"mode": "mxfp4", "bits": 4, "group_size": 32, "carried_over": True}
         if qc.get("quant_method") == "fp8":  # mlx-lm's sanitize dequantizes them
-            return {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}
+            return float_quantization(expert_bits, expert_group_size, _float_dtype(config))
         raise ConvertError(
             f"source quantization {qc.get('quant_method')}/{fmt} is not supported "
             "(supported: bf16/fp16/fp32 weights, compressed-tensors mxfp4 experts, or "
             "mlx-lm's own format as mlx_lm.convert writes it)"
         )
-    return {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}
+    return float_quantization(expert_bits, expert_group_size, _float_dtype(config))
+
+
+def cast_dtype(config: dict):
+    """The name of the dtype mlx_lm.convert casts floating weights to (None: they
+    are left as they are)."""
+    dtype = config.get("torch_dtype") or text_config(config).get("dtype")
+    return dtype if dtype in FLOATS else None
+
+
+def _float_dtype(config: dict) -> str:
+    """The dtype float experts are kept in, as the planner sees it: the cast's
+    (bfloat16 where config.json names none, as it assumes for a record's scales)."""
+    return cast_dtype(config) or "bfloat16"
