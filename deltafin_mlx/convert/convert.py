@@ -36,9 +36,8 @@ from deltafin_mlx.model.build import build_model, source_dtype
 from deltafin_mlx.model.config import experts_per_token
 from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, routed_expert_paths,
                                         switch_linears)
-from deltafin_mlx.model.quantization import (check_quantization, describe_experts,
-                                             float_quantization, mlx_lm_quantization,
-                                             module_quantization)
+from deltafin_mlx.model.quantization import (KEEP_FLOAT, check_quantization, float_quantization,
+                                             mlx_lm_quantization, module_quantization)
 from deltafin_mlx.model.shard import check_glu_sections
 from deltafin_mlx.units import human_bytes
 
@@ -73,6 +72,9 @@ class ConvertOptions:
         if self.scratch and self.link_experts:
             raise ConvertError("--link-experts with a hub id keeps the whole snapshot in the hub "
                                "cache and links into it: it does not take --scratch-limit")
+        if self.expert_bits == KEEP_FLOAT and self.ranks > 1:
+            raise ConvertError("--ranks cuts quantized expert records into rank slices: it "
+                               "does not take --expert-bits float")
         if self.link_experts and self.ranks > 1:
             raise ConvertError("--link-experts reads each expert whole from the source: it "
                                "does not take --ranks")
@@ -403,8 +405,9 @@ def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
             f"{expert_quant['mode'].upper()} and are carried over as they are (only bf16/fp16/"
             "fp32 experts are quantized): drop the option")
     if options.link_experts and expert_quant["mode"] == FLOAT_MODE:
-        raise ConvertError("--link-experts links experts carried over as mlx-lm quantized "
-                           "them; float experts kept as they are are copied: drop one option")
+        raise ConvertError("--link-experts with --expert-bits float: only experts carried "
+                           "over quantized (Kimi K3's, mlx-lm's) are linked; float experts "
+                           "are copied: drop one of the two options")
     if options.link_experts and not linkable(expert_quant):
         raise ConvertError(
             f"--link-experts: the experts of {src} are {expert_quant['mode']} after "

@@ -43,7 +43,8 @@ from deltafin_mlx.format.record import (FLOAT_MODE, KINDS, expert_sections, floa
                                        linear_quant, record_linears)
 from deltafin_mlx.model.build import expert_recipe
 from deltafin_mlx.model.modules import LayerIndex, get_module, layer_paths, switch_linears
-from deltafin_mlx.model.quantization import carried_quantization, module_quantization
+from deltafin_mlx.model.quantization import (carried_quantization, check_alike_in_every_layer,
+                                             module_quantization)
 from deltafin_mlx.units import is_int
 
 from .source import Source
@@ -375,16 +376,9 @@ class SanitizedExperts:
                 if "scales" in kinds:
                     q = self._saved_quant(block, f"{sp}.{name}", spec, name)
                 per_linear.setdefault(name, {}).setdefault(
-                    None if q is None else tuple(sorted(q.items())), f"layer {layer} {name}")
-        mixed = [found for found in per_linear.values() if len(found) > 1]
+                    None if q is None else tuple(sorted(q.items())), f"layer {layer}")
+        check_alike_in_every_layer(per_linear, "the source's experts are")
         carried = {q is not None for found in per_linear.values() for q in found}
-        if mixed or len(carried) > 1:
-            found = mixed[0] if mixed else {q: w for f in per_linear.values() for q, w in f.items()}
-            kinds = [f"{w}: " + ("float" if q is None else "{mode} {bits}-bit group {group_size}"
-                                 .format(**dict(q))) for q, w in found.items()]
-            raise ConvertError("the experts are quantized differently from layer to layer "
-                               "(" + "; ".join(kinds[:2]) + "); Deltafin's records hold one "
-                               "quantization per linear for all layers")
         first = specs[next(iter(specs))]
         biased = {n: (o, i, f"{n}.bias" in first) for n, (o, i, _) in self.linears.items()}
         # The float dtype sanitize gives the experts (what is quantized, or kept).

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import one_line_error, reference_model, run_tool
+from deltafin_mlx.cli.main import main
 from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.format.bank import read_layout
 from deltafin_mlx.format.manifest import read_manifest
@@ -25,7 +26,7 @@ def source_tensors(src) -> dict:
     return out
 
 
-def test_float_experts_are_kept_byte_for_byte(sources, tmp_path):
+def test_float_experts_are_kept_byte_for_byte(sources, tmp_path, capsys):
     src, out = sources("qwen3_moe"), tmp_path / "out"
     convert(str(src), out, ConvertOptions(expert_bits="float", progress=False))
     m = read_manifest(out)
@@ -46,6 +47,15 @@ def test_float_experts_are_kept_byte_for_byte(sources, tmp_path):
     quantization = json.loads((out / "config.json").read_text())["quantization"]
     switch = m.switch_path(m.moe_layers[0])
     assert quantization[f"{switch}.gate_proj"] is False
+    # info and list say so.
+    assert main(["info", str(out)]) == 0
+    assert "bfloat16, kept unquantized" in capsys.readouterr().out
+    assert main(["list", str(tmp_path)]) == 0
+    assert "experts bfloat16" in capsys.readouterr().out
+    # A plan of it: its records are float weights.
+    assert main(["plan", str(out), "--json", "--budget", "50MB", "--disk-gbps", "2",
+                 "--compute-gwps", "3", "--layer-ms", "0.1"]) == 0
+    assert json.loads(capsys.readouterr().out)["floor_bytes"] > 0
 
 
 @pytest.mark.parametrize("trunk_bits", [4, None], ids=["4bit-trunk", "float-trunk"])
