@@ -1,6 +1,5 @@
 """`deltafin-convert SRC OUT [options]`."""
 
-import argparse
 import errno
 import signal
 import sys
@@ -9,12 +8,11 @@ from pathlib import Path
 
 from deltafin_mlx.cli.common import (HelpFormatter, add_version, first_line, guarded,
                                      interrupts_in_finalizers_reach_main, quiet_broken_pipe)
-from deltafin_mlx.cli.options import Parser
+from deltafin_mlx.cli.options import Parser, expert_bits
 from deltafin_mlx.errors import ConvertError, DeltafinError
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
 from deltafin_mlx.model.config import ARCHITECTURES
-from deltafin_mlx.model.quantization import (BITS, EXPERT_BITS, GROUP_SIZES, KEEP_FLOAT,
-                                             describe_experts)
+from deltafin_mlx.model.quantization import BITS, EXPERT_BITS, GROUP_SIZES, describe_experts
 from deltafin_mlx.units import human_bytes, parse_size
 
 
@@ -34,7 +32,7 @@ def build_parser():
                    help="trunk quantization group size")
     p.add_argument("--no-trunk-quant", action="store_true",
                    help="keep the trunk (non-expert weights) unquantized")
-    p.add_argument("--expert-bits", type=expert_bits, default=4, choices=EXPERT_BITS,
+    p.add_argument("--expert-bits", type=expert_bits, default=4,
                    metavar="{" + ",".join(map(str, EXPERT_BITS)) + "}",
                    help="bits for bf16/fp16 experts, or float to keep them in their float "
                         "dtype, byte for byte (K3's MXFP4 experts are kept as they are)")
@@ -61,14 +59,6 @@ def build_parser():
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     add_version(p)
     return p
-
-
-def expert_bits(text: str):
-    """--expert-bits: a bit width, or "float" (argparse then checks the choices)."""
-    if text == KEEP_FLOAT or text.isdigit():
-        return text if text == KEEP_FLOAT else int(text)
-    raise argparse.ArgumentTypeError(
-        f"invalid choice: {text!r} (choose from {', '.join(map(str, EXPERT_BITS))})")
 
 
 @quiet_broken_pipe

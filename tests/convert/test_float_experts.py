@@ -52,10 +52,14 @@ def test_float_experts_are_kept_byte_for_byte(sources, tmp_path, capsys):
     assert "bfloat16, kept unquantized" in capsys.readouterr().out
     assert main(["list", str(tmp_path)]) == 0
     assert "experts bfloat16" in capsys.readouterr().out
-    # A plan of it: its records are float weights.
-    assert main(["plan", str(out), "--json", "--budget", "50MB", "--disk-gbps", "2",
-                 "--compute-gwps", "3", "--layer-ms", "0.1"]) == 0
-    assert json.loads(capsys.readouterr().out)["floor_bytes"] > 0
+    # `plan` of the source with the same option sizes the records it wrote.
+    record = {}
+    for what, flags in (("converted", [out]), ("float", [src, "--expert-bits", "float"]),
+                        ("4-bit", [src])):
+        assert main(["plan", *map(str, flags), "--json", "--budget", "50MB", "--disk-gbps",
+                     "2", "--compute-gwps", "3", "--layer-ms", "0.1"]) == 0
+        record[what] = json.loads(capsys.readouterr().out)["expert_record_bytes"]
+    assert record["converted"] == record["float"] > record["4-bit"]
 
 
 @pytest.mark.parametrize("trunk_bits", [4, None], ids=["4bit-trunk", "float-trunk"])
