@@ -50,7 +50,8 @@ def make_source(path, arch, **overrides):
 def reference_model(src, trunk_bits=4, group_size=64, expert_bits=4, expert_group_size=64):
     """What `mlx_lm.convert -q` makes of `src`, loaded fully in memory at float32:
     load lazily, cast to the config dtype, quantize with the model's own predicate
-    (and the expert settings for switch_mlp), exactly as mlx_lm.convert does."""
+    (and the expert settings for switch_mlp; expert_bits "float": left in float),
+    exactly as mlx_lm.convert does."""
     model, config = load_model(Path(src), lazy=True)
     dtype = config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
     cast = getattr(model, "cast_predicate", lambda _: True)
@@ -65,7 +66,8 @@ def reference_model(src, trunk_bits=4, group_size=64, expert_bits=4, expert_grou
 
     def predicate(path, module):
         if "switch_mlp" in path:
-            return {"group_size": expert_group_size, "bits": expert_bits, "mode": "affine"}
+            return expert_bits != "float" and {"group_size": expert_group_size,
+                                               "bits": expert_bits, "mode": "affine"}
         if trunk_bits is None:
             return False
         return own(path, module) if own else True

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from deltafin_mlx.cli.common import (HelpFormatter, add_version, first_line, guarded,
                                      interrupts_in_finalizers_reach_main, quiet_broken_pipe)
-from deltafin_mlx.cli.options import Parser
+from deltafin_mlx.cli.options import Parser, expert_bits
 from deltafin_mlx.errors import ConvertError, DeltafinError
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
 from deltafin_mlx.model.config import ARCHITECTURES
-from deltafin_mlx.model.quantization import BITS, GROUP_SIZES
+from deltafin_mlx.model.quantization import BITS, EXPERT_BITS, GROUP_SIZES, describe_experts
 from deltafin_mlx.units import human_bytes, parse_size
 
 
@@ -32,8 +32,10 @@ def build_parser():
                    help="trunk quantization group size")
     p.add_argument("--no-trunk-quant", action="store_true",
                    help="keep the trunk (non-expert weights) unquantized")
-    p.add_argument("--expert-bits", type=int, default=4, choices=BITS,
-                   help="bits for bf16/fp16 experts (K3's MXFP4 experts are kept as they are)")
+    p.add_argument("--expert-bits", type=expert_bits, default=4,
+                   metavar="{" + ",".join(map(str, EXPERT_BITS)) + "}",
+                   help="bits for bf16/fp16 experts, or float to keep them in their float "
+                        "dtype, byte for byte (K3's MXFP4 experts are kept as they are)")
     p.add_argument("--expert-group-size", type=int, default=64, choices=GROUP_SIZES,
                    help="group size for bf16/fp16 experts")
     p.add_argument("--ranks", type=int, default=1,
@@ -130,8 +132,10 @@ def _main(argv):
               "options); nothing to do", file=sys.stderr)
         return 0
     size = sum(manifest.files.values())
+    experts = describe_experts(manifest.quantization["experts"],
+                               manifest.source.get("experts_from", manifest.dtype))
     print(f"converted {args.src} -> {args.out} ({human_bytes(size)}, "
-          f"{len(manifest.moe_layers)} expert banks)")
+          f"{len(manifest.moe_layers)} expert banks); {experts}")
     return 0
 
 

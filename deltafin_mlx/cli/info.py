@@ -14,6 +14,7 @@ from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.dtypes import compute_dtype, name_of
 from deltafin_mlx.format.hub import HubError, fetch_config, list_repo, looks_like_hub_id
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
+from deltafin_mlx.format.record import FLOAT_MODE
 from deltafin_mlx.model.config import (architecture_name, experts_per_token, max_context,
                                        routed_experts, text_config)
 
@@ -102,6 +103,8 @@ def model_info(path) -> dict:
 def _quant(q) -> str:
     if not q:
         return "unquantized"
+    if q["mode"] == FLOAT_MODE:  # experts kept in float (--expert-bits float)
+        return f"{q['dtype']}, kept unquantized"
     text = f"{q['mode']} {q['bits']}-bit, group size {q['group_size']}"
     return text + (" (carried over from the source as is)" if q.get("carried_over") else "")
 

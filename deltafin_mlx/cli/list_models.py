@@ -5,6 +5,7 @@ its size on disk, architecture, quantization and floor budget, in aligned column
 import json
 
 from deltafin_mlx.cli.options import Parser, positive
+from deltafin_mlx.format.record import FLOAT_MODE
 
 
 def list_parser():
@@ -93,6 +94,8 @@ def quantization_name(q: dict) -> str:
     def one(part):
         if not part:
             return "16-bit"
+        if part["mode"] == FLOAT_MODE:  # experts kept in float (--expert-bits float)
+            return part["dtype"]
         return part["mode"].upper() if part.get("mode", "affine") != "affine" else \
             f"{part['bits']}-bit/{part['group_size']}"
 

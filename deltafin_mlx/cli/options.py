@@ -31,6 +31,16 @@ def positive_or_auto(value):
     return n
 
 
+def expert_bits(text: str):
+    """--expert-bits (convert, plan): a bit width, or "float" to keep float experts."""
+    from deltafin_mlx.model.quantization import EXPERT_BITS, KEEP_FLOAT
+
+    if text != KEEP_FLOAT and int(text if text.isdigit() else -1) not in EXPERT_BITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join(map(str, EXPERT_BITS))})")
+    return text if text == KEEP_FLOAT else int(text)
+
+
 def count(text):
     """A number of tokens: a non-negative integer."""
     n = int(text)

@@ -7,7 +7,8 @@ module parses the options and formats it (or prints it as JSON).
 
 import json
 
-from deltafin_mlx.cli.options import Parser, add_activation_dtype, positive, positive_or_auto
+from deltafin_mlx.cli.options import (Parser, add_activation_dtype, expert_bits, positive,
+                                     positive_or_auto)
 from deltafin_mlx.plan.report import PREFILL_BATCH, PlanOptions, plan_report
 from deltafin_mlx.units import human_bytes
 
@@ -26,9 +27,10 @@ def plan_parser():
                    "(default: 1)")
     for flag, default, what in (("--bits", 4, "trunk quantization bits"),
                                 ("--group-size", 64, "trunk quantization group size"),
-                                ("--expert-bits", 4, "bits for bf16/fp16 experts"),
+                                ("--expert-bits", 4, "bits for bf16/fp16 experts (float: "
+                                 "kept in float)"),
                                 ("--expert-group-size", 64, "group size for bf16/fp16 experts")):
-        p.add_argument(flag, type=int, default=None,
+        p.add_argument(flag, type=expert_bits if flag == "--expert-bits" else int, default=None,
                        help=f"{what}, as deltafin-convert would use them; only for planning a "
                        f"source (default: {default})")
     p.add_argument("--disk-gbps", type=float, default=None,

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 from tqdm import tqdm
@@ -31,13 +31,13 @@ from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, file_checksum, fo
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
 from deltafin_mlx.format.model_dir import (PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE,
                                           open_model_dir)
-from deltafin_mlx.format.record import linear_quant, record_linears
+from deltafin_mlx.format.record import FLOAT_MODE, linear_quant, record_linears
 from deltafin_mlx.model.build import build_model, source_dtype
 from deltafin_mlx.model.config import experts_per_token
 from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, routed_expert_paths,
                                         switch_linears)
-from deltafin_mlx.model.quantization import (check_quantization, mlx_lm_quantization,
-                                             module_quantization)
+from deltafin_mlx.model.quantization import (KEEP_FLOAT, check_quantization, float_quantization,
+                                             mlx_lm_quantization, module_quantization)
 from deltafin_mlx.model.shard import check_glu_sections
 from deltafin_mlx.units import human_bytes
 
@@ -55,7 +55,7 @@ SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "vision_model.", "multi_mo
 class ConvertOptions:
     bits: Optional[int] = 4  # trunk; None keeps the trunk unquantized
     group_size: int = 64
-    expert_bits: int = 4  # for bf16/fp16 experts; K3's MXFP4 experts are kept
+    expert_bits: Union[int, str] = 4  # for bf16/fp16 experts ("float": kept); K3's MXFP4 kept
     expert_group_size: int = 64
     ranks: int = 1  # rank slices per expert record (tensor parallel, see FORMAT.md)
     link_experts: bool = False  # record where experts lie in SRC instead of copying them
@@ -72,6 +72,9 @@ class ConvertOptions:
         if self.scratch and self.link_experts:
             raise ConvertError("--link-experts with a hub id keeps the whole snapshot in the hub "
                                "cache and links into it: it does not take --scratch-limit")
+        if self.expert_bits == KEEP_FLOAT and self.ranks > 1:
+            raise ConvertError("--ranks cuts quantized expert records into rank slices: it "
+                               "does not take --expert-bits float")
         if self.link_experts and self.ranks > 1:
             raise ConvertError("--link-experts reads each expert whole from the source: it "
                                "does not take --ranks")
@@ -354,8 +357,8 @@ def _layout(src: str, source: Source, options: ConvertOptions) -> Layout:
     moe_layers = routed_expert_paths(model, paths, model_type)
     first_switch = get_module(model, next(iter(moe_layers.values())))
     num_experts = next(iter(switch_linears(first_switch).values()))[0]
-    float_quant = {"mode": "affine", "bits": options.expert_bits,
-                   "group_size": options.expert_group_size}
+    float_quant = float_quantization(options.expert_bits, options.expert_group_size,
+                                     name_of(dtype) if dtype is not None else None)
     experts = SanitizedExperts(source, model, units, moe_layers, num_experts,
                                float_quant, saved_quant, dtype, model_type)
     _check_experts(src, experts, moe_layers, options)
@@ -401,6 +404,10 @@ def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
             f"--expert-bits/--expert-group-size: the experts of {src} are "
             f"{expert_quant['mode'].upper()} and are carried over as they are (only bf16/fp16/"
             "fp32 experts are quantized): drop the option")
+    if options.link_experts and expert_quant["mode"] == FLOAT_MODE:
+        raise ConvertError("--link-experts with --expert-bits float: only experts carried "
+                           "over quantized (Kimi K3's, mlx-lm's) are linked; float experts "
+                           "are copied: drop one of the two options")
     if options.link_experts and not linkable(expert_quant):
         raise ConvertError(
             f"--link-experts: the experts of {src} are {expert_quant['mode']} after "
@@ -691,15 +698,22 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
 
     # config.json in mlx-lm's form: the default quantization plus one entry per
     # quantized module, as mlx_lm.convert writes a fine-grained model.
-    default = trunk_quant or {k: expert_quant[k] for k in ("group_size", "bits", "mode")}
-    quantization = dict(default)
+    # Float experts are listed as mlx-lm lists a module it left in float: false.
+    float_kept = expert_quant["mode"] == FLOAT_MODE
+    default = trunk_quant or (None if float_kept else
+                              {k: expert_quant[k] for k in ("group_size", "bits", "mode")})
+    quantization = dict(default or {})
     quantization.update(quantized)
     for path in layout.moe_layers.values():
         for p in record_linears(s.name for s in sections):
-            quantization[f"{path}.{p}"] = linear_quant(expert_quant, p)
+            quantization[f"{path}.{p}"] = False if float_kept else linear_quant(expert_quant, p)
     mlx_config = without_code(config)  # nothing a model carries runs (tokenizer files too)
-    mlx_config["quantization"] = quantization
-    mlx_config["quantization_config"] = quantization
+    if default is None:  # nothing quantized: a float model, as mlx_lm.convert writes one
+        mlx_config.pop("quantization", None)
+        mlx_config.pop("quantization_config", None)
+    else:
+        mlx_config["quantization"] = quantization
+        mlx_config["quantization_config"] = quantization
     # The mlx-lm drop-in (deltafin_mlx/dropin/shim.py): mlx-lm imports this file
     # with --trust-remote-code; Deltafin itself builds mlx-lm's class from model_type.
     mlx_config["model_file"] = SHIM_FILE
@@ -745,6 +759,7 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
                 "converted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "deltafin_version": deltafin_version,
                 "options": options.recorded(),
+                "experts_from": layout.experts.source_dtype,  # what was quantized or kept
                 "config_sha256": hashlib.sha256((out / "config.json").read_bytes()).hexdigest()},
         checksums=checksums,
     )

@@ -24,8 +24,9 @@ records) plus one layer's trunk, whatever a layer's experts weigh.
 Experts the source already has quantized in a mode MLX runs (affine 2-8 bits,
 mxfp4, nvfp4, mxfp8) are carried over byte for byte; float experts are quantized
 with the options (`mx.quantize` groups run along the input axis, so one expert
-alone quantizes to the same bytes as mlx-lm's stacked tensor); per-expert float
-biases stay float, cast as mlx_lm.convert casts them.
+alone quantizes to the same bytes as mlx-lm's stacked tensor), or kept in float
+(`--expert-bits float`), cast as mlx_lm.convert casts them; per-expert float
+biases stay float, cast likewise.
 """
 
 import re
@@ -38,10 +39,12 @@ import numpy as np
 
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, name_of, to_numpy
-from deltafin_mlx.format.record import KINDS, expert_sections, linear_quant, record_linears
+from deltafin_mlx.format.record import (FLOAT_MODE, KINDS, expert_sections, float_experts,
+                                       linear_quant, record_linears)
 from deltafin_mlx.model.build import expert_recipe
 from deltafin_mlx.model.modules import LayerIndex, get_module, layer_paths, switch_linears
-from deltafin_mlx.model.quantization import carried_quantization, module_quantization
+from deltafin_mlx.model.quantization import (carried_quantization, check_alike_in_every_layer,
+                                             module_quantization)
 from deltafin_mlx.units import is_int
 
 from .source import Source
@@ -373,18 +376,19 @@ class SanitizedExperts:
                 if "scales" in kinds:
                     q = self._saved_quant(block, f"{sp}.{name}", spec, name)
                 per_linear.setdefault(name, {}).setdefault(
-                    None if q is None else tuple(sorted(q.items())), f"layer {layer} {name}")
-        mixed = [found for found in per_linear.values() if len(found) > 1]
+                    None if q is None else tuple(sorted(q.items())), f"layer {layer}")
+        check_alike_in_every_layer(per_linear, "the source's experts are")
         carried = {q is not None for found in per_linear.values() for q in found}
-        if mixed or len(carried) > 1:
-            found = mixed[0] if mixed else {q: w for f in per_linear.values() for q, w in f.items()}
-            kinds = [f"{w}: " + ("float" if q is None else "{mode} {bits}-bit group {group_size}"
-                                 .format(**dict(q))) for q, w in found.items()]
-            raise ConvertError("the experts are quantized differently from layer to layer "
-                               "(" + "; ".join(kinds[:2]) + "); Deltafin's records hold one "
-                               "quantization per linear for all layers")
         first = specs[next(iter(specs))]
         biased = {n: (o, i, f"{n}.bias" in first) for n, (o, i, _) in self.linears.items()}
+        # The float dtype sanitize gives the experts (what is quantized, or kept).
+        self.source_dtype = (first[f"{next(iter(self.linears))}.weight"][0]
+                             if carried == {False} else None)
+        if carried == {False} and float_quant["mode"] == FLOAT_MODE:
+            # Kept as mlx_lm.convert without -q keeps them: cast as it casts them.
+            kept = name_of(self.dtype) if self.dtype is not None else self.source_dtype
+            quant = float_experts(kept)
+            return quant, expert_sections(biased, quant, kept, kept)
         if carried == {False}:
             sp = self.switches[next(iter(self.switches))]
             quants = {n: expert_recipe(self.model, sp, n, float_quant) for n in self.linears}
@@ -545,9 +549,12 @@ class SanitizedExperts:
             if self.dtype is not None:
                 w = w.astype(self.dtype)
             lq = linear_quant(self.quant, name)
-            q = mx.quantize(w, lq["group_size"], lq["bits"], mode=lq["mode"])
-            for kind, a in zip(("weight", "scales", "biases"), q):
-                out[f"{name}.{kind}"] = to_numpy(a)
+            if lq["mode"] == FLOAT_MODE:
+                out[f"{name}.weight"] = to_numpy(w)
+            else:
+                q = mx.quantize(w, lq["group_size"], lq["bits"], mode=lq["mode"])
+                for kind, a in zip(("weight", "scales", "biases"), q):
+                    out[f"{name}.{kind}"] = to_numpy(a)
             if f"{name}.bias" in rows:
                 b = rows[f"{name}.bias"][i]
                 out[f"{name}.bias"] = to_numpy(b.astype(self.dtype) if self.dtype else b)

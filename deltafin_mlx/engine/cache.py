@@ -22,10 +22,10 @@ from typing import Dict, List
 import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from deltafin_mlx.format.bank import ALIGN, BankLayout
-from deltafin_mlx.format.record import linear_quant, record_linears
+from deltafin_mlx.format.record import FLOAT_MODE, input_size, linear_quant, record_linears
 from deltafin_mlx.engine.policy import ExpertPool
 from deltafin_mlx.format.dtypes import in_memory, to_numpy
 from deltafin_mlx.plan.slots import MAX_ELEMENTS, max_slots, pool_chunks
@@ -75,13 +75,16 @@ def switch_over_slots(arrays: Dict[str, mx.array], capacity: int, quant: dict,
     indices are slot numbers. (Random initial weights are lazy, never evaluated.)"""
     inner = copy.copy(original)
     for name, have in record_linears(arrays).items():
-        out_dim, packed = arrays[f"{name}.weight"].shape[1:]
+        shape = arrays[f"{name}.weight"].shape[1:]
         q = linear_quant(quant, name)
-        lin = QuantizedSwitchLinear(packed * 32 // q["bits"], out_dim, capacity, False,
-                                    q["group_size"], q["bits"], mode=q["mode"])
+        if q["mode"] == FLOAT_MODE:
+            lin = SwitchLinear(shape[1], shape[0], capacity, bias=False)
+        else:
+            lin = QuantizedSwitchLinear(input_size(q, shape), shape[0], capacity, False,
+                                        q["group_size"], q["bits"], mode=q["mode"])
         for kind in have:
             lin[kind] = arrays[f"{name}.{kind}"]
-        if "biases" not in have:
+        if "biases" not in have and q["mode"] != FLOAT_MODE:
             lin.biases = None
         inner[name] = lin
     return inner

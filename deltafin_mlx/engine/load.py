@@ -59,7 +59,7 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
         raise ModelError(f"{where}: {k!r:.40} experts per token, the manifest and banks have "
                          f"{ex['experts_per_token']}")
     from deltafin_mlx.format.bank import slice_axis
-    from deltafin_mlx.format.record import linear_quant
+    from deltafin_mlx.format.record import input_size, linear_quant
     from deltafin_mlx.model.modules import switch_classes
 
     inside = tuple(sp + "." for sp in switches)
@@ -75,14 +75,14 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
             raise ModelError(f"{where}: {sp} has expert linears {sorted(linears)}, the banks "
                              f"hold {sorted(held)}")
         for proj, (e, out, inp, bias) in linears.items():
-            bits = linear_quant(manifest.quantization["experts"], proj)["bits"]
+            q = linear_quant(manifest.quantization["experts"], proj)
             shape = list(sections[f"{proj}.weight"]["shape"])
             shape[slice_axis(f"{proj}.weight")] *= manifest.slices  # a whole expert
-            out_b, packed = shape
-            if (e, out, inp) != (ex["num_experts"], out_b, packed * 32 // bits):
+            out_b, in_b = shape[0], input_size(q, shape)
+            if (e, out, inp) != (ex["num_experts"], out_b, in_b):
                 raise ModelError(
                     f"{where}: {sp}.{proj} is {e} experts of {out}x{inp}, the banks hold "
-                    f"{ex['num_experts']} of {out_b}x{packed * 32 // bits}")
+                    f"{ex['num_experts']} of {out_b}x{in_b}")
             if bias != (f"{proj}.bias" in sections):
                 raise ModelError(f"{where}: {sp}.{proj} {'has' if bias else 'has no'} "
                                  "per-expert bias, the banks differ")

@@ -22,7 +22,8 @@ from deltafin_mlx.format.dtypes import FLOATS
 from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, check_small_files, parse_checksum,
                                           read_inside, resolve_inside, write_json)
 from deltafin_mlx.format.links import LINKED_VERSION
-from deltafin_mlx.format.record import PROJECTIONS, linear_quant, record_linears
+from deltafin_mlx.format.record import (FLOAT_MODE, PROJECTIONS, float_experts, linear_quant,
+                                        record_linears)
 from deltafin_mlx.units import is_int
 
 # Every manifest version this Deltafin reads: 1, 2 (rank slices), 3 (linked experts).
@@ -231,9 +232,11 @@ def _check_fields(d: dict):
     _need(quant.get("trunk") is None or isinstance(quant["trunk"], dict),
           "quantization.trunk must be an object or null")
     eq = quant.get("experts")
-    _need(isinstance(eq, dict) and isinstance(eq.get("mode"), str)
-          and is_int(eq.get("bits")) and 1 <= eq["bits"] <= 8
-          and is_int(eq.get("group_size")) and 1 <= eq["group_size"] <= 1 << 16,
+    _need(isinstance(eq, dict) and (
+        eq == float_experts(eq.get("dtype")) and eq["dtype"] in FLOATS
+        or isinstance(eq.get("mode"), str) and eq["mode"] != FLOAT_MODE
+        and is_int(eq.get("bits")) and 1 <= eq["bits"] <= 8
+        and is_int(eq.get("group_size")) and 1 <= eq["group_size"] <= 1 << 16),
           f"quantization.experts {eq!r:.200}")
 
     ex = d["experts"]
@@ -312,7 +315,8 @@ def _check_linked(linked):
 def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
     """The sections are a routed-expert module's quantized linears at the experts'
     quantization (format/record.py): per linear a uint32 weight, its scales, biases
-    exactly when affine, and optionally a per-expert float bias of its outputs."""
+    exactly when affine (or, kept in float, the float weight alone), and optionally
+    a per-expert float bias of its outputs."""
     own = quant.get("linears", {})
     _need(isinstance(own, dict) and all(isinstance(v, dict) for v in own.values()),
           "quantization.experts.linears must map linear names to objects")
@@ -323,6 +327,15 @@ def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
           f"the sections hold {sorted(linears)}")
     for p, kinds_of in linears.items():
         have = {k: by_name[f"{p}.{k}"] for k in kinds_of}
+        if quant["mode"] == FLOAT_MODE:
+            w = have["weight"] if set(have) <= {"weight", "bias"} else None
+            _need(re.fullmatch(_NAME, p) is not None and w is not None
+                  and w.dtype == quant["dtype"] and len(w.shape) == 2,
+                  f"expert sections of {p!r:.40} are {sorted(have)}, not a "
+                  f"{quant['dtype']} weight (and optionally bias)")
+            dims[p] = w.shape
+            _check_bias(p, have, w.shape[0])
+            continue
         q = linear_quant(quant, p)
         mode, bits, group = q["mode"], q["bits"], q["group_size"]
         _need(mode in QUANT_MODES and bits in QUANT_MODES[mode][0]
@@ -347,15 +360,19 @@ def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
               f"at {bits} bits, group size {group}")
         if affine:
             _need(have["biases"].shape == sc.shape, f"{p}.biases shape")
-        if "bias" in have:
-            _need(have["bias"].shape == (out,) and have["bias"].dtype in FLOATS,
-                  f"{p}.bias is {have['bias'].dtype} {have['bias'].shape}, not a float "
-                  f"vector of {out}")
+        _check_bias(p, have, out)
         dims[p] = (out, in_dim)
     if set(dims) & set(PROJECTIONS):
         _need(set(dims) == set(PROJECTIONS) and dims["up_proj"] == dims["gate_proj"]
               and dims["down_proj"] == dims["gate_proj"][::-1],
               f"expert projections {dims} do not form a SwitchGLU")
+
+
+def _check_bias(p: str, have: dict, out: int):
+    if "bias" in have:
+        _need(have["bias"].shape == (out,) and have["bias"].dtype in FLOATS,
+              f"{p}.bias is {have['bias'].dtype} {have['bias'].shape}, not a float "
+              f"vector of {out}")
 
 
 def check_model_files(m: Manifest):

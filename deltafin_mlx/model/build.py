@@ -12,8 +12,10 @@ import mlx.nn as nn
 
 from deltafin_mlx.compat import model_classes
 from deltafin_mlx.errors import ModelError
-from deltafin_mlx.format.dtypes import FLOATS, mlx_dtype
-from deltafin_mlx.model.config import check_config, text_config
+from deltafin_mlx.format.dtypes import mlx_dtype
+from deltafin_mlx.model.config import check_config
+from deltafin_mlx.model.quantization import cast_dtype
+
 
 def build_model(config: dict, where="config.json") -> nn.Module:
     """mlx-lm's model for `config`, lazily: its random initial weights are never
@@ -28,8 +30,8 @@ def build_model(config: dict, where="config.json") -> nn.Module:
 
 def source_dtype(config: dict) -> Optional[mx.Dtype]:
     """The dtype mlx_lm.convert casts floating weights to (None: leave as is)."""
-    dtype = config.get("torch_dtype") or text_config(config).get("dtype")
-    return mlx_dtype(dtype) if dtype in FLOATS else None
+    dtype = cast_dtype(config)
+    return mlx_dtype(dtype) if dtype is not None else None
 
 
 def quantize_like_config(model: nn.Module, config: dict):

@@ -5,10 +5,15 @@ source it has not downloaded.
 """
 
 from deltafin_mlx.errors import ConvertError
+from deltafin_mlx.format.dtypes import FLOATS
+from deltafin_mlx.format.record import FLOAT_MODE, float_experts
 from deltafin_mlx.model.config import text_config
 
 BITS = (2, 3, 4, 6, 8)
 GROUP_SIZES = (32, 64, 128)
+# `--expert-bits float`: float experts kept in their float dtype, not quantized.
+KEEP_FLOAT = "float"
+EXPERT_BITS = BITS + (KEEP_FLOAT,)
 
 
 def check_quantization(bits, group_size: int, expert_bits: int, expert_group_size: int):
@@ -17,8 +22,8 @@ def check_quantization(bits, group_size: int, expert_bits: int, expert_group_siz
         raise ConvertError(f"--bits must be one of {BITS} (got {bits})")
     if group_size not in GROUP_SIZES:
         raise ConvertError(f"--group-size must be one of {GROUP_SIZES}")
-    if expert_bits not in BITS:
-        raise ConvertError(f"--expert-bits must be one of {BITS}")
+    if expert_bits not in EXPERT_BITS:
+        raise ConvertError(f"--expert-bits must be one of {', '.join(map(str, EXPERT_BITS))}")
     if expert_group_size not in GROUP_SIZES:
         raise ConvertError(f"--expert-group-size must be one of {GROUP_SIZES}")
 
@@ -48,15 +53,45 @@ def mlx_lm_quantization(config: dict):
     return None
 
 
+# MLX's defaults for a mode (group size, bits): what a per-module entry's null means
+# (mlx_lm.convert's mixed recipes without --q-group-size save "group_size": null).
+MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
+
+
 def module_quantization(block: dict, path: str):
     """mlx-lm's rule for one module of a model it wrote: the per-module entry
-    where the block has one, else the block's default."""
+    where the block has one (a null in it is MLX's default for the mode, as
+    `to_quantized` takes it), else the block's default."""
     own = block.get(path)
     if isinstance(own, dict):
-        return {"group_size": own.get("group_size", block["group_size"]),
-                "bits": own.get("bits", block["bits"]), "mode": own.get("mode", "affine")}
+        mode = own.get("mode", "affine")
+        group, bits = MODE_DEFAULTS.get(mode, (None, None))
+        return {"group_size": own.get("group_size", block["group_size"]) or group,
+                "bits": own.get("bits", block["bits"]) or bits, "mode": mode}
     return {"group_size": block["group_size"], "bits": block["bits"],
             "mode": block.get("mode", "affine")}
+
+
+def check_alike_in_every_layer(per_linear: dict, where: str):
+    """Each expert linear is quantized alike in every MoE layer, or one line naming
+    two layers that differ. `per_linear`: linear -> its quantization (sorted items,
+    None for float) -> the first "layer L" that has it. mlx-lm's mixed recipes
+    (mixed_3_6, ...) give some layers' down_proj more bits: Deltafin's records
+    (and its expert cache's slots) hold one layout for every layer."""
+    differ = [found for found in per_linear.values() if len(found) > 1]
+    kinds = {q is not None for found in per_linear.values() for q in found}
+    if not differ and len(kinds) <= 1:
+        return
+    linear = next((n for n, found in per_linear.items() if len(found) > 1), None)
+    found = per_linear[linear] if linear else {q: w for f in per_linear.values()
+                                               for q, w in f.items()}
+    said = [f"{w}{' ' + linear if linear else ''}: " + (
+        "float" if q is None else "{mode} {bits}-bit, group size {group_size}".format(**dict(q)))
+        for q, w in found.items()]
+    raise ConvertError(f"{where} quantized differently from layer to layer ("
+                       + "; ".join(said[:2]) + "), as mlx-lm's mixed_* recipes make them; "
+                       "Deltafin holds every layer's experts in one layout: convert the "
+                       "float release instead (--expert-bits)")
 
 
 def carried_quantization(quant: dict, where: str) -> dict:
@@ -71,23 +106,48 @@ def carried_quantization(quant: dict, where: str) -> dict:
     return {"mode": mode, "bits": bits, "group_size": group, "carried_over": True}
 
 
-def expert_quantization(config: dict, expert_bits: int, expert_group_size: int) -> dict:
+def float_quantization(expert_bits, expert_group_size: int, dtype: str) -> dict:
+    """What float experts become with the options: quantized (affine), or kept in
+    `dtype` (the dtype mlx_lm.convert casts them to) with `--expert-bits float`."""
+    if expert_bits == KEEP_FLOAT:
+        return float_experts(dtype)
+    return {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}
+
+
+def describe_experts(quant: dict, source_dtype: str) -> str:
+    """What the conversion made of the routed experts (whose float dtype before it
+    was `source_dtype`), for its last line."""
+    if quant["mode"] == FLOAT_MODE:
+        return f"experts: {quant['dtype']}, kept"
+    bits = f"{quant['bits']}-bit affine" if quant["mode"] == "affine" else quant["mode"]
+    return (f"experts: {bits} (group size {quant['group_size']}), " + (
+        "carried over as saved" if quant.get("carried_over") else f"quantized from {source_dtype}"))
+
+
+def expert_quantization(config: dict, expert_bits, expert_group_size: int) -> dict:
     """What a source's routed experts become: K3's MXFP4 experts, and experts
     mlx-lm already quantized (its config.json block), are carried over as they are;
-    bf16/fp16/fp32 experts are quantized (affine) with the options. From
+    bf16/fp16/fp32 experts are quantized (affine) with the options, or kept in
+    float (`--expert-bits float`). From
     config.json alone, for the planner: the converter decides from what mlx-lm's
     sanitize makes of the source's tensors (convert/experts.py), which may hold
     its experts in float."""
     block = mlx_lm_quantization(config)
     if block is not None:
-        experts = {k: v for k, v in block.items() if ".switch_mlp." in k}
-        found = {tuple(sorted(module_quantization(block, k).items())) for k in experts}
-        if len(found) > 1:
-            raise ConvertError("config.json: the experts are quantized differently from "
-                               "layer to layer or projection to projection (an mlx-lm mixed "
-                               "recipe); Deltafin's records hold one quantization for all")
-        quant = dict(found.pop()) if found else module_quantization(block, "")
-        return carried_quantization(quant, "config.json")
+        per_linear = {}  # linear -> quantization -> the first layer that has it
+        for path in block:
+            if ".switch_mlp." in path and isinstance(block[path], dict):
+                where, _, linear = path.rpartition(".")
+                layer = next((p for p in where.split(".") if p.isdigit()), "?")
+                q = tuple(sorted(module_quantization(block, path).items()))
+                per_linear.setdefault(linear, {}).setdefault(q, f"layer {layer}")
+        check_alike_in_every_layer(per_linear, "config.json: the experts are")
+        quants = {n: dict(next(iter(f))) for n, f in per_linear.items()}
+        first = next(iter(quants.values()), module_quantization(block, ""))
+        quant = carried_quantization(first, "config.json")
+        own = {n: q for n, q in quants.items() if q != first}
+        return {**quant, **({"linears": own} if own else {})}
+    float_dtype = cast_dtype(config) or "bfloat16"  # as the planner assumes for scales
     qc = config.get("quantization_config") or text_config(config).get("quantization_config")
     if qc:
         fmt = qc.get("format")
@@ -95,10 +155,18 @@ def expert_quantization(config: dict, expert_bits: int, expert_group_size: int) 
                 or qc.get("quant_method") == "mxfp4"):
             return {"mode": "mxfp4", "bits": 4, "group_size": 32, "carried_over": True}
         if qc.get("quant_method") == "fp8":  # mlx-lm's sanitize dequantizes them
-            return {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}
+            return float_quantization(expert_bits, expert_group_size, float_dtype)
         raise ConvertError(
             f"source quantization {qc.get('quant_method')}/{fmt} is not supported "
             "(supported: bf16/fp16/fp32 weights, compressed-tensors mxfp4 experts, or "
             "mlx-lm's own format as mlx_lm.convert writes it)"
         )
-    return {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}
+    return float_quantization(expert_bits, expert_group_size, float_dtype)
+
+
+def cast_dtype(config: dict):
+    """The name of the dtype mlx_lm.convert casts floating weights to (None: they
+    are left as they are)."""
+    dtype = config.get("torch_dtype") or text_config(config).get("dtype")
+    return dtype if dtype in FLOATS else None
+

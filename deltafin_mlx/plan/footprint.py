@@ -15,7 +15,7 @@ import mlx.core as mx
 from deltafin_mlx.format.bank import Section, record_size_of
 from deltafin_mlx.format.dtypes import FLOATS, ITEMSIZE, name_of
 from deltafin_mlx.plan.slots import slot_bytes
-from deltafin_mlx.format.record import expert_sections, linear_quant
+from deltafin_mlx.format.record import FLOAT_MODE, expert_sections, input_size, linear_quant
 from deltafin_mlx.model.build import build_model, expert_recipe, quantize_like_mlx_lm, source_dtype
 from deltafin_mlx.model.config import experts_per_token, tied_embeddings
 from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, routed_expert_paths,
@@ -147,7 +147,7 @@ def embeddings_tied(config: dict, names) -> bool:
 
 
 def _expert_weights(sections: List[Section], quant: dict) -> int:
-    return sum(s.shape[0] * s.shape[1] * 32 // linear_quant(quant, s.name.rpartition(".")[0])["bits"]
+    return sum(s.shape[0] * input_size(linear_quant(quant, s.name.rpartition(".")[0]), s.shape)
                for s in sections if s.name.endswith(".weight"))
 
 
@@ -197,7 +197,7 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     quant = expert_quantization(config, expert_bits, expert_group_size)
     first = next(iter(switches.values()))
     linears = switch_linears(get_module(model, first))
-    if not quant.get("carried_over"):  # as the converter applies the model's recipe
+    if not quant.get("carried_over") and quant["mode"] != FLOAT_MODE:  # the model's recipe
         recipes = {n: expert_recipe(model, first, n, quant) for n in linears}
         own = {n: q for n, q in recipes.items() if q != recipes[next(iter(linears))]}
         quant = {**recipes[next(iter(linears))], **({"linears": own} if own else {})}

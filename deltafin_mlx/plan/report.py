@@ -20,6 +20,7 @@ from deltafin_mlx.format.hub import (SOURCE_PATTERNS, HubError, fetch_config, li
                                      looks_like_hub_id)
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
+from deltafin_mlx.format.record import FLOAT_MODE
 from deltafin_mlx.model.build import source_dtype
 from deltafin_mlx.model.config import check_config, max_context
 from deltafin_mlx.model.quantization import expert_quantization
@@ -108,11 +109,12 @@ def plan_report(options: PlanOptions) -> dict:
         manifest, config = model_dir.manifest, model_dir.config
         named = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
         if named:
-            q = manifest.quantization
+            q, ex = manifest.quantization, manifest.quantization["experts"]
             raise ModelError(
                 f"{' '.join(named)}: {target} is already converted (trunk "
                 + (f"{q['trunk']['bits']}-bit" if q.get("trunk") else "unquantized")
-                + f", experts {q['experts']['mode']} {q['experts']['bits']}-bit); these options "
+                + ", experts " + (ex["dtype"] if ex["mode"] == FLOAT_MODE
+                                  else f"{ex['mode']} {ex['bits']}-bit") + "); these options "
                 "plan a source: pass its config.json or hub id instead")
         check_context(options.context, config)
         saved = manifest.dtype

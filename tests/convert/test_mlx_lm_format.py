@@ -7,6 +7,8 @@ trunk stays as mlx-lm made it."""
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -210,11 +212,43 @@ def test_stacked_experts_that_disagree_with_config_json_are_refused_in_one_line(
 
 def test_experts_quantized_differently_per_layer_are_refused_in_one_line(mlx_lm_dirs,
                                                                          tmp_path):
-    # mlx-lm's mixed recipes give some layers' down_proj more bits than the rest.
+    # mlx-lm's mixed recipes give some layers' down_proj more bits than the rest:
+    # the line names two layers that differ, as config.json says them.
     src = mlx_lm_dirs("qwen3_moe", bits=4, recipe="mixed_3_6")
-    with pytest.raises(ConvertError, match="quantized differently"):
+    said = ("quantized differently from layer to layer (layer 0 down_proj: affine 3-bit, "
+            "group size 64; layer 2 down_proj: affine 6-bit, group size 64), as mlx-lm's "
+            "mixed_* recipes make them")
+    with pytest.raises(ConvertError, match=re.escape(said)):
         convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
     assert not (tmp_path / "out").exists()
+    plan = subprocess.run([str(BIN / "deltafin-run"), "plan", str(src)], capture_output=True,
+                          text=True, timeout=300)
+    assert plan.returncode != 0 and len(plan.stderr.strip().splitlines()) == 1, plan.stderr
+    assert said in plan.stderr and "config.json" in plan.stderr and "None" not in plan.stderr
+
+
+def test_a_null_group_size_is_mlx_defaults_for_the_mode(mlx_lm_dirs, tmp_path):
+    """mlx_lm.convert's recipes without --q-group-size save `"group_size": null` per
+    module, which MLX takes as the mode's default (64 for affine)."""
+    src = tmp_path / "src"
+    shutil.copytree(mlx_lm_dirs("qwen3_moe", bits=4), src)
+    config = json.loads((src / "config.json").read_text())
+    switches = [f"model.layers.{i}.mlp.switch_mlp.{p}" for i in range(config["num_hidden_layers"])
+                for p in ("gate_proj", "up_proj", "down_proj")]
+    for key in ("quantization", "quantization_config"):
+        block = config[key]
+        block.update({p: {"group_size": 64, "bits": 4, "mode": "affine"} for p in switches})
+        routers = [p for p, entry in block.items() if isinstance(entry, dict)
+                   and entry["bits"] == 8]
+        assert routers  # the routers' own entries (8 bits) get a null too
+        for entry in block.values():
+            if isinstance(entry, dict):
+                entry["group_size"] = None
+    (src / "config.json").write_text(json.dumps(config))
+    convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
+    m = read_manifest(tmp_path / "out")
+    assert (m.quantization["experts"]["bits"], m.quantization["experts"]["group_size"]) == (4, 64)
+    assert_same_greedy(tmp_path / "out", oracle(src))
 
 
 def test_conversion_memory_is_a_fraction_of_one_layers_stacked_experts(mlx_lm_dirs, tmp_path):
