@@ -339,24 +339,13 @@ def _open(src: str, out: Path, options: ConvertOptions):
     return read_source(src, hub.dir, Path(os.path.realpath(hub.dir)), remote=hub), hub
 
 
-@dataclass
-class ConfigSettled:
-    """What config.json and the options settle, before any weight is read."""
-
-    model: object  # mlx-lm's model, built lazily (no weight allocated)
-    paths: list  # each decoder layer's module path
-    moe_layers: dict  # layer -> its SwitchGLU/SwitchMLP module path
-    moe: MoeShape
-    saved_quant: Optional[dict]  # the source's, where mlx_lm.convert quantized it
-    trunk_quant: Optional[dict]
-
-
-def config_settled(src: str, config: dict, options: ConvertOptions) -> ConfigSettled:
+def config_settled(src: str, config: dict, options: ConvertOptions):
     """Every refusal config.json and the options settle, each in one line: a model
     mlx-lm builds without routed experts (mlx-lm runs it), quantization options on a
     checkpoint mlx-lm quantized (its trunk and experts are kept as saved). Said for a
-    hub id before anything but config.json is downloaded (`_open`)."""
-    model, paths, moe_layers, moe = build_moe(config)
+    hub id before anything but config.json is downloaded (`_open`). Returns
+    `build_moe`'s four, the source's saved quantization block and the trunk's."""
+    built = build_moe(config)
     saved_quant = mlx_lm_quantization(config)  # mlx_lm.convert's trunk is kept as saved
     if saved_quant is not None:
         if (options.bits, options.group_size) != (ConvertOptions.bits, ConvertOptions.group_size):
@@ -370,7 +359,7 @@ def config_settled(src: str, config: dict, options: ConvertOptions) -> ConfigSet
         trunk_quant = {"group_size": options.group_size, "bits": options.bits, "mode": "affine"}
     else:
         trunk_quant = None
-    return ConfigSettled(model, paths, moe_layers, moe, saved_quant, trunk_quant)
+    return built, saved_quant, trunk_quant
 
 
 def _layout(src: str, source: Source, options: ConvertOptions) -> Layout:
@@ -378,19 +367,19 @@ def _layout(src: str, source: Source, options: ConvertOptions) -> Layout:
     refusal said before any work."""
     config = dict(source.config)
     check_source_tokenizer(source.path, tokenizer_files(source.path, source.root), config)
-    settled = config_settled(src, config, options)
-    model, paths, moe_layers = settled.model, settled.paths, settled.moe_layers
+    (model, paths, moe_layers, moe), saved_quant, trunk_quant = config_settled(src, config,
+                                                                               options)
     dtype = source_dtype(config)
     units, notes = _sort_units(source, paths)
     float_quant = {"mode": "affine", "bits": options.expert_bits,
                    "group_size": options.expert_group_size}
-    experts = SanitizedExperts(source, model, units, moe_layers, settled.moe.num_experts,
-                               float_quant, settled.saved_quant, dtype, config.get("model_type"))
+    experts = SanitizedExperts(source, model, units, moe_layers, moe.num_experts,
+                               float_quant, saved_quant, dtype, config.get("model_type"))
     _check_experts(src, experts, moe_layers, options)
     sections = _sections(experts, options.ranks)
-    return Layout(source, config, model, paths, units, moe_layers, settled.moe, experts,
-                  sections, record_size_of(sections) * options.ranks, settled.trunk_quant,
-                  settled.saved_quant, dtype, notes)
+    return Layout(source, config, model, paths, units, moe_layers, moe, experts,
+                  sections, record_size_of(sections) * options.ranks, trunk_quant,
+                  saved_quant, dtype, notes)
 
 
 def _sort_units(source: Source, paths: list):

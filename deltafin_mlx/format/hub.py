@@ -26,8 +26,8 @@ from typing import Dict, Optional
 
 from deltafin_mlx.errors import HubError
 
-# A branch or tag name as refs/ holds it.
-REF_NAME = re.compile(r"[A-Za-z0-9._/-]+")
+# A branch or tag name as refs/ holds it (no leading `/` or `..`: it stays in refs/).
+REF_NAME = re.compile(r"(?!/)(?!.*\.\.)[A-Za-z0-9._/-]+")
 # What a conversion fetches of a repository (weights, configs, tokenizer files).
 SOURCE_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
@@ -217,24 +217,19 @@ def download_snapshot(repo: str, revision: Optional[str] = None,
 
 
 def record_ref(fetched: Path, revision: Optional[str], commit: str):
-    """Leave the hub cache as huggingface-hub leaves it after a download by branch or
-    tag: `refs/REVISION` (main by default) holding the commit, so the name finds the
-    snapshot offline (`HF_HUB_OFFLINE=1`, for mlx-lm too). Deltafin downloads by the
-    commit it listed, so that a branch that moves meanwhile cannot mix two commits'
-    files, and huggingface-hub writes no ref for a download by commit. `fetched`: the
+    """`refs/REVISION` (main by default) holding the commit, as huggingface-hub leaves
+    a download by name, so the name finds the snapshot offline (mlx-lm's too).
+    Deltafin downloads by the commit it listed (a branch that moves meanwhile cannot
+    mix two commits' files), for which huggingface-hub writes no ref. `fetched`: the
     snapshot folder or a file in it."""
     revision = revision or "main"
-    if commit.startswith(revision) or not REF_NAME.fullmatch(revision) or \
-            ".." in revision.split("/"):
-        return  # a commit itself, or no name huggingface-hub would write
     snapshots = next((p for p in Path(fetched).parents if p.name == "snapshots"), None)
-    if snapshots is None:
-        return
+    if commit.startswith(revision) or not REF_NAME.fullmatch(revision) or snapshots is None:
+        return  # a commit itself, or no name huggingface-hub would write
     ref = snapshots.parent / "refs" / revision
     ref.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ref.with_name(ref.name + ".deltafin-tmp")
-    tmp.write_text(commit)
-    os.replace(tmp, ref)
+    ref.with_name(ref.name + ".tmp").write_text(commit)
+    os.replace(ref.with_name(ref.name + ".tmp"), ref)
 
 
 @contextlib.contextmanager

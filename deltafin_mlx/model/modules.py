@@ -129,15 +129,12 @@ class MoeShape:
 
 
 class _Routed(Exception):
-    """Raised by `_RouteProbe` with the experts a token was routed to."""
+    pass
 
 
 class _RouteProbe(nn.Module):
-    """Stands in for a routed-expert module while its block is called once, lazily:
-    the router's indices reach it, and their last axis is the experts per token."""
-
     def __call__(self, x, indices, *args, **kwargs):
-        raise _Routed(indices.shape[-1])
+        raise _Routed(indices.shape[-1])  # the router's indices: k per token
 
 
 def routed_per_token(model: nn.Module, switch_path: str, hidden: int):
