@@ -262,10 +262,6 @@ class Layout:
     def num_layers(self) -> int:
         return len(self.paths)
 
-    @property
-    def num_experts(self) -> int:
-        return self.moe.num_experts
-
     def __post_init__(self):
         # Source bytes of each unit's trunk tensors (a unit's experts are apart).
         self.trunk_bytes = {
@@ -456,10 +452,11 @@ def _sections(experts: SanitizedExperts, slices: int) -> list:
 def _check_disk(out: Path, layout: Layout, state: dict, hub, options: ConvertOptions):
     """Disk, checked before anything is written: banks are exact; the trunk needs at
     most its source size. With a hub scratch, the plan of which shards to hold when."""
+    n = layout.moe.num_experts
     bank_bytes = {
-        layer: (LinkWriter.size(layout.num_experts, layout.sections) if options.link_experts
-                else bank_header_size(layer, layout.num_experts, layout.sections, options.ranks)
-                + layout.num_experts * layout.record_size)
+        layer: (LinkWriter.size(n, layout.sections) if options.link_experts
+                else bank_header_size(layer, n, layout.sections, options.ranks)
+                + n * layout.record_size)
         for layer in layout.moe_layers
     }
     needed = sum(layout.trunk_bytes[u] + bank_bytes.get(u, 0)
@@ -589,7 +586,7 @@ def _write_experts(out: Path, layout: Layout, unit, recorded: dict, bar, files: 
                    checksums: dict) -> dict:
     """A MoE layer's experts: a bank of records, or with --link-experts the table of
     where each lies in the source. Adds its file to `files`/`checksums`."""
-    experts, n = layout.experts, layout.num_experts
+    experts, n = layout.experts, layout.moe.num_experts
     if recorded.get("link_experts"):
         rel = f"experts/layer-{unit:05d}.links"
         writer = LinkWriter(layout.source, unit, n, layout.sections)
@@ -752,7 +749,7 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
                      "globals": "trunk/globals.safetensors"},
         tensors=tensors,
         experts={
-            "num_experts": layout.num_experts,
+            "num_experts": layout.moe.num_experts,
             "experts_per_token": layout.moe.experts_per_token,
             "record_size": layout.record_size,
             "sections": [s.to_dict() for s in sections],

@@ -40,7 +40,7 @@ from deltafin_mlx.units import is_int, parse_size
 READ_MODES = ("direct", "mmap")
 
 
-def check_against_manifest(model: nn.Module, config: dict, manifest, switches: dict):
+def check_against_manifest(model: nn.Module, manifest, switches: dict):
     """The model config.json builds is the one the manifest and banks describe:
     layer count, expert count and shapes (experts per token: `switch_shapes`), every trunk
     tensor (so vocabulary, tied embeddings, widths) by name and shape. A config
@@ -377,7 +377,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     # The quantized classes, minus the experts (their config entries now point at
     # streaming modules, which nn.quantize leaves alone).
     quantize_like_config(model, config)
-    check_against_manifest(model, config, manifest, switches)
+    check_against_manifest(model, manifest, switches)
     paths = layer_paths(model)
     streamed = sorted(int(k) for k in plan.streamed)
     prefixes = tuple(paths[i] + "." for i in streamed)
