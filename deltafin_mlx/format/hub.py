@@ -209,11 +209,11 @@ def download_snapshot(repo: str, revision: Optional[str] = None,
             snapshot = Path(snapshot_download(
                 repo, revision=listed.commit if listed else revision,
                 local_files_only=listed is None, allow_patterns=patterns or SOURCE_PATTERNS))
+            if listed is not None:
+                record_ref(snapshot, revision, listed.commit)
+            return snapshot
     except Exception as e:  # the hub raises many types; hub_failure says which
         raise HubError(hub_failure(repo, e, "it", revision)) from None
-    if listed is not None:
-        record_ref(snapshot, revision, listed.commit)
-    return snapshot
 
 
 def record_ref(fetched: Path, revision: Optional[str], commit: str):
