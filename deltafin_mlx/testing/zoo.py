@@ -301,13 +301,20 @@ def declared_keys(model_type: str) -> frozenset:
     return frozenset(keys)
 
 
+def own_keys(model_type: str):
+    """(top level, text_config) keys `config` may give `model_type`: those its classes
+    declare (`declared_keys`), transformers' own, and its OVERRIDES (set for it)."""
+    own, common = OVERRIDES.get(model_type, {}), declared_keys(model_type) | COMMON_KEYS
+    return common | set(own), common | set(own.get("text_config") or ())
+
+
 def config(model_type: str, vocab: int) -> dict:
-    """The tiny config.json of `model_type`, for a tokenizer of `vocab` ids: only the
-    keys its classes declare (`declared_keys`) and transformers' own."""
-    keep = declared_keys(model_type) | COMMON_KEYS
-    cfg = {k: v for k, v in _every_name(model_type, vocab).items() if k in keep}
+    """The tiny config.json of `model_type`, for a tokenizer of `vocab` ids: only its
+    own keys (`own_keys`), never every family's name for a number."""
+    top, text = own_keys(model_type)
+    cfg = {k: v for k, v in _every_name(model_type, vocab).items() if k in top}
     if "text_config" in cfg:
-        cfg["text_config"] = {k: v for k, v in cfg["text_config"].items() if k in keep}
+        cfg["text_config"] = {k: v for k, v in cfg["text_config"].items() if k in text}
     return cfg
 
 

@@ -74,10 +74,11 @@ ALIASES = ({"num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk",
 @pytest.mark.parametrize("model_type", TYPES)
 def test_each_types_config_carries_only_its_own_keys(model_type):
     """As the family's published config.json: the keys its ModelArgs (or its language
-    model's) declares, and transformers' own; no alias of another family's."""
+    model's) declares, transformers' own and those set for it; no alias of another
+    family's."""
     cfg = zoo.config(model_type, 256)
-    own = zoo.declared_keys(model_type) | zoo.COMMON_KEYS
-    for keys in (set(cfg), set(cfg.get("text_config") or ())):
+    for keys, own in zip((set(cfg), set(cfg.get("text_config") or ())),
+                         zoo.own_keys(model_type)):
         assert keys <= own, sorted(keys - own)
         for names in ALIASES:
             assert len(keys & names) <= 1, sorted(keys & names)
