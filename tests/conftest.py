@@ -151,6 +151,8 @@ E2E = [
     "tests/convert/test_hub.py::*",
     "tests/convert/test_hub_downloads.py::*",
     "tests/convert/test_hub_scratch.py::*",
+    "tests/convert/test_hub_cache_refs.py::*",
+    "tests/convert/test_refused_before_download.py::*",
     "tests/convert/test_original_layouts.py::test_an_mlx_community_*",
     "tests/convert/test_original_layouts.py::test_a_release_converts_from_the_hub_*",
     "tests/dropin/*::*",

@@ -13,21 +13,24 @@ from deltafin_mlx.units import human_bytes
 from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.dtypes import compute_dtype, name_of
 from deltafin_mlx.format.hub import HubError, fetch_config, list_repo, looks_like_hub_id
+from deltafin_mlx.format.manifest import MANIFEST_NAME
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
 from deltafin_mlx.format.record import FLOAT_MODE
-from deltafin_mlx.model.config import (architecture_name, experts_per_token, max_context,
-                                       routed_experts, text_config)
+from deltafin_mlx.model.config import architecture_name, max_context, text_config
 
 
 def hub_source_info(repo: str, revision=None) -> dict:
     """What a hub checkpoint is, from its config.json and the hub's file listing
     (nothing else is downloaded): what `info` says of a model not yet converted."""
+    from deltafin_mlx.model.build import build_moe
+
     try:
         listed = list_repo(repo, revision, "its config.json")
         config = read_source_config(fetch_config(repo, revision).resolve())
     except HubError as e:
         raise ModelError(str(e)) from None
     tc = text_config(config)
+    _, paths, _, moe = build_moe(config, f"{repo}: config.json")
     weights = None if listed is None else sum(
         f.size for f in listed.files.values() if f.name.endswith(".safetensors"))
     return {
@@ -35,9 +38,9 @@ def hub_source_info(repo: str, revision=None) -> dict:
         "converted": False,
         "architecture": config.get("model_type"),
         "architecture_name": architecture_name(config.get("model_type") or ""),
-        "layers": tc.get("num_hidden_layers"),
-        "experts_per_layer": routed_experts(config),
-        "experts_per_token": experts_per_token(config),
+        "layers": len(paths),
+        "experts_per_layer": moe.num_experts,
+        "experts_per_token": moe.experts_per_token,
         "hidden_size": tc.get("hidden_size"),
         "max_context": max_context(config),
         "commit": listed.commit if listed else None,
@@ -157,6 +160,12 @@ def cmd_info(argv) -> int:
         return 0
     if args.revision is not None:
         raise ModelError(f"--revision {args.revision}: {args.model} is not a hub id")
+    source = Path(args.model).expanduser()
+    if (source / "config.json").is_file() and not (source / MANIFEST_NAME).exists():
+        # A checkpoint not converted: a dense one is said to be mlx-lm's to run.
+        from deltafin_mlx.model.build import build_moe
+
+        build_moe(read_source_config(source / "config.json"), source / "config.json")
     r = model_info(args.model)
     print(json.dumps(r, indent=1) if args.json else format_info(r))
     return 0

@@ -25,17 +25,16 @@ from deltafin_mlx._version import __version__ as deltafin_version
 from deltafin_mlx.errors import DeltafinError, ModelError
 from deltafin_mlx.format.bank import BankWriter, bank_header_size, record_size_of, slice_sections
 from deltafin_mlx.format.dtypes import name_of
-from deltafin_mlx.format.hub import looks_like_hub_id
+from deltafin_mlx.format.hub import fetch_config, looks_like_hub_id
 from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, file_checksum, format_checksum,
                                           write_json)
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
 from deltafin_mlx.format.model_dir import (PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE,
-                                          open_model_dir)
+                                          open_model_dir, read_source_config)
 from deltafin_mlx.format.record import FLOAT_MODE, linear_quant, record_linears
-from deltafin_mlx.model.build import build_model, source_dtype
-from deltafin_mlx.model.config import experts_per_token
-from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, routed_expert_paths,
-                                        switch_linears)
+from deltafin_mlx.model.build import build_moe, source_dtype
+from deltafin_mlx.model.config import check_config
+from deltafin_mlx.model.modules import LayerIndex, MoeShape, get_module
 from deltafin_mlx.model.quantization import (KEEP_FLOAT, check_quantization, float_quantization,
                                              mlx_lm_quantization, module_quantization)
 from deltafin_mlx.model.shard import check_glu_sections
@@ -253,8 +252,8 @@ class Layout:
     paths: list  # each decoder layer's module path in mlx-lm's model
     units: dict  # unit -> its source tensor names
     moe_layers: dict  # layer -> its SwitchGLU/SwitchMLP module path
+    moe: MoeShape
     experts: SanitizedExperts
-    num_experts: int
     sections: list
     record_size: int
     trunk_quant: Optional[dict]
@@ -319,7 +318,13 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
 
 def _open(src: str, out: Path, options: ConvertOptions):
     """The source, checked, and the hub scratch it is read through (None but with
-    --scratch-limit)."""
+    --scratch-limit). From the hub, config.json comes alone first: what it settles is
+    refused before any weight is downloaded."""
+    if looks_like_hub_id(src) and not Path(src).expanduser().exists():
+        path = fetch_config(src, options.revision).resolve()
+        config = read_source_config(path)
+        check_config(config, path, ConvertError)
+        config_settled(src, config, options)
     if not options.scratch:
         source = open_source(src, options.revision, options.progress)
         check_out_apart(source.path, out)
@@ -333,37 +338,45 @@ def _open(src: str, out: Path, options: ConvertOptions):
     return read_source(src, hub.dir, Path(os.path.realpath(hub.dir)), remote=hub), hub
 
 
-def _layout(src: str, source: Source, options: ConvertOptions) -> Layout:
-    """Everything about the output that the source and the options settle, each
-    refusal said before any work."""
-    config = dict(source.config)
-    check_source_tokenizer(source.path, tokenizer_files(source.path, source.root), config)
-    model_type = config.get("model_type")
+def config_settled(src: str, config: dict, options: ConvertOptions):
+    """Every refusal config.json and the options settle, each in one line: a model
+    mlx-lm builds without routed experts (mlx-lm runs it), quantization options on a
+    checkpoint mlx-lm quantized (its trunk and experts are kept as saved). Said for a
+    hub id before anything but config.json is downloaded (`_open`). Returns
+    `build_moe`'s four, the source's saved quantization block and the trunk's."""
+    built = build_moe(config)
     saved_quant = mlx_lm_quantization(config)  # mlx_lm.convert's trunk is kept as saved
     if saved_quant is not None:
         if (options.bits, options.group_size) != (ConvertOptions.bits, ConvertOptions.group_size):
             raise ConvertError(
                 f"--bits/--group-size/--no-trunk-quant: {src} was quantized by mlx-lm and its "
                 "trunk is kept as it was saved: drop the option")
+        check_expert_options(src, {"mode": saved_quant.get("mode", "affine"),
+                                   "carried_over": True}, options)
         trunk_quant = module_quantization(saved_quant, "")
     elif options.bits is not None:
         trunk_quant = {"group_size": options.group_size, "bits": options.bits, "mode": "affine"}
     else:
         trunk_quant = None
+    return built, saved_quant, trunk_quant
+
+
+def _layout(src: str, source: Source, options: ConvertOptions) -> Layout:
+    """Everything about the output that the source and the options settle, each
+    refusal said before any work."""
+    config = dict(source.config)
+    check_source_tokenizer(source.path, tokenizer_files(source.path, source.root), config)
+    (model, paths, moe_layers, moe), saved_quant, trunk_quant = config_settled(src, config,
+                                                                               options)
     dtype = source_dtype(config)
-    model = build_model(config)
-    paths = layer_paths(model)
     units, notes = _sort_units(source, paths)
-    moe_layers = routed_expert_paths(model, paths, model_type)
-    first_switch = get_module(model, next(iter(moe_layers.values())))
-    num_experts = next(iter(switch_linears(first_switch).values()))[0]
     float_quant = float_quantization(options.expert_bits, options.expert_group_size,
                                      name_of(dtype) if dtype is not None else None)
-    experts = SanitizedExperts(source, model, units, moe_layers, num_experts,
-                               float_quant, saved_quant, dtype, model_type)
+    experts = SanitizedExperts(source, model, units, moe_layers, moe.num_experts,
+                               float_quant, saved_quant, dtype, config.get("model_type"))
     _check_experts(src, experts, moe_layers, options)
     sections = _sections(experts, options.ranks)
-    return Layout(source, config, model, paths, units, moe_layers, experts, num_experts,
+    return Layout(source, config, model, paths, units, moe_layers, moe, experts,
                   sections, record_size_of(sections) * options.ranks, trunk_quant,
                   saved_quant, dtype, notes)
 
@@ -395,15 +408,20 @@ def _sort_units(source: Source, paths: list):
     return units, notes
 
 
-def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
-                   options: ConvertOptions):
-    expert_quant = experts.quant
+def check_expert_options(src: str, expert_quant: dict, options: ConvertOptions):
+    """Expert options are for float experts: refused for experts carried over."""
     if expert_quant.get("carried_over") and (options.expert_bits, options.expert_group_size) \
             != (ConvertOptions.expert_bits, ConvertOptions.expert_group_size):
         raise ConvertError(
             f"--expert-bits/--expert-group-size: the experts of {src} are "
             f"{expert_quant['mode'].upper()} and are carried over as they are (only bf16/fp16/"
             "fp32 experts are quantized): drop the option")
+
+
+def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
+                   options: ConvertOptions):
+    expert_quant = experts.quant
+    check_expert_options(src, expert_quant, options)
     if options.link_experts and expert_quant["mode"] == FLOAT_MODE:
         raise ConvertError("--link-experts with --expert-bits float: only experts carried "
                            "over quantized (Kimi K3's, mlx-lm's) are linked; float experts "
@@ -441,10 +459,11 @@ def _sections(experts: SanitizedExperts, slices: int) -> list:
 def _check_disk(out: Path, layout: Layout, state: dict, hub, options: ConvertOptions):
     """Disk, checked before anything is written: banks are exact; the trunk needs at
     most its source size. With a hub scratch, the plan of which shards to hold when."""
+    n = layout.moe.num_experts
     bank_bytes = {
-        layer: (LinkWriter.size(layout.num_experts, layout.sections) if options.link_experts
-                else bank_header_size(layer, layout.num_experts, layout.sections, options.ranks)
-                + layout.num_experts * layout.record_size)
+        layer: (LinkWriter.size(n, layout.sections) if options.link_experts
+                else bank_header_size(layer, n, layout.sections, options.ranks)
+                + n * layout.record_size)
         for layer in layout.moe_layers
     }
     needed = sum(layout.trunk_bytes[u] + bank_bytes.get(u, 0)
@@ -574,7 +593,7 @@ def _write_experts(out: Path, layout: Layout, unit, recorded: dict, bar, files: 
                    checksums: dict) -> dict:
     """A MoE layer's experts: a bank of records, or with --link-experts the table of
     where each lies in the source. Adds its file to `files`/`checksums`."""
-    experts, n = layout.experts, layout.num_experts
+    experts, n = layout.experts, layout.moe.num_experts
     if recorded.get("link_experts"):
         rel = f"experts/layer-{unit:05d}.links"
         writer = LinkWriter(layout.source, unit, n, layout.sections)
@@ -744,8 +763,8 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
                      "globals": "trunk/globals.safetensors"},
         tensors=tensors,
         experts={
-            "num_experts": layout.num_experts,
-            "experts_per_token": experts_per_token(config),
+            "num_experts": layout.moe.num_experts,
+            "experts_per_token": layout.moe.experts_per_token,
             "record_size": layout.record_size,
             "sections": [s.to_dict() for s in sections],
             "layers": {str(u): done[str(u)]["bank"] for u in layout.moe_layers},

@@ -30,7 +30,6 @@ from deltafin_mlx.format.dtypes import ACTIVATION_DTYPES, compute_dtype
 from deltafin_mlx.format.manifest import ModelError
 from deltafin_mlx.format.model_dir import open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
-from deltafin_mlx.model.config import text_config
 from deltafin_mlx.model.modules import get_module, layer_paths, set_module
 from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view,
                                       shard_model, sharded_inventory)
@@ -41,9 +40,9 @@ from deltafin_mlx.units import is_int, parse_size
 READ_MODES = ("direct", "mmap")
 
 
-def check_against_manifest(model: nn.Module, config: dict, manifest, switches: dict):
+def check_against_manifest(model: nn.Module, manifest, switches: dict):
     """The model config.json builds is the one the manifest and banks describe:
-    layer count, expert count and shapes, experts per token, and every trunk
+    layer count, expert count and shapes (experts per token: `switch_shapes`), every trunk
     tensor (so vocabulary, tied embeddings, widths) by name and shape. A config
     edited and resealed is refused here instead of running different math."""
     where = manifest.path / "config.json"
@@ -51,13 +50,6 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
     if n != manifest.num_layers:
         raise ModelError(f"{where}: builds {n} layers, the manifest has {manifest.num_layers}")
     ex = manifest.experts
-    args = getattr(model, "args", None)
-    tc = text_config(config)
-    k = tc.get("num_experts_per_tok", tc.get("num_experts_per_token",
-                                            getattr(args, "num_experts_per_tok", None)))
-    if k != ex["experts_per_token"]:
-        raise ModelError(f"{where}: {k!r:.40} experts per token, the manifest and banks have "
-                         f"{ex['experts_per_token']}")
     from deltafin_mlx.format.bank import slice_axis
     from deltafin_mlx.format.record import input_size, linear_quant
     from deltafin_mlx.model.modules import switch_classes
@@ -384,7 +376,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     # The quantized classes, minus the experts (their config entries now point at
     # streaming modules, which nn.quantize leaves alone).
     quantize_like_config(model, config)
-    check_against_manifest(model, config, manifest, switches)
+    check_against_manifest(model, manifest, switches)
     paths = layer_paths(model)
     streamed = sorted(int(k) for k in plan.streamed)
     prefixes = tuple(paths[i] + "." for i in streamed)
@@ -452,9 +444,10 @@ def open_tokenizer(model):
 
 def switch_shapes(model: nn.Module, manifest) -> dict:
     """Each MoE layer's expert linears (`switch_linears`: experts, out, in, bias), as
-    the model config.json builds has them; refused if the manifest names a layer
-    without a routed-expert module."""
-    from deltafin_mlx.model.modules import switch_classes, switch_linears
+    the model config.json builds has them (before any module is replaced); refused
+    if the manifest names a layer without a routed-expert module, or the model routes
+    another number of experts per token."""
+    from deltafin_mlx.model.modules import moe_shape, switch_classes, switch_linears
 
     shapes = {}
     paths = layer_paths(model)
@@ -469,6 +462,11 @@ def switch_shapes(model: nn.Module, manifest) -> dict:
             raise ModelError(f"{manifest.path / 'config.json'}: layer {layer} of the model it "
                              f"builds has no routed experts at {sp}, the manifest has a bank")
         shapes[sp] = switch_linears(switch)
+    k = moe_shape(model, {layer: manifest.switch_path(layer) for layer in manifest.moe_layers},
+                  manifest.model_type).experts_per_token
+    if k != manifest.experts["experts_per_token"]:
+        raise ModelError(f"{manifest.path / 'config.json'}: {k} experts per token, the "
+                         f"manifest and banks have {manifest.experts['experts_per_token']}")
     return shapes
 
 

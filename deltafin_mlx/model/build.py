@@ -28,6 +28,19 @@ def build_model(config: dict, where="config.json") -> nn.Module:
         raise ModelError(f"{where}: cannot build mlx-lm's model ({e})") from None
 
 
+def build_moe(config: dict, where="config.json"):
+    """mlx-lm's model of `config` built lazily, its decoder layers' paths, its
+    routed-expert modules (layer -> path) and its MoeShape, from config.json alone;
+    a model without routed experts is refused in one line (mlx-lm runs it)."""
+    from deltafin_mlx.model.modules import layer_paths, moe_shape, routed_expert_paths
+
+    model = build_model(config, where)
+    paths = layer_paths(model)
+    model_type = config.get("model_type", "?")
+    switches = routed_expert_paths(model, paths, model_type)
+    return model, paths, switches, moe_shape(model, switches, model_type)
+
+
 def source_dtype(config: dict) -> Optional[mx.Dtype]:
     """The dtype mlx_lm.convert casts floating weights to (None: leave as is)."""
     dtype = cast_dtype(config)

@@ -25,19 +25,12 @@ def architecture_name(model_type: str) -> str:
     return ARCHITECTURES.get(model_type, model_type)
 
 
-def experts_per_token(config: dict) -> int:
-    tc = text_config(config)
-    for key in ("num_experts_per_tok", "num_experts_per_token"):
-        if key in tc:
-            return int(tc[key])
-    raise ModelError("config.json does not say how many experts each token uses")
-
-
-def routed_experts(config: dict) -> int:
-    """Routed experts per MoE layer (0 where config.json names none)."""
-    tc = text_config(config)
+def _named_experts(tc: dict) -> int:
+    """Routed experts as the usual keys name them (0 where none does): for bounds
+    only. A model's shape comes from mlx-lm's built model (model/modules.py
+    `moe_shape`), which knows every family's own key."""
     return int(tc.get("n_routed_experts") or tc.get("num_experts") or tc.get("num_local_experts")
-               or 0)
+               or tc.get("moe_num_experts") or 0)
 
 
 def max_context(config: dict):
@@ -107,8 +100,8 @@ def check_config(config: dict, where, error=ModelError):
                         "integer or a list of them")
         if not isinstance(c.get("quantization_config") or {}, dict):
             raise error(f"{where}: quantization_config must be an object")
-    experts, per_token = routed_experts(config), tc.get("num_experts_per_tok",
-                                                        tc.get("num_experts_per_token"))
+    experts, per_token = _named_experts(tc), tc.get("num_experts_per_tok",
+                                                    tc.get("num_experts_per_token"))
     if experts and per_token is not None and per_token > experts:
         raise error(f"{where}: {per_token:,} experts per token, more than the {experts:,} "
                     "routed experts")
@@ -120,5 +113,5 @@ def most_source_tensors(config: dict) -> int:
     biases) and the trunk's, with room to spare (K3 holds about a third of it)."""
     tc = text_config(config)  # where a count is named otherwise: the most allowed
     layers = next((tc[k] for k in LAYER_KEYS if tc.get(k)), MAX_LAYERS)
-    experts = routed_experts(config) or tc.get("moe_num_experts") or SIZES["num_experts"][1]
+    experts = _named_experts(tc) or SIZES["num_experts"][1]
     return 16 * (layers + 8) * (experts + 16)

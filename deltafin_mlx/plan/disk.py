@@ -20,6 +20,7 @@ from deltafin_mlx.format.links import ENTRY
 from deltafin_mlx.format.dtypes import ITEMSIZE
 
 from deltafin_mlx.format.bank import ALIGN
+from deltafin_mlx.format.record import input_size, linear_quant
 
 LINK_TABLE_SLACK = ALIGN  # a table's header (a few file names), beside its entries
 

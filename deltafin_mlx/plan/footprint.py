@@ -16,10 +16,9 @@ from deltafin_mlx.format.bank import Section, record_size_of
 from deltafin_mlx.format.dtypes import FLOATS, ITEMSIZE, name_of
 from deltafin_mlx.plan.slots import slot_bytes
 from deltafin_mlx.format.record import FLOAT_MODE, expert_sections, input_size, linear_quant
-from deltafin_mlx.model.build import build_model, expert_recipe, quantize_like_mlx_lm, source_dtype
-from deltafin_mlx.model.config import experts_per_token, tied_embeddings
-from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, routed_expert_paths,
-                                        switch_linears)
+from deltafin_mlx.model.build import build_moe, expert_recipe, quantize_like_mlx_lm, source_dtype
+from deltafin_mlx.model.config import tied_embeddings
+from deltafin_mlx.model.modules import LayerIndex, MoeShape, get_module, shared_width, switch_linears
 from deltafin_mlx.model.quantization import check_quantization, expert_quantization
 from deltafin_mlx.model.shard import expert_layout
 
@@ -44,8 +43,7 @@ class Inventory:
     embed_bytes: int  # the embedding table's share of the globals (rows read on demand)
     embed_tied: bool
     moe_layers: List[int]
-    num_experts: int
-    experts_per_token: int
+    moe: MoeShape
     record_size: int
     sections: List[Section]
     expert_weights: int  # matrix elements of one expert
@@ -54,6 +52,14 @@ class Inventory:
     # A source's trunk per unit as the checkpoint stores it (its dtype, unquantized):
     # what a download holds besides the experts (only from a config.json).
     source_unit_bytes: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts
+
+    @property
+    def experts_per_token(self) -> int:
+        return self.moe.experts_per_token
 
     @property
     def slot_bytes(self) -> int:
@@ -125,14 +131,17 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
     # The expert as one process holds it (a sliced record's slices put together).
     sections = expert_layout(manifest).for_rank(0, 1).held_sections
     quant = manifest.quantization["experts"]
+    shapes = {name: info["shape"] for name, info in manifest.tensors.items()}
+    moe = MoeShape(manifest.experts["experts_per_token"], manifest.experts["num_experts"],
+                   max(shared_width(shapes, manifest.switch_path(layer))
+                       for layer in manifest.moe_layers))
     return Inventory(model_type=manifest.model_type,
                      config=config,
                      units=_build(by_unit, act),
                      embed_bytes=embed,
                      embed_tied=embeddings_tied(config, manifest.tensors),
                      moe_layers=manifest.moe_layers,
-                     num_experts=manifest.experts["num_experts"],
-                     experts_per_token=manifest.experts["experts_per_token"],
+                     moe=moe,
                      record_size=manifest.experts["record_size"],
                      sections=sections,
                      expert_weights=_expert_weights(sections, quant),
@@ -158,11 +167,9 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     from mlx.utils import tree_flatten, tree_map_with_path
 
     check_quantization(bits, group_size, expert_bits, expert_group_size)
-    model = build_model(config)
+    model, paths, switches, moe = build_moe(config)
     dtype = source_dtype(config)
-    paths = layer_paths(model)
     layer_of = LayerIndex(paths)
-    switches = routed_expert_paths(model, paths, config.get("model_type", "?"))
 
     def skip(p):
         return any(p == s or p.startswith(s + ".") for s in switches.values())
@@ -209,8 +216,7 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
                      embed_bytes=embed,
                      embed_tied=embeddings_tied(config, dict(tree_flatten(model.parameters()))),
                      moe_layers=sorted(switches),
-                     num_experts=next(iter(linears.values()))[0],
-                     experts_per_token=experts_per_token(config),
+                     moe=moe,
                      record_size=record_size_of(sections),
                      sections=sections,
                      expert_weights=_expert_weights(sections, quant),

@@ -22,7 +22,8 @@ import mlx.core as mx
 
 from deltafin_mlx.plan.slots import max_slots as max_chunk_slots
 from deltafin_mlx.plan.slots import pool_limit
-from deltafin_mlx.model.config import experts_per_token, max_context, routed_experts, text_config
+from deltafin_mlx.model.config import max_context, text_config
+from deltafin_mlx.model.modules import MoeShape
 from deltafin_mlx.units import human_bytes, parse_size
 from deltafin_mlx.plan.footprint import Inventory
 from deltafin_mlx.errors import BudgetError
@@ -157,7 +158,8 @@ def round_context(tokens: int, limit=None, step: int = 256) -> int:
     return min(rounded, limit) if limit and tokens <= limit else rounded
 
 
-def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dtype) -> int:
+def prefill_bytes(config: dict, moe: MoeShape, step: int, context: int,
+                  activation_dtype: mx.Dtype) -> int:
     """Activations of one forward pass over `step` prompt tokens at `context`.
 
     Per token of the chunk: hidden-sized intermediates and the routed experts'
@@ -173,7 +175,7 @@ def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dt
     tc = text_config(config)
     size = activation_dtype.size
     hidden = tc.get("hidden_size", 0)
-    k = experts_per_token(config)
+    k = moe.experts_per_token
     expert = max(tc.get("moe_intermediate_size") or 0, tc.get("routed_expert_hidden_size") or 0)
     dense = tc.get("intermediate_size") or 0
     per_token = 16 * hidden * size + 4 * k * expert * size + 4 * dense * size
@@ -186,23 +188,22 @@ def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dt
     return step * per_token
 
 
-def pass_bytes_per_token(config: dict, activation_dtype: mx.Dtype) -> int:
+def pass_bytes_per_token(config: dict, moe: MoeShape, activation_dtype: mx.Dtype) -> int:
     """What each token of a prefill pass holds while the pass goes through a layer
     (the whole pass goes through each layer before the next, engine/streaming_moe):
     its hidden state and the layer's hidden-sized intermediates, the router's
     scores, and the routed experts' outputs (k per token, written into one buffer,
-    then weighted by their scores), plus K3's attention-residual history."""
+    then weighted by their scores), what the block computes beside them (shared
+    experts), plus K3's attention-residual history."""
     tc = text_config(config)
     size = activation_dtype.size
     hidden = tc.get("hidden_size", 0)
-    k = experts_per_token(config)
-    experts = routed_experts(config)
-    shared = (tc.get("n_shared_experts") or tc.get("num_shared_experts") or 0) * max(
-        tc.get("moe_intermediate_size") or 0, tc.get("routed_expert_hidden_size") or 0)
+    k = moe.experts_per_token
     blocks = 0
     if tc.get("attn_res_block_size"):
         blocks = -(-tc.get("num_hidden_layers", 1) // tc["attn_res_block_size"])
-    return size * (3 * k * hidden + (8 + blocks) * hidden + 3 * shared) + 2 * 4 * experts
+    return size * (3 * k * hidden + (8 + blocks) * hidden + moe.shared_width) \
+        + 2 * 4 * moe.num_experts
 
 
 def pass_pool_slots(cache_slots: int, k: int) -> int:
@@ -213,12 +214,12 @@ def pass_pool_slots(cache_slots: int, k: int) -> int:
     return max(1, min(groups * k, cache_slots))
 
 
-def kept_pass_tokens(config: dict, step: int, context: int, activation_dtype: mx.Dtype,
-                     allowance: int) -> int:
+def kept_pass_tokens(config: dict, moe: MoeShape, step: int, context: int,
+                     activation_dtype: mx.Dtype, allowance: int) -> int:
     """Prompt tokens the prefill allowance holds beside one chunk's activations: what
     the plan reserves for a pass beside the expert cache (at least one chunk)."""
-    room = allowance - prefill_bytes(config, step, context, activation_dtype)
-    n = room // max(pass_bytes_per_token(config, activation_dtype), 1)
+    room = allowance - prefill_bytes(config, moe, step, context, activation_dtype)
+    n = room // max(pass_bytes_per_token(config, moe, activation_dtype), 1)
     return int(max(step, min(n, MAX_PASS, context)))
 
 
@@ -236,26 +237,29 @@ def prefill_pass_tokens(config: dict, plan: "MemoryPlan", activation_dtype: mx.D
     """Prompt tokens per prefill pass: the pass holds the KV/state its prompt keeps
     (the plan's, at its context) and one attention chunk's activations; at most the
     context."""
-    held = plan.state_bytes + prefill_bytes(config, plan.prefill_step, plan.context,
+    held = plan.state_bytes + prefill_bytes(config, plan.moe, plan.prefill_step, plan.context,
                                             activation_dtype)
-    tokens = pass_tokens(plan, held, pass_bytes_per_token(config, activation_dtype), keep_cache)
+    tokens = pass_tokens(plan, held, pass_bytes_per_token(config, plan.moe, activation_dtype),
+                         keep_cache)
     return min(tokens, max(plan.context, plan.prefill_step))
 
 
-def min_prefill_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:
+def min_prefill_bytes(config: dict, moe: MoeShape, context: int,
+                      activation_dtype: mx.Dtype) -> int:
     """What the smallest prefill chunk and pass need beyond WORKING_BYTES (part of
     the floor)."""
     step = PREFILL_STEPS[-1]
-    need = (prefill_bytes(config, step, context, activation_dtype)
-            + step * pass_bytes_per_token(config, activation_dtype))
+    need = (prefill_bytes(config, moe, step, context, activation_dtype)
+            + step * pass_bytes_per_token(config, moe, activation_dtype))
     return max(0, need - WORKING_BYTES)
 
 
-def prefill_step(config: dict, context: int, activation_dtype: mx.Dtype, allowance: int) -> int:
+def prefill_step(config: dict, moe: MoeShape, context: int, activation_dtype: mx.Dtype,
+                 allowance: int) -> int:
     """The largest prefill chunk whose activations fit in `allowance` (the smallest
     when none does: the floor holds its activations)."""
     for step in PREFILL_STEPS:
-        if prefill_bytes(config, step, context, activation_dtype) <= allowance:
+        if prefill_bytes(config, moe, step, context, activation_dtype) <= allowance:
             return step
     return PREFILL_STEPS[-1]
 
@@ -291,6 +295,7 @@ class MemoryPlan:
     # expert and a pass reads nothing), and the cache bytes the pass gets beyond them.
     pass_slots: int = 0
     pass_released_bytes: int = 0
+    shared_width: int = 0  # MoeShape's
     # Tokens a pass holds beside the cache: a call of no more keeps the cache (its
     # experts serve the pass and decoding after it, a warm start's among them).
     pass_kept_tokens: int = PREFILL_STEPS[-1]
@@ -299,6 +304,10 @@ class MemoryPlan:
     # the buffers they stream through (engine/trunk_pass.py).
     pass_trunk: List[str] = field(default_factory=list)
     pass_trunk_bytes: int = 0
+
+    @property
+    def moe(self) -> MoeShape:
+        return MoeShape(self.experts_per_token, self.num_experts, self.shared_width)
 
     @property
     def cache_bytes(self) -> int:
@@ -397,7 +406,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     candidates = streamable_units(inv) if stream_trunk else []
     on_demand_ok = stream_trunk and not inv.embed_tied and inv.embed_bytes > 0
     res, ring, _ = _trunk_layout(inv, set(candidates), on_demand_ok)
-    min_prefill = min_prefill_bytes(inv.config, context, inv.activation_dtype)
+    min_prefill = min_prefill_bytes(inv.config, inv.moe, context, inv.activation_dtype)
     # The smallest prefill chunk's activations count as working buffers.
     floor_parts = {"resident trunk": res, "streamed-layer buffers": ring, "KV/state": state,
                    "working buffers": working + min_prefill, "one token's experts": k * one}
@@ -421,10 +430,12 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     allowance = max(least, min(budget // PREFILL_SHARE, budget - floor + least))
     # Half of it bounds the attention chunk, the rest holds the pass: a pass reads
     # each expert once, a bigger chunk only saves calls.
-    step = prefill_step(inv.config, context, inv.activation_dtype, allowance // 2)
-    passing = kept_pass_tokens(inv.config, step, context, inv.activation_dtype, allowance)
-    extra = max(0, prefill_bytes(inv.config, step, context, inv.activation_dtype)
-                + passing * pass_bytes_per_token(inv.config, inv.activation_dtype) - WORKING_BYTES)
+    step = prefill_step(inv.config, inv.moe, context, inv.activation_dtype, allowance // 2)
+    passing = kept_pass_tokens(inv.config, inv.moe, step, context, inv.activation_dtype,
+                               allowance)
+    extra = max(0, prefill_bytes(inv.config, inv.moe, step, context, inv.activation_dtype)
+                + passing * pass_bytes_per_token(inv.config, inv.moe, inv.activation_dtype)
+                - WORKING_BYTES)
     fixed += extra
 
     # Pin trunk layers while they fit (each saves its size in reads per token),
@@ -466,6 +477,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         pinned=pinned, streamed=streamed, ring_bytes=ring, embed_on_demand=embed_on_demand,
         embed_bytes=inv.embed_bytes, resident_bytes=res, slot_bytes=one, slots=int(slots),
         floor=floor, experts_per_token=k, num_experts=inv.num_experts,
+        shared_width=inv.moe.shared_width,
         moe_layers=len(inv.moe_layers), streamed_read_bytes=read, floor_parts=floor_parts,
         sequences=sequences, sequence_recurrent_bytes=recurrent, sequence_kv_bytes=kv,
         prefill_step=step, prefill_bytes=extra, pass_slots=pass_slots,

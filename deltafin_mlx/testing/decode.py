@@ -77,7 +77,7 @@ def load_resident(path, activation_dtype="auto") -> nn.Module:
     model = build_model(config, path)
     switches = switch_shapes(model, manifest)
     quantize_like_config(model, config)
-    check_against_manifest(model, config, manifest, switches)
+    check_against_manifest(model, manifest, switches)
     weights = []
     if manifest.linked is not None:
         weights = _gather_linked(manifest)

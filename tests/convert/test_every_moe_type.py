@@ -3,8 +3,8 @@
 The types are enumerated from mlx-lm's `models/` folder at test time (testing/zoo.py:
 a type whose module builds on `switch_layers`, and MODEL_REMAPPING's aliases of one),
 so a release that adds a type fails here until the zoo has a config for it. For each,
-a tiny random model built with mlx-lm's own class is saved as `mlx_lm.convert` saves
-it, float and 4-bit affine, converted with the default options and streamed with an
+a tiny random model built with mlx-lm's own class from a config.json holding only the
+keys the type's classes declare is saved as `mlx_lm.convert` saves it, float and 4-bit affine, converted with the default options and streamed with an
 expert cache holding a quarter of its experts: the greedy tokens are those of
 `mlx_lm.load` of the same directory (float32 on the CPU, as the other exactness tests
 compute; a float directory quantized by mlx-lm as the default options say), and with
@@ -63,6 +63,26 @@ def test_the_enumeration_finds_every_moe_type_of_mlx_lm():
     assert NAMED_FAMILIES <= set(TYPES)
     assert set(CANNOT_PASS) <= set(TYPES) and len(CANNOT_PASS) <= 3
     assert not set(CANNOT_PASS) & NAMED_FAMILIES
+
+
+# Names families give one number: a config carrying two of a group carries another
+# family's key, which would hide a Deltafin that reads that family's name only.
+ALIASES = ({"num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "moe_top_k",
+            "top_k_experts"},
+           {"n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"})
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_each_types_config_carries_only_its_own_keys(model_type):
+    """As the family's published config.json: the keys its ModelArgs (or its language
+    model's) declares, transformers' own and those set for it; no alias of another
+    family's."""
+    cfg = zoo.config(model_type, 256)
+    for keys, own in zip((set(cfg), set(cfg.get("text_config") or ())),
+                         zoo.own_keys(model_type)):
+        assert keys <= own, sorted(keys - own)
+        for names in ALIASES:
+            assert len(keys & names) <= 1, sorted(keys & names)
 
 
 @pytest.mark.parametrize("model_type", sorted(CANNOT_PASS))

@@ -72,8 +72,8 @@ def test_a_prefill_pass_and_what_stays_resident_fit_the_budget(k3_inventory, bud
     plan = plan_memory(k3_inventory, budget, context=context)
     act = k3_inventory.activation_dtype
     held = (plan.budget - plan.pass_room() + plan.state_bytes
-            + prefill_bytes(k3_inventory.config, plan.prefill_step, context, act)
-            + plan.prefill_pass * pass_bytes_per_token(k3_inventory.config, act))
+            + prefill_bytes(k3_inventory.config, plan.moe, plan.prefill_step, context, act)
+            + plan.prefill_pass * pass_bytes_per_token(k3_inventory.config, plan.moe, act))
     assert held <= plan.budget
 
 

@@ -87,10 +87,13 @@ def test_k3_floor_at_4k_context_is_at_most_8_gb(k3):
     buffers = 2 * layer + 2 * mla_layer
     experts = 16 * EXPERT
     # The working buffers hold the smallest prefill pass (16 tokens) and its chunk.
+    from deltafin_mlx.plan.footprint import inventory_from_config
     from deltafin_mlx.plan.memory import min_prefill_bytes
     import mlx.core as mx
 
-    pass_16 = min_prefill_bytes(json.loads(K3_CONFIG.read_text()), 4096, mx.bfloat16)
+    config = json.loads(K3_CONFIG.read_text())
+    moe = inventory_from_config(config, mx.bfloat16, bits=4).moe
+    pass_16 = min_prefill_bytes(config, moe, 4096, mx.bfloat16)
     assert k3["floor_parts"]["working buffers"] == k3["working_bytes"] + pass_16
     assert k3["floor_bytes"] == (resident + buffers + STATE_4K + k3["working_bytes"] + pass_16
                                  + experts)
