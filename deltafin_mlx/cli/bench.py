@@ -16,12 +16,13 @@ from deltafin_mlx.plan.memory import round_context
 def bench_parser():
     p = Parser(prog="deltafin-run bench", description="A short decode benchmark.")
     p.add_argument("model", help="a directory written by deltafin-convert")
-    add_max_tokens(p, 32, "tokens decoded per run")
+    add_max_tokens(p, 32, "tokens decoded per run, as deltafin-run's -n (mlx_lm.benchmark's "
+                   "-n counts trials: --repeats here)")
     p.add_argument("--prompt-tokens", type=positive, default=16, help="prompt length of each run")
     p.add_argument("--context", type=positive, default=None, metavar="N",
                    help="tokens of KV cache/state to reserve, as a run does (default: prompt + "
                    "max tokens, rounded up)")
-    p.add_argument("--repeats", type=positive, default=3, help="runs (the median is reported)")
+    p.add_argument("--repeats", type=positive, default=3, help="runs, mlx_lm.benchmark's -n/--num-trials (the median is reported)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_load_options(p)
     return p
