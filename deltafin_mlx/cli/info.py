@@ -13,8 +13,8 @@ from deltafin_mlx.units import human_bytes
 from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.hub import HubError, fetch_config, list_repo, looks_like_hub_id
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
-from deltafin_mlx.model.config import (architecture_name, experts_per_token, max_context,
-                                       routed_experts, text_config)
+from deltafin_mlx.model.config import (experts_per_token, max_context, routed_experts,
+                                       text_config)
 
 
 def hub_source_info(repo: str, revision=None) -> dict:
@@ -32,7 +32,6 @@ def hub_source_info(repo: str, revision=None) -> dict:
         "model": repo,
         "converted": False,
         "architecture": config.get("model_type"),
-        "architecture_name": architecture_name(config.get("model_type") or ""),
         "layers": tc.get("num_hidden_layers"),
         "experts_per_layer": routed_experts(config),
         "experts_per_token": experts_per_token(config),
@@ -49,7 +48,7 @@ def format_hub_info(r: dict) -> str:
     name = r["model"].split("/")[1]
     return "\n".join([
         f"model          {r['model']} (on the Hugging Face hub, not converted)",
-        f"architecture   {r['architecture_name']} ({r['architecture']}), {r['layers']} layers, "
+        f"architecture   {r['architecture']}, {r['layers']} layers, "
         f"hidden size {r['hidden_size']}, context up to {r['max_context'] or 'unknown'} tokens",
         f"experts        {r['experts_per_layer']} per MoE layer, {r['experts_per_token']} "
         "per token",
@@ -70,7 +69,6 @@ def model_info(path) -> dict:
     return {
         "model": str(path),
         "architecture": m.model_type,
-        "architecture_name": architecture_name(m.model_type),
         "layers": m.num_layers,
         "moe_layers": len(m.moe_layers),
         "experts_per_layer": ex["num_experts"],
@@ -112,7 +110,7 @@ def format_info(r: dict) -> str:
         converted += f" by deltafin {r['converted_by']}"
     lines = [
         f"model          {r['model']}",
-        f"architecture   {r['architecture_name']} ({r['architecture']}), {r['layers']} layers, "
+        f"architecture   {r['architecture']}, {r['layers']} layers, "
         f"{r['moe_layers']} of them MoE, hidden size {r['hidden_size']}{context}",
         f"experts        {r['experts_per_layer']} per MoE layer, {r['experts_per_token']} per "
         f"token, {r['experts_total']:,} in all; {human_bytes(r['expert_record_bytes'])} each",

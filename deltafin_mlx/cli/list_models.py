@@ -43,7 +43,7 @@ def cmd_list(argv) -> int:
             table.append((row["model"], "-", "unusable: " + row["error"]))
         else:
             table.append((row["model"], human_bytes(row["bytes"]),
-                          f"{row['architecture_name']} ({row['architecture']})",
+                          row["architecture"],
                           row["quantization"], human_bytes(row["floor_bytes"])))
     widths = [max(len(r[i]) for r in table if i < len(r) - 1) for i in range(4)]
     for r in table:  # aligned columns; an unusable model's reason runs to the end
@@ -73,7 +73,6 @@ def model_row(path, context: int) -> dict:
     from deltafin_mlx.format.catalog import dir_bytes
     from deltafin_mlx.format.links import check_linked_sources
     from deltafin_mlx.format.model_dir import open_model_dir
-    from deltafin_mlx.model.config import architecture_name
     from deltafin_mlx.plan.floor import floor_bytes
     from deltafin_mlx.format.dtypes import mlx_dtype
     from deltafin_mlx.plan.memory import default_activation_dtype
@@ -84,7 +83,6 @@ def model_row(path, context: int) -> dict:
         check_linked_sources(m.linked)
     act = default_activation_dtype() or mlx_dtype(m.dtype)
     return {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
-            "architecture_name": architecture_name(m.model_type),
             "quantization": quantization_name(m.quantization),
             "floor_bytes": floor_bytes(model_dir, act, context)}
 

@@ -3,6 +3,7 @@
 import json
 
 import deltafin_mlx
+import deltafin_mlx.cli.convert
 from deltafin_mlx.cli.main import main
 from deltafin_mlx.format.manifest import MANIFEST_NAME, read_manifest
 
@@ -21,9 +22,22 @@ def test_info_describes_the_model(converted, capsys):
     assert r["converted_by"] == deltafin_mlx.__version__
     assert main(["info", str(model)]) == 0
     text = capsys.readouterr().out
-    for word in ("Kimi K3", "4 layers", "16 per MoE layer", "mxfp4", "size on disk",
+    for word in ("architecture   kimi_k3, 4 layers", "16 per MoE layer", "mxfp4", "size on disk",
                  m.source["id"], m.source["converted"]):
         assert word in text, text
+
+
+def test_every_model_is_named_by_its_model_type_as_mlx_lm_names_it(converted, capsys):
+    """One display rule: config.json's model_type, never a mix of marketing names
+    (Qwen3-MoE) and model types (glm4_moe)."""
+    for model_type in ("kimi_k3", "qwen3_moe", "mixtral"):
+        assert main(["info", str(converted(model_type))]) == 0
+        line = capsys.readouterr().out.splitlines()[1]
+        assert line.startswith(f"architecture   {model_type}, "), line
+        assert main(["info", str(converted(model_type)), "--json"]) == 0
+        assert "architecture_name" not in json.loads(capsys.readouterr().out)
+    for name in ("Kimi K3", "Qwen3-MoE", "Mixtral"):
+        assert name not in deltafin_mlx.cli.convert.build_parser().description
 
 
 def test_info_reads_a_manifest_from_before_it_recorded_the_version(converted, copy_of, capsys):
