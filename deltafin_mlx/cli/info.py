@@ -15,6 +15,7 @@ from deltafin_mlx.format.hub import HubError, fetch_config, list_repo, looks_lik
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
 from deltafin_mlx.model.config import (experts_per_token, max_context, routed_experts,
                                        text_config)
+from deltafin_mlx.model.quantization import quantization_by_part, quantization_summary
 
 
 def hub_source_info(repo: str, revision=None) -> dict:
@@ -79,6 +80,10 @@ def model_info(path) -> dict:
         "max_context": max_context(model_dir.config),
         "dtype": m.dtype,
         "quantization": m.quantization,
+        # per part, from config.json's per-module entries (the manifest's "trunk" is
+        # only the default: gpt-oss's router is 8-bit where it says 4)
+        "quantization_by_part": quantization_by_part(model_dir.config.get("quantization"),
+                                                     expert_paths(m)),
         "bytes": {"trunk": sizes["trunk"], "experts": sizes["experts"],
                   "tokenizer": sizes["tokenizer"], "other": sizes["other"],
                   "total": sum(m.files.values())},
@@ -95,17 +100,16 @@ def model_info(path) -> dict:
     }
 
 
-def _quant(q) -> str:
-    if not q:
-        return "unquantized"
-    text = f"{q['mode']} {q['bits']}-bit, group size {q['group_size']}"
-    return text + (" (carried over from the source as is)" if q.get("carried_over") else "")
+def expert_paths(m) -> list:
+    """The switch modules' paths (config.json's quantization keys start with them)."""
+    return [m.switch_path(layer) for layer in m.moe_layers]
 
 
 def format_info(r: dict) -> str:
     b = r["bytes"]
     context = f", context up to {r['max_context']:,} tokens" if r.get("max_context") else ""
     converted = r["converted"] or "unknown"
+    carried = " (experts carried over from the source as they are)"
     if r["converted_by"]:
         converted += f" by deltafin {r['converted_by']}"
     lines = [
@@ -114,8 +118,9 @@ def format_info(r: dict) -> str:
         f"{r['moe_layers']} of them MoE, hidden size {r['hidden_size']}{context}",
         f"experts        {r['experts_per_layer']} per MoE layer, {r['experts_per_token']} per "
         f"token, {r['experts_total']:,} in all; {human_bytes(r['expert_record_bytes'])} each",
-        f"quantization   trunk {_quant(r['quantization'].get('trunk'))}; "
-        f"experts {_quant(r['quantization'].get('experts'))}; weights dtype {r['dtype']}",
+        f"quantization   {quantization_summary(r['quantization_by_part'])}"
+        f"{carried if (r['quantization'].get('experts') or {}).get('carried_over') else ''}; "
+        f"weights dtype {r['dtype']}",
         f"size on disk   {human_bytes(b['total'])} in {r['files']} files: trunk "
         f"{human_bytes(b['trunk'])}, experts {human_bytes(b['experts'])}, tokenizer "
         f"{human_bytes(b['tokenizer'])} ({r['tokenizer']}), other {human_bytes(b['other'])}",

@@ -73,6 +73,7 @@ def model_row(path, context: int) -> dict:
     from deltafin_mlx.format.catalog import dir_bytes
     from deltafin_mlx.format.links import check_linked_sources
     from deltafin_mlx.format.model_dir import open_model_dir
+    from deltafin_mlx.model.quantization import quantization_by_part, quantization_summary
     from deltafin_mlx.plan.floor import floor_bytes
     from deltafin_mlx.format.dtypes import mlx_dtype
     from deltafin_mlx.plan.memory import default_activation_dtype
@@ -83,16 +84,6 @@ def model_row(path, context: int) -> dict:
         check_linked_sources(m.linked)
     act = default_activation_dtype() or mlx_dtype(m.dtype)
     return {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
-            "quantization": quantization_name(m.quantization),
+            "quantization": quantization_summary(quantization_by_part(
+                model_dir.config.get("quantization"), [m.switch_path(n) for n in m.moe_layers])),
             "floor_bytes": floor_bytes(model_dir, act, context)}
-
-
-def quantization_name(q: dict) -> str:
-    """e.g. "trunk 4-bit, experts MXFP4", from the manifest's record of it."""
-    def one(part):
-        if not part:
-            return "16-bit"
-        return part["mode"].upper() if part.get("mode", "affine") != "affine" else \
-            f"{part['bits']}-bit/{part['group_size']}"
-
-    return f"trunk {one(q.get('trunk'))}, experts {one(q.get('experts'))}"
