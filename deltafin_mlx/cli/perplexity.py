@@ -69,7 +69,7 @@ def cmd_perplexity(argv) -> int:
                              kl_base=args.kl_divergence_base,
                              kl_reference=args.kl_divergence, top_k=args.kl_top_k or 32)
     windows.check()
-    model, tokenizer = load_model(args)
+    model, tokenizer = load_model(args, context=windows.context)  # not a run's 4096
     try:
         summary = perplexity(model, tokenizer, text, opts,
                              show_progress=sys.stderr.isatty() and not args.no_progress)

@@ -418,7 +418,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
             + " + ".join(f"{what} {human_bytes(n)}" for what, n in floor_parts.items())
             + f"; KV/state at {context} tokens of context"
             + (f" x {sequences} sequences" if sequences > 1 else "")
-            + f", {k} experts per token{prefill})"
+            + f", {k} experts per token{prefill}); a smaller --context lowers it"
         )
 
     # Prefill activations, in WORKING_BYTES (and the floor's share) or up to 1/16 of

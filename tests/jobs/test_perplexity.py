@@ -102,3 +102,27 @@ def test_a_text_shorter_than_a_window_or_not_text_is_refused(converted, tmp_path
     assert main(["perplexity", str(converted("qwen3_moe")), str(short), "-c", "8",
                  "--stride", "9"]) == 1
     assert "--stride must be between 1 and the context, 8" in capsys.readouterr().err
+
+
+def test_the_plan_reserves_the_context_the_windows_need(converted, tmp_path, capsys,
+                                                        monkeypatch):
+    """512-token windows (the default -c) are planned with 512 tokens of context, not
+    a run's default 4,096 (which raises the floor the budget must clear)."""
+    import deltafin_mlx.cli.perplexity as cli_perplexity
+
+    planned, load_model = [], cli_perplexity.load_model
+
+    def load_and_note(*args, **kwargs):
+        model, tokenizer = load_model(*args, **kwargs)
+        planned.append(runtime(model).plan.context)
+        return model, tokenizer
+
+    monkeypatch.setattr(cli_perplexity, "load_model", load_and_note)
+    text = tmp_path / "long.txt"
+    text.write_text(corpus(words=1400))
+    summary, _ = run_json(capsys, "perplexity", converted("qwen3_moe"), text, "--json",
+                          "--chunks", "1")
+    assert summary["context"] == 512 and planned == [512]
+    run_json(capsys, "perplexity", converted("qwen3_moe"), text, "--json", "-c", "64",
+             "--chunks", "1")
+    assert planned[1] == 64
