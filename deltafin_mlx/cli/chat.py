@@ -1,6 +1,7 @@
 """`deltafin-run MODEL --chat`: a conversation at the terminal, one turn a message,
 the model's cache kept between turns (and in a session file with --session)."""
 
+import contextlib
 import re
 import signal
 import sys
@@ -274,8 +275,10 @@ def ollama_command(command: str, session, args, reload):
             loaded = ChatSession.restore(rest[0], session.model, session.tokenizer, reload=reload)
         except (SessionError, OSError) as e:
             return session, f"Couldn't load '{rest[0]}': {e}"
-        for key, value in loaded.parameters.items():
-            setattr(args, PARAMETERS[key][0], value)
+        for key, value in dict(loaded.parameters).items():  # checked as if typed
+            with contextlib.suppress(UsageError):
+                set_parameter(args, loaded, key, list(map(str, value if isinstance(
+                    value, list) else [value])))
         return loaded, f"Loading session '{rest[0]}' ({len(loaded.messages)} messages)"
     if rest[:1] == ["system"] and len(rest) > 1:
         session.set_system(command.split(None, 2)[2])
