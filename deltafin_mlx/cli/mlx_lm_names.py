@@ -12,6 +12,7 @@ MLX_LM_FLAGS = (
     (("--prompt", "-p"), {"bench"}, "--prompt-tokens"),
     (("--prompt", "-p"), None, "the prompt is the argument after MODEL: "
      "deltafin-run MODEL \"PROMPT\""),
+    (("-m",), {"serve"}, "--max-tokens"),
     (("-m",), None, "-n (or --max-tokens)"),
     (("--generation-tokens", "-g"), None, "-n (the tokens decoded per run)"),
     (("--num-trials",), None, "--repeats (bench's -n is the tokens decoded per run, not "

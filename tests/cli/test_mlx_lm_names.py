@@ -61,6 +61,11 @@ def test_mlx_lm_generate_habits_name_deltafin_runs_flag(argv, hint, capsys):
     one_error_line(capsys.readouterr().err, hint)
 
 
+def test_serves_max_tokens_has_no_short_form(capsys):
+    one_error_line(usage_error("deltafin-run serve", ["M", "-m", "5"], capsys),
+                   "mlx-lm's -m: --max-tokens (see")
+
+
 def test_serve_model_and_convert_paths_say_they_are_arguments(capsys):
     one_error_line(usage_error("deltafin-run serve", ["--model", "M"], capsys),
                    "mlx-lm's --model: MODEL is the first argument")
