@@ -280,7 +280,9 @@ def ollama_command(command: str, session, args, reload):
                 set_parameter(args, loaded, key, list(map(str, value if isinstance(
                     value, list) else [value])))
         return loaded, f"Loading session '{rest[0]}' ({len(loaded.messages)} messages)"
-    if rest[:1] == ["system"] and len(rest) > 1:
+    if rest[:1] == ["system"]:
+        if len(rest) == 1:
+            return session, "Usage: /set system TEXT"
         session.set_system(command.split(None, 2)[2])
         return session, "Set system message."
     if rest[:1] in (["think"], ["nothink"]):
