@@ -3,6 +3,7 @@
 import errno
 import signal
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from deltafin_mlx.cli.common import (HelpFormatter, add_version, first_line, gua
 from deltafin_mlx.cli.options import Parser, expert_bits
 from deltafin_mlx.errors import ConvertError, DeltafinError
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
-from deltafin_mlx.model.config import ARCHITECTURES
+from deltafin_mlx.model.config import SUPPORTED_TYPES
 from deltafin_mlx.model.quantization import BITS, EXPERT_BITS, GROUP_SIZES, describe_experts
 from deltafin_mlx.units import human_bytes, parse_size
 
@@ -20,7 +21,8 @@ def build_parser():
     p = Parser(  # a usage error is one line, as deltafin-run's are
         prog="deltafin-convert",
         description="Rewrite a Hugging Face MoE checkpoint into Deltafin's streaming format.\n"
-        "Supported: " + ", ".join(ARCHITECTURES.values()) + ".",
+        + textwrap.fill("Supported (config.json's model_type, each tested against mlx-lm's "
+                        "tokens): " + ", ".join(SUPPORTED_TYPES) + ".", 80),
         epilog="Rerun the same command to resume an interrupted conversion; rerunning a\n"
         "finished one does nothing. Then: deltafin-run OUT \"PROMPT\".",
         formatter_class=HelpFormatter,

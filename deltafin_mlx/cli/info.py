@@ -15,8 +15,8 @@ from deltafin_mlx.format.dtypes import compute_dtype, name_of
 from deltafin_mlx.format.hub import HubError, fetch_config, list_repo, looks_like_hub_id
 from deltafin_mlx.format.manifest import MANIFEST_NAME
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
-from deltafin_mlx.format.record import FLOAT_MODE
-from deltafin_mlx.model.config import architecture_name, max_context, text_config
+from deltafin_mlx.model.config import max_context, text_config
+from deltafin_mlx.model.quantization import quantization_by_part, quantization_summary
 
 
 def hub_source_info(repo: str, revision=None) -> dict:
@@ -37,7 +37,6 @@ def hub_source_info(repo: str, revision=None) -> dict:
         "model": repo,
         "converted": False,
         "architecture": config.get("model_type"),
-        "architecture_name": architecture_name(config.get("model_type") or ""),
         "layers": len(paths),
         "experts_per_layer": moe.num_experts,
         "experts_per_token": moe.experts_per_token,
@@ -54,7 +53,7 @@ def format_hub_info(r: dict) -> str:
     name = r["model"].split("/")[1]
     return "\n".join([
         f"model          {r['model']} (on the Hugging Face hub, not converted)",
-        f"architecture   {r['architecture_name']} ({r['architecture']}), {r['layers']} layers, "
+        f"architecture   {r['architecture']}, {r['layers']} layers, "
         f"hidden size {r['hidden_size']}, context up to {r['max_context'] or 'unknown'} tokens",
         f"experts        {r['experts_per_layer']} per MoE layer, {r['experts_per_token']} "
         "per token",
@@ -75,7 +74,6 @@ def model_info(path) -> dict:
     return {
         "model": str(path),
         "architecture": m.model_type,
-        "architecture_name": architecture_name(m.model_type),
         "layers": m.num_layers,
         "moe_layers": len(m.moe_layers),
         "experts_per_layer": ex["num_experts"],
@@ -87,6 +85,11 @@ def model_info(path) -> dict:
         "dtype": m.dtype,
         "activation_dtype": {"auto": name_of(compute_dtype("auto", m.dtype)), "model": m.dtype},
         "quantization": m.quantization,
+        # per part, from config.json's per-module entries (the manifest's "trunk" is
+        # only the default: gpt-oss's router is 8-bit where it says 4)
+        "quantization_by_part": quantization_by_part(model_dir.config.get("quantization"),
+                                                     expert_paths(m),
+                                                     m.quantization.get("experts")),
         "bytes": {"trunk": sizes["trunk"], "experts": sizes["experts"],
                   "tokenizer": sizes["tokenizer"], "other": sizes["other"],
                   "total": sum(m.files.values())},
@@ -103,29 +106,27 @@ def model_info(path) -> dict:
     }
 
 
-def _quant(q) -> str:
-    if not q:
-        return "unquantized"
-    if q["mode"] == FLOAT_MODE:  # experts kept in float (--expert-bits float)
-        return f"{q['dtype']}, kept unquantized"
-    text = f"{q['mode']} {q['bits']}-bit, group size {q['group_size']}"
-    return text + (" (carried over from the source as is)" if q.get("carried_over") else "")
+def expert_paths(m) -> list:
+    """The switch modules' paths (config.json's quantization keys start with them)."""
+    return [m.switch_path(layer) for layer in m.moe_layers]
 
 
 def format_info(r: dict) -> str:
     b, act = r["bytes"], r["activation_dtype"]
     context = f", context up to {r['max_context']:,} tokens" if r.get("max_context") else ""
     converted = r["converted"] or "unknown"
+    carried = " (experts carried over from the source as they are)"
     if r["converted_by"]:
         converted += f" by deltafin {r['converted_by']}"
     lines = [
         f"model          {r['model']}",
-        f"architecture   {r['architecture_name']} ({r['architecture']}), {r['layers']} layers, "
+        f"architecture   {r['architecture']}, {r['layers']} layers, "
         f"{r['moe_layers']} of them MoE, hidden size {r['hidden_size']}{context}",
         f"experts        {r['experts_per_layer']} per MoE layer, {r['experts_per_token']} per "
         f"token, {r['experts_total']:,} in all; {human_bytes(r['expert_record_bytes'])} each",
-        f"quantization   trunk {_quant(r['quantization'].get('trunk'))}; "
-        f"experts {_quant(r['quantization'].get('experts'))}; weights dtype {r['dtype']}",
+        f"quantization   {quantization_summary(r['quantization_by_part'])}"
+        f"{carried if (r['quantization'].get('experts') or {}).get('carried_over') else ''}; "
+        f"weights dtype {r['dtype']}",
         f"activations    {act['auto']} here by default; {act['model']} with --activation-dtype "
         "model (as mlx-lm computes)",
         f"size on disk   {human_bytes(b['total'])} in {r['files']} files: trunk "

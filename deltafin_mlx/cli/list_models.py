@@ -5,7 +5,6 @@ its size on disk, architecture, quantization and floor budget, in aligned column
 import json
 
 from deltafin_mlx.cli.options import Parser, positive
-from deltafin_mlx.format.record import FLOAT_MODE
 
 
 def list_parser():
@@ -44,7 +43,7 @@ def cmd_list(argv) -> int:
             table.append((row["model"], "-", "unusable: " + row["error"]))
         else:
             table.append((row["model"], human_bytes(row["bytes"]),
-                          f"{row['architecture_name']} ({row['architecture']})",
+                          row["architecture"],
                           row["quantization"], human_bytes(row["floor_bytes"])))
     widths = [max(len(r[i]) for r in table if i < len(r) - 1) for i in range(4)]
     for r in table:  # aligned columns; an unusable model's reason runs to the end
@@ -74,7 +73,7 @@ def model_row(path, context: int) -> dict:
     from deltafin_mlx.format.catalog import dir_bytes
     from deltafin_mlx.format.links import check_linked_sources
     from deltafin_mlx.format.model_dir import open_model_dir
-    from deltafin_mlx.model.config import architecture_name
+    from deltafin_mlx.model.quantization import quantization_by_part, quantization_summary
     from deltafin_mlx.plan.floor import floor_bytes
     from deltafin_mlx.format.dtypes import compute_dtype
 
@@ -84,19 +83,7 @@ def model_row(path, context: int) -> dict:
         check_linked_sources(m.linked)
     act = compute_dtype("auto", m.dtype)
     return {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
-            "architecture_name": architecture_name(m.model_type),
-            "quantization": quantization_name(m.quantization),
+            "quantization": quantization_summary(quantization_by_part(
+                model_dir.config.get("quantization"), [m.switch_path(n) for n in m.moe_layers],
+                m.quantization.get("experts"))),
             "floor_bytes": floor_bytes(model_dir, act, context)}
-
-
-def quantization_name(q: dict) -> str:
-    """e.g. "trunk 4-bit, experts MXFP4", from the manifest's record of it."""
-    def one(part):
-        if not part:
-            return "16-bit"
-        if part["mode"] == FLOAT_MODE:  # experts kept in float (--expert-bits float)
-            return part["dtype"]
-        return part["mode"].upper() if part.get("mode", "affine") != "affine" else \
-            f"{part['bits']}-bit/{part['group_size']}"
-
-    return f"trunk {one(q.get('trunk'))}, experts {one(q.get('experts'))}"

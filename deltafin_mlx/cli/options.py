@@ -16,7 +16,10 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        from deltafin_mlx.cli.mlx_lm_names import mlx_lm_hint
+
+        hint = mlx_lm_hint(self.prog, message)
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
 
 
 def positive_or_auto(value):

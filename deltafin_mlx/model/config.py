@@ -8,21 +8,26 @@ import math
 
 from deltafin_mlx.errors import ModelError
 
-# model_type -> the name users know; what the converter accepts and `info` prints.
-ARCHITECTURES = {"kimi_k3": "Kimi K3",
-                 "kimi_k2": "Kimi K2",
-                 "deepseek_v3": "DeepSeek-V3",
-                 "qwen3_moe": "Qwen3-MoE",
-                 "mixtral": "Mixtral"}
+# The model types Deltafin converts and runs, each held to mlx-lm's tokens by
+# tests/convert/test_every_moe_type.py (which fails when this differs from what it
+# runs): mlx-lm 0.32.2's MoE types. A model is named by its model_type, as mlx-lm
+# and config.json name it, everywhere (info, list, plan, convert --help).
+SUPPORTED_TYPES = (
+    "Klear", "afmoe", "bailing_hybrid", "bailing_moe", "bailing_moe_linear", "bailing_moe_v3",
+    "deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v41",
+    "deepseek_v41_text", "dots1", "ernie4_5_moe", "exaone_moe", "gemma4", "gemma4_text",
+    "gemma4_unified", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe",
+    "granitemoehybrid", "hunyuan", "jamba", "joyai_llm_flash", "kimi_k2", "kimi_k25", "kimi_k3",
+    "kimi_linear", "kimi_vl", "laguna", "lfm2_moe", "llama4", "llava", "longcat_flash",
+    "longcat_flash_ngram", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl",
+    "mistral3", "mistral4", "mixtral", "nemotron_h", "olmoe", "phi-msft", "phimoe", "phixtral",
+    "qwen2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_vl_moe", "step3p5")
+
 
 def text_config(config: dict) -> dict:
     """The language model's keys of a config.json."""
     tc = config.get("text_config", config)
     return tc if isinstance(tc, dict) else config
-
-
-def architecture_name(model_type: str) -> str:
-    return ARCHITECTURES.get(model_type, model_type)
 
 
 def _named_experts(tc: dict) -> int:

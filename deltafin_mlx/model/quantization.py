@@ -170,3 +170,50 @@ def cast_dtype(config: dict):
     dtype = config.get("torch_dtype") or text_config(config).get("dtype")
     return dtype if dtype in FLOATS else None
 
+
+def quantization_by_part(block: dict, expert_paths, experts=None) -> dict:
+    """What each part of a model is quantized as, from the quantization block of its
+    config.json (the default plus one entry per quantized module, as mlx_lm.convert
+    and deltafin-convert write it): part -> sorted names ("affine 4-bit/64",
+    "mxfp4"). Parts: attention, router, experts (modules under `expert_paths`, the
+    switch modules), embedding, head, other. gpt-oss's mlx-community form is
+    attention affine 4-bit/64, router affine 8-bit/64, experts mxfp4: the block's
+    default alone (mxfp4) says nothing of the first two. `experts`: the manifest's
+    record of them, which alone says they were kept in float (config.json then lists
+    them as not quantized)."""
+    parts = {}
+    for path, own in (block or {}).items():
+        if isinstance(own, dict):
+            q = module_quantization(block, path)
+            name = (f"affine {q['bits']}-bit/{q['group_size']}" if q["mode"] == "affine"
+                    else q["mode"])
+            parts.setdefault(_part(path, expert_paths), set()).add(name)
+    if (experts or {}).get("mode") == FLOAT_MODE:
+        parts["experts"] = {f"{experts['dtype']}, kept unquantized"}
+    order = ("attention", "router", "experts", "embedding", "head", "other")
+    return {p: sorted(parts[p]) for p in order if p in parts}
+
+
+def _part(path: str, expert_paths) -> str:
+    last = path.rsplit(".", 1)[-1]
+    if any(path.startswith(f"{e}.") for e in expert_paths):
+        return "experts"
+    if last in ("gate", "router"):
+        return "router"
+    if "attn" in path or "attention" in path:
+        return "attention"
+    if "embed" in last or "embed_tokens" in path:
+        return "embedding"
+    return "head" if last in ("lm_head", "output") else "other"
+
+
+def quantization_summary(parts: dict) -> str:
+    """quantization_by_part's `parts` in one line: what most parts are, then the
+    parts that differ ("affine 4-bit/64 except router affine 8-bit/64, experts
+    mxfp4"; "unquantized" for none)."""
+    if not parts:
+        return "unquantized"
+    named = [" + ".join(names) for names in parts.values()]
+    common = max(named, key=named.count)
+    others = [f"{p} {n}" for p, n in zip(parts, named) if n != common]
+    return common + (f" except {', '.join(others)}" if others else "")

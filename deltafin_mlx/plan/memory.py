@@ -13,7 +13,9 @@ expert only when routed, and of the embedding table only a row per token. So:
   cache, then the embedding table is pinned if everything else fits.
 """
 
+import functools
 import os
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List
@@ -109,6 +111,18 @@ def default_budget() -> int:
     """Of the memory available now, HEADROOM; on Metal, at most its working set."""
     budget = int(available_memory() * HEADROOM)
     return min(budget, working_set()) if working_set() else budget
+
+
+@functools.lru_cache(maxsize=None)  # one line per budget, not one per plan made with it
+def warn_beyond_memory(budget: int) -> int:
+    """`budget`, after one line on stderr where it is more than the machine's memory
+    (a plan past it swaps, or the system kills the process)."""
+    total = physical_memory()
+    if total and budget > total:
+        print(f"[deltafin] warning: the memory budget {human_bytes(budget)} is more than this "
+              f"machine's memory ({human_bytes(total)}): past it the system swaps or kills "
+              "the process", file=sys.stderr)
+    return budget
 
 
 def state_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:
@@ -387,7 +401,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     """`sequences`: how many sequences are decoded together (a batch job), each with
     its own KV/recurrent state; "auto" picks it with `choose_sequences`, at most
     `max_sequences` (a job with 3 requests left reserves state for 3, not 32)."""
-    budget = default_budget() if budget is None else parse_size(budget)
+    budget = default_budget() if budget is None else warn_beyond_memory(parse_size(budget))
     check_context(context, inv.config)
     k = inv.experts_per_token
     one = inv.slot_bytes
@@ -420,7 +434,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
             + " + ".join(f"{what} {human_bytes(n)}" for what, n in floor_parts.items())
             + f"; KV/state at {context} tokens of context"
             + (f" x {sequences} sequences" if sequences > 1 else "")
-            + f", {k} experts per token{prefill})"
+            + f", {k} experts per token{prefill}); a smaller --context lowers it"
         )
 
     # Prefill activations, in WORKING_BYTES (and the floor's share) or up to 1/16 of

@@ -28,7 +28,7 @@ from deltafin_mlx.model.shard import expert_layout, sharded_inventory
 from deltafin_mlx.plan.disk import disk_routes, itemsize_of
 from deltafin_mlx.plan.footprint import inventory_from_config, inventory_from_manifest
 from deltafin_mlx.plan.memory import check_context, choose_sequences, plan_memory
-from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, layer_key,
+from deltafin_mlx.plan.rates import (cached_rate, calibration, compute_key, disk_key, layer_key,
                                      measure_compute_gwps, measure_disk_gbps,
                                      measure_layer_seconds)
 from deltafin_mlx.plan.scoring import scoring_plan
@@ -122,7 +122,7 @@ def plan_report(options: PlanOptions) -> dict:
         inv = inventory_from_manifest(manifest, config, act)
         layout = expert_layout(manifest)
         bank = None if manifest.linked else manifest.bank_path(manifest.moe_layers[0])
-        source = str(target)
+        source, model_id = str(target), manifest.digest
     else:
         config_path = _config_path(target, options.model, options.revision)
         config = read_source_config(config_path)
@@ -138,6 +138,7 @@ def plan_report(options: PlanOptions) -> dict:
         layout = None  # as deltafin-convert --ranks N would write it
         source = options.model if not target.exists() else str(config_path)
         routes = _disk_routes(inv, config, opts, target, options.model, options.revision)
+        model_id = ""  # not converted: no bench has run it
     ranks = options.ranks
     whole = inv
     if ranks > 1:
@@ -150,7 +151,7 @@ def plan_report(options: PlanOptions) -> dict:
     remeasure = options.remeasure
     disk, disk_from = disk_rate(options.disk_gbps, bank, source, remeasure)
     compute, compute_from, layer, layer_from = decode_rates(
-        inv, act, options.compute_gwps, options.layer_ms, remeasure)
+        inv, act, options.compute_gwps, options.layer_ms, remeasure, model_id)
     mode, group = matvec_kind(inv)
     if options.prefill_gwps:
         batched, batched_from = options.prefill_gwps, "given"
@@ -267,10 +268,11 @@ def matvec_kind(inv):
     return mode, 32 if mode == "mxfp4" else 64
 
 
-def decode_rates(inv, act, compute_gwps=None, layer_ms=None, remeasure=False):
+def decode_rates(inv, act, compute_gwps=None, layer_ms=None, remeasure=False, model=""):
     """(matvec G weights/s, where from, per-layer seconds, where from): given
-    (--compute-gwps / --layer-ms), else cached (measured once; bench calibrates the
-    per-layer cost)."""
+    (--compute-gwps / --layer-ms), else cached (measured once); the per-layer cost
+    is what bench calibrated for `model` (a manifest digest) where it has, else the
+    machine's microbenchmark."""
     mode, group = matvec_kind(inv)
     if compute_gwps:
         compute, compute_from = compute_gwps, "given"
@@ -283,6 +285,11 @@ def decode_rates(inv, act, compute_gwps=None, layer_ms=None, remeasure=False):
         layer, layer_from = layer_ms / 1e3, "given"
     elif compute_gwps:
         layer, layer_from = 0.0, "not counted for a machine described by hand (give --layer-ms)"
+    elif model and calibration(layer_key(act, model)):
+        entry = calibration(layer_key(act, model))
+        layer = entry["value"]
+        layer_from = (f"calibrated by deltafin-run bench on this model (the mean of "
+                      f"{entry.get('runs', 1)} runs, the last {entry['measured']})")
     else:
         layer, entry = cached_rate(layer_key(act), lambda: measure_layer_seconds(act), remeasure)
         layer_from = _rate_origin(entry) + (f", {entry['how']}" if entry.get("how") else

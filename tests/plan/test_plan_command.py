@@ -125,3 +125,19 @@ def test_ranges_read_low_to_high_and_one_is_singular():
 def test_negative_context_for_plan_is_refused(converted, capsys):
     assert cli.main(["plan", str(converted("kimi_k3")), "--context", "-1"]) != 0
     assert "--context must be at least 1" in only_stderr_line(capsys.readouterr().err)
+
+
+def test_a_budget_beyond_the_machines_memory_is_warned_of_in_one_line(converted, capsys):
+    from deltafin_mlx.plan.memory import physical_memory
+
+    beyond = 2 * physical_memory()
+    p = run_command(["plan", converted("kimi_k3"), "--budget", str(beyond), "--disk-gbps", "2",
+                     "--compute-gwps", "3"])
+    assert p.returncode == 0, p.stderr
+    assert "is more than this machine's memory" in only_stderr_line(p.stderr)
+    within = run_command(["plan", converted("kimi_k3"), "--budget", "50MB", "--disk-gbps", "2",
+                          "--compute-gwps", "3"])
+    assert within.returncode == 0 and within.stderr == ""
+    assert main([str(converted("kimi_k3")), "hi", "-n", "2", "--budget", str(beyond + 1)]) == 0
+    warned = [l for l in capsys.readouterr().err.splitlines() if "machine's memory" in l]
+    assert len(warned) == 1 and warned[0].startswith("[deltafin] warning: the memory budget")
