@@ -118,7 +118,7 @@ def test_budget_below_the_k3_floor_is_refused_stating_the_floor(k3, capsys):
 def test_the_floor_error_says_that_a_smaller_context_lowers_the_floor(k3, capsys):
     """At the floor of 4,096 tokens of context, 65,536 is refused, saying that a
     smaller --context lowers the floor; and 4,096 indeed runs at that budget."""
-    argv = ["plan", str(K3_CONFIG), "--dtype", "bfloat16", "--disk-gbps", "5",
+    argv = ["plan", str(K3_CONFIG), "--activation-dtype", "bfloat16", "--disk-gbps", "5",
             "--compute-gwps", "400", "--budget", str(k3["floor_bytes"])]
     assert main(argv + ["--context", "65536"]) == 1
     err = capsys.readouterr().err
