@@ -20,7 +20,8 @@ from deltafin_mlx.model.build import build_model, expert_recipe, quantize_like_m
 from deltafin_mlx.model.config import experts_per_token, tied_embeddings
 from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, routed_expert_paths,
                                         switch_linears)
-from deltafin_mlx.model.quantization import check_quantization, expert_quantization
+from deltafin_mlx.model.quantization import (check_quantization, expert_quantization,
+                                             mlx_lm_quantization, saved_layer_quantization)
 from deltafin_mlx.model.shard import expert_layout
 
 
@@ -54,9 +55,17 @@ class Inventory:
     # A source's trunk per unit as the checkpoint stores it (its dtype, unquantized):
     # what a download holds besides the experts (only from a config.json).
     source_unit_bytes: Dict[str, int] = field(default_factory=dict)
+    # Every MoE layer's record sections where they differ from layer to layer
+    # (mlx-lm's mixed_* recipes; empty otherwise). Its pool is then partitioned by
+    # layer (engine/cache.py): equal slots per layer, so one slot's bytes are the
+    # layers' mean (rounded up) and `record_size` the largest (the reader's buffers).
+    layer_sections: Dict[int, List[Section]] = field(default_factory=dict)
 
     @property
     def slot_bytes(self) -> int:
+        if self.layer_sections:
+            total = sum(slot_bytes(s, self.activation_dtype) for s in self.layer_sections.values())
+            return -(-total // len(self.layer_sections))
         return slot_bytes(self.sections, self.activation_dtype)
 
     @property
@@ -64,7 +73,14 @@ class Inventory:
         return sum(u.memory_bytes for u in self.units.values())
 
     @property
+    def mean_record_size(self) -> float:
+        """A record's bytes read, on average over the layers (equal but for mixed_*)."""
+        return self.expert_disk_bytes / (self.num_experts * len(self.moe_layers))
+
+    @property
     def expert_disk_bytes(self) -> int:
+        if self.layer_sections:
+            return self.num_experts * sum(record_size_of(s) for s in self.layer_sections.values())
         return self.record_size * self.num_experts * len(self.moe_layers)
 
 
@@ -125,6 +141,8 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
     # The expert as one process holds it (a sliced record's slices put together).
     sections = expert_layout(manifest).for_rank(0, 1).held_sections
     quant = manifest.quantization["experts"]
+    layers = {layer: [Section.from_dict(d) for d in manifest.layer_experts(layer)["sections"]]
+              for layer in manifest.moe_layers} if manifest.mixed else {}
     return Inventory(model_type=manifest.model_type,
                      config=config,
                      units=_build(by_unit, act),
@@ -133,10 +151,12 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
                      moe_layers=manifest.moe_layers,
                      num_experts=manifest.experts["num_experts"],
                      experts_per_token=manifest.experts["experts_per_token"],
-                     record_size=manifest.experts["record_size"],
+                     record_size=max([manifest.experts["record_size"]] + [
+                         record_size_of(s) for s in layers.values()]),
                      sections=sections,
                      expert_weights=_expert_weights(sections, quant),
-                     activation_dtype=act)
+                     activation_dtype=act,
+                     layer_sections=layers)
 
 
 def embeddings_tied(config: dict, names) -> bool:
@@ -201,8 +221,13 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
         recipes = {n: expert_recipe(model, first, n, quant) for n in linears}
         own = {n: q for n, q in recipes.items() if q != recipes[next(iter(linears))]}
         quant = {**recipes[next(iter(linears))], **({"linears": own} if own else {})}
-    sections = expert_sections({k: v[1:] for k, v in linears.items()}, quant,
-                               name_of(dtype or mx.bfloat16))
+    shapes = {k: v[1:] for k, v in linears.items()}
+    sections = expert_sections(shapes, quant, name_of(dtype or mx.bfloat16))
+    block = mlx_lm_quantization(config)
+    by_layer = saved_layer_quantization(block) if block is not None else {}
+    layers = {layer: expert_sections(shapes, by_layer.get(layer, quant),
+                                     name_of(dtype or mx.bfloat16))
+              for layer in sorted(switches)} if len({str(q) for q in by_layer.values()}) > 1 else {}
     return Inventory(model_type=config.get("model_type", "?"),
                      config=config,
                      units=_build(by_unit, act),
@@ -211,8 +236,9 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
                      moe_layers=sorted(switches),
                      num_experts=next(iter(linears.values()))[0],
                      experts_per_token=experts_per_token(config),
-                     record_size=record_size_of(sections),
+                     record_size=max(record_size_of(s) for s in [sections, *layers.values()]),
                      sections=sections,
                      expert_weights=_expert_weights(sections, quant),
                      activation_dtype=act,
-                     source_unit_bytes=source_units)
+                     source_unit_bytes=source_units,
+                     layer_sections=layers)
