@@ -135,7 +135,8 @@ def _main(argv):
         return 0
     size = sum(manifest.files.values())
     experts = describe_experts(manifest.quantization["experts"],
-                               manifest.source.get("experts_from", manifest.dtype))
+                               manifest.source.get("experts_from", manifest.dtype)) + (
+        " in the first MoE layer, each layer as mlx-lm saved it" if manifest.mixed else "")
     print(f"converted {args.src} -> {args.out} ({human_bytes(size)}, "
           f"{len(manifest.moe_layers)} expert banks); {experts}")
     return 0

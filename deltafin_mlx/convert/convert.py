@@ -265,6 +265,10 @@ class Layout:
     def num_layers(self) -> int:
         return len(self.paths)
 
+    def sections_of(self, layer) -> list:
+        """`layer`'s record sections (mlx-lm's mixed_* recipes: per layer; never sliced)."""
+        return self.experts.own.get(layer, (None, self.sections))[1]
+
     def __post_init__(self):
         # Source bytes of each unit's trunk tensors (a unit's experts are apart).
         self.trunk_bytes = {
@@ -441,6 +445,10 @@ def _sections(experts: SanitizedExperts, slices: int) -> list:
     sections = experts.sections
     if slices == 1:
         return sections
+    if experts.own:
+        raise ConvertError(f"--ranks {slices}: the experts are quantized differently from "
+                           "layer to layer (mlx-lm's mixed_* recipes); run them in one process "
+                           "(convert without --ranks)")
     try:
         check_glu_sections(sections)
     except ModelError as e:
@@ -461,9 +469,10 @@ def _check_disk(out: Path, layout: Layout, state: dict, hub, options: ConvertOpt
     most its source size. With a hub scratch, the plan of which shards to hold when."""
     n = layout.moe.num_experts
     bank_bytes = {
-        layer: (LinkWriter.size(n, layout.sections) if options.link_experts
-                else bank_header_size(layer, n, layout.sections, options.ranks)
-                + n * layout.record_size)
+        layer: (LinkWriter.size(n, layout.sections_of(layer)) if options.link_experts
+                else bank_header_size(layer, n, layout.sections_of(layer), options.ranks)
+                + n * (record_size_of(layout.sections_of(layer))
+                       if layer in layout.experts.own else layout.record_size))
         for layer in layout.moe_layers
     }
     needed = sum(layout.trunk_bytes[u] + bank_bytes.get(u, 0)
@@ -596,7 +605,7 @@ def _write_experts(out: Path, layout: Layout, unit, recorded: dict, bar, files: 
     experts, n = layout.experts, layout.moe.num_experts
     if recorded.get("link_experts"):
         rel = f"experts/layer-{unit:05d}.links"
-        writer = LinkWriter(layout.source, unit, n, layout.sections)
+        writer = LinkWriter(layout.source, unit, n, layout.sections_of(unit))
         for e in range(n):
             writer.add(e, experts.record(unit, e), experts.locations(unit, e))
             bar.update(experts.expert_nbytes(unit, e))
@@ -606,7 +615,7 @@ def _write_experts(out: Path, layout: Layout, unit, recorded: dict, bar, files: 
     else:
         rel = f"experts/layer-{unit:05d}.bank"
         tmp = out / (rel + ".tmp")
-        writer = BankWriter(tmp, unit, n, layout.sections, recorded.get("ranks", 1))
+        writer = BankWriter(tmp, unit, n, layout.sections_of(unit), recorded.get("ranks", 1))
         try:
             for e in range(n):
                 writer.write_record(experts.record(unit, e))
@@ -701,6 +710,16 @@ def _existing_parent(p: Path) -> Path:
     return p
 
 
+def _own_layout(layout: Layout, layer) -> dict:
+    """A layer's manifest entry's own quantization, sections and record size, where
+    mlx-lm's mixed_* recipes quantized its experts otherwise than the first layer's."""
+    if layer not in layout.experts.own:
+        return {}
+    quant, sections = layout.experts.own[layer]
+    return {"quantization": quant, "sections": [s.to_dict() for s in sections],
+            "record_size": record_size_of(sections)}
+
+
 def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> Manifest:
     """config.json in mlx-lm's form, the drop-in, the tokenizer files and, last, the
     manifest: the conversion is finished when the manifest is written."""
@@ -723,9 +742,10 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
                               {k: expert_quant[k] for k in ("group_size", "bits", "mode")})
     quantization = dict(default or {})
     quantization.update(quantized)
-    for path in layout.moe_layers.values():
+    for layer, path in layout.moe_layers.items():
         for p in record_linears(s.name for s in sections):
-            quantization[f"{path}.{p}"] = False if float_kept else linear_quant(expert_quant, p)
+            quantization[f"{path}.{p}"] = False if float_kept else linear_quant(
+                layout.experts.layout_of(layer)[0], p)
     mlx_config = without_code(config)  # nothing a model carries runs (tokenizer files too)
     if default is None:  # nothing quantized: a float model, as mlx_lm.convert writes one
         mlx_config.pop("quantization", None)
@@ -767,7 +787,8 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
             "experts_per_token": layout.moe.experts_per_token,
             "record_size": layout.record_size,
             "sections": [s.to_dict() for s in sections],
-            "layers": {str(u): done[str(u)]["bank"] for u in layout.moe_layers},
+            "layers": {str(u): {**done[str(u)]["bank"], **_own_layout(layout, u)}
+                       for u in layout.moe_layers},
             **({"slices": options.ranks} if options.ranks > 1 else {}),
             **({"linked": linked_manifest_entry(source, done)} if options.link_experts else {}),
         },

@@ -60,14 +60,16 @@ def check_against_manifest(model: nn.Module, manifest, switches: dict):
     if built:
         raise ModelError(f"{where}: builds routed experts at {sorted(built)[0]}, "
                          "which have no bank")
-    sections = {s["name"]: s for s in ex["sections"]}
+    layer_of = {manifest.switch_path(layer): layer for layer in manifest.moe_layers}
     for sp, linears in switches.items():
+        layer = layer_of.get(sp, manifest.moe_layers[0])
+        sections = {s["name"]: s for s in manifest.layer_experts(layer)["sections"]}
         held = {name.rpartition(".")[0] for name in sections}
         if set(linears) != held:
             raise ModelError(f"{where}: {sp} has expert linears {sorted(linears)}, the banks "
                              f"hold {sorted(held)}")
         for proj, (e, out, inp, bias) in linears.items():
-            q = linear_quant(manifest.quantization["experts"], proj)
+            q = linear_quant(manifest.expert_quant(layer), proj)
             shape = list(sections[f"{proj}.weight"]["shape"])
             shape[slice_axis(f"{proj}.weight")] *= manifest.slices  # a whole expert
             out_b, in_b = shape[0], input_size(q, shape)
@@ -287,6 +289,9 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     ranks, rank = (group.size(), group.rank()) if group is not None else (1, 0)
     if group is not None:
         check_same_model(manifest, group)
+    if group is not None and manifest.mixed:
+        raise ModelError(f"{path}: experts quantized differently from layer to layer (mlx-lm's "
+                         "mixed_* recipes) run in one process")
     if verify:
         # Every file but the banks (their records are checked as they are read).
         from deltafin_mlx.format.integrity import bank_files, check_all_files
@@ -316,15 +321,15 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
                              "them in one process (convert without --link-experts for ranks)")
         linked = LinkedSources(manifest, o.read_mode)
     for layer in manifest.moe_layers if linked is None else ():
-        entry = manifest.experts["layers"][str(layer)]
+        entry, own = manifest.experts["layers"][str(layer)], manifest.layer_experts(layer)
         try:
             layouts[layer] = read_layout(manifest.bank_path(layer),
                                          expect={
                                              "layer": layer,
                                              "num_experts": manifest.experts["num_experts"],
-                                             "record_size": manifest.experts["record_size"],
+                                             "record_size": own["record_size"],
                                              "header_size": entry["header_size"],
-                                             "sections": manifest.experts["sections"],
+                                             "sections": own["sections"],
                                              "slices": manifest.slices,
                                          })
         except BankError as e:
@@ -336,9 +341,10 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
                              f"{manifest.slices} slices, 1, or a multiple of it")
     if linked is not None:
         banks = {layer: linked.bank(manifest, layer) for layer in manifest.moe_layers}
-        read_size = manifest.experts["record_size"]
+        read_size = max(manifest.layer_experts(layer)["record_size"]
+                        for layer in manifest.moe_layers)
     else:
-        read_size = layouts[manifest.moe_layers[0]].record_size
+        read_size = max(layout.record_size for layout in layouts.values())
 
     model = build_model(config, path)
     switches = switch_shapes(model, manifest)
@@ -349,7 +355,6 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     reader = Reader(read_size, threads=reader_threads,
                     checks="every" if verify else o.record_checks,
                     staging_bytes=max(b.staging_bytes for b in banks.values()))
-    quant = manifest.quantization["experts"]
     cache = ExpertCache(banks, plan.slots, manifest.experts["num_experts"],
                         manifest.experts["experts_per_token"], act, reader, stats)
     pipeline = o.pipeline
@@ -360,7 +365,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     originals = {}  # layer -> mlx-lm's own expert module, whose class and settings run
 
     def make_inner(layer, arrays, slots):
-        return switch_over_slots(arrays, slots, quant, originals[layer])
+        return switch_over_slots(arrays, slots, manifest.expert_quant(layer), originals[layer])
 
     streaming_switches, moe_blocks = {}, {}
     for layer in manifest.moe_layers:

@@ -59,6 +59,25 @@ class Manifest:
     def moe_layers(self):
         return sorted(int(k) for k in self.experts["layers"])
 
+    def layer_experts(self, layer: int) -> dict:
+        """`experts` as `layer`'s records have them: a layer whose experts are
+        quantized otherwise (mlx-lm's mixed_* recipes) has its own `sections` and
+        `record_size` in its entry."""
+        entry = self.experts["layers"][str(layer)]
+        return {**self.experts, **{k: entry[k] for k in ("sections", "record_size")
+                                   if k in entry}}
+
+    def expert_quant(self, layer: int) -> dict:
+        """How `layer`'s experts are quantized: its entry's own `quantization`,
+        else `quantization.experts`."""
+        return self.experts["layers"][str(layer)].get("quantization",
+                                                      self.quantization["experts"])
+
+    @property
+    def mixed(self) -> bool:
+        """Are the experts quantized differently from layer to layer?"""
+        return any("quantization" in e for e in self.experts["layers"].values())
+
     def bank_path(self, layer: int) -> Path:
         return self.path / self.experts["layers"][str(layer)]["bank"]
 
@@ -232,12 +251,7 @@ def _check_fields(d: dict):
     _need(quant.get("trunk") is None or isinstance(quant["trunk"], dict),
           "quantization.trunk must be an object or null")
     eq = quant.get("experts")
-    _need(isinstance(eq, dict) and (
-        eq == float_experts(eq.get("dtype")) and eq["dtype"] in FLOATS
-        or isinstance(eq.get("mode"), str) and eq["mode"] != FLOAT_MODE
-        and is_int(eq.get("bits")) and 1 <= eq["bits"] <= 8
-        and is_int(eq.get("group_size")) and 1 <= eq["group_size"] <= 1 << 16),
-          f"quantization.experts {eq!r:.200}")
+    _check_expert_quant(eq, "quantization.experts")
 
     ex = d["experts"]
     _need(isinstance(ex, dict), "experts must be an object")
@@ -267,6 +281,18 @@ def _check_fields(d: dict):
         _need(re.fullmatch(r"0|[1-9][0-9]*", key) is not None and int(key) < num_layers,
               f"experts.layers key {key!r:.40}")
         _need(isinstance(entry, dict), f"experts.layers[{key}] is not an object")
+        layer_size = record_size
+        if "quantization" in entry:  # mlx-lm's mixed_* recipes: this layer's own layout
+            _need(slices == 1, f"experts.layers[{key}]: per-layer quantization with slices")
+            _check_expert_quant(entry["quantization"], f"experts.layers[{key}].quantization")
+            own = sections_from_dicts(entry.get("sections"))
+            layer_size = entry.get("record_size")
+            _need(is_int(layer_size) and layer_size == record_size_of(own),
+                  f"experts.layers[{key}].record_size does not match its sections")
+            _check_expert_sections({s.name: s for s in own}, entry["quantization"])
+        else:
+            _need("sections" not in entry and "record_size" not in entry,
+                  f"experts.layers[{key}]: sections without quantization")
         if linked is not None:
             _rel_path(entry.get("links"), f"link table of layer {key}", files)
         else:
@@ -274,9 +300,9 @@ def _check_fields(d: dict):
             header_size = entry.get("header_size")
             _need(is_int(header_size) and header_size > 0 and header_size % ALIGN == 0,
                   f"header_size {header_size!r:.40} of layer {key}")
-            _need(files[bank] == header_size + n * record_size,
+            _need(files[bank] == header_size + n * layer_size,
                   f"{bank} is listed as {files[bank]} bytes, its layout needs "
-                  f"{header_size + n * record_size}")
+                  f"{header_size + n * layer_size}")
         sp = entry.get("switch_path")
         _need(isinstance(sp, str)
               and re.fullmatch(rf"(?:(?:{_NAME})\.)+{key}\.(?:(?:{_NAME})\.)*(?:{_NAME})", sp)
@@ -293,6 +319,15 @@ def _check_fields(d: dict):
           and isinstance(tok.get("files", []), list), "tokenizer must be an object with a kind")
     for rel in tok.get("files", []):
         _rel_path(rel, "tokenizer file", files)
+
+
+def _check_expert_quant(eq, where: str):
+    _need(isinstance(eq, dict) and (
+        eq == float_experts(eq.get("dtype")) and eq["dtype"] in FLOATS
+        or isinstance(eq.get("mode"), str) and eq["mode"] != FLOAT_MODE
+        and is_int(eq.get("bits")) and 1 <= eq["bits"] <= 8
+        and is_int(eq.get("group_size")) and 1 <= eq["group_size"] <= 1 << 16),
+          f"{where} {eq!r:.200}")
 
 
 def _check_linked(linked):

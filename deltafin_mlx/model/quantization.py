@@ -72,28 +72,6 @@ def module_quantization(block: dict, path: str):
             "mode": block.get("mode", "affine")}
 
 
-def check_alike_in_every_layer(per_linear: dict, where: str):
-    """Each expert linear is quantized alike in every MoE layer, or one line naming
-    two layers that differ. `per_linear`: linear -> its quantization (sorted items,
-    None for float) -> the first "layer L" that has it. mlx-lm's mixed recipes
-    (mixed_3_6, ...) give some layers' down_proj more bits: Deltafin's records
-    (and its expert cache's slots) hold one layout for every layer."""
-    differ = [found for found in per_linear.values() if len(found) > 1]
-    kinds = {q is not None for found in per_linear.values() for q in found}
-    if not differ and len(kinds) <= 1:
-        return
-    linear = next((n for n, found in per_linear.items() if len(found) > 1), None)
-    found = per_linear[linear] if linear else {q: w for f in per_linear.values()
-                                               for q, w in f.items()}
-    said = [f"{w}{' ' + linear if linear else ''}: " + (
-        "float" if q is None else "{mode} {bits}-bit, group size {group_size}".format(**dict(q)))
-        for q, w in found.items()]
-    raise ConvertError(f"{where} quantized differently from layer to layer ("
-                       + "; ".join(said[:2]) + "), as mlx-lm's mixed_* recipes make them; "
-                       "Deltafin holds every layer's experts in one layout: convert the "
-                       "float release instead (--expert-bits)")
-
-
 def carried_quantization(quant: dict, where: str) -> dict:
     """Experts mlx-lm already quantized as `quant`: carried over byte for byte."""
     mode, bits, group = quant["mode"], quant["bits"], quant["group_size"]
@@ -134,19 +112,9 @@ def expert_quantization(config: dict, expert_bits, expert_group_size: int) -> di
     its experts in float."""
     block = mlx_lm_quantization(config)
     if block is not None:
-        per_linear = {}  # linear -> quantization -> the first layer that has it
-        for path in block:
-            if ".switch_mlp." in path and isinstance(block[path], dict):
-                where, _, linear = path.rpartition(".")
-                layer = next((p for p in where.split(".") if p.isdigit()), "?")
-                q = tuple(sorted(module_quantization(block, path).items()))
-                per_linear.setdefault(linear, {}).setdefault(q, f"layer {layer}")
-        check_alike_in_every_layer(per_linear, "config.json: the experts are")
-        quants = {n: dict(next(iter(f))) for n, f in per_linear.items()}
-        first = next(iter(quants.values()), module_quantization(block, ""))
-        quant = carried_quantization(first, "config.json")
-        own = {n: q for n, q in quants.items() if q != first}
-        return {**quant, **({"linears": own} if own else {})}
+        layers = saved_layer_quantization(block)
+        return next(iter(layers.values()), carried_quantization(
+            module_quantization(block, ""), "config.json"))
     float_dtype = cast_dtype(config) or "bfloat16"  # as the planner assumes for scales
     qc = config.get("quantization_config") or text_config(config).get("quantization_config")
     if qc:
@@ -162,6 +130,25 @@ def expert_quantization(config: dict, expert_bits, expert_group_size: int) -> di
             "mlx-lm's own format as mlx_lm.convert writes it)"
         )
     return float_quantization(expert_bits, expert_group_size, float_dtype)
+
+
+def saved_layer_quantization(block: dict) -> dict:
+    """Each MoE layer's experts' quantization as mlx-lm's block says it (layer ->
+    quantization, `linears` for a linear quantized otherwise than the first), for
+    the layers with per-module entries (mlx-lm's mixed_* recipes: per layer)."""
+    per_layer: dict = {}  # layer -> linear -> quantization
+    for path in block:
+        if ".switch_mlp." in path and isinstance(block[path], dict):
+            where, _, linear = path.rpartition(".")
+            layer = int(next((p for p in where.split(".") if p.isdigit()), -1))
+            per_layer.setdefault(layer, {})[linear] = module_quantization(block, path)
+    out = {}
+    for layer in sorted(per_layer):
+        first = next(iter(per_layer[layer].values()))
+        own = {n: q for n, q in per_layer[layer].items() if q != first}
+        out[layer] = {**carried_quantization(first, "config.json"),
+                      **({"linears": own} if own else {})}
+    return out
 
 
 def cast_dtype(config: dict):

@@ -19,7 +19,8 @@ from deltafin_mlx.format.record import FLOAT_MODE, expert_sections, input_size, 
 from deltafin_mlx.model.build import build_moe, expert_recipe, quantize_like_mlx_lm, source_dtype
 from deltafin_mlx.model.config import tied_embeddings
 from deltafin_mlx.model.modules import LayerIndex, MoeShape, get_module, shared_width, switch_linears
-from deltafin_mlx.model.quantization import check_quantization, expert_quantization
+from deltafin_mlx.model.quantization import (check_quantization, expert_quantization,
+                                             mlx_lm_quantization, saved_layer_quantization)
 from deltafin_mlx.model.shard import expert_layout
 
 
@@ -52,6 +53,11 @@ class Inventory:
     # A source's trunk per unit as the checkpoint stores it (its dtype, unquantized):
     # what a download holds besides the experts (only from a config.json).
     source_unit_bytes: Dict[str, int] = field(default_factory=dict)
+    # Every MoE layer's record sections where they differ from layer to layer
+    # (mlx-lm's mixed_* recipes; empty otherwise). Its pool is then partitioned by
+    # layer (engine/cache.py): equal slots per layer, so one slot's bytes are the
+    # layers' mean (rounded up) and `record_size` the largest (the reader's buffers).
+    layer_sections: Dict[int, List[Section]] = field(default_factory=dict)
 
     @property
     def num_experts(self) -> int:
@@ -63,6 +69,9 @@ class Inventory:
 
     @property
     def slot_bytes(self) -> int:
+        if self.layer_sections:
+            total = sum(slot_bytes(s, self.activation_dtype) for s in self.layer_sections.values())
+            return -(-total // len(self.layer_sections))
         return slot_bytes(self.sections, self.activation_dtype)
 
     @property
@@ -70,7 +79,14 @@ class Inventory:
         return sum(u.memory_bytes for u in self.units.values())
 
     @property
+    def mean_record_size(self) -> float:
+        """A record's bytes read, on average over the layers (equal but for mixed_*)."""
+        return self.expert_disk_bytes / (self.num_experts * len(self.moe_layers))
+
+    @property
     def expert_disk_bytes(self) -> int:
+        if self.layer_sections:
+            return self.num_experts * sum(record_size_of(s) for s in self.layer_sections.values())
         return self.record_size * self.num_experts * len(self.moe_layers)
 
 
@@ -135,6 +151,8 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
     moe = MoeShape(manifest.experts["experts_per_token"], manifest.experts["num_experts"],
                    max(shared_width(shapes, manifest.switch_path(layer))
                        for layer in manifest.moe_layers))
+    layers = {layer: [Section.from_dict(d) for d in manifest.layer_experts(layer)["sections"]]
+              for layer in manifest.moe_layers} if manifest.mixed else {}
     return Inventory(model_type=manifest.model_type,
                      config=config,
                      units=_build(by_unit, act),
@@ -142,10 +160,12 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
                      embed_tied=embeddings_tied(config, manifest.tensors),
                      moe_layers=manifest.moe_layers,
                      moe=moe,
-                     record_size=manifest.experts["record_size"],
+                     record_size=max([manifest.experts["record_size"]] + [
+                         record_size_of(s) for s in layers.values()]),
                      sections=sections,
                      expert_weights=_expert_weights(sections, quant),
-                     activation_dtype=act)
+                     activation_dtype=act,
+                     layer_sections=layers)
 
 
 def embeddings_tied(config: dict, names) -> bool:
@@ -208,8 +228,13 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
         recipes = {n: expert_recipe(model, first, n, quant) for n in linears}
         own = {n: q for n, q in recipes.items() if q != recipes[next(iter(linears))]}
         quant = {**recipes[next(iter(linears))], **({"linears": own} if own else {})}
-    sections = expert_sections({k: v[1:] for k, v in linears.items()}, quant,
-                               name_of(dtype or mx.bfloat16))
+    shapes = {k: v[1:] for k, v in linears.items()}
+    sections = expert_sections(shapes, quant, name_of(dtype or mx.bfloat16))
+    block = mlx_lm_quantization(config)
+    by_layer = saved_layer_quantization(block) if block is not None else {}
+    layers = {layer: expert_sections(shapes, by_layer.get(layer, quant),
+                                     name_of(dtype or mx.bfloat16))
+              for layer in sorted(switches)} if len({str(q) for q in by_layer.values()}) > 1 else {}
     return Inventory(model_type=config.get("model_type", "?"),
                      config=config,
                      units=_build(by_unit, act),
@@ -217,8 +242,9 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
                      embed_tied=embeddings_tied(config, dict(tree_flatten(model.parameters()))),
                      moe_layers=sorted(switches),
                      moe=moe,
-                     record_size=record_size_of(sections),
+                     record_size=max(record_size_of(s) for s in [sections, *layers.values()]),
                      sections=sections,
                      expert_weights=_expert_weights(sections, quant),
                      activation_dtype=act,
-                     source_unit_bytes=source_units)
+                     source_unit_bytes=source_units,
+                     layer_sections=layers)

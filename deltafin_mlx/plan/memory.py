@@ -406,6 +406,9 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     k = inv.experts_per_token
     one = inv.slot_bytes
     all_experts = inv.num_experts * len(inv.moe_layers)
+    # Experts laid out differently from layer to layer live in a pool partitioned
+    # by layer (engine/cache.py): every layer has room for one token's experts.
+    per = len(inv.moe_layers) if inv.layer_sections else 1
     recurrent, kv = sequence_state(inv.config, context, inv.activation_dtype)
     if sequences == "auto":
         sequences = choose_sequences(inv, budget, context, reader_threads, stream_trunk,
@@ -423,7 +426,9 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     min_prefill = min_prefill_bytes(inv.config, inv.moe, context, inv.activation_dtype)
     # The smallest prefill chunk's activations count as working buffers.
     floor_parts = {"resident trunk": res, "streamed-layer buffers": ring, "KV/state": state,
-                   "working buffers": working + min_prefill, "one token's experts": k * one}
+                   "working buffers": working + min_prefill,
+                   ("one token's experts in each layer" if per > 1 else "one token's experts"):
+                   k * per * one}
     floor = sum(floor_parts.values())
     if budget < floor:
         prefill = (f", prefill activations {min_prefill / 1e9:.3f} GB"
@@ -458,16 +463,25 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     while streamed:
         trial = set(streamed[:-1])
         r, g, _ = _trunk_layout(inv, trial, on_demand_ok)
-        if fixed + r + g + k * one > budget:
+        if fixed + r + g + k * per * one > budget:
             break
         streamed.pop()
     res, ring, read = _trunk_layout(inv, set(streamed), on_demand_ok)
     spare = budget - (fixed + res + ring)
-    limit = pool_limit(len(inv.moe_layers), k, inv.num_experts,
-                       max_chunk_slots(inv.sections, inv.activation_dtype))
+    limit = pool_limit(len(inv.moe_layers), k, inv.num_experts, min(
+        max_chunk_slots(s, inv.activation_dtype)
+        for s in [inv.sections, *inv.layer_sections.values()]))
     slots = min(all_experts, spare // one, limit)
     if max_slots is not None:
         slots = min(slots, max_slots)
+    if per > 1:  # equal partitions
+        slots = slots // per * per
+        if slots < k * per:
+            raise BudgetError(("memory budget: " if max_slots is None else
+                               f"--cache-slots {max_slots}: ")
+                              + "this model's experts are quantized differently from layer "
+                              f"to layer and need at least {k * per} cache slots (one "
+                              "token's experts in each layer)")
     embed_on_demand = on_demand_ok
     if on_demand_ok and slots == all_experts and not streamed:
         if spare - slots * one >= inv.embed_bytes:
@@ -477,7 +491,8 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     # The cache is decode's: during a pass each expert is read once whatever it
     # holds, so it gives its slots back (engine/pass_pool.py) and the pass has them
     # but for its own groups of experts. A cache of every expert stays.
-    pass_slots = 0 if slots >= all_experts else pass_pool_slots(int(slots), k)
+    # (Per-layer layouts keep the cache through a pass: its pool would need one per layout.)
+    pass_slots = 0 if slots >= all_experts or per > 1 else pass_pool_slots(int(slots), k)
     released = (int(slots) - pass_slots) * one if pass_slots else 0
     # Such a pass streams the pinned layers of each shape that has more of them
     # than its buffers, through buffers of its own (engine/trunk_pass.py).

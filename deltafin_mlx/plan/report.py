@@ -8,6 +8,7 @@ decode_rates) to set the measured speed beside it. The disk and compute rates ar
 measured once per machine and cached (plan/rates.py), unless given.
 """
 
+from collections import Counter
 import os
 import tempfile
 from dataclasses import dataclass, fields
@@ -165,7 +166,9 @@ def plan_report(options: PlanOptions) -> dict:
             remeasure)
         batched_from = _rate_origin(entry)
     streamed = [int(k) for k in plan.streamed]
-    chunk = max_slots(inv.sections, act)
+    chunk = min(max_slots(s, act) for s in [inv.sections, *inv.layer_sections.values()])
+    alike = Counter(tuple(s) for s in inv.layer_sections.values())  # mixed_*: per layout
+    groups = [(n, max_slots(s, act)) for s, n in alike.items()] if alike else None
     limit = pool_limit(len(inv.moe_layers), inv.experts_per_token, inv.num_experts, chunk)
     scoring = scoring_plan(inv.config, plan, act)
     return {
@@ -206,7 +209,8 @@ def plan_report(options: PlanOptions) -> dict:
         "expert_cache_bytes": plan.cache_bytes,
         "expert_cache_fraction": plan.cache_fraction,
         "expert_cache_arrays": len(pool_chunks(plan.slots, len(inv.moe_layers),
-                                               inv.experts_per_token, inv.num_experts, chunk)),
+                                               inv.experts_per_token, inv.num_experts, chunk,
+                                               groups)),
         "expert_slots_per_array": chunk,
         "expert_pool_limit_slots": limit,
         "disk_gbps": disk,
