@@ -43,6 +43,25 @@ FIXTURE_OVERRIDES = {
 }
 
 
+def zoo_conversions(root: Path):
+    """get(model_type, bits) -> (source, conversion) of a zoo type at `bits` (None:
+    its float source), each written once under `root`."""
+    from deltafin_mlx.convert.convert import ConvertOptions, convert
+    from deltafin_mlx.testing import zoo
+
+    cache = {}
+
+    def get(model_type, bits):
+        if (model_type, bits) not in cache:
+            name = f"{model_type}-{bits or 'float'}"
+            src = zoo.write(root / "src" / name, model_type, bits)
+            convert(str(src), root / "out" / name, ConvertOptions(progress=False))
+            cache[model_type, bits] = (src, root / "out" / name)
+        return cache[model_type, bits]
+
+    return get
+
+
 def make_source(path, arch, **overrides):
     return make_checkpoint(path, arch, seed=0, **{**FIXTURE_OVERRIDES[arch], **overrides})
 

@@ -24,11 +24,11 @@ import pytest
 from mlx_lm.utils import load_model, quantize_model
 
 from deltafin_mlx.cli.main import main
-from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.format.manifest import read_manifest
 from deltafin_mlx.model.config import SUPPORTED_TYPES
 from deltafin_mlx.testing import zoo
 from deltafin_mlx.testing.decode import greedy, greedy_streamed
+from helpers import zoo_conversions
 
 TYPES = zoo.moe_types()
 
@@ -123,18 +123,7 @@ def oracle(src, rolled=False, dtype=mx.float32):
 @pytest.fixture(scope="module")
 def conversion(tmp_path_factory):
     """(source, conversion) of a type at `bits`, written once for the tests below."""
-    root = tmp_path_factory.mktemp("every_type")
-    cache = {}
-
-    def get(model_type, bits):
-        if (model_type, bits) not in cache:
-            name = f"{model_type}-{bits or 'float'}"
-            src = zoo.write(root / "src" / name, model_type, bits)
-            convert(str(src), root / "out" / name, ConvertOptions(progress=False))
-            cache[model_type, bits] = (src, root / "out" / name)
-        return cache[model_type, bits]
-
-    return get
+    return zoo_conversions(tmp_path_factory.mktemp("every_type"))
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED_TYPES)

@@ -18,8 +18,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import quantize_model
 
 from deltafin_mlx.cli.main import main
-from deltafin_mlx.convert.convert import ConvertOptions, convert
-from deltafin_mlx.testing import zoo
+from helpers import zoo_conversions
 
 FAMILIES = ("mixtral", "gpt_oss", "glm4_moe", "deepseek_v3", "llama4")
 PROMPT = "the experts stream from disk while the trunk stays in memory"
@@ -30,18 +29,7 @@ RATES = ("--disk-gbps", 1, "--compute-gwps", 1, "--prefill-gwps", 1, "--layer-ms
 @pytest.fixture(scope="module")
 def conversion(tmp_path_factory):
     """(source, conversion) of a family at `bits` (None: bf16), written once."""
-    root = tmp_path_factory.mktemp("activation_dtype")
-    cache = {}
-
-    def get(model_type, bits):
-        if (model_type, bits) not in cache:
-            name = f"{model_type}-{bits or 'bf16'}"
-            src = zoo.write(root / "src" / name, model_type, bits)
-            convert(str(src), root / "out" / name, ConvertOptions(progress=False))
-            cache[model_type, bits] = (src, root / "out" / name)
-        return cache[model_type, bits]
-
-    return get
+    return zoo_conversions(tmp_path_factory.mktemp("activation_dtype"))
 
 
 def stock_tokens(src):
