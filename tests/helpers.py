@@ -43,6 +43,25 @@ FIXTURE_OVERRIDES = {
 }
 
 
+def zoo_conversions(root: Path):
+    """get(model_type, bits) -> (source, conversion) of a zoo type at `bits` (None:
+    its float source), each written once under `root`."""
+    from deltafin_mlx.convert.convert import ConvertOptions, convert
+    from deltafin_mlx.testing import zoo
+
+    cache = {}
+
+    def get(model_type, bits):
+        if (model_type, bits) not in cache:
+            name = f"{model_type}-{bits or 'float'}"
+            src = zoo.write(root / "src" / name, model_type, bits)
+            convert(str(src), root / "out" / name, ConvertOptions(progress=False))
+            cache[model_type, bits] = (src, root / "out" / name)
+        return cache[model_type, bits]
+
+    return get
+
+
 def make_source(path, arch, **overrides):
     return make_checkpoint(path, arch, seed=0, **{**FIXTURE_OVERRIDES[arch], **overrides})
 
@@ -50,7 +69,8 @@ def make_source(path, arch, **overrides):
 def reference_model(src, trunk_bits=4, group_size=64, expert_bits=4, expert_group_size=64):
     """What `mlx_lm.convert -q` makes of `src`, loaded fully in memory at float32:
     load lazily, cast to the config dtype, quantize with the model's own predicate
-    (and the expert settings for switch_mlp), exactly as mlx_lm.convert does."""
+    (and the expert settings for switch_mlp; expert_bits "float": left in float),
+    exactly as mlx_lm.convert does."""
     model, config = load_model(Path(src), lazy=True)
     dtype = config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
     cast = getattr(model, "cast_predicate", lambda _: True)
@@ -65,7 +85,8 @@ def reference_model(src, trunk_bits=4, group_size=64, expert_bits=4, expert_grou
 
     def predicate(path, module):
         if "switch_mlp" in path:
-            return {"group_size": expert_group_size, "bits": expert_bits, "mode": "affine"}
+            return expert_bits != "float" and {"group_size": expert_group_size,
+                                               "bits": expert_bits, "mode": "affine"}
         if trunk_bits is None:
             return False
         return own(path, module) if own else True

@@ -89,6 +89,7 @@ class ChatSession:
         self.system = system
         self.thinking = thinking
         self.thinking_effort = thinking_effort
+        self.parameters = {}  # what `/set parameter` changed (ollama's names), saved with it
         state = find_runtime(model)
         # The context the model was first planned for: /drop plans it back there.
         self.planned_context = state.plan.context if state is not None else None
@@ -101,6 +102,14 @@ class ChatSession:
         self.cache = make_prompt_cache(self.model)
         self.tokens: List[int] = []
         self.cut = False  # the last reply was cut at a stop string: its tokens hold it
+
+    def set_system(self, text: str):
+        """A new system message (ollama's `/set system`): the next turn renders the
+        whole conversation again and prefills it from where it first differs."""
+        self.system = text or None
+        self.messages = ([{"role": "system", "content": text}] if text else []) + [
+            m for m in self.messages if m["role"] != "system"]
+        self.cut = True  # the cache's tokens hold the old one: no incremental turn
 
     # Prompts
 
@@ -276,7 +285,8 @@ class ChatSession:
                 "messages": json.dumps(self.messages, ensure_ascii=False),
                 "options": json.dumps({"system": self.system, "thinking": self.thinking,
                                        "thinking_effort": self.thinking_effort}),
-                "cut": json.dumps(self.cut)}
+                "cut": json.dumps(self.cut),
+                "parameters": json.dumps(self.parameters)}
         write_session(path, self.cache, meta)
 
     @classmethod
@@ -301,6 +311,8 @@ class ChatSession:
         session.tokens = json.loads(meta["tokens"])
         session.messages = json.loads(meta["messages"])
         session.cut = json.loads(meta.get("cut", "false")) is True
+        parameters = json.loads(meta.get("parameters", "{}"))
+        session.parameters = parameters if isinstance(parameters, dict) else {}
         if not _consistent(cache, len(session.tokens)):
             raise SessionError(f"{path}: damaged (its cache and its tokens disagree)")
         session.reload = reload

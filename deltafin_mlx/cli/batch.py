@@ -8,6 +8,7 @@ from deltafin_mlx.cli.options import (Parser, add_load_options, add_max_tokens, 
                                       positive_or_auto, request_field)
 
 from deltafin_mlx.engine.runtime import runtime
+from deltafin_mlx.jobs.job_options import activation_record
 
 
 def batch_parser():
@@ -50,7 +51,8 @@ def recorded_options(args) -> dict:
             "--repetition-penalty": args.repetition_penalty,
             "--presence-penalty": args.presence_penalty,
             "--frequency-penalty": args.frequency_penalty,
-            "--penalty-context": args.penalty_context}
+            "--penalty-context": args.penalty_context,
+            **activation_record(args.activation_dtype)}
 
 
 def cmd_batch(argv) -> int:

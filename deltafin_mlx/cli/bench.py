@@ -16,12 +16,13 @@ from deltafin_mlx.plan.memory import round_context
 def bench_parser():
     p = Parser(prog="deltafin-run bench", description="A short decode benchmark.")
     p.add_argument("model", help="a directory written by deltafin-convert")
-    add_max_tokens(p, 32, "tokens decoded per run")
+    add_max_tokens(p, 32, "tokens decoded per run, as deltafin-run's -n (mlx_lm.benchmark's "
+                   "-n counts trials: --repeats here)")
     p.add_argument("--prompt-tokens", type=positive, default=16, help="prompt length of each run")
     p.add_argument("--context", type=positive, default=None, metavar="N",
                    help="tokens of KV cache/state to reserve, as a run does (default: prompt + "
                    "max tokens, rounded up)")
-    p.add_argument("--repeats", type=positive, default=3, help="runs (the median is reported)")
+    p.add_argument("--repeats", type=positive, default=3, help="runs, mlx_lm.benchmark's -n/--num-trials (the median is reported)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_load_options(p)
     return p
@@ -64,10 +65,7 @@ def cmd_bench(argv) -> int:
         print(f"plan's projection: {result['projected_tokens_per_second']:.3g} tok/s with "
               f"{1e3 * result['projected_layer_seconds']:.3g} ms per layer, measured "
               f"{result['tokens_per_second_median']:.3g}: projected/measured "
-              f"{result['projected_over_measured']:.2f}; per-layer cost calibrated to "
-              f"{1e3 * result['calibrated_layer_seconds']:.3g} ms from the median decode rate (cached: "
-              f"`deltafin-run plan` uses it for {result['activation_dtype']} activations on this "
-              "machine, unless given --layer-ms or --compute-gwps)")
+              f"{result['projected_over_measured']:.2f}; {calibration_text(result)}")
     runtime(model).close()
     return 0
 
@@ -77,26 +75,39 @@ def projected_against_measured(model, runs, measured: float) -> dict:
     rates) next to what the runs measured, and the per-layer cost the runs imply,
     cached for the next `plan` (the term small models are dominated by)."""
     from deltafin_mlx.plan.report import decode_rates, disk_rate
-    from deltafin_mlx.plan.rates import layer_key, store_rate
+    from deltafin_mlx.plan.rates import layer_key, store_calibration
     from deltafin_mlx.plan.speed import layer_seconds_from_run, project
 
     state = runtime(model)
     inv, plan = state.inventory, state.plan
     bank = state.manifest.bank_path(state.manifest.moe_layers[0])
     disk, _ = disk_rate(None, bank, str(state.manifest.path))
-    compute, _, layer, _ = decode_rates(inv, inv.activation_dtype)
+    model_id = state.manifest.digest
+    compute, _, layer, _ = decode_rates(inv, inv.activation_dtype, model=model_id)
     projected = project(inv, plan, disk, compute, layer)["real_routing_tokens_per_second"]
     last = runs[-1]
     stall = last.stall_seconds / max(last.tokens, 1)
-    calibrated = layer
-    if measured > 0:
-        calibrated = layer_seconds_from_run(inv, compute, 1 / measured, stall)
-        store_rate(layer_key(inv.activation_dtype), calibrated,
-                   how=f"calibrated by deltafin-run bench on {state.manifest.path}")
+    run_layer = (layer_seconds_from_run(inv, compute, 1 / measured, stall) if measured > 0
+                 else 0.0)
+    entry = store_calibration(layer_key(inv.activation_dtype, model_id), run_layer,
+                              how=f"deltafin-run bench on {state.manifest.path}")
     return {"projected_tokens_per_second": projected, "projected_layer_seconds": layer,
             "projected_over_measured": projected / measured if measured > 0 else None,
-            "calibrated_layer_seconds": calibrated,
+            "run_layer_seconds": run_layer,
+            "calibrated_layer_seconds": entry["value"] if entry else None,
+            "calibration_runs": entry["runs"] if entry else 0,
             "activation_dtype": str(inv.activation_dtype).split(".")[-1]}
+
+
+def calibration_text(result: dict) -> str:
+    if result["calibrated_layer_seconds"] is None:
+        return ("no per-layer cost calibrated: this run left no time beyond the weights' "
+                "arithmetic and its reads (nothing cached)")
+    return (f"per-layer cost {1e3 * result['run_layer_seconds']:.3g} ms from the median decode "
+            f"rate, calibrated to {1e3 * result['calibrated_layer_seconds']:.3g} ms, the mean "
+            f"of {result['calibration_runs']} bench runs of this model (cached: `deltafin-run "
+            f"plan` uses it for this model with {result['activation_dtype']} activations on "
+            "this machine, unless given --layer-ms or --compute-gwps)")
 
 
 def bench_run(model, args, i: int):

@@ -1,6 +1,7 @@
 """`deltafin-run MODEL --chat`: a conversation at the terminal, one turn a message,
 the model's cache kept between turns (and in a session file with --session)."""
 
+import contextlib
 import re
 import signal
 import sys
@@ -45,12 +46,21 @@ HELP = """\
 Type a message and press Enter. End a line with \\ to continue it on the next line,
 or put \"\"\" on a line of its own to start and end a block of several lines; a paste
 of several lines is one message.
-  /help     this help
-  /reset    forget the conversation (and empty the model's cache)
+  /help     this help (or /?)
+  /reset    forget the conversation (and empty the model's cache) (or /clear)
   /stats    expert-cache counters so far
   /context  how much of the context is in use, and how far the budget lets it grow
   /drop [N] forget the oldest N exchanges (default 1); the rest is prefilled again
-  /quit     leave (so do Ctrl-D, and Ctrl-C at an empty prompt)
+  /set parameter NAME VALUE   a sampling parameter, by ollama's name (temperature,
+            top_p, top_k, min_p, seed, num_predict, repeat_penalty, repeat_last_n,
+            presence_penalty, frequency_penalty, stop) or the option's (temp, ...)
+  /set system TEXT   a new system message (the conversation is prefilled again)
+  /set think, /set nothink   thinking on or off from the next turn
+  /show info|parameters|system|template   the model, the parameters, the system
+            message, the chat template
+  /save NAME  save the conversation, its cache and parameters to NAME.safetensors
+  /load NAME  continue the conversation saved as NAME (by /save or --session)
+  /quit     leave (so do /bye, Ctrl-D, and Ctrl-C at an empty prompt)
 A line starting with // is sent as a message that starts with /.
 Ctrl-C while a reply is generated stops it; the reply so far is KEPT in the history
 (the model sees it, closed as a finished turn, in the next turn). Ctrl-C before the
@@ -175,6 +185,120 @@ def read_message(prompt: str = "> ", more: str = "... ", out=None):
         return "" if typed else None
 
 
+# `/set parameter` (ollama's names) -> (the option's attribute, the request field
+# whose rule checks it, its type); the option's own name works too (temp, max_tokens).
+PARAMETERS = {"temperature": ("temp", "temperature", float),
+              "top_p": ("top_p", "top_p", float), "top_k": ("top_k", "top_k", int),
+              "min_p": ("min_p", "min_p", float), "seed": ("seed", "seed", int),
+              "num_predict": ("max_tokens", "max_tokens", int),
+              "repeat_penalty": ("repetition_penalty", "repetition_penalty", float),
+              "repeat_last_n": ("penalty_context", "repetition_context_size", int),
+              "presence_penalty": ("presence_penalty", "presence_penalty", float),
+              "frequency_penalty": ("frequency_penalty", "frequency_penalty", float),
+              "stop": ("stop", "stop", str)}
+
+
+def set_parameter(args, session, name: str, values) -> str:
+    """Set one sampling parameter as ollama's `/set parameter NAME VALUE` does,
+    checked by the rule the option's flag gets; ollama's line, or a UsageError."""
+    import argparse
+
+    from deltafin_mlx.cli.options import request_field
+    from deltafin_mlx.errors import UsageError
+
+    key = name if name in PARAMETERS else next(
+        (k for k, (attr, _, _) in PARAMETERS.items() if attr == name), None)
+    if key is None or not values:
+        raise UsageError(f"unknown parameter {name!r}: one of {', '.join(PARAMETERS)}"
+                         if key is None else "/set parameter NAME VALUE")
+    attr, field, parse = PARAMETERS[key]
+    before = getattr(args, attr)
+    try:
+        check = request_field(field, parse)
+        setattr(args, attr, [check(v) for v in values] if key == "stop" else check(values[0]))
+        check_request_flags(args, session.model)
+    except (argparse.ArgumentTypeError, UsageError) as e:
+        setattr(args, attr, before)
+        raise UsageError(str(e)) from None
+    if key == "seed":
+        mx.random.seed(args.seed)
+    session.parameters[key] = getattr(args, attr)
+    return f"Set parameter '{name}' to '{', '.join(values)}'"
+
+
+def show(what: str, session, args) -> str:
+    """ollama's `/show info|parameters|system|template`."""
+    from deltafin_mlx.model.quantization import quantization_by_part, quantization_summary
+
+    if what == "info":
+        state = runtime(session.model)
+        m, ex = state.manifest, state.manifest.experts
+        quant = quantization_summary(quantization_by_part(
+            state.model_dir.config.get("quantization"), [m.switch_path(n) for n in m.moe_layers],
+            m.quantization.get("experts")))
+        return (f"  architecture   {m.model_type}, {m.num_layers} layers, {len(m.moe_layers)} "
+                f"of them MoE\n  experts        {ex['num_experts']} per MoE layer, "
+                f"{ex['experts_per_token']} per token\n  quantization   {quant}\n"
+                f"  plan           {state.plan.context:,} tokens of context in a budget of "
+                f"{state.plan.budget / 1e9:.2f} GB")
+    if what == "parameters":
+        return "Parameters:\n" + "\n".join(
+            f"  {key:<30} {getattr(args, attr)}" for key, (attr, _, _) in PARAMETERS.items()
+            if getattr(args, attr) not in (None, []))
+    if what == "system":
+        return session.system or "No system message was specified for this model."
+    if what == "template":
+        template = getattr(session.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) and template else \
+            "No prompt template was specified for this model."
+    return f"Unknown command '/show {what}'. Type /? for help"
+
+
+def ollama_command(command: str, session, args, reload):
+    """/set, /show, /save and /load as ollama has them; (the session from now on,
+    the line to print)."""
+    from deltafin_mlx.errors import SessionError, UsageError
+
+    verb, *rest = command.split()
+    if verb == "/show":
+        return session, show(rest[0] if rest else "", session, args) if rest else \
+            "Usage: /show info|parameters|system|template"
+    if verb in ("/save", "/load") and len(rest) != 1:
+        return session, f"Usage:\n  {verb} <name>"
+    if verb == "/save":
+        try:
+            session.save(rest[0])
+        except SessionSaveError as e:
+            return session, str(e)
+        return session, f"Saved the conversation as '{session_path(rest[0])}'"
+    if verb == "/load":
+        try:
+            loaded = ChatSession.restore(rest[0], session.model, session.tokenizer, reload=reload)
+        except (SessionError, OSError) as e:
+            return session, f"Couldn't load '{rest[0]}': {e}"
+        for key, value in dict(loaded.parameters).items():  # checked as if typed
+            with contextlib.suppress(UsageError):
+                set_parameter(args, loaded, key, list(map(str, value if isinstance(
+                    value, list) else [value])))
+        return loaded, f"Loading session '{rest[0]}' ({len(loaded.messages)} messages)"
+    if rest[:1] == ["system"]:
+        if len(rest) == 1:
+            return session, "Usage: /set system TEXT"
+        session.set_system(command.split(None, 2)[2])
+        return session, "Set system message."
+    if rest[:1] in (["think"], ["nothink"]):
+        session.thinking, session.cut = rest[0] == "think", True
+        return session, f"Set '{rest[0]}' mode."
+    name, values = (rest[1], rest[2:]) if rest[:1] == ["parameter"] and len(rest) > 1 else \
+        (rest[0], rest[1:]) if rest else ("", [])
+    if not name:
+        return session, "Usage: /set parameter NAME VALUE, /set system TEXT, /set think|nothink"
+    try:
+        return session, set_parameter(args, session, name, values)
+    except UsageError as e:
+        return session, f"Couldn't set parameter: {e}"
+
+
 def say_growth(session):
     """The one line saying the context grew (once per re-plan)."""
     if session.growth is not None:
@@ -225,11 +349,15 @@ def run_chat(model, tokenizer, args, reload=None) -> int:
             continue
         command = "" if isinstance(text, Pasted) else text.strip()
         if command.startswith("/") and not command.startswith("//"):
-            if command in ("/quit", "/exit"):
+            if command in ("/quit", "/exit", "/bye"):
                 break
-            if command == "/help":
+            if command in ("/help", "/?"):
                 print(HELP, file=sys.stderr)
-            elif command == "/reset":
+            elif command.split()[0] in ("/set", "/show", "/save", "/load"):
+                session, said = ollama_command(command, session, args, reload)
+                defaults = replace(defaults_of(args), seed=None)
+                print(said if command.startswith("/show") else f"[{said}]", file=sys.stderr)
+            elif command in ("/reset", "/clear"):
                 session.reset()
                 save_session(session, path)
                 print("[history cleared]", file=sys.stderr)

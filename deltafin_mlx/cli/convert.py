@@ -3,16 +3,17 @@
 import errno
 import signal
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 from deltafin_mlx.cli.common import (HelpFormatter, add_version, first_line, guarded,
                                      interrupts_in_finalizers_reach_main, quiet_broken_pipe)
-from deltafin_mlx.cli.options import Parser
+from deltafin_mlx.cli.options import Parser, expert_bits
 from deltafin_mlx.errors import ConvertError, DeltafinError
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME
-from deltafin_mlx.model.config import ARCHITECTURES
-from deltafin_mlx.model.quantization import BITS, GROUP_SIZES
+from deltafin_mlx.model.config import SUPPORTED_TYPES
+from deltafin_mlx.model.quantization import BITS, EXPERT_BITS, GROUP_SIZES, describe_experts
 from deltafin_mlx.units import human_bytes, parse_size
 
 
@@ -20,7 +21,8 @@ def build_parser():
     p = Parser(  # a usage error is one line, as deltafin-run's are
         prog="deltafin-convert",
         description="Rewrite a Hugging Face MoE checkpoint into Deltafin's streaming format.\n"
-        "Supported: " + ", ".join(ARCHITECTURES.values()) + ".",
+        + textwrap.fill("Supported (config.json's model_type, each tested against mlx-lm's "
+                        "tokens): " + ", ".join(SUPPORTED_TYPES) + ".", 80),
         epilog="Rerun the same command to resume an interrupted conversion; rerunning a\n"
         "finished one does nothing. Then: deltafin-run OUT \"PROMPT\".",
         formatter_class=HelpFormatter,
@@ -32,8 +34,10 @@ def build_parser():
                    help="trunk quantization group size")
     p.add_argument("--no-trunk-quant", action="store_true",
                    help="keep the trunk (non-expert weights) unquantized")
-    p.add_argument("--expert-bits", type=int, default=4, choices=BITS,
-                   help="bits for bf16/fp16 experts (K3's MXFP4 experts are kept as they are)")
+    p.add_argument("--expert-bits", type=expert_bits, default=4,
+                   metavar="{" + ",".join(map(str, EXPERT_BITS)) + "}",
+                   help="bits for bf16/fp16 experts, or float to keep them in their float "
+                        "dtype, byte for byte (K3's MXFP4 experts are kept as they are)")
     p.add_argument("--expert-group-size", type=int, default=64, choices=GROUP_SIZES,
                    help="group size for bf16/fp16 experts")
     p.add_argument("--ranks", type=int, default=1,
@@ -130,8 +134,11 @@ def _main(argv):
               "options); nothing to do", file=sys.stderr)
         return 0
     size = sum(manifest.files.values())
+    experts = describe_experts(manifest.quantization["experts"],
+                               manifest.source.get("experts_from", manifest.dtype)) + (
+        " in the first MoE layer, each layer as mlx-lm saved it" if manifest.mixed else "")
     print(f"converted {args.src} -> {args.out} ({human_bytes(size)}, "
-          f"{len(manifest.moe_layers)} expert banks)")
+          f"{len(manifest.moe_layers)} expert banks); {experts}")
     return 0
 
 

@@ -11,31 +11,35 @@ from pathlib import Path
 
 from deltafin_mlx.units import human_bytes
 from deltafin_mlx.errors import ModelError
+from deltafin_mlx.format.dtypes import compute_dtype, name_of
 from deltafin_mlx.format.hub import HubError, fetch_config, list_repo, looks_like_hub_id
+from deltafin_mlx.format.manifest import MANIFEST_NAME
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
-from deltafin_mlx.model.config import (architecture_name, experts_per_token, max_context,
-                                       routed_experts, text_config)
+from deltafin_mlx.model.config import max_context, text_config
+from deltafin_mlx.model.quantization import quantization_by_part, quantization_summary
 
 
 def hub_source_info(repo: str, revision=None) -> dict:
     """What a hub checkpoint is, from its config.json and the hub's file listing
     (nothing else is downloaded): what `info` says of a model not yet converted."""
+    from deltafin_mlx.model.build import build_moe
+
     try:
         listed = list_repo(repo, revision, "its config.json")
         config = read_source_config(fetch_config(repo, revision).resolve())
     except HubError as e:
         raise ModelError(str(e)) from None
     tc = text_config(config)
+    _, paths, _, moe = build_moe(config, f"{repo}: config.json")
     weights = None if listed is None else sum(
         f.size for f in listed.files.values() if f.name.endswith(".safetensors"))
     return {
         "model": repo,
         "converted": False,
         "architecture": config.get("model_type"),
-        "architecture_name": architecture_name(config.get("model_type") or ""),
-        "layers": tc.get("num_hidden_layers"),
-        "experts_per_layer": routed_experts(config),
-        "experts_per_token": experts_per_token(config),
+        "layers": len(paths),
+        "experts_per_layer": moe.num_experts,
+        "experts_per_token": moe.experts_per_token,
         "hidden_size": tc.get("hidden_size"),
         "max_context": max_context(config),
         "commit": listed.commit if listed else None,
@@ -49,7 +53,7 @@ def format_hub_info(r: dict) -> str:
     name = r["model"].split("/")[1]
     return "\n".join([
         f"model          {r['model']} (on the Hugging Face hub, not converted)",
-        f"architecture   {r['architecture_name']} ({r['architecture']}), {r['layers']} layers, "
+        f"architecture   {r['architecture']}, {r['layers']} layers, "
         f"hidden size {r['hidden_size']}, context up to {r['max_context'] or 'unknown'} tokens",
         f"experts        {r['experts_per_layer']} per MoE layer, {r['experts_per_token']} "
         "per token",
@@ -70,7 +74,6 @@ def model_info(path) -> dict:
     return {
         "model": str(path),
         "architecture": m.model_type,
-        "architecture_name": architecture_name(m.model_type),
         "layers": m.num_layers,
         "moe_layers": len(m.moe_layers),
         "experts_per_layer": ex["num_experts"],
@@ -80,7 +83,13 @@ def model_info(path) -> dict:
         "hidden_size": tc.get("hidden_size"),
         "max_context": max_context(model_dir.config),
         "dtype": m.dtype,
+        "activation_dtype": {"auto": name_of(compute_dtype("auto", m.dtype)), "model": m.dtype},
         "quantization": m.quantization,
+        # per part, from config.json's per-module entries (the manifest's "trunk" is
+        # only the default: gpt-oss's router is 8-bit where it says 4)
+        "quantization_by_part": quantization_by_part(model_dir.config.get("quantization"),
+                                                     expert_paths(m),
+                                                     m.quantization.get("experts")),
         "bytes": {"trunk": sizes["trunk"], "experts": sizes["experts"],
                   "tokenizer": sizes["tokenizer"], "other": sizes["other"],
                   "total": sum(m.files.values())},
@@ -97,27 +106,29 @@ def model_info(path) -> dict:
     }
 
 
-def _quant(q) -> str:
-    if not q:
-        return "unquantized"
-    text = f"{q['mode']} {q['bits']}-bit, group size {q['group_size']}"
-    return text + (" (carried over from the source as is)" if q.get("carried_over") else "")
+def expert_paths(m) -> list:
+    """The switch modules' paths (config.json's quantization keys start with them)."""
+    return [m.switch_path(layer) for layer in m.moe_layers]
 
 
 def format_info(r: dict) -> str:
-    b = r["bytes"]
+    b, act = r["bytes"], r["activation_dtype"]
     context = f", context up to {r['max_context']:,} tokens" if r.get("max_context") else ""
     converted = r["converted"] or "unknown"
+    carried = " (experts carried over from the source as they are)"
     if r["converted_by"]:
         converted += f" by deltafin {r['converted_by']}"
     lines = [
         f"model          {r['model']}",
-        f"architecture   {r['architecture_name']} ({r['architecture']}), {r['layers']} layers, "
+        f"architecture   {r['architecture']}, {r['layers']} layers, "
         f"{r['moe_layers']} of them MoE, hidden size {r['hidden_size']}{context}",
         f"experts        {r['experts_per_layer']} per MoE layer, {r['experts_per_token']} per "
         f"token, {r['experts_total']:,} in all; {human_bytes(r['expert_record_bytes'])} each",
-        f"quantization   trunk {_quant(r['quantization'].get('trunk'))}; "
-        f"experts {_quant(r['quantization'].get('experts'))}; weights dtype {r['dtype']}",
+        f"quantization   {quantization_summary(r['quantization_by_part'])}"
+        f"{carried if (r['quantization'].get('experts') or {}).get('carried_over') else ''}; "
+        f"weights dtype {r['dtype']}",
+        f"activations    {act['auto']} here by default; {act['model']} with --activation-dtype "
+        "model (as mlx-lm computes)",
         f"size on disk   {human_bytes(b['total'])} in {r['files']} files: trunk "
         f"{human_bytes(b['trunk'])}, experts {human_bytes(b['experts'])}, tokenizer "
         f"{human_bytes(b['tokenizer'])} ({r['tokenizer']}), other {human_bytes(b['other'])}",
@@ -150,6 +161,12 @@ def cmd_info(argv) -> int:
         return 0
     if args.revision is not None:
         raise ModelError(f"--revision {args.revision}: {args.model} is not a hub id")
+    source = Path(args.model).expanduser()
+    if (source / "config.json").is_file() and not (source / MANIFEST_NAME).exists():
+        # A checkpoint not converted: a dense one is said to be mlx-lm's to run.
+        from deltafin_mlx.model.build import build_moe
+
+        build_moe(read_source_config(source / "config.json"), source / "config.json")
     r = model_info(args.model)
     print(json.dumps(r, indent=1) if args.json else format_info(r))
     return 0

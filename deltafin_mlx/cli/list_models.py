@@ -43,7 +43,7 @@ def cmd_list(argv) -> int:
             table.append((row["model"], "-", "unusable: " + row["error"]))
         else:
             table.append((row["model"], human_bytes(row["bytes"]),
-                          f"{row['architecture_name']} ({row['architecture']})",
+                          row["architecture"],
                           row["quantization"], human_bytes(row["floor_bytes"])))
     widths = [max(len(r[i]) for r in table if i < len(r) - 1) for i in range(4)]
     for r in table:  # aligned columns; an unusable model's reason runs to the end
@@ -73,28 +73,17 @@ def model_row(path, context: int) -> dict:
     from deltafin_mlx.format.catalog import dir_bytes
     from deltafin_mlx.format.links import check_linked_sources
     from deltafin_mlx.format.model_dir import open_model_dir
-    from deltafin_mlx.model.config import architecture_name
+    from deltafin_mlx.model.quantization import quantization_by_part, quantization_summary
     from deltafin_mlx.plan.floor import floor_bytes
-    from deltafin_mlx.format.dtypes import mlx_dtype
-    from deltafin_mlx.plan.memory import default_activation_dtype
+    from deltafin_mlx.format.dtypes import compute_dtype
 
     model_dir = open_model_dir(path)
     m = model_dir.manifest
     if m.linked:  # experts read from a source that may have gone since (rm --demo)
         check_linked_sources(m.linked)
-    act = default_activation_dtype() or mlx_dtype(m.dtype)
+    act = compute_dtype("auto", m.dtype)
     return {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
-            "architecture_name": architecture_name(m.model_type),
-            "quantization": quantization_name(m.quantization),
+            "quantization": quantization_summary(quantization_by_part(
+                model_dir.config.get("quantization"), [m.switch_path(n) for n in m.moe_layers],
+                m.quantization.get("experts"))),
             "floor_bytes": floor_bytes(model_dir, act, context)}
-
-
-def quantization_name(q: dict) -> str:
-    """e.g. "trunk 4-bit, experts MXFP4", from the manifest's record of it."""
-    def one(part):
-        if not part:
-            return "16-bit"
-        return part["mode"].upper() if part.get("mode", "affine") != "affine" else \
-            f"{part['bits']}-bit/{part['group_size']}"
-
-    return f"trunk {one(q.get('trunk'))}, experts {one(q.get('experts'))}"

@@ -90,11 +90,15 @@ def subcommands() -> dict:
     return {c.name: c for c in COMMANDS if " " not in c.name}
 
 
+def demo_help() -> str:
+    return ("build a small synthetic K3-layout model and run it streaming; with a command "
+            f"({', '.join(n for n, c in subcommands().items() if c.model)}) it is the MODEL, "
+            "with the demo's budget where the command takes --budget")
+
+
 def usage_and_epilog() -> tuple:
     """`deltafin-run --help`'s usage lines and command list."""
-    demo = ("--demo [PROMPT]", "build a small synthetic K3-layout model and run it streaming; "
-            f"with a command ({', '.join(n for n, c in subcommands().items() if c.model)}) it "
-            "is the MODEL, with the demo's budget where the command takes --budget")
+    demo = ("--demo [PROMPT]", demo_help())
     usage = "\n       ".join([f"deltafin-run {c.name} {c.args}" for c in COMMANDS]
                              + [f"deltafin-run {demo[0]} [options]"])
     listed = [textwrap.fill(text, 88, initial_indent=f"  {name:<18}", subsequent_indent=" " * 20,
@@ -129,8 +133,7 @@ def run_parser():
     p.add_argument("--context", type=positive, default=None, metavar="N",
                    help="tokens of KV cache/state to reserve (default: prompt + max tokens, "
                    "rounded up; 4096 in chat)")
-    p.add_argument("--demo", action="store_true",
-                   help="build a small synthetic K3-layout model and run it streaming")
+    p.add_argument("--demo", action="store_true", help=demo_help())
     p.add_argument("--demo-dir", default=None,
                    help="where the demo model lives (default: ~/.cache/deltafin/demo)")
     p.add_argument("--trace-routing", metavar="FILE", default=None,

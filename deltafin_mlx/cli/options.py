@@ -16,7 +16,10 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        from deltafin_mlx.cli.mlx_lm_names import mlx_lm_hint
+
+        hint = mlx_lm_hint(self.prog, message)
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
 
 
 def positive_or_auto(value):
@@ -29,6 +32,16 @@ def positive_or_auto(value):
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
     return n
+
+
+def expert_bits(text: str):
+    """--expert-bits (convert, plan): a bit width, or "float" to keep float experts."""
+    from deltafin_mlx.model.quantization import EXPERT_BITS, KEEP_FLOAT
+
+    if text != KEEP_FLOAT and int(text if text.isdigit() else -1) not in EXPERT_BITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join(map(str, EXPERT_BITS))})")
+    return text if text == KEEP_FLOAT else int(text)
 
 
 def count(text):
@@ -101,9 +114,19 @@ def check_request_flags(args, model=None, limits=None):
         raise UsageError(f"{flags.get(field, field)}: {e}") from None
 
 
+def add_activation_dtype(p):
+    """LoadOptions' activation_dtype (format/dtypes.py's names): loading commands, plan."""
+    from deltafin_mlx.format.dtypes import ACTIVATION_DTYPES
+
+    p.add_argument("--activation-dtype", choices=ACTIVATION_DTYPES, default="auto",
+                   help="what the model computes in: model (each weight's saved dtype, as "
+                   "mlx-lm: its tokens), auto (float32 on a CPU: faster there) or a float")
+
+
 def add_load_options(p):
     p.add_argument("--budget", default=None,
                    help="memory budget, e.g. 8GB (default: from available memory)")
+    add_activation_dtype(p)
     p.add_argument("--reader-threads", type=int, default=1, help="background read threads")
     p.add_argument("--no-lookahead", action="store_true", help="no speculative expert reads")
     p.add_argument("--verify", action="store_true", help="check expert checksums on read")
@@ -181,7 +204,8 @@ def load_options(args, **extra):
     the command has one), with `extra` (LoadOptions fields) over them."""
     from deltafin_mlx.engine.load import LoadOptions
 
-    flags = dict(memory_budget=args.budget, reader_threads=args.reader_threads,
+    flags = dict(memory_budget=args.budget, activation_dtype=args.activation_dtype,
+                 reader_threads=args.reader_threads,
                  lookahead=not args.no_lookahead, verify=args.verify, read_mode=args.read_mode,
                  warm_start=not args.no_warm_start, progress=sys.stderr.isatty())
     if getattr(args, "context", None) is not None:

@@ -103,7 +103,7 @@ def cmd_perplexity(argv) -> int:
             note = check_options(args.output, opts.recorded(text), started=True)
             if note:
                 print(f"[perplexity] {note}", file=sys.stderr)
-    model, tokenizer = load_model(args)
+    model, tokenizer = load_model(args, context=windows.context)  # not a run's 4096
     tty = sys.stderr.isatty()
     try:
         summary = perplexity(model, tokenizer, text, opts, show_progress=not args.no_progress,

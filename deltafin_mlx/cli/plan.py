@@ -7,8 +7,8 @@ module parses the options and formats it (or prints it as JSON).
 
 import json
 
-from deltafin_mlx.format.dtypes import FLOATS
-from deltafin_mlx.cli.options import Parser, positive, positive_or_auto
+from deltafin_mlx.cli.options import (Parser, add_activation_dtype, expert_bits, positive,
+                                     positive_or_auto)
 from deltafin_mlx.plan.report import PREFILL_BATCH, PlanOptions, plan_report
 from deltafin_mlx.units import human_bytes
 
@@ -27,9 +27,10 @@ def plan_parser():
                    "(default: 1)")
     for flag, default, what in (("--bits", 4, "trunk quantization bits"),
                                 ("--group-size", 64, "trunk quantization group size"),
-                                ("--expert-bits", 4, "bits for bf16/fp16 experts"),
+                                ("--expert-bits", 4, "bits for bf16/fp16 experts (float: "
+                                 "kept in float)"),
                                 ("--expert-group-size", 64, "group size for bf16/fp16 experts")):
-        p.add_argument(flag, type=int, default=None,
+        p.add_argument(flag, type=expert_bits if flag == "--expert-bits" else int, default=None,
                        help=f"{what}, as deltafin-convert would use them; only for planning a "
                        f"source (default: {default})")
     p.add_argument("--disk-gbps", type=float, default=None,
@@ -45,9 +46,7 @@ def plan_parser():
     p.add_argument("--remeasure", action="store_true",
                    help="measure the disk, compute and per-layer rates again instead of using "
                    "cached ones")
-    p.add_argument("--dtype", choices=FLOATS, default=None,
-                   help="activation dtype to plan for (default: float32 on CPU; the model's "
-                   "dtype on GPU — plan an Apple GPU with bfloat16)")
+    add_activation_dtype(p)
     p.add_argument("--revision", default=None,
                    help="for a hub id: the branch, tag or commit (default: main)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -115,7 +114,9 @@ def format_plan(r: dict) -> str:
     maximum = f" (the model's maximum: {r['max_context']:,})" if r.get("max_context") else ""
     parts = " + ".join(f"{what} {human_bytes(n)}" for what, n in r["floor_parts"].items())
     lines = [
-        f"model          {r['model']} ({r['model_type']}), activations {r['activation_dtype']}",
+        f"model          {r['model']} ({r['model_type']}), activations {r['activation_dtype']}"
+        + (f" (mlx-lm computes in {r['model_dtype']}: --activation-dtype model)"
+           if r["activation_dtype"] != r["model_dtype"] else ""),
         *([f"ranks          {r['ranks']} (tensor parallel): every figure below is per rank; "
            f"whole trunk {human_bytes(r['whole_trunk_bytes'])}, whole expert record "
            f"{human_bytes(r['whole_expert_record_bytes'])}"] if r.get("ranks", 1) > 1 else []),

@@ -52,7 +52,7 @@ def cmd_score(argv) -> int:
     check_not_input(args.input, args.output)
     opts = ScoreOptions(top_logprobs=args.top_logprobs, thinking=not args.no_think,
                         format=args.format, max_pass_tokens=args.pass_tokens,
-                        content_only=args.content_only)
+                        content_only=args.content_only, activation_dtype=args.activation_dtype)
     if os.path.exists(args.output) and os.path.getsize(args.output) > 0:
         # A resume with other options is refused before the model loads, not after
         # (run_job checks again, under OUT's lock, and records a new job's).

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 from tqdm import tqdm
@@ -25,19 +25,18 @@ from deltafin_mlx._version import __version__ as deltafin_version
 from deltafin_mlx.errors import DeltafinError, ModelError
 from deltafin_mlx.format.bank import BankWriter, bank_header_size, record_size_of, slice_sections
 from deltafin_mlx.format.dtypes import name_of
-from deltafin_mlx.format.hub import looks_like_hub_id
+from deltafin_mlx.format.hub import fetch_config, looks_like_hub_id
 from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, file_checksum, format_checksum,
                                           write_json)
 from deltafin_mlx.format.manifest import MANIFEST_NAME, PARTIAL_NAME, Manifest
 from deltafin_mlx.format.model_dir import (PLACEHOLDER_WEIGHTS, SHIM_FILE, SHIM_SOURCE,
-                                          open_model_dir)
-from deltafin_mlx.format.record import linear_quant, record_linears
-from deltafin_mlx.model.build import build_model, source_dtype
-from deltafin_mlx.model.config import experts_per_token
-from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, routed_expert_paths,
-                                        switch_linears)
-from deltafin_mlx.model.quantization import (check_quantization, mlx_lm_quantization,
-                                             module_quantization)
+                                          open_model_dir, read_source_config)
+from deltafin_mlx.format.record import FLOAT_MODE, linear_quant, record_linears
+from deltafin_mlx.model.build import build_moe, source_dtype
+from deltafin_mlx.model.config import check_config
+from deltafin_mlx.model.modules import LayerIndex, MoeShape, get_module
+from deltafin_mlx.model.quantization import (KEEP_FLOAT, check_quantization, float_quantization,
+                                             mlx_lm_quantization, module_quantization)
 from deltafin_mlx.model.shard import check_glu_sections
 from deltafin_mlx.units import human_bytes
 
@@ -55,7 +54,7 @@ SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "vision_model.", "multi_mo
 class ConvertOptions:
     bits: Optional[int] = 4  # trunk; None keeps the trunk unquantized
     group_size: int = 64
-    expert_bits: int = 4  # for bf16/fp16 experts; K3's MXFP4 experts are kept
+    expert_bits: Union[int, str] = 4  # for bf16/fp16 experts ("float": kept); K3's MXFP4 kept
     expert_group_size: int = 64
     ranks: int = 1  # rank slices per expert record (tensor parallel, see FORMAT.md)
     link_experts: bool = False  # record where experts lie in SRC instead of copying them
@@ -72,6 +71,9 @@ class ConvertOptions:
         if self.scratch and self.link_experts:
             raise ConvertError("--link-experts with a hub id keeps the whole snapshot in the hub "
                                "cache and links into it: it does not take --scratch-limit")
+        if self.expert_bits == KEEP_FLOAT and self.ranks > 1:
+            raise ConvertError("--ranks cuts quantized expert records into rank slices: it "
+                               "does not take --expert-bits float")
         if self.link_experts and self.ranks > 1:
             raise ConvertError("--link-experts reads each expert whole from the source: it "
                                "does not take --ranks")
@@ -250,8 +252,8 @@ class Layout:
     paths: list  # each decoder layer's module path in mlx-lm's model
     units: dict  # unit -> its source tensor names
     moe_layers: dict  # layer -> its SwitchGLU/SwitchMLP module path
+    moe: MoeShape
     experts: SanitizedExperts
-    num_experts: int
     sections: list
     record_size: int
     trunk_quant: Optional[dict]
@@ -262,6 +264,10 @@ class Layout:
     @property
     def num_layers(self) -> int:
         return len(self.paths)
+
+    def sections_of(self, layer) -> list:
+        """`layer`'s record sections (mlx-lm's mixed_* recipes: per layer; never sliced)."""
+        return self.experts.own.get(layer, (None, self.sections))[1]
 
     def __post_init__(self):
         # Source bytes of each unit's trunk tensors (a unit's experts are apart).
@@ -316,7 +322,13 @@ def _convert(src: str, out: Path, options: ConvertOptions) -> Manifest:
 
 def _open(src: str, out: Path, options: ConvertOptions):
     """The source, checked, and the hub scratch it is read through (None but with
-    --scratch-limit)."""
+    --scratch-limit). From the hub, config.json comes alone first: what it settles is
+    refused before any weight is downloaded."""
+    if looks_like_hub_id(src) and not Path(src).expanduser().exists():
+        path = fetch_config(src, options.revision).resolve()
+        config = read_source_config(path)
+        check_config(config, path, ConvertError)
+        config_settled(src, config, options)
     if not options.scratch:
         source = open_source(src, options.revision, options.progress)
         check_out_apart(source.path, out)
@@ -330,37 +342,45 @@ def _open(src: str, out: Path, options: ConvertOptions):
     return read_source(src, hub.dir, Path(os.path.realpath(hub.dir)), remote=hub), hub
 
 
-def _layout(src: str, source: Source, options: ConvertOptions) -> Layout:
-    """Everything about the output that the source and the options settle, each
-    refusal said before any work."""
-    config = dict(source.config)
-    check_source_tokenizer(source.path, tokenizer_files(source.path, source.root), config)
-    model_type = config.get("model_type")
+def config_settled(src: str, config: dict, options: ConvertOptions):
+    """Every refusal config.json and the options settle, each in one line: a model
+    mlx-lm builds without routed experts (mlx-lm runs it), quantization options on a
+    checkpoint mlx-lm quantized (its trunk and experts are kept as saved). Said for a
+    hub id before anything but config.json is downloaded (`_open`). Returns
+    `build_moe`'s four, the source's saved quantization block and the trunk's."""
+    built = build_moe(config)
     saved_quant = mlx_lm_quantization(config)  # mlx_lm.convert's trunk is kept as saved
     if saved_quant is not None:
         if (options.bits, options.group_size) != (ConvertOptions.bits, ConvertOptions.group_size):
             raise ConvertError(
                 f"--bits/--group-size/--no-trunk-quant: {src} was quantized by mlx-lm and its "
                 "trunk is kept as it was saved: drop the option")
+        check_expert_options(src, {"mode": saved_quant.get("mode", "affine"),
+                                   "carried_over": True}, options)
         trunk_quant = module_quantization(saved_quant, "")
     elif options.bits is not None:
         trunk_quant = {"group_size": options.group_size, "bits": options.bits, "mode": "affine"}
     else:
         trunk_quant = None
+    return built, saved_quant, trunk_quant
+
+
+def _layout(src: str, source: Source, options: ConvertOptions) -> Layout:
+    """Everything about the output that the source and the options settle, each
+    refusal said before any work."""
+    config = dict(source.config)
+    check_source_tokenizer(source.path, tokenizer_files(source.path, source.root), config)
+    (model, paths, moe_layers, moe), saved_quant, trunk_quant = config_settled(src, config,
+                                                                               options)
     dtype = source_dtype(config)
-    model = build_model(config)
-    paths = layer_paths(model)
     units, notes = _sort_units(source, paths)
-    moe_layers = routed_expert_paths(model, paths, model_type)
-    first_switch = get_module(model, next(iter(moe_layers.values())))
-    num_experts = next(iter(switch_linears(first_switch).values()))[0]
-    float_quant = {"mode": "affine", "bits": options.expert_bits,
-                   "group_size": options.expert_group_size}
-    experts = SanitizedExperts(source, model, units, moe_layers, num_experts,
-                               float_quant, saved_quant, dtype, model_type)
+    float_quant = float_quantization(options.expert_bits, options.expert_group_size,
+                                     name_of(dtype) if dtype is not None else None)
+    experts = SanitizedExperts(source, model, units, moe_layers, moe.num_experts,
+                               float_quant, saved_quant, dtype, config.get("model_type"))
     _check_experts(src, experts, moe_layers, options)
     sections = _sections(experts, options.ranks)
-    return Layout(source, config, model, paths, units, moe_layers, experts, num_experts,
+    return Layout(source, config, model, paths, units, moe_layers, moe, experts,
                   sections, record_size_of(sections) * options.ranks, trunk_quant,
                   saved_quant, dtype, notes)
 
@@ -392,15 +412,24 @@ def _sort_units(source: Source, paths: list):
     return units, notes
 
 
-def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
-                   options: ConvertOptions):
-    expert_quant = experts.quant
+def check_expert_options(src: str, expert_quant: dict, options: ConvertOptions):
+    """Expert options are for float experts: refused for experts carried over."""
     if expert_quant.get("carried_over") and (options.expert_bits, options.expert_group_size) \
             != (ConvertOptions.expert_bits, ConvertOptions.expert_group_size):
         raise ConvertError(
             f"--expert-bits/--expert-group-size: the experts of {src} are "
             f"{expert_quant['mode'].upper()} and are carried over as they are (only bf16/fp16/"
             "fp32 experts are quantized): drop the option")
+
+
+def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
+                   options: ConvertOptions):
+    expert_quant = experts.quant
+    check_expert_options(src, expert_quant, options)
+    if options.link_experts and expert_quant["mode"] == FLOAT_MODE:
+        raise ConvertError("--link-experts with --expert-bits float: only experts carried "
+                           "over quantized (Kimi K3's, mlx-lm's) are linked; float experts "
+                           "are copied: drop one of the two options")
     if options.link_experts and not linkable(expert_quant):
         raise ConvertError(
             f"--link-experts: the experts of {src} are {expert_quant['mode']} after "
@@ -416,6 +445,10 @@ def _sections(experts: SanitizedExperts, slices: int) -> list:
     sections = experts.sections
     if slices == 1:
         return sections
+    if experts.own:
+        raise ConvertError(f"--ranks {slices}: the experts are quantized differently from "
+                           "layer to layer (mlx-lm's mixed_* recipes); run them in one process "
+                           "(convert without --ranks)")
     try:
         check_glu_sections(sections)
     except ModelError as e:
@@ -434,10 +467,12 @@ def _sections(experts: SanitizedExperts, slices: int) -> list:
 def _check_disk(out: Path, layout: Layout, state: dict, hub, options: ConvertOptions):
     """Disk, checked before anything is written: banks are exact; the trunk needs at
     most its source size. With a hub scratch, the plan of which shards to hold when."""
+    n = layout.moe.num_experts
     bank_bytes = {
-        layer: (LinkWriter.size(layout.num_experts, layout.sections) if options.link_experts
-                else bank_header_size(layer, layout.num_experts, layout.sections, options.ranks)
-                + layout.num_experts * layout.record_size)
+        layer: (LinkWriter.size(n, layout.sections_of(layer)) if options.link_experts
+                else bank_header_size(layer, n, layout.sections_of(layer), options.ranks)
+                + n * (record_size_of(layout.sections_of(layer))
+                       if layer in layout.experts.own else layout.record_size))
         for layer in layout.moe_layers
     }
     needed = sum(layout.trunk_bytes[u] + bank_bytes.get(u, 0)
@@ -567,10 +602,10 @@ def _write_experts(out: Path, layout: Layout, unit, recorded: dict, bar, files: 
                    checksums: dict) -> dict:
     """A MoE layer's experts: a bank of records, or with --link-experts the table of
     where each lies in the source. Adds its file to `files`/`checksums`."""
-    experts, n = layout.experts, layout.num_experts
+    experts, n = layout.experts, layout.moe.num_experts
     if recorded.get("link_experts"):
         rel = f"experts/layer-{unit:05d}.links"
-        writer = LinkWriter(layout.source, unit, n, layout.sections)
+        writer = LinkWriter(layout.source, unit, n, layout.sections_of(unit))
         for e in range(n):
             writer.add(e, experts.record(unit, e), experts.locations(unit, e))
             bar.update(experts.expert_nbytes(unit, e))
@@ -580,7 +615,7 @@ def _write_experts(out: Path, layout: Layout, unit, recorded: dict, bar, files: 
     else:
         rel = f"experts/layer-{unit:05d}.bank"
         tmp = out / (rel + ".tmp")
-        writer = BankWriter(tmp, unit, n, layout.sections, recorded.get("ranks", 1))
+        writer = BankWriter(tmp, unit, n, layout.sections_of(unit), recorded.get("ranks", 1))
         try:
             for e in range(n):
                 writer.write_record(experts.record(unit, e))
@@ -675,6 +710,16 @@ def _existing_parent(p: Path) -> Path:
     return p
 
 
+def _own_layout(layout: Layout, layer) -> dict:
+    """A layer's manifest entry's own quantization, sections and record size, where
+    mlx-lm's mixed_* recipes quantized its experts otherwise than the first layer's."""
+    if layer not in layout.experts.own:
+        return {}
+    quant, sections = layout.experts.own[layer]
+    return {"quantization": quant, "sections": [s.to_dict() for s in sections],
+            "record_size": record_size_of(sections)}
+
+
 def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> Manifest:
     """config.json in mlx-lm's form, the drop-in, the tokenizer files and, last, the
     manifest: the conversion is finished when the manifest is written."""
@@ -691,15 +736,23 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
 
     # config.json in mlx-lm's form: the default quantization plus one entry per
     # quantized module, as mlx_lm.convert writes a fine-grained model.
-    default = trunk_quant or {k: expert_quant[k] for k in ("group_size", "bits", "mode")}
-    quantization = dict(default)
+    # Float experts are listed as mlx-lm lists a module it left in float: false.
+    float_kept = expert_quant["mode"] == FLOAT_MODE
+    default = trunk_quant or (None if float_kept else
+                              {k: expert_quant[k] for k in ("group_size", "bits", "mode")})
+    quantization = dict(default or {})
     quantization.update(quantized)
-    for path in layout.moe_layers.values():
+    for layer, path in layout.moe_layers.items():
         for p in record_linears(s.name for s in sections):
-            quantization[f"{path}.{p}"] = linear_quant(expert_quant, p)
+            quantization[f"{path}.{p}"] = False if float_kept else linear_quant(
+                layout.experts.layout_of(layer)[0], p)
     mlx_config = without_code(config)  # nothing a model carries runs (tokenizer files too)
-    mlx_config["quantization"] = quantization
-    mlx_config["quantization_config"] = quantization
+    if default is None:  # nothing quantized: a float model, as mlx_lm.convert writes one
+        mlx_config.pop("quantization", None)
+        mlx_config.pop("quantization_config", None)
+    else:
+        mlx_config["quantization"] = quantization
+        mlx_config["quantization_config"] = quantization
     # The mlx-lm drop-in (deltafin_mlx/dropin/shim.py): mlx-lm imports this file
     # with --trust-remote-code; Deltafin itself builds mlx-lm's class from model_type.
     mlx_config["model_file"] = SHIM_FILE
@@ -730,11 +783,12 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
                      "globals": "trunk/globals.safetensors"},
         tensors=tensors,
         experts={
-            "num_experts": layout.num_experts,
-            "experts_per_token": experts_per_token(config),
+            "num_experts": layout.moe.num_experts,
+            "experts_per_token": layout.moe.experts_per_token,
             "record_size": layout.record_size,
             "sections": [s.to_dict() for s in sections],
-            "layers": {str(u): done[str(u)]["bank"] for u in layout.moe_layers},
+            "layers": {str(u): {**done[str(u)]["bank"], **_own_layout(layout, u)}
+                       for u in layout.moe_layers},
             **({"slices": options.ranks} if options.ranks > 1 else {}),
             **({"linked": linked_manifest_entry(source, done)} if options.link_experts else {}),
         },
@@ -745,6 +799,7 @@ def _finish(out: Path, layout: Layout, state: dict, options: ConvertOptions) -> 
                 "converted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "deltafin_version": deltafin_version,
                 "options": options.recorded(),
+                "experts_from": layout.experts.source_dtype,  # what was quantized or kept
                 "config_sha256": hashlib.sha256((out / "config.json").read_bytes()).hexdigest()},
         checksums=checksums,
     )

@@ -24,8 +24,9 @@ records) plus one layer's trunk, whatever a layer's experts weigh.
 Experts the source already has quantized in a mode MLX runs (affine 2-8 bits,
 mxfp4, nvfp4, mxfp8) are carried over byte for byte; float experts are quantized
 with the options (`mx.quantize` groups run along the input axis, so one expert
-alone quantizes to the same bytes as mlx-lm's stacked tensor); per-expert float
-biases stay float, cast as mlx_lm.convert casts them.
+alone quantizes to the same bytes as mlx-lm's stacked tensor), or kept in float
+(`--expert-bits float`), cast as mlx_lm.convert casts them; per-expert float
+biases stay float, cast likewise.
 """
 
 import re
@@ -38,7 +39,8 @@ import numpy as np
 
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, name_of, to_numpy
-from deltafin_mlx.format.record import KINDS, expert_sections, linear_quant, record_linears
+from deltafin_mlx.format.record import (FLOAT_MODE, KINDS, expert_sections, float_experts,
+                                       linear_quant, record_linears)
 from deltafin_mlx.model.build import expert_recipe
 from deltafin_mlx.model.modules import LayerIndex, get_module, layer_paths, switch_linears
 from deltafin_mlx.model.quantization import carried_quantization, module_quantization
@@ -360,9 +362,11 @@ class SanitizedExperts:
     # -- the record layout --------------------------------------------------------------
 
     def _layout(self, specs: Dict[int, dict], float_quant: dict, block: Optional[dict]):
-        """The experts' quantization (one per linear, the same in every layer) and
-        record sections, from what sanitize made of each layer's experts."""
-        per_linear: Dict[str, dict] = {}  # linear -> quantization -> first "layer L"
+        """The experts' quantization (one per linear) and record sections of the first
+        MoE layer, from what sanitize made of each layer's experts; a layer whose
+        experts mlx-lm quantized otherwise (its mixed_* recipes) gets its own in
+        `self.own` (layer -> (quantization, sections))."""
+        per_layer: Dict[int, dict] = {}  # layer -> linear -> quantization (None: float)
         for layer, spec in specs.items():
             sp = self.switches[layer]
             for name, kinds in record_linears(spec).items():
@@ -372,51 +376,57 @@ class SanitizedExperts:
                 q = None
                 if "scales" in kinds:
                     q = self._saved_quant(block, f"{sp}.{name}", spec, name)
-                per_linear.setdefault(name, {}).setdefault(
-                    None if q is None else tuple(sorted(q.items())), f"layer {layer} {name}")
-        mixed = [found for found in per_linear.values() if len(found) > 1]
-        carried = {q is not None for found in per_linear.values() for q in found}
-        if mixed or len(carried) > 1:
-            found = mixed[0] if mixed else {q: w for f in per_linear.values() for q, w in f.items()}
-            kinds = [f"{w}: " + ("float" if q is None else "{mode} {bits}-bit group {group_size}"
-                                 .format(**dict(q))) for q, w in found.items()]
-            raise ConvertError("the experts are quantized differently from layer to layer "
-                               "(" + "; ".join(kinds[:2]) + "); Deltafin's records hold one "
-                               "quantization per linear for all layers")
+                per_layer.setdefault(layer, {})[name] = q and tuple(sorted(q.items()))
+        carried = {q is not None for found in per_layer.values() for q in found.values()}
+        if len(carried) > 1:
+            raise ConvertError("the source's experts are float in some layers and quantized "
+                               "in others: convert the float release instead (--expert-bits)")
         first = specs[next(iter(specs))]
         biased = {n: (o, i, f"{n}.bias" in first) for n, (o, i, _) in self.linears.items()}
+        # The float dtype sanitize gives the experts (what is quantized, or kept).
+        self.source_dtype = (first[f"{next(iter(self.linears))}.weight"][0]
+                             if carried == {False} else None)
+        self.own = {}
+        if carried == {False} and float_quant["mode"] == FLOAT_MODE:
+            # Kept as mlx_lm.convert without -q keeps them: cast as it casts them.
+            kept = name_of(self.dtype) if self.dtype is not None else self.source_dtype
+            quant = float_experts(kept)
+            return quant, expert_sections(biased, quant, kept, kept)
         if carried == {False}:
             sp = self.switches[next(iter(self.switches))]
-            quants = {n: expert_recipe(self.model, sp, n, float_quant) for n in self.linears}
-        else:
-            quants = {n: carried_quantization(dict(next(iter(per_linear[n]))),
-                                              "the source's experts") for n in self.linears}
-        name = next(iter(self.linears))
-        quant = dict(quants[name])
-        own = {n: {k: q[k] for k in ("mode", "bits", "group_size")}
-               for n, q in quants.items() if q != quants[name]}
-        if own:
-            quant["linears"] = own
-        if carried == {False}:
+            quant = _one_quant({n: expert_recipe(self.model, sp, n, float_quant)
+                                for n in self.linears}, next(iter(self.linears)))
             # Quantizing gives scales in the weights' dtype: the cast one, else the saved.
             cast = name_of(self.dtype) if self.dtype is not None else None
-            scales = cast or first[f"{name}.weight"][0]
+            scales = cast or first[f"{next(iter(self.linears))}.weight"][0]
             bias = cast or next((first[f"{n}.bias"][0] for n in biased if f"{n}.bias" in first),
                                 scales)
             return quant, expert_sections(biased, quant, scales, bias)
-        scales = next(first[f"{n}.scales"][0] for n in self.linears
-                      if linear_quant(quant, n)["mode"] == "affine") if any(
-            linear_quant(quant, n)["mode"] == "affine" for n in self.linears) else "bfloat16"
-        bias = next((first[f"{n}.bias"][0] for n in biased if f"{n}.bias" in first), scales)
-        sections = expert_sections(biased, quant, scales, bias)
-        want = {s.name: (s.dtype, s.shape) for s in sections}
+        layouts = {}  # the linears' quantizations -> (quantization, sections)
         for layer, spec in specs.items():
+            key = tuple(per_layer[layer].get(n) for n in self.linears)
+            if key not in layouts:
+                quant = _one_quant({n: carried_quantization(dict(q), "the source's experts")
+                                    for n, q in zip(self.linears, key)}, next(iter(self.linears)))
+                affine = [n for n in self.linears if linear_quant(quant, n)["mode"] == "affine"]
+                scales = spec[f"{affine[0]}.scales"][0] if affine else "bfloat16"
+                bias = next((spec[f"{n}.bias"][0] for n in biased if f"{n}.bias" in spec),
+                            scales)
+                layouts[key] = (quant, expert_sections(biased, quant, scales, bias))
+            quant, sections = layouts[key]
+            want = {s.name: (s.dtype, s.shape) for s in sections}
             if spec != want:
                 bad = sorted(set(spec.items()) ^ set(want.items()))[0][0]
                 raise ConvertError(f"layer {layer}: the experts' {bad} is "
                                    f"{spec.get(bad, 'missing')}, their record needs "
                                    f"{want.get(bad, 'none')}")
-        return quant, sections
+            if layouts[key] is not next(iter(layouts.values())):
+                self.own[layer] = layouts[key]
+        return next(iter(layouts.values()))
+
+    def layout_of(self, layer: int) -> tuple:
+        """(quantization, sections) of `layer`'s records (mixed_* recipes: per layer)."""
+        return self.own.get(layer, (self.quant, self.sections))
 
     def _saved_quant(self, block, path, spec, name) -> dict:
         """How experts the source holds quantized were quantized: mlx-lm's
@@ -537,7 +547,7 @@ class SanitizedExperts:
         rows, i = g[3], expert - g[1]
         out = {}
         if self.quant.get("carried_over"):
-            for s in self.sections:
+            for s in self.layout_of(layer)[1]:
                 out[s.name] = to_numpy(rows[s.name][i])
             return out
         for name in self.linears:
@@ -545,9 +555,12 @@ class SanitizedExperts:
             if self.dtype is not None:
                 w = w.astype(self.dtype)
             lq = linear_quant(self.quant, name)
-            q = mx.quantize(w, lq["group_size"], lq["bits"], mode=lq["mode"])
-            for kind, a in zip(("weight", "scales", "biases"), q):
-                out[f"{name}.{kind}"] = to_numpy(a)
+            if lq["mode"] == FLOAT_MODE:
+                out[f"{name}.weight"] = to_numpy(w)
+            else:
+                q = mx.quantize(w, lq["group_size"], lq["bits"], mode=lq["mode"])
+                for kind, a in zip(("weight", "scales", "biases"), q):
+                    out[f"{name}.{kind}"] = to_numpy(a)
             if f"{name}.bias" in rows:
                 b = rows[f"{name}.bias"][i]
                 out[f"{name}.bias"] = to_numpy(b.astype(self.dtype) if self.dtype else b)
@@ -578,7 +591,7 @@ class SanitizedExperts:
         record = self.record(layer, expert)
         regions = self._regions(layer, expert)
         out = {}
-        for s in self.sections:
+        for s in self.layout_of(layer)[1]:
             want = np.ascontiguousarray(record[s.name]).view(np.uint8).reshape(-1)
             stem = found.links.get(s.name)
             tries = [stem] if stem is not None else [k for k, r in regions.items()
@@ -595,6 +608,17 @@ class SanitizedExperts:
                     f"changes the bytes of {s.name} (it is not a region of the source's "
                     "files): convert without --link-experts")
         return out
+
+
+def _one_quant(quants: Dict[str, dict], name: str) -> dict:
+    """One quantization for a record's linears: `name`'s, with `linears` for those
+    quantized otherwise (granitemoe's down_proj at 8 bits)."""
+    quant = dict(quants[name])
+    own = {n: {k: q[k] for k in ("mode", "bits", "group_size")}
+           for n, q in quants.items() if q != quants[name]}
+    if own:
+        quant["linears"] = own
+    return quant
 
 
 def linkable(quant: dict) -> bool:

@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.model.build import quantize_like_mlx_lm
+from deltafin_mlx.model.quantization import module_quantization
 
 
 def release(module: nn.Module):
@@ -89,8 +90,9 @@ def quantize_as_saved(module: nn.Module, prefix: str, skip: Callable[[str], bool
         p = f"{prefix}.{p}" if prefix else p
         if skip(p):
             return False
-        if p in block:
-            params = block[p]
+        if p in block:  # as saved, nulls as MLX takes them
+            params = block[p] if not isinstance(block[p], dict) else {
+                **block[p], **module_quantization(block, p)}
         elif not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
             return False
         else:

@@ -21,7 +21,9 @@ see model/shard.py) and its loading waits for mlx-lm's `shard(group)` call (mlx_
 Environment: DELTAFIN_BUDGET (e.g. "8GB") sets the memory budget (per rank);
 DELTAFIN_CONTEXT (default 4096) the tokens of prompt plus reply planned for;
 DELTAFIN_SEQUENCES (a number or "auto", default 1) the sequences whose KV/recurrent
-state it must hold — mlx_lm.server decodes at most that many together.
+state it must hold — mlx_lm.server decodes at most that many together;
+DELTAFIN_ACTIVATION_DTYPE (default auto) what it computes in, as --activation-dtype
+(`model`: as mlx_lm.load of the source would, so its tokens).
 
 From the model's side the drop-in refuses what it can see: token ids outside the
 vocabulary (at the embedding) and a conversation longer than the planned context
@@ -141,21 +143,26 @@ def load_for_mlx_lm(path: Path, group=None):
 
     from deltafin_mlx.engine.load import LoadOptions, load
     from deltafin_mlx.errors import BudgetError, ModelError
+    from deltafin_mlx.format.dtypes import ACTIVATION_DTYPES
 
-    seqs = os.environ.get("DELTAFIN_SEQUENCES") or "1"
-    if seqs != "auto" and not (seqs.isdigit() and int(seqs) >= 1):
-        print(f"deltafin: error: DELTAFIN_SEQUENCES={seqs!r:.60}: not a positive number or "
-              "'auto'", file=sys.stderr)
-        raise SystemExit(1)
-    context = os.environ.get("DELTAFIN_CONTEXT") or "4096"
-    if not (context.isascii() and context.isdigit() and 1 <= int(context) <= 1 << 24):
-        print(f"deltafin: error: DELTAFIN_CONTEXT={context!r:.60}: not a number of tokens",
-              file=sys.stderr)
-        raise SystemExit(1)
+    def env(name, default, ok, what):
+        value = os.environ.get(name) or default
+        if not ok(value):
+            print(f"deltafin: error: {name}={value!r:.60}: {what}", file=sys.stderr)
+            raise SystemExit(1)
+        return value
+
+    seqs = env("DELTAFIN_SEQUENCES", "1", lambda s: s == "auto" or s.isdigit() and int(s) >= 1,
+               "not a positive number or 'auto'")
+    context = env("DELTAFIN_CONTEXT", "4096", lambda c: c.isascii() and c.isdigit()
+                  and 1 <= int(c) <= 1 << 24, "not a number of tokens")
+    dtype = env("DELTAFIN_ACTIVATION_DTYPE", "auto", lambda d: d in ACTIVATION_DTYPES,
+                f"not one of {', '.join(ACTIVATION_DTYPES)}")
     try:
         options = LoadOptions(memory_budget=os.environ.get("DELTAFIN_BUDGET") or None,
                               tokenizer=False, group=group, context=int(context),
-                              sequences=seqs if seqs == "auto" else int(seqs))
+                              sequences=seqs if seqs == "auto" else int(seqs),
+                              activation_dtype=dtype)
         model, _ = load(path, options=options)
     except BudgetError as e:
         print(f"deltafin: error: DELTAFIN_BUDGET={os.environ.get('DELTAFIN_BUDGET', '')!r:.60}: "

@@ -1,6 +1,8 @@
 """The expert cache: one pool of fixed-shape slots shared by every MoE layer.
 
-A slot holds one expert of any layer (all layers' records have the same layout):
+A slot holds one expert of any layer (all layers' records have the same layout;
+where mlx-lm's mixed_* recipes lay layers out differently, the pool is partitioned
+by layer and each chunk of slots holds layers of one layout):
 every section of its record in an MLX array of shape `(capacity, *section_shape)`,
 allocated once and reused, so `gather_qmm` reads experts through an
 expert -> slot index and nothing is stacked or copied per token. One pool, not one
@@ -22,10 +24,10 @@ from typing import Dict, List
 import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-from deltafin_mlx.format.bank import ALIGN, BankLayout
-from deltafin_mlx.format.record import linear_quant, record_linears
+from deltafin_mlx.format.bank import ALIGN
+from deltafin_mlx.format.record import FLOAT_MODE, input_size, linear_quant, record_linears
 from deltafin_mlx.engine.policy import ExpertPool
 from deltafin_mlx.format.dtypes import in_memory, to_numpy
 from deltafin_mlx.plan.slots import MAX_ELEMENTS, max_slots, pool_chunks
@@ -75,13 +77,16 @@ def switch_over_slots(arrays: Dict[str, mx.array], capacity: int, quant: dict,
     indices are slot numbers. (Random initial weights are lazy, never evaluated.)"""
     inner = copy.copy(original)
     for name, have in record_linears(arrays).items():
-        out_dim, packed = arrays[f"{name}.weight"].shape[1:]
+        shape = arrays[f"{name}.weight"].shape[1:]
         q = linear_quant(quant, name)
-        lin = QuantizedSwitchLinear(packed * 32 // q["bits"], out_dim, capacity, False,
-                                    q["group_size"], q["bits"], mode=q["mode"])
+        if q["mode"] == FLOAT_MODE:
+            lin = SwitchLinear(shape[1], shape[0], capacity, bias=False)
+        else:
+            lin = QuantizedSwitchLinear(input_size(q, shape), shape[0], capacity, False,
+                                        q["group_size"], q["bits"], mode=q["mode"])
         for kind in have:
             lin[kind] = arrays[f"{name}.{kind}"]
-        if "biases" not in have:
+        if "biases" not in have and q["mode"] != FLOAT_MODE:
             lin.biases = None
         inner[name] = lin
     return inner
@@ -99,7 +104,14 @@ class ExpertCache:
         self.num_experts = num_experts
         self.reader = reader
         self.stats = stats
-        self.pool = ExpertPool(capacity, num_experts, self.layers, experts_per_token)
+        # Layers whose records are laid out alike (all of them but with mlx-lm's
+        # mixed_* recipes); the pool lists each group's layers together, so that a
+        # partitioned pool's chunks can be cut at group boundaries.
+        groups: Dict[tuple, list] = {}
+        for layer in self.layers:
+            groups.setdefault(tuple(banks[layer].layout.held_sections), []).append(layer)
+        self.pool_order = [layer for group in groups.values() for layer in group]
+        self.pool = ExpertPool(capacity, num_experts, self.pool_order, experts_per_token)
         self.slot_key = [None] * capacity  # slot -> (layer, expert)
         self.pending: Dict[tuple, ReadJob] = {}  # (layer, expert) -> read in flight
         self.fresh_speculative = set()  # keys read ahead and not yet demanded
@@ -115,9 +127,12 @@ class ExpertCache:
         self.experts_per_token = experts_per_token
         self.activation_dtype = activation_dtype
         self.released = False  # the slot arrays given back for a pass (`release`)
-        layout: BankLayout = banks[self.layers[0]].layout
-        limit = max_slots(layout.held_sections, activation_dtype)
-        self.chunks = pool_chunks(capacity, len(self.layers), experts_per_token, num_experts, limit)
+        limits = [(len(g), max_slots(s, activation_dtype)) for s, g in groups.items()]
+        self.chunks = pool_chunks(capacity, len(self.layers), experts_per_token, num_experts,
+                                  limits[0][1], limits if len(limits) > 1 else None)
+        share = self.pool.capacity_of(self.layers[0])  # a partition (or the whole pool)
+        self.chunk_sections = [banks[self.pool_order[first // share]].layout.held_sections
+                               for first, _ in self.chunks]
         self._allocate()
         self._chunk_of_slot = np.repeat(np.arange(len(self.chunks)),
                                         [size for _, size in self.chunks])
@@ -128,12 +143,11 @@ class ExpertCache:
                 self.layer_chunk[layer] = int(self._chunk_of_slot[first])
 
     def _allocate(self):
-        layout: BankLayout = self.banks[self.layers[0]].layout
         self.chunk_arrays, self.chunk_views = [], []
-        for _, size in self.chunks:
+        for (_, size), sections in zip(self.chunks, self.chunk_sections):
             arrays = {s.name: alloc_aligned((size, *s.shape),
                                             in_memory(s.dtype, self.activation_dtype))
-                      for s in layout.held_sections}  # a rank's slice under tensor parallelism
+                      for s in sections}  # a rank's slice under tensor parallelism
             self.chunk_arrays.append(arrays)
             self.chunk_views.append({name: to_numpy(a) for name, a in arrays.items()})
         # With one chunk (every pool up to 27 GB of K3 experts) these are the pool.
@@ -147,7 +161,8 @@ class ExpertCache:
         drop their computations over them: ExpertStore.begin_pass)."""
         self.cancel_warm()
         self.drain()
-        self.pool = ExpertPool(self.capacity, self.num_experts, self.layers, self.experts_per_token)
+        self.pool = ExpertPool(self.capacity, self.num_experts, self.pool_order,
+                               self.experts_per_token)
         self.slot_key = [None] * self.capacity
         self.fresh_speculative.clear()
         self.warming.clear()

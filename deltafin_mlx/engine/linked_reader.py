@@ -100,7 +100,7 @@ class LinkedSources:
             raise
 
     def bank(self, manifest, layer: int) -> LinkedBank:
-        layout = read_links(manifest.links_path(layer), manifest.experts, layer,
+        layout = read_links(manifest.links_path(layer), manifest.layer_experts(layer), layer,
                             manifest.linked["files"])
         return LinkedBank(str(manifest.links_path(layer)), layout,
                           [self.files[rel] for rel in layout.files], self)

@@ -26,24 +26,23 @@ from deltafin_mlx.engine.trunk_stream import RowEmbedding, TrunkStreamer
 from deltafin_mlx.engine.wired import wire
 from deltafin_mlx.errors import LoadOptionError, TokenIdError
 from deltafin_mlx.format.bank import BankError, read_layout
-from deltafin_mlx.format.dtypes import mlx_dtype
+from deltafin_mlx.format.dtypes import ACTIVATION_DTYPES, compute_dtype
 from deltafin_mlx.format.manifest import ModelError
 from deltafin_mlx.format.model_dir import open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
-from deltafin_mlx.model.config import text_config
 from deltafin_mlx.model.modules import get_module, layer_paths, set_module
 from deltafin_mlx.model.shard import (check_same_model, detect_group, expert_layout, rank_view,
                                       shard_model, sharded_inventory)
 from deltafin_mlx.plan.footprint import inventory_from_manifest
-from deltafin_mlx.plan.memory import MAX_SEQUENCES, default_activation_dtype, plan_memory
+from deltafin_mlx.plan.memory import MAX_SEQUENCES, plan_memory
 from deltafin_mlx.units import is_int, parse_size
 
 READ_MODES = ("direct", "mmap")
 
 
-def check_against_manifest(model: nn.Module, config: dict, manifest, switches: dict):
+def check_against_manifest(model: nn.Module, manifest, switches: dict):
     """The model config.json builds is the one the manifest and banks describe:
-    layer count, expert count and shapes, experts per token, and every trunk
+    layer count, expert count and shapes (experts per token: `switch_shapes`), every trunk
     tensor (so vocabulary, tied embeddings, widths) by name and shape. A config
     edited and resealed is refused here instead of running different math."""
     where = manifest.path / "config.json"
@@ -51,15 +50,8 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
     if n != manifest.num_layers:
         raise ModelError(f"{where}: builds {n} layers, the manifest has {manifest.num_layers}")
     ex = manifest.experts
-    args = getattr(model, "args", None)
-    tc = text_config(config)
-    k = tc.get("num_experts_per_tok", tc.get("num_experts_per_token",
-                                            getattr(args, "num_experts_per_tok", None)))
-    if k != ex["experts_per_token"]:
-        raise ModelError(f"{where}: {k!r:.40} experts per token, the manifest and banks have "
-                         f"{ex['experts_per_token']}")
     from deltafin_mlx.format.bank import slice_axis
-    from deltafin_mlx.format.record import linear_quant
+    from deltafin_mlx.format.record import input_size, linear_quant
     from deltafin_mlx.model.modules import switch_classes
 
     inside = tuple(sp + "." for sp in switches)
@@ -68,21 +60,23 @@ def check_against_manifest(model: nn.Module, config: dict, manifest, switches: d
     if built:
         raise ModelError(f"{where}: builds routed experts at {sorted(built)[0]}, "
                          "which have no bank")
-    sections = {s["name"]: s for s in ex["sections"]}
+    layer_of = {manifest.switch_path(layer): layer for layer in manifest.moe_layers}
     for sp, linears in switches.items():
+        layer = layer_of.get(sp, manifest.moe_layers[0])
+        sections = {s["name"]: s for s in manifest.layer_experts(layer)["sections"]}
         held = {name.rpartition(".")[0] for name in sections}
         if set(linears) != held:
             raise ModelError(f"{where}: {sp} has expert linears {sorted(linears)}, the banks "
                              f"hold {sorted(held)}")
         for proj, (e, out, inp, bias) in linears.items():
-            bits = linear_quant(manifest.quantization["experts"], proj)["bits"]
+            q = linear_quant(manifest.expert_quant(layer), proj)
             shape = list(sections[f"{proj}.weight"]["shape"])
             shape[slice_axis(f"{proj}.weight")] *= manifest.slices  # a whole expert
-            out_b, packed = shape
-            if (e, out, inp) != (ex["num_experts"], out_b, packed * 32 // bits):
+            out_b, in_b = shape[0], input_size(q, shape)
+            if (e, out, inp) != (ex["num_experts"], out_b, in_b):
                 raise ModelError(
                     f"{where}: {sp}.{proj} is {e} experts of {out}x{inp}, the banks hold "
-                    f"{ex['num_experts']} of {out_b}x{packed * 32 // bits}")
+                    f"{ex['num_experts']} of {out_b}x{in_b}")
             if bias != (f"{proj}.bias" in sections):
                 raise ModelError(f"{where}: {sp}.{proj} {'has' if bias else 'has no'} "
                                  "per-expert bias, the banks differ")
@@ -181,8 +175,9 @@ class LoadOptions:
     memory_budget: bytes or a string like "8GB" for trunk + KV/state + expert cache
         + working buffers (kept as bytes); None: from available memory
         (cgroup-aware), with headroom.
-    activation_dtype: "auto" (float32 on MLX's CPU backend, the model's dtype on
-        GPU), None (the model's dtype) or an mx.Dtype.
+    activation_dtype: "auto" (float32 on MLX's CPU backend), "model" (or None: each
+        tensor in its saved dtype, mlx_lm.load's tokens), a float's name or an
+        mx.Dtype (format/dtypes.py compute_dtype).
     reader_threads: background threads reading experts (0: read in the caller).
     lookahead: queue the next MoE layer's predicted experts as speculative reads.
     pipeline: compute resident experts while missing ones are read ("auto": on
@@ -257,8 +252,8 @@ class LoadOptions:
         for name in ("lookahead", "verify", "stream_trunk", "progress", "warm_start"):
             need(isinstance(getattr(self, name), bool), name, "True or False")
         dt = self.activation_dtype  # an mx.Dtype compared with None raises TypeError
-        need(dt is None or isinstance(dt, mx.Dtype) or isinstance(dt, str) and dt == "auto",
-             "activation_dtype", "'auto', None or an mx.Dtype")
+        need(dt is None or isinstance(dt, mx.Dtype) or dt in ACTIVATION_DTYPES,
+             "activation_dtype", f"one of {', '.join(ACTIVATION_DTYPES)}, None or an mx.Dtype")
         need(is_int(self.reader_threads) and self.reader_threads >= 0, "reader_threads",
              "0 or more")
         need(isinstance(self.pipeline, bool) or self.pipeline == "auto", "pipeline",
@@ -294,15 +289,16 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     ranks, rank = (group.size(), group.rank()) if group is not None else (1, 0)
     if group is not None:
         check_same_model(manifest, group)
+    if group is not None and manifest.mixed:
+        raise ModelError(f"{path}: experts quantized differently from layer to layer (mlx-lm's "
+                         "mixed_* recipes) run in one process")
     if verify:
         # Every file but the banks (their records are checked as they are read).
         from deltafin_mlx.format.integrity import bank_files, check_all_files
 
         check_all_files(manifest, skip=bank_files(manifest))
-    activation_dtype = o.activation_dtype
-    if activation_dtype == "auto":
-        activation_dtype = default_activation_dtype()
-    act = activation_dtype or mlx_dtype(manifest.dtype)
+    activation_dtype = compute_dtype(o.activation_dtype)  # None: each tensor as saved
+    act = compute_dtype(o.activation_dtype, manifest.dtype)  # what the plan is made for
     inventory = inventory_from_manifest(manifest, config, act)
     if group is not None:
         # Streamed trunk layers would need sliced reads of their own: a rank
@@ -325,15 +321,15 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
                              "them in one process (convert without --link-experts for ranks)")
         linked = LinkedSources(manifest, o.read_mode)
     for layer in manifest.moe_layers if linked is None else ():
-        entry = manifest.experts["layers"][str(layer)]
+        entry, own = manifest.experts["layers"][str(layer)], manifest.layer_experts(layer)
         try:
             layouts[layer] = read_layout(manifest.bank_path(layer),
                                          expect={
                                              "layer": layer,
                                              "num_experts": manifest.experts["num_experts"],
-                                             "record_size": manifest.experts["record_size"],
+                                             "record_size": own["record_size"],
                                              "header_size": entry["header_size"],
-                                             "sections": manifest.experts["sections"],
+                                             "sections": own["sections"],
                                              "slices": manifest.slices,
                                          })
         except BankError as e:
@@ -345,9 +341,10 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
                              f"{manifest.slices} slices, 1, or a multiple of it")
     if linked is not None:
         banks = {layer: linked.bank(manifest, layer) for layer in manifest.moe_layers}
-        read_size = manifest.experts["record_size"]
+        read_size = max(manifest.layer_experts(layer)["record_size"]
+                        for layer in manifest.moe_layers)
     else:
-        read_size = layouts[manifest.moe_layers[0]].record_size
+        read_size = max(layout.record_size for layout in layouts.values())
 
     model = build_model(config, path)
     switches = switch_shapes(model, manifest)
@@ -358,7 +355,6 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     reader = Reader(read_size, threads=reader_threads,
                     checks="every" if verify else o.record_checks,
                     staging_bytes=max(b.staging_bytes for b in banks.values()))
-    quant = manifest.quantization["experts"]
     cache = ExpertCache(banks, plan.slots, manifest.experts["num_experts"],
                         manifest.experts["experts_per_token"], act, reader, stats)
     pipeline = o.pipeline
@@ -369,7 +365,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     originals = {}  # layer -> mlx-lm's own expert module, whose class and settings run
 
     def make_inner(layer, arrays, slots):
-        return switch_over_slots(arrays, slots, quant, originals[layer])
+        return switch_over_slots(arrays, slots, manifest.expert_quant(layer), originals[layer])
 
     streaming_switches, moe_blocks = {}, {}
     for layer in manifest.moe_layers:
@@ -385,7 +381,7 @@ def load(path, memory_budget=None, *, options: Optional[LoadOptions] = None,
     # The quantized classes, minus the experts (their config entries now point at
     # streaming modules, which nn.quantize leaves alone).
     quantize_like_config(model, config)
-    check_against_manifest(model, config, manifest, switches)
+    check_against_manifest(model, manifest, switches)
     paths = layer_paths(model)
     streamed = sorted(int(k) for k in plan.streamed)
     prefixes = tuple(paths[i] + "." for i in streamed)
@@ -453,9 +449,10 @@ def open_tokenizer(model):
 
 def switch_shapes(model: nn.Module, manifest) -> dict:
     """Each MoE layer's expert linears (`switch_linears`: experts, out, in, bias), as
-    the model config.json builds has them; refused if the manifest names a layer
-    without a routed-expert module."""
-    from deltafin_mlx.model.modules import switch_classes, switch_linears
+    the model config.json builds has them (before any module is replaced); refused
+    if the manifest names a layer without a routed-expert module, or the model routes
+    another number of experts per token."""
+    from deltafin_mlx.model.modules import moe_shape, switch_classes, switch_linears
 
     shapes = {}
     paths = layer_paths(model)
@@ -470,6 +467,11 @@ def switch_shapes(model: nn.Module, manifest) -> dict:
             raise ModelError(f"{manifest.path / 'config.json'}: layer {layer} of the model it "
                              f"builds has no routed experts at {sp}, the manifest has a bank")
         shapes[sp] = switch_linears(switch)
+    k = moe_shape(model, {layer: manifest.switch_path(layer) for layer in manifest.moe_layers},
+                  manifest.model_type).experts_per_token
+    if k != manifest.experts["experts_per_token"]:
+        raise ModelError(f"{manifest.path / 'config.json'}: {k} experts per token, the "
+                         f"manifest and banks have {manifest.experts['experts_per_token']}")
     return shapes
 
 

@@ -295,6 +295,7 @@ def read_record(bank: BankFile, expert: int, targets: Dict[str, np.ndarray],
                 crc = zlib.crc32(v, crc)
             _check(bank, expert, crc)
         return
+    staging = staging[:size]  # the reader's buffer fits the largest layer's records
     _pread_full(bank, [memoryview(staging)], offset, size)
     if not bank.direct and hasattr(os, "posix_fadvise"):
         os.posix_fadvise(bank.fd, offset, size, os.POSIX_FADV_DONTNEED)

@@ -13,6 +13,8 @@ import numpy as np
 
 # The float dtypes a model's weights and activations come in.
 FLOATS = ("bfloat16", "float16", "float32")
+# What a model may compute in (--activation-dtype, ...): compute_dtype says each.
+ACTIVATION_DTYPES = ("auto", "model", "float32", "bfloat16", "float16")
 
 # safetensors' dtype codes -> names
 SAFETENSORS = {
@@ -33,13 +35,6 @@ NUMPY = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32,
          "uint8": np.uint8, "uint32": np.uint32, "int32": np.int32}
 
 
-def nbytes(dtype: str, shape) -> int:
-    n = ITEMSIZE[dtype]
-    for s in shape:
-        n *= s
-    return n
-
-
 def name_of(dtype) -> str:
     """The name of an MLX dtype: "bfloat16" for mx.bfloat16."""
     return str(dtype).split(".")[-1]
@@ -50,6 +45,21 @@ def mlx_dtype(name: str):
     import mlx.core as mx
 
     return getattr(mx, name)
+
+
+def compute_dtype(choice="auto", saved: str = None):
+    """The dtype `choice` (a name of ACTIVATION_DTYPES, an mx.Dtype; None: "model")
+    casts a model's floats to. "model" casts none: each tensor keeps its saved dtype,
+    as mlx_lm.load runs it (so mlx-lm's tokens); then None, or `saved` (the model's
+    dtype, to plan for) when given. "auto": float32 on MLX's CPU backend (far faster
+    there than bfloat16), "model" elsewhere."""
+    import mlx.core as mx
+
+    if choice == "auto":
+        choice = "float32" if mx.default_device() == mx.cpu else "model"
+    if choice is None or choice == "model":
+        return mlx_dtype(saved) if saved else None
+    return mlx_dtype(choice) if isinstance(choice, str) else choice
 
 
 def in_memory(disk_dtype: str, activation_dtype):

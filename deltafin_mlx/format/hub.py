@@ -17,6 +17,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import threading
 import warnings
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from typing import Dict, Optional
 
 from deltafin_mlx.errors import HubError
 
+# A branch or tag name as refs/ holds it (no leading `/` or `..`: it stays in refs/).
+REF_NAME = re.compile(r"(?!/)(?!.*\.\.)[A-Za-z0-9._/-]+")
 # What a conversion fetches of a repository (weights, configs, tokenizer files).
 SOURCE_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
@@ -171,7 +174,9 @@ def fetch_file(repo: str, name: str, revision: Optional[str] = None,
                 return Path(hf_hub_download(repo, name, revision=revision, local_files_only=True))
             if name not in listed.files:
                 raise HubError(f"{repo}: the repository has no {name}")
-            return Path(hf_hub_download(repo, name, revision=listed.commit))
+            path = Path(hf_hub_download(repo, name, revision=listed.commit))
+            record_ref(path, revision, listed.commit)
+            return path
     except HubError:
         raise
     except Exception as e:  # the hub raises many types; hub_failure says which
@@ -201,11 +206,30 @@ def download_snapshot(repo: str, revision: Optional[str] = None,
     largest = max((f.size for f in listed.files.values()), default=0) if listed else None
     try:
         with quiet_hub(), file_size_bound(largest):
-            return Path(snapshot_download(
+            snapshot = Path(snapshot_download(
                 repo, revision=listed.commit if listed else revision,
                 local_files_only=listed is None, allow_patterns=patterns or SOURCE_PATTERNS))
+            if listed is not None:
+                record_ref(snapshot, revision, listed.commit)
+            return snapshot
     except Exception as e:  # the hub raises many types; hub_failure says which
         raise HubError(hub_failure(repo, e, "it", revision)) from None
+
+
+def record_ref(fetched: Path, revision: Optional[str], commit: str):
+    """`refs/REVISION` (main by default) holding the commit, as huggingface-hub leaves
+    a download by name, so the name finds the snapshot offline (mlx-lm's too).
+    Deltafin downloads by the commit it listed (a branch that moves meanwhile cannot
+    mix two commits' files), for which huggingface-hub writes no ref. `fetched`: the
+    snapshot folder or a file in it."""
+    revision = revision or "main"
+    snapshots = next((p for p in Path(fetched).parents if p.name == "snapshots"), None)
+    if commit.startswith(revision) or not REF_NAME.fullmatch(revision) or snapshots is None:
+        return  # a commit itself, or no name huggingface-hub would write
+    ref = snapshots.parent / "refs" / revision
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    ref.with_name(ref.name + ".tmp").write_text(commit)
+    os.replace(ref.with_name(ref.name + ".tmp"), ref)
 
 
 @contextlib.contextmanager

@@ -22,7 +22,8 @@ from deltafin_mlx.format.dtypes import FLOATS
 from deltafin_mlx.format.integrity import (MANIFEST_MAX_BYTES, check_small_files, parse_checksum,
                                           read_inside, resolve_inside, write_json)
 from deltafin_mlx.format.links import LINKED_VERSION
-from deltafin_mlx.format.record import PROJECTIONS, linear_quant, record_linears
+from deltafin_mlx.format.record import (FLOAT_MODE, PROJECTIONS, float_experts, linear_quant,
+                                        record_linears)
 from deltafin_mlx.units import is_int
 
 # Every manifest version this Deltafin reads: 1, 2 (rank slices), 3 (linked experts).
@@ -57,6 +58,25 @@ class Manifest:
     @property
     def moe_layers(self):
         return sorted(int(k) for k in self.experts["layers"])
+
+    def layer_experts(self, layer: int) -> dict:
+        """`experts` as `layer`'s records have them: a layer whose experts are
+        quantized otherwise (mlx-lm's mixed_* recipes) has its own `sections` and
+        `record_size` in its entry."""
+        entry = self.experts["layers"][str(layer)]
+        return {**self.experts, **{k: entry[k] for k in ("sections", "record_size")
+                                   if k in entry}}
+
+    def expert_quant(self, layer: int) -> dict:
+        """How `layer`'s experts are quantized: its entry's own `quantization`,
+        else `quantization.experts`."""
+        return self.experts["layers"][str(layer)].get("quantization",
+                                                      self.quantization["experts"])
+
+    @property
+    def mixed(self) -> bool:
+        """Are the experts quantized differently from layer to layer?"""
+        return any("quantization" in e for e in self.experts["layers"].values())
 
     def bank_path(self, layer: int) -> Path:
         return self.path / self.experts["layers"][str(layer)]["bank"]
@@ -231,10 +251,7 @@ def _check_fields(d: dict):
     _need(quant.get("trunk") is None or isinstance(quant["trunk"], dict),
           "quantization.trunk must be an object or null")
     eq = quant.get("experts")
-    _need(isinstance(eq, dict) and isinstance(eq.get("mode"), str)
-          and is_int(eq.get("bits")) and 1 <= eq["bits"] <= 8
-          and is_int(eq.get("group_size")) and 1 <= eq["group_size"] <= 1 << 16,
-          f"quantization.experts {eq!r:.200}")
+    _check_expert_quant(eq, "quantization.experts")
 
     ex = d["experts"]
     _need(isinstance(ex, dict), "experts must be an object")
@@ -264,6 +281,18 @@ def _check_fields(d: dict):
         _need(re.fullmatch(r"0|[1-9][0-9]*", key) is not None and int(key) < num_layers,
               f"experts.layers key {key!r:.40}")
         _need(isinstance(entry, dict), f"experts.layers[{key}] is not an object")
+        layer_size = record_size
+        if "quantization" in entry:  # mlx-lm's mixed_* recipes: this layer's own layout
+            _need(slices == 1, f"experts.layers[{key}]: per-layer quantization with slices")
+            _check_expert_quant(entry["quantization"], f"experts.layers[{key}].quantization")
+            own = sections_from_dicts(entry.get("sections"))
+            layer_size = entry.get("record_size")
+            _need(is_int(layer_size) and layer_size == record_size_of(own),
+                  f"experts.layers[{key}].record_size does not match its sections")
+            _check_expert_sections({s.name: s for s in own}, entry["quantization"])
+        else:
+            _need("sections" not in entry and "record_size" not in entry,
+                  f"experts.layers[{key}]: sections without quantization")
         if linked is not None:
             _rel_path(entry.get("links"), f"link table of layer {key}", files)
         else:
@@ -271,9 +300,9 @@ def _check_fields(d: dict):
             header_size = entry.get("header_size")
             _need(is_int(header_size) and header_size > 0 and header_size % ALIGN == 0,
                   f"header_size {header_size!r:.40} of layer {key}")
-            _need(files[bank] == header_size + n * record_size,
+            _need(files[bank] == header_size + n * layer_size,
                   f"{bank} is listed as {files[bank]} bytes, its layout needs "
-                  f"{header_size + n * record_size}")
+                  f"{header_size + n * layer_size}")
         sp = entry.get("switch_path")
         _need(isinstance(sp, str)
               and re.fullmatch(rf"(?:(?:{_NAME})\.)+{key}\.(?:(?:{_NAME})\.)*(?:{_NAME})", sp)
@@ -290,6 +319,15 @@ def _check_fields(d: dict):
           and isinstance(tok.get("files", []), list), "tokenizer must be an object with a kind")
     for rel in tok.get("files", []):
         _rel_path(rel, "tokenizer file", files)
+
+
+def _check_expert_quant(eq, where: str):
+    _need(isinstance(eq, dict) and (
+        eq == float_experts(eq.get("dtype")) and eq["dtype"] in FLOATS
+        or isinstance(eq.get("mode"), str) and eq["mode"] != FLOAT_MODE
+        and is_int(eq.get("bits")) and 1 <= eq["bits"] <= 8
+        and is_int(eq.get("group_size")) and 1 <= eq["group_size"] <= 1 << 16),
+          f"{where} {eq!r:.200}")
 
 
 def _check_linked(linked):
@@ -312,7 +350,8 @@ def _check_linked(linked):
 def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
     """The sections are a routed-expert module's quantized linears at the experts'
     quantization (format/record.py): per linear a uint32 weight, its scales, biases
-    exactly when affine, and optionally a per-expert float bias of its outputs."""
+    exactly when affine (or, kept in float, the float weight alone), and optionally
+    a per-expert float bias of its outputs."""
     own = quant.get("linears", {})
     _need(isinstance(own, dict) and all(isinstance(v, dict) for v in own.values()),
           "quantization.experts.linears must map linear names to objects")
@@ -323,6 +362,15 @@ def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
           f"the sections hold {sorted(linears)}")
     for p, kinds_of in linears.items():
         have = {k: by_name[f"{p}.{k}"] for k in kinds_of}
+        if quant["mode"] == FLOAT_MODE:
+            w = have["weight"] if set(have) <= {"weight", "bias"} else None
+            _need(re.fullmatch(_NAME, p) is not None and w is not None
+                  and w.dtype == quant["dtype"] and len(w.shape) == 2,
+                  f"expert sections of {p!r:.40} are {sorted(have)}, not a "
+                  f"{quant['dtype']} weight (and optionally bias)")
+            dims[p] = w.shape
+            _check_bias(p, have, w.shape[0])
+            continue
         q = linear_quant(quant, p)
         mode, bits, group = q["mode"], q["bits"], q["group_size"]
         _need(mode in QUANT_MODES and bits in QUANT_MODES[mode][0]
@@ -347,15 +395,19 @@ def _check_expert_sections(by_name: Dict[str, Section], quant: dict):
               f"at {bits} bits, group size {group}")
         if affine:
             _need(have["biases"].shape == sc.shape, f"{p}.biases shape")
-        if "bias" in have:
-            _need(have["bias"].shape == (out,) and have["bias"].dtype in FLOATS,
-                  f"{p}.bias is {have['bias'].dtype} {have['bias'].shape}, not a float "
-                  f"vector of {out}")
+        _check_bias(p, have, out)
         dims[p] = (out, in_dim)
     if set(dims) & set(PROJECTIONS):
         _need(set(dims) == set(PROJECTIONS) and dims["up_proj"] == dims["gate_proj"]
               and dims["down_proj"] == dims["gate_proj"][::-1],
               f"expert projections {dims} do not form a SwitchGLU")
+
+
+def _check_bias(p: str, have: dict, out: int):
+    if "bias" in have:
+        _need(have["bias"].shape == (out,) and have["bias"].dtype in FLOATS,
+              f"{p}.bias is {have['bias'].dtype} {have['bias'].shape}, not a float "
+              f"vector of {out}")
 
 
 def check_model_files(m: Manifest):

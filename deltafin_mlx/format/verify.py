@@ -80,16 +80,17 @@ def verify_model(path, progress: Optional[Callable[[int, int], None]] = None) ->
             try:
                 layouts[rel] = read_layout(real[rel][0], expect={
                     "layer": layer, "num_experts": m.experts["num_experts"],
-                    "record_size": m.experts["record_size"],
-                    "header_size": entry["header_size"], "sections": m.experts["sections"]})
+                    "record_size": m.layer_experts(layer)["record_size"],
+                    "header_size": entry["header_size"],
+                    "sections": m.layer_experts(layer)["sections"]})
             except BankError as e:
                 report.problems.append(f"{rel}: {str(e).split(': ', 1)[-1]}")
     sound = [rel for rel in sound if rel not in banks or rel in layouts]
 
     total = sum(m.files[rel] for rel in sound)
     if m.linked is not None:  # the experts' bytes, read where they lie in the source
-        total += (len(m.moe_layers) * m.experts["num_experts"]
-                  * sum(sec["nbytes"] for sec in m.experts["sections"]))
+        total += m.experts["num_experts"] * sum(
+            sec["nbytes"] for layer in m.moe_layers for sec in m.layer_experts(layer)["sections"])
     done = [0]
 
     def advance(n):
@@ -144,7 +145,8 @@ def _check_linked(m, report: VerifyReport, advance):
     try:
         for layer in m.moe_layers:
             try:
-                layout = read_links(m.links_path(layer), m.experts, layer, m.linked["files"])
+                layout = read_links(m.links_path(layer), m.layer_experts(layer), layer,
+                                    m.linked["files"])
             except ModelError as e:
                 report.problems.append(str(e))
                 continue

@@ -11,6 +11,7 @@ import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 from deltafin_mlx.compat import prefill_chunk_follows, unread_logits_in_prompt_batches
 from deltafin_mlx.errors import ContextError  # noqa: F401 - callers catch it from here
+from deltafin_mlx.format.dtypes import name_of
 from deltafin_mlx.generation.request import fit_max_tokens
 from deltafin_mlx.units import human_bytes
 from deltafin_mlx.engine.runtime import find_runtime
@@ -35,6 +36,7 @@ class RunStats:
     # (mx.get_peak_memory) and the resident set (getrusage's ru_maxrss).
     peak_mlx_bytes: int = 0
     peak_rss_bytes: int = 0
+    activation_dtype: str = ""  # what the model computed in (--activation-dtype)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -84,7 +86,7 @@ class RunStats:
             f"experts: {self.hits} hits, {self.misses} misses ({self.hit_rate:.0%} hit rate), "
             f"{self.bytes_read / 1e6:.1f} MB read, stalled on reads {self.stall_share:.0%} of the time; "
             f"peak memory {human_bytes(self.peak_mlx_bytes)} MLX, {human_bytes(self.peak_rss_bytes)} RSS"
-        )
+            + (f"; activations {self.activation_dtype}" if self.activation_dtype else ""))
 
 
 # The expert cache's counters (engine/cache.py CacheStats) a run reports.
@@ -118,7 +120,8 @@ class StatsMeter:
             prompt_tokens=prompt_tokens, tokens=tokens, seconds=time.perf_counter() - self.start,
             first_token_seconds=(self.first - self.start) if self.first is not None else 0.0,
             **{k: getattr(cur, k) - getattr(base, k) for k in CACHE_COUNTERS + ("bytes_read",)},
-            peak_mlx_bytes=mx.get_peak_memory(), peak_rss_bytes=peak_rss())
+            peak_mlx_bytes=mx.get_peak_memory(), peak_rss_bytes=peak_rss(),
+            activation_dtype=name_of(self.state.activation_dtype) if self.state else "")
 
 
 def peak_rss() -> int:

@@ -24,6 +24,12 @@ SUFFIX = ".options.json"
 RECORD_MAX_BYTES = 1 << 20
 
 
+def activation_record(choice: str) -> dict:
+    """--activation-dtype, which changes tokens and log-probabilities, in a record:
+    only where not `auto`, so that records from before it resume."""
+    return {} if choice == "auto" else {"--activation-dtype": choice}
+
+
 def record_path(out_path) -> Path:
     return Path(f"{out_path}{SUFFIX}")
 

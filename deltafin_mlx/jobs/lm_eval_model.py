@@ -45,7 +45,7 @@ from deltafin_mlx.jobs.score import ScoreOptions, Sizing, iter_passes, within
 from deltafin_mlx.jobs.score_lines import ScoreItem, completion_item
 
 
-KNOWN_ARGS = "model (or pretrained), budget, context, max_length, max_gen_toks"
+KNOWN_ARGS = "model (or pretrained), budget, context, max_length, max_gen_toks, activation_dtype"
 
 
 def tokens(name: str, value) -> int:
@@ -61,7 +61,8 @@ class DeltafinLM(LM):
     def __init__(self, model: Optional[str] = None, pretrained: Optional[str] = None,
                  budget: Optional[str] = None,
                  context: int = 4096, max_length: Optional[int] = None, max_gen_toks: int = 256,
-                 batch_size=None, max_batch_size=None, device=None, **unused):
+                 activation_dtype: str = "auto", batch_size=None, max_batch_size=None,
+                 device=None, **unused):
         # lm-eval passes its --batch_size, --max_batch_size and --device to every
         # model: here the memory plan sizes passes and batches, and MLX picks the device.
         super().__init__()
@@ -80,8 +81,8 @@ class DeltafinLM(LM):
         self.path = str(model)
         # as many sequences as the budget allows, for generate_until's batches; `load`
         # checks the budget and the context (plan/memory.py check_context)
-        self.model, self.tokenizer = load(self.path, budget, context=context,
-                                          sequences="auto", warm_start=False)
+        self.model, self.tokenizer = load(self.path, budget, context=context, sequences="auto",
+                                          warm_start=False, activation_dtype=activation_dtype)
         self.context = context
         self.max_length = max_length or context
 

@@ -21,7 +21,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 from deltafin_mlx.units import count
 from deltafin_mlx.jobs.outcome import Outcome, error_line
 from deltafin_mlx.jobs.progress import Progress
-from deltafin_mlx.jobs.job_options import check_options
+from deltafin_mlx.jobs.job_options import activation_record, check_options
 from deltafin_mlx.jobs.results_file import LINE_MAX_BYTES, check_not_input, open_input, read_lines
 from deltafin_mlx.jobs.batch_lines import Request, iter_requests, read_requests
 from deltafin_mlx.engine.runtime import find_runtime
@@ -48,11 +48,13 @@ class ScoreOptions:
     format: str = "jsonl"  # or "safetensors" (shards + a JSONL index)
     max_pass_tokens: Optional[int] = None  # at most this many tokens per pass (None: the plan's)
     content_only: bool = False  # "messages": the turns' content tokens only, not the template's
+    activation_dtype: str = "auto"  # the model's load option, as given
 
     def recorded(self) -> dict:
         """What the results depend on, by flag (jobs/job_options.py): not the pass size."""
         return {"--top-logprobs": self.top_logprobs, "--format": self.format,
-                "--no-think": not self.thinking, "--content-only": self.content_only}
+                "--no-think": not self.thinking, "--content-only": self.content_only,
+                **activation_record(self.activation_dtype)}
 
 
 @dataclass

@@ -12,8 +12,10 @@ import mlx.nn as nn
 
 from deltafin_mlx.compat import model_classes
 from deltafin_mlx.errors import ModelError
-from deltafin_mlx.format.dtypes import FLOATS, mlx_dtype
-from deltafin_mlx.model.config import check_config, text_config
+from deltafin_mlx.format.dtypes import mlx_dtype
+from deltafin_mlx.model.config import check_config
+from deltafin_mlx.model.quantization import cast_dtype
+
 
 def build_model(config: dict, where="config.json") -> nn.Module:
     """mlx-lm's model for `config`, lazily: its random initial weights are never
@@ -26,10 +28,23 @@ def build_model(config: dict, where="config.json") -> nn.Module:
         raise ModelError(f"{where}: cannot build mlx-lm's model ({e})") from None
 
 
+def build_moe(config: dict, where="config.json"):
+    """mlx-lm's model of `config` built lazily, its decoder layers' paths, its
+    routed-expert modules (layer -> path) and its MoeShape, from config.json alone;
+    a model without routed experts is refused in one line (mlx-lm runs it)."""
+    from deltafin_mlx.model.modules import layer_paths, moe_shape, routed_expert_paths
+
+    model = build_model(config, where)
+    paths = layer_paths(model)
+    model_type = config.get("model_type", "?")
+    switches = routed_expert_paths(model, paths, model_type)
+    return model, paths, switches, moe_shape(model, switches, model_type)
+
+
 def source_dtype(config: dict) -> Optional[mx.Dtype]:
     """The dtype mlx_lm.convert casts floating weights to (None: leave as is)."""
-    dtype = config.get("torch_dtype") or text_config(config).get("dtype")
-    return mlx_dtype(dtype) if dtype in FLOATS else None
+    dtype = cast_dtype(config)
+    return mlx_dtype(dtype) if dtype is not None else None
 
 
 def quantize_like_config(model: nn.Module, config: dict):

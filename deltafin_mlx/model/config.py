@@ -8,12 +8,21 @@ import math
 
 from deltafin_mlx.errors import ModelError
 
-# model_type -> the name users know; what the converter accepts and `info` prints.
-ARCHITECTURES = {"kimi_k3": "Kimi K3",
-                 "kimi_k2": "Kimi K2",
-                 "deepseek_v3": "DeepSeek-V3",
-                 "qwen3_moe": "Qwen3-MoE",
-                 "mixtral": "Mixtral"}
+# The model types Deltafin converts and runs, each held to mlx-lm's tokens by
+# tests/convert/test_every_moe_type.py (which fails when this differs from what it
+# runs): mlx-lm 0.32.2's MoE types. A model is named by its model_type, as mlx-lm
+# and config.json name it, everywhere (info, list, plan, convert --help).
+SUPPORTED_TYPES = (
+    "Klear", "afmoe", "bailing_hybrid", "bailing_moe", "bailing_moe_linear", "bailing_moe_v3",
+    "deepseek", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v41",
+    "deepseek_v41_text", "dots1", "ernie4_5_moe", "exaone_moe", "gemma4", "gemma4_text",
+    "gemma4_unified", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe",
+    "granitemoehybrid", "hunyuan", "jamba", "joyai_llm_flash", "kimi_k2", "kimi_k25", "kimi_k3",
+    "kimi_linear", "kimi_vl", "laguna", "lfm2_moe", "llama4", "llava", "longcat_flash",
+    "longcat_flash_ngram", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl",
+    "mistral3", "mistral4", "mixtral", "nemotron_h", "olmoe", "phi-msft", "phimoe", "phixtral",
+    "qwen2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_vl_moe", "step3p5")
+
 
 def text_config(config: dict) -> dict:
     """The language model's keys of a config.json."""
@@ -21,23 +30,12 @@ def text_config(config: dict) -> dict:
     return tc if isinstance(tc, dict) else config
 
 
-def architecture_name(model_type: str) -> str:
-    return ARCHITECTURES.get(model_type, model_type)
-
-
-def experts_per_token(config: dict) -> int:
-    tc = text_config(config)
-    for key in ("num_experts_per_tok", "num_experts_per_token"):
-        if key in tc:
-            return int(tc[key])
-    raise ModelError("config.json does not say how many experts each token uses")
-
-
-def routed_experts(config: dict) -> int:
-    """Routed experts per MoE layer (0 where config.json names none)."""
-    tc = text_config(config)
+def _named_experts(tc: dict) -> int:
+    """Routed experts as the usual keys name them (0 where none does): for bounds
+    only. A model's shape comes from mlx-lm's built model (model/modules.py
+    `moe_shape`), which knows every family's own key."""
     return int(tc.get("n_routed_experts") or tc.get("num_experts") or tc.get("num_local_experts")
-               or 0)
+               or tc.get("moe_num_experts") or 0)
 
 
 def max_context(config: dict):
@@ -107,8 +105,8 @@ def check_config(config: dict, where, error=ModelError):
                         "integer or a list of them")
         if not isinstance(c.get("quantization_config") or {}, dict):
             raise error(f"{where}: quantization_config must be an object")
-    experts, per_token = routed_experts(config), tc.get("num_experts_per_tok",
-                                                        tc.get("num_experts_per_token"))
+    experts, per_token = _named_experts(tc), tc.get("num_experts_per_tok",
+                                                    tc.get("num_experts_per_token"))
     if experts and per_token is not None and per_token > experts:
         raise error(f"{where}: {per_token:,} experts per token, more than the {experts:,} "
                     "routed experts")
@@ -120,5 +118,5 @@ def most_source_tensors(config: dict) -> int:
     biases) and the trunk's, with room to spare (K3 holds about a third of it)."""
     tc = text_config(config)  # where a count is named otherwise: the most allowed
     layers = next((tc[k] for k in LAYER_KEYS if tc.get(k)), MAX_LAYERS)
-    experts = routed_experts(config) or tc.get("moe_num_experts") or SIZES["num_experts"][1]
+    experts = _named_experts(tc) or SIZES["num_experts"][1]
     return 16 * (layers + 8) * (experts + 16)

@@ -1,6 +1,7 @@
 """Finding and replacing modules inside an mlx-lm model by their parameter paths."""
 
 import re
+from dataclasses import dataclass
 
 import mlx.nn as nn
 
@@ -108,10 +109,89 @@ def routed_expert_paths(model: nn.Module, paths: list, model_type) -> dict:
         raise ModelError(f"{model_type}: {e}") from None
     if not found:
         raise ModelError(
-            f"{model_type}: mlx-lm's model has no SwitchGLU/SwitchMLP modules; Deltafin "
-            "streams routed experts that are such modules, and this configuration's are not "
-            "(or it has no MoE layers)")
+            f"{model_type}: not a Mixture of Experts model (mlx-lm builds it with no routed "
+            "experts, no SwitchGLU/SwitchMLP module); Deltafin streams routed experts, and "
+            "mlx-lm runs this model as it is (mlx_lm.generate)")
     return found
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A model's Mixture of Experts as mlx-lm's built model holds it: read from its
+    modules, never from config.json's key names (each family names them its own way:
+    `num_experts_per_tok`, ERNIE's `moe_k`, Step's `moe_top_k`, ...)."""
+
+    experts_per_token: int  # the routed experts the router gives each token
+    num_experts: int  # routed experts per MoE layer
+    # What an MoE block computes per token beside its routed experts (shared
+    # experts, router): the output widths of its other matrices, in elements.
+    shared_width: int
+
+
+class _Routed(Exception):
+    pass
+
+
+class _RouteProbe(nn.Module):
+    def __call__(self, x, indices, *args, **kwargs):
+        raise _Routed(indices.shape[-1])  # the router's indices: k per token
+
+
+def routed_per_token(model: nn.Module, switch_path: str, hidden: int):
+    """How many experts the model's router gives each token at `switch_path`: the
+    module around the routed experts (or, where that one is only a wrapper called with
+    the routing, the module around it) is called on one token of zeros with a probe in
+    their place. Nothing is evaluated: the indices' shape is known lazily. None where
+    no call reaches the probe."""
+    import mlx.core as mx
+
+    switch = get_module(model, switch_path)
+    set_module(model, switch_path, _RouteProbe())
+    try:
+        parent = switch_path
+        while "." in parent:
+            parent = parent.rpartition(".")[0]
+            module = get_module(model, parent)
+            if isinstance(module, list):
+                return None  # reached the list of layers
+            try:
+                module(mx.zeros((1, 1, hidden)))
+            except _Routed as routed:
+                return routed.args[0]
+            except Exception:  # a module that takes other arguments: the one around it
+                continue
+        return None
+    finally:
+        set_module(model, switch_path, switch)
+
+
+def shared_width(shapes: dict, switch_path: str) -> int:
+    """`MoeShape.shared_width` of the block around `switch_path`, from its parameters'
+    shapes (name -> shape: a built model's, or a converted model's trunk tensors)."""
+    block = switch_path.rpartition(".")[0] + "."
+    return sum(shape[0] for name, shape in shapes.items()
+               if name.startswith(block) and not name.startswith(switch_path + ".")
+               and name.endswith(".weight") and len(shape) == 2)
+
+
+def moe_shape(model: nn.Module, switches: dict, model_type) -> MoeShape:
+    """The MoeShape of a built model whose routed-expert modules are `switches`
+    (`routed_expert_paths`); its first MoE layer speaks for all (one record layout)."""
+    from mlx.utils import tree_flatten
+
+    from deltafin_mlx.compat import embedding_path
+    from deltafin_mlx.errors import ModelError
+
+    first = switches[min(switches)]
+    embed = get_module(model, embedding_path(model))
+    hidden = getattr(embed, "dims", None) or embed.weight.shape[-1]
+    k = routed_per_token(model, first, hidden)
+    if k is None:
+        raise ModelError(f"{model_type}: calling mlx-lm's MoE block at {first} does not "
+                         "reach its routed experts, so how many each token uses is unknown")
+    experts = next(iter(switch_linears(get_module(model, first)).values()))[0]
+    shapes = {n: a.shape for n, a in tree_flatten(model.parameters())}
+    return MoeShape(k, experts, max(shared_width(shapes, sp) for sp in switches.values()))
 
 
 def switch_linears(switch: nn.Module) -> dict:

@@ -5,10 +5,15 @@ source it has not downloaded.
 """
 
 from deltafin_mlx.errors import ConvertError
+from deltafin_mlx.format.dtypes import FLOATS
+from deltafin_mlx.format.record import FLOAT_MODE, float_experts
 from deltafin_mlx.model.config import text_config
 
 BITS = (2, 3, 4, 6, 8)
 GROUP_SIZES = (32, 64, 128)
+# `--expert-bits float`: float experts kept in their float dtype, not quantized.
+KEEP_FLOAT = "float"
+EXPERT_BITS = BITS + (KEEP_FLOAT,)
 
 
 def check_quantization(bits, group_size: int, expert_bits: int, expert_group_size: int):
@@ -17,8 +22,8 @@ def check_quantization(bits, group_size: int, expert_bits: int, expert_group_siz
         raise ConvertError(f"--bits must be one of {BITS} (got {bits})")
     if group_size not in GROUP_SIZES:
         raise ConvertError(f"--group-size must be one of {GROUP_SIZES}")
-    if expert_bits not in BITS:
-        raise ConvertError(f"--expert-bits must be one of {BITS}")
+    if expert_bits not in EXPERT_BITS:
+        raise ConvertError(f"--expert-bits must be one of {', '.join(map(str, EXPERT_BITS))}")
     if expert_group_size not in GROUP_SIZES:
         raise ConvertError(f"--expert-group-size must be one of {GROUP_SIZES}")
 
@@ -48,13 +53,21 @@ def mlx_lm_quantization(config: dict):
     return None
 
 
+# MLX's defaults for a mode (group size, bits): what a per-module entry's null means
+# (mlx_lm.convert's mixed recipes without --q-group-size save "group_size": null).
+MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
+
+
 def module_quantization(block: dict, path: str):
     """mlx-lm's rule for one module of a model it wrote: the per-module entry
-    where the block has one, else the block's default."""
+    where the block has one (a null in it is MLX's default for the mode, as
+    `to_quantized` takes it), else the block's default."""
     own = block.get(path)
     if isinstance(own, dict):
-        return {"group_size": own.get("group_size", block["group_size"]),
-                "bits": own.get("bits", block["bits"]), "mode": own.get("mode", "affine")}
+        mode = own.get("mode", "affine")
+        group, bits = MODE_DEFAULTS.get(mode, (None, None))
+        return {"group_size": own.get("group_size", block["group_size"]) or group,
+                "bits": own.get("bits", block["bits"]) or bits, "mode": mode}
     return {"group_size": block["group_size"], "bits": block["bits"],
             "mode": block.get("mode", "affine")}
 
@@ -71,23 +84,38 @@ def carried_quantization(quant: dict, where: str) -> dict:
     return {"mode": mode, "bits": bits, "group_size": group, "carried_over": True}
 
 
-def expert_quantization(config: dict, expert_bits: int, expert_group_size: int) -> dict:
+def float_quantization(expert_bits, expert_group_size: int, dtype: str) -> dict:
+    """What float experts become with the options: quantized (affine), or kept in
+    `dtype` (the dtype mlx_lm.convert casts them to) with `--expert-bits float`."""
+    if expert_bits == KEEP_FLOAT:
+        return float_experts(dtype)
+    return {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}
+
+
+def describe_experts(quant: dict, source_dtype: str) -> str:
+    """What the conversion made of the routed experts (whose float dtype before it
+    was `source_dtype`), for its last line."""
+    if quant["mode"] == FLOAT_MODE:
+        return f"experts: {quant['dtype']}, kept"
+    bits = f"{quant['bits']}-bit affine" if quant["mode"] == "affine" else quant["mode"]
+    return (f"experts: {bits} (group size {quant['group_size']}), " + (
+        "carried over as saved" if quant.get("carried_over") else f"quantized from {source_dtype}"))
+
+
+def expert_quantization(config: dict, expert_bits, expert_group_size: int) -> dict:
     """What a source's routed experts become: K3's MXFP4 experts, and experts
     mlx-lm already quantized (its config.json block), are carried over as they are;
-    bf16/fp16/fp32 experts are quantized (affine) with the options. From
+    bf16/fp16/fp32 experts are quantized (affine) with the options, or kept in
+    float (`--expert-bits float`). From
     config.json alone, for the planner: the converter decides from what mlx-lm's
     sanitize makes of the source's tensors (convert/experts.py), which may hold
     its experts in float."""
     block = mlx_lm_quantization(config)
     if block is not None:
-        experts = {k: v for k, v in block.items() if ".switch_mlp." in k}
-        found = {tuple(sorted(module_quantization(block, k).items())) for k in experts}
-        if len(found) > 1:
-            raise ConvertError("config.json: the experts are quantized differently from "
-                               "layer to layer or projection to projection (an mlx-lm mixed "
-                               "recipe); Deltafin's records hold one quantization for all")
-        quant = dict(found.pop()) if found else module_quantization(block, "")
-        return carried_quantization(quant, "config.json")
+        layers = saved_layer_quantization(block)
+        return next(iter(layers.values()), carried_quantization(
+            module_quantization(block, ""), "config.json"))
+    float_dtype = cast_dtype(config) or "bfloat16"  # as the planner assumes for scales
     qc = config.get("quantization_config") or text_config(config).get("quantization_config")
     if qc:
         fmt = qc.get("format")
@@ -95,10 +123,84 @@ def expert_quantization(config: dict, expert_bits: int, expert_group_size: int) 
                 or qc.get("quant_method") == "mxfp4"):
             return {"mode": "mxfp4", "bits": 4, "group_size": 32, "carried_over": True}
         if qc.get("quant_method") == "fp8":  # mlx-lm's sanitize dequantizes them
-            return {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}
+            return float_quantization(expert_bits, expert_group_size, float_dtype)
         raise ConvertError(
             f"source quantization {qc.get('quant_method')}/{fmt} is not supported "
             "(supported: bf16/fp16/fp32 weights, compressed-tensors mxfp4 experts, or "
             "mlx-lm's own format as mlx_lm.convert writes it)"
         )
-    return {"mode": "affine", "bits": expert_bits, "group_size": expert_group_size}
+    return float_quantization(expert_bits, expert_group_size, float_dtype)
+
+
+def saved_layer_quantization(block: dict) -> dict:
+    """Each MoE layer's experts' quantization as mlx-lm's block says it (layer ->
+    quantization, `linears` for a linear quantized otherwise than the first), for
+    the layers with per-module entries (mlx-lm's mixed_* recipes: per layer)."""
+    per_layer: dict = {}  # layer -> linear -> quantization
+    for path in block:
+        if ".switch_mlp." in path and isinstance(block[path], dict):
+            where, _, linear = path.rpartition(".")
+            layer = int(next((p for p in where.split(".") if p.isdigit()), -1))
+            per_layer.setdefault(layer, {})[linear] = module_quantization(block, path)
+    out = {}
+    for layer in sorted(per_layer):
+        first = next(iter(per_layer[layer].values()))
+        own = {n: q for n, q in per_layer[layer].items() if q != first}
+        out[layer] = {**carried_quantization(first, "config.json"),
+                      **({"linears": own} if own else {})}
+    return out
+
+
+def cast_dtype(config: dict):
+    """The name of the dtype mlx_lm.convert casts floating weights to (None: they
+    are left as they are)."""
+    dtype = config.get("torch_dtype") or text_config(config).get("dtype")
+    return dtype if dtype in FLOATS else None
+
+
+def quantization_by_part(block: dict, expert_paths, experts=None) -> dict:
+    """What each part of a model is quantized as, from the quantization block of its
+    config.json (the default plus one entry per quantized module, as mlx_lm.convert
+    and deltafin-convert write it): part -> sorted names ("affine 4-bit/64",
+    "mxfp4"). Parts: attention, router, experts (modules under `expert_paths`, the
+    switch modules), embedding, head, other. gpt-oss's mlx-community form is
+    attention affine 4-bit/64, router affine 8-bit/64, experts mxfp4: the block's
+    default alone (mxfp4) says nothing of the first two. `experts`: the manifest's
+    record of them, which alone says they were kept in float (config.json then lists
+    them as not quantized)."""
+    parts = {}
+    for path, own in (block or {}).items():
+        if isinstance(own, dict):
+            q = module_quantization(block, path)
+            name = (f"affine {q['bits']}-bit/{q['group_size']}" if q["mode"] == "affine"
+                    else q["mode"])
+            parts.setdefault(_part(path, expert_paths), set()).add(name)
+    if (experts or {}).get("mode") == FLOAT_MODE:
+        parts["experts"] = {f"{experts['dtype']}, kept unquantized"}
+    order = ("attention", "router", "experts", "embedding", "head", "other")
+    return {p: sorted(parts[p]) for p in order if p in parts}
+
+
+def _part(path: str, expert_paths) -> str:
+    last = path.rsplit(".", 1)[-1]
+    if any(path.startswith(f"{e}.") for e in expert_paths):
+        return "experts"
+    if last in ("gate", "router"):
+        return "router"
+    if "attn" in path or "attention" in path:
+        return "attention"
+    if "embed" in last or "embed_tokens" in path:
+        return "embedding"
+    return "head" if last in ("lm_head", "output") else "other"
+
+
+def quantization_summary(parts: dict) -> str:
+    """quantization_by_part's `parts` in one line: what most parts are, then the
+    parts that differ ("affine 4-bit/64 except router affine 8-bit/64, experts
+    mxfp4"; "unquantized" for none)."""
+    if not parts:
+        return "unquantized"
+    named = [" + ".join(names) for names in parts.values()]
+    common = max(named, key=named.count)
+    others = [f"{p} {n}" for p, n in zip(parts, named) if n != common]
+    return common + (f" except {', '.join(others)}" if others else "")

@@ -95,7 +95,8 @@ def check_divisible(config: dict, sections, ranks: int, where=""):
     check_glu_sections(sections, where)
     by_name = {s.name: s for s in sections}
     width = by_name["gate_proj.weight"].shape[0]
-    group = width // by_name["down_proj.scales"].shape[1]
+    scales = by_name.get("down_proj.scales")  # none for float experts: any split is whole
+    group = width // scales.shape[1] if scales is not None else 1
     if width % (ranks * group):
         raise ModelError(f"{where}: {ranks} ranks do not divide the experts' intermediate size "
                          f"{width} into whole quantization groups of {group}")

@@ -20,6 +20,7 @@ from deltafin_mlx.format.links import ENTRY
 from deltafin_mlx.format.dtypes import ITEMSIZE
 
 from deltafin_mlx.format.bank import ALIGN
+from deltafin_mlx.format.record import input_size, linear_quant
 
 LINK_TABLE_SLACK = ALIGN  # a table's header (a few file names), beside its entries
 
@@ -60,7 +61,8 @@ def disk_routes(inv, quant: dict, shard_sizes: Optional[Dict[str, int]] = None,
         if linkable:  # stored as the record's sections, without their padding
             expert_src = sum(s.nbytes for s in inv.sections)
         else:
-            expert_src = sum(s.shape[0] * s.shape[1] * 32 // quant["bits"] * source_itemsize
+            expert_src = sum(s.shape[0] * source_itemsize
+                             * input_size(linear_quant(quant, s.name.rpartition(".")[0]), s.shape)
                              for s in inv.sections if s.name.endswith(".weight"))
         per_layer = {k: b + (expert_src * inv.num_experts if k.isdigit()
                              and int(k) in inv.moe_layers else 0)

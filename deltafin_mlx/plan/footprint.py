@@ -15,12 +15,12 @@ import mlx.core as mx
 from deltafin_mlx.format.bank import Section, record_size_of
 from deltafin_mlx.format.dtypes import FLOATS, ITEMSIZE, name_of
 from deltafin_mlx.plan.slots import slot_bytes
-from deltafin_mlx.format.record import expert_sections, linear_quant
-from deltafin_mlx.model.build import build_model, expert_recipe, quantize_like_mlx_lm, source_dtype
-from deltafin_mlx.model.config import experts_per_token, tied_embeddings
-from deltafin_mlx.model.modules import (LayerIndex, get_module, layer_paths, routed_expert_paths,
-                                        switch_linears)
-from deltafin_mlx.model.quantization import check_quantization, expert_quantization
+from deltafin_mlx.format.record import FLOAT_MODE, expert_sections, input_size, linear_quant
+from deltafin_mlx.model.build import build_moe, expert_recipe, quantize_like_mlx_lm, source_dtype
+from deltafin_mlx.model.config import tied_embeddings
+from deltafin_mlx.model.modules import LayerIndex, MoeShape, get_module, shared_width, switch_linears
+from deltafin_mlx.model.quantization import (check_quantization, expert_quantization,
+                                             mlx_lm_quantization, saved_layer_quantization)
 from deltafin_mlx.model.shard import expert_layout
 
 
@@ -44,8 +44,7 @@ class Inventory:
     embed_bytes: int  # the embedding table's share of the globals (rows read on demand)
     embed_tied: bool
     moe_layers: List[int]
-    num_experts: int
-    experts_per_token: int
+    moe: MoeShape
     record_size: int
     sections: List[Section]
     expert_weights: int  # matrix elements of one expert
@@ -54,9 +53,25 @@ class Inventory:
     # A source's trunk per unit as the checkpoint stores it (its dtype, unquantized):
     # what a download holds besides the experts (only from a config.json).
     source_unit_bytes: Dict[str, int] = field(default_factory=dict)
+    # Every MoE layer's record sections where they differ from layer to layer
+    # (mlx-lm's mixed_* recipes; empty otherwise). Its pool is then partitioned by
+    # layer (engine/cache.py): equal slots per layer, so one slot's bytes are the
+    # layers' mean (rounded up) and `record_size` the largest (the reader's buffers).
+    layer_sections: Dict[int, List[Section]] = field(default_factory=dict)
+
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts
+
+    @property
+    def experts_per_token(self) -> int:
+        return self.moe.experts_per_token
 
     @property
     def slot_bytes(self) -> int:
+        if self.layer_sections:
+            total = sum(slot_bytes(s, self.activation_dtype) for s in self.layer_sections.values())
+            return -(-total // len(self.layer_sections))
         return slot_bytes(self.sections, self.activation_dtype)
 
     @property
@@ -64,7 +79,14 @@ class Inventory:
         return sum(u.memory_bytes for u in self.units.values())
 
     @property
+    def mean_record_size(self) -> float:
+        """A record's bytes read, on average over the layers (equal but for mixed_*)."""
+        return self.expert_disk_bytes / (self.num_experts * len(self.moe_layers))
+
+    @property
     def expert_disk_bytes(self) -> int:
+        if self.layer_sections:
+            return self.num_experts * sum(record_size_of(s) for s in self.layer_sections.values())
         return self.record_size * self.num_experts * len(self.moe_layers)
 
 
@@ -125,18 +147,25 @@ def inventory_from_manifest(manifest, config: dict, act: mx.Dtype) -> Inventory:
     # The expert as one process holds it (a sliced record's slices put together).
     sections = expert_layout(manifest).for_rank(0, 1).held_sections
     quant = manifest.quantization["experts"]
+    shapes = {name: info["shape"] for name, info in manifest.tensors.items()}
+    moe = MoeShape(manifest.experts["experts_per_token"], manifest.experts["num_experts"],
+                   max(shared_width(shapes, manifest.switch_path(layer))
+                       for layer in manifest.moe_layers))
+    layers = {layer: [Section.from_dict(d) for d in manifest.layer_experts(layer)["sections"]]
+              for layer in manifest.moe_layers} if manifest.mixed else {}
     return Inventory(model_type=manifest.model_type,
                      config=config,
                      units=_build(by_unit, act),
                      embed_bytes=embed,
                      embed_tied=embeddings_tied(config, manifest.tensors),
                      moe_layers=manifest.moe_layers,
-                     num_experts=manifest.experts["num_experts"],
-                     experts_per_token=manifest.experts["experts_per_token"],
-                     record_size=manifest.experts["record_size"],
+                     moe=moe,
+                     record_size=max([manifest.experts["record_size"]] + [
+                         record_size_of(s) for s in layers.values()]),
                      sections=sections,
                      expert_weights=_expert_weights(sections, quant),
-                     activation_dtype=act)
+                     activation_dtype=act,
+                     layer_sections=layers)
 
 
 def embeddings_tied(config: dict, names) -> bool:
@@ -147,7 +176,7 @@ def embeddings_tied(config: dict, names) -> bool:
 
 
 def _expert_weights(sections: List[Section], quant: dict) -> int:
-    return sum(s.shape[0] * s.shape[1] * 32 // linear_quant(quant, s.name.rpartition(".")[0])["bits"]
+    return sum(s.shape[0] * input_size(linear_quant(quant, s.name.rpartition(".")[0]), s.shape)
                for s in sections if s.name.endswith(".weight"))
 
 
@@ -158,11 +187,9 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     from mlx.utils import tree_flatten, tree_map_with_path
 
     check_quantization(bits, group_size, expert_bits, expert_group_size)
-    model = build_model(config)
+    model, paths, switches, moe = build_moe(config)
     dtype = source_dtype(config)
-    paths = layer_paths(model)
     layer_of = LayerIndex(paths)
-    switches = routed_expert_paths(model, paths, config.get("model_type", "?"))
 
     def skip(p):
         return any(p == s or p.startswith(s + ".") for s in switches.values())
@@ -197,22 +224,27 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     quant = expert_quantization(config, expert_bits, expert_group_size)
     first = next(iter(switches.values()))
     linears = switch_linears(get_module(model, first))
-    if not quant.get("carried_over"):  # as the converter applies the model's recipe
+    if not quant.get("carried_over") and quant["mode"] != FLOAT_MODE:  # the model's recipe
         recipes = {n: expert_recipe(model, first, n, quant) for n in linears}
         own = {n: q for n, q in recipes.items() if q != recipes[next(iter(linears))]}
         quant = {**recipes[next(iter(linears))], **({"linears": own} if own else {})}
-    sections = expert_sections({k: v[1:] for k, v in linears.items()}, quant,
-                               name_of(dtype or mx.bfloat16))
+    shapes = {k: v[1:] for k, v in linears.items()}
+    sections = expert_sections(shapes, quant, name_of(dtype or mx.bfloat16))
+    block = mlx_lm_quantization(config)
+    by_layer = saved_layer_quantization(block) if block is not None else {}
+    layers = {layer: expert_sections(shapes, by_layer.get(layer, quant),
+                                     name_of(dtype or mx.bfloat16))
+              for layer in sorted(switches)} if len({str(q) for q in by_layer.values()}) > 1 else {}
     return Inventory(model_type=config.get("model_type", "?"),
                      config=config,
                      units=_build(by_unit, act),
                      embed_bytes=embed,
                      embed_tied=embeddings_tied(config, dict(tree_flatten(model.parameters()))),
                      moe_layers=sorted(switches),
-                     num_experts=next(iter(linears.values()))[0],
-                     experts_per_token=experts_per_token(config),
-                     record_size=record_size_of(sections),
+                     moe=moe,
+                     record_size=max(record_size_of(s) for s in [sections, *layers.values()]),
                      sections=sections,
                      expert_weights=_expert_weights(sections, quant),
                      activation_dtype=act,
-                     source_unit_bytes=source_units)
+                     source_unit_bytes=source_units,
+                     layer_sections=layers)

@@ -13,7 +13,9 @@ expert only when routed, and of the embedding table only a row per token. So:
   cache, then the embedding table is pinned if everything else fits.
 """
 
+import functools
 import os
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List
@@ -22,7 +24,8 @@ import mlx.core as mx
 
 from deltafin_mlx.plan.slots import max_slots as max_chunk_slots
 from deltafin_mlx.plan.slots import pool_limit
-from deltafin_mlx.model.config import experts_per_token, max_context, routed_experts, text_config
+from deltafin_mlx.model.config import max_context, text_config
+from deltafin_mlx.model.modules import MoeShape
 from deltafin_mlx.units import human_bytes, parse_size
 from deltafin_mlx.plan.footprint import Inventory
 from deltafin_mlx.errors import BudgetError
@@ -38,13 +41,6 @@ PROCESS_BYTES = 12 << 20
 # quarter of the working buffers holds a decode step's (docs/PERFORMANCE.md,
 # "Serving memory").
 BUFFER_CACHE_SHARE = 4
-
-
-def default_activation_dtype():
-    """The activation dtype a model is planned and run in unless told: float32 on
-    MLX's CPU backend (far faster there, and more accurate); None on a GPU, where
-    the model's own dtype is used."""
-    return mx.float32 if mx.default_device() == mx.cpu else None
 
 
 HEADROOM = 0.85  # of available memory, for the default budget
@@ -117,6 +113,18 @@ def default_budget() -> int:
     return min(budget, working_set()) if working_set() else budget
 
 
+@functools.lru_cache(maxsize=None)  # one line per budget, not one per plan made with it
+def warn_beyond_memory(budget: int) -> int:
+    """`budget`, after one line on stderr where it is more than the machine's memory
+    (a plan past it swaps, or the system kills the process)."""
+    total = physical_memory()
+    if total and budget > total:
+        print(f"[deltafin] warning: the memory budget {human_bytes(budget)} is more than this "
+              f"machine's memory ({human_bytes(total)}): past it the system swaps or kills "
+              "the process", file=sys.stderr)
+    return budget
+
+
 def state_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:
     """KV cache and recurrent state for one sequence of `context` tokens."""
     return sum(sequence_state(config, context, activation_dtype))
@@ -164,7 +172,8 @@ def round_context(tokens: int, limit=None, step: int = 256) -> int:
     return min(rounded, limit) if limit and tokens <= limit else rounded
 
 
-def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dtype) -> int:
+def prefill_bytes(config: dict, moe: MoeShape, step: int, context: int,
+                  activation_dtype: mx.Dtype) -> int:
     """Activations of one forward pass over `step` prompt tokens at `context`.
 
     Per token of the chunk: hidden-sized intermediates and the routed experts'
@@ -180,7 +189,7 @@ def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dt
     tc = text_config(config)
     size = activation_dtype.size
     hidden = tc.get("hidden_size", 0)
-    k = experts_per_token(config)
+    k = moe.experts_per_token
     expert = max(tc.get("moe_intermediate_size") or 0, tc.get("routed_expert_hidden_size") or 0)
     dense = tc.get("intermediate_size") or 0
     per_token = 16 * hidden * size + 4 * k * expert * size + 4 * dense * size
@@ -193,23 +202,22 @@ def prefill_bytes(config: dict, step: int, context: int, activation_dtype: mx.Dt
     return step * per_token
 
 
-def pass_bytes_per_token(config: dict, activation_dtype: mx.Dtype) -> int:
+def pass_bytes_per_token(config: dict, moe: MoeShape, activation_dtype: mx.Dtype) -> int:
     """What each token of a prefill pass holds while the pass goes through a layer
     (the whole pass goes through each layer before the next, engine/streaming_moe):
     its hidden state and the layer's hidden-sized intermediates, the router's
     scores, and the routed experts' outputs (k per token, written into one buffer,
-    then weighted by their scores), plus K3's attention-residual history."""
+    then weighted by their scores), what the block computes beside them (shared
+    experts), plus K3's attention-residual history."""
     tc = text_config(config)
     size = activation_dtype.size
     hidden = tc.get("hidden_size", 0)
-    k = experts_per_token(config)
-    experts = routed_experts(config)
-    shared = (tc.get("n_shared_experts") or tc.get("num_shared_experts") or 0) * max(
-        tc.get("moe_intermediate_size") or 0, tc.get("routed_expert_hidden_size") or 0)
+    k = moe.experts_per_token
     blocks = 0
     if tc.get("attn_res_block_size"):
         blocks = -(-tc.get("num_hidden_layers", 1) // tc["attn_res_block_size"])
-    return size * (3 * k * hidden + (8 + blocks) * hidden + 3 * shared) + 2 * 4 * experts
+    return size * (3 * k * hidden + (8 + blocks) * hidden + moe.shared_width) \
+        + 2 * 4 * moe.num_experts
 
 
 def pass_pool_slots(cache_slots: int, k: int) -> int:
@@ -220,12 +228,12 @@ def pass_pool_slots(cache_slots: int, k: int) -> int:
     return max(1, min(groups * k, cache_slots))
 
 
-def kept_pass_tokens(config: dict, step: int, context: int, activation_dtype: mx.Dtype,
-                     allowance: int) -> int:
+def kept_pass_tokens(config: dict, moe: MoeShape, step: int, context: int,
+                     activation_dtype: mx.Dtype, allowance: int) -> int:
     """Prompt tokens the prefill allowance holds beside one chunk's activations: what
     the plan reserves for a pass beside the expert cache (at least one chunk)."""
-    room = allowance - prefill_bytes(config, step, context, activation_dtype)
-    n = room // max(pass_bytes_per_token(config, activation_dtype), 1)
+    room = allowance - prefill_bytes(config, moe, step, context, activation_dtype)
+    n = room // max(pass_bytes_per_token(config, moe, activation_dtype), 1)
     return int(max(step, min(n, MAX_PASS, context)))
 
 
@@ -243,26 +251,29 @@ def prefill_pass_tokens(config: dict, plan: "MemoryPlan", activation_dtype: mx.D
     """Prompt tokens per prefill pass: the pass holds the KV/state its prompt keeps
     (the plan's, at its context) and one attention chunk's activations; at most the
     context."""
-    held = plan.state_bytes + prefill_bytes(config, plan.prefill_step, plan.context,
+    held = plan.state_bytes + prefill_bytes(config, plan.moe, plan.prefill_step, plan.context,
                                             activation_dtype)
-    tokens = pass_tokens(plan, held, pass_bytes_per_token(config, activation_dtype), keep_cache)
+    tokens = pass_tokens(plan, held, pass_bytes_per_token(config, plan.moe, activation_dtype),
+                         keep_cache)
     return min(tokens, max(plan.context, plan.prefill_step))
 
 
-def min_prefill_bytes(config: dict, context: int, activation_dtype: mx.Dtype) -> int:
+def min_prefill_bytes(config: dict, moe: MoeShape, context: int,
+                      activation_dtype: mx.Dtype) -> int:
     """What the smallest prefill chunk and pass need beyond WORKING_BYTES (part of
     the floor)."""
     step = PREFILL_STEPS[-1]
-    need = (prefill_bytes(config, step, context, activation_dtype)
-            + step * pass_bytes_per_token(config, activation_dtype))
+    need = (prefill_bytes(config, moe, step, context, activation_dtype)
+            + step * pass_bytes_per_token(config, moe, activation_dtype))
     return max(0, need - WORKING_BYTES)
 
 
-def prefill_step(config: dict, context: int, activation_dtype: mx.Dtype, allowance: int) -> int:
+def prefill_step(config: dict, moe: MoeShape, context: int, activation_dtype: mx.Dtype,
+                 allowance: int) -> int:
     """The largest prefill chunk whose activations fit in `allowance` (the smallest
     when none does: the floor holds its activations)."""
     for step in PREFILL_STEPS:
-        if prefill_bytes(config, step, context, activation_dtype) <= allowance:
+        if prefill_bytes(config, moe, step, context, activation_dtype) <= allowance:
             return step
     return PREFILL_STEPS[-1]
 
@@ -298,6 +309,7 @@ class MemoryPlan:
     # expert and a pass reads nothing), and the cache bytes the pass gets beyond them.
     pass_slots: int = 0
     pass_released_bytes: int = 0
+    shared_width: int = 0  # MoeShape's
     # Tokens a pass holds beside the cache: a call of no more keeps the cache (its
     # experts serve the pass and decoding after it, a warm start's among them).
     pass_kept_tokens: int = PREFILL_STEPS[-1]
@@ -306,6 +318,10 @@ class MemoryPlan:
     # the buffers they stream through (engine/trunk_pass.py).
     pass_trunk: List[str] = field(default_factory=list)
     pass_trunk_bytes: int = 0
+
+    @property
+    def moe(self) -> MoeShape:
+        return MoeShape(self.experts_per_token, self.num_experts, self.shared_width)
 
     @property
     def cache_bytes(self) -> int:
@@ -385,11 +401,14 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     """`sequences`: how many sequences are decoded together (a batch job), each with
     its own KV/recurrent state; "auto" picks it with `choose_sequences`, at most
     `max_sequences` (a job with 3 requests left reserves state for 3, not 32)."""
-    budget = default_budget() if budget is None else parse_size(budget)
+    budget = default_budget() if budget is None else warn_beyond_memory(parse_size(budget))
     check_context(context, inv.config)
     k = inv.experts_per_token
     one = inv.slot_bytes
     all_experts = inv.num_experts * len(inv.moe_layers)
+    # Experts laid out differently from layer to layer live in a pool partitioned
+    # by layer (engine/cache.py): every layer has room for one token's experts.
+    per = len(inv.moe_layers) if inv.layer_sections else 1
     recurrent, kv = sequence_state(inv.config, context, inv.activation_dtype)
     if sequences == "auto":
         sequences = choose_sequences(inv, budget, context, reader_threads, stream_trunk,
@@ -404,10 +423,12 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     candidates = streamable_units(inv) if stream_trunk else []
     on_demand_ok = stream_trunk and not inv.embed_tied and inv.embed_bytes > 0
     res, ring, _ = _trunk_layout(inv, set(candidates), on_demand_ok)
-    min_prefill = min_prefill_bytes(inv.config, context, inv.activation_dtype)
+    min_prefill = min_prefill_bytes(inv.config, inv.moe, context, inv.activation_dtype)
     # The smallest prefill chunk's activations count as working buffers.
     floor_parts = {"resident trunk": res, "streamed-layer buffers": ring, "KV/state": state,
-                   "working buffers": working + min_prefill, "one token's experts": k * one}
+                   "working buffers": working + min_prefill,
+                   ("one token's experts in each layer" if per > 1 else "one token's experts"):
+                   k * per * one}
     floor = sum(floor_parts.values())
     if budget < floor:
         prefill = (f", prefill activations {min_prefill / 1e9:.3f} GB"
@@ -418,7 +439,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
             + " + ".join(f"{what} {human_bytes(n)}" for what, n in floor_parts.items())
             + f"; KV/state at {context} tokens of context"
             + (f" x {sequences} sequences" if sequences > 1 else "")
-            + f", {k} experts per token{prefill})"
+            + f", {k} experts per token{prefill}); a smaller --context lowers it"
         )
 
     # Prefill activations, in WORKING_BYTES (and the floor's share) or up to 1/16 of
@@ -428,10 +449,12 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     allowance = max(least, min(budget // PREFILL_SHARE, budget - floor + least))
     # Half of it bounds the attention chunk, the rest holds the pass: a pass reads
     # each expert once, a bigger chunk only saves calls.
-    step = prefill_step(inv.config, context, inv.activation_dtype, allowance // 2)
-    passing = kept_pass_tokens(inv.config, step, context, inv.activation_dtype, allowance)
-    extra = max(0, prefill_bytes(inv.config, step, context, inv.activation_dtype)
-                + passing * pass_bytes_per_token(inv.config, inv.activation_dtype) - WORKING_BYTES)
+    step = prefill_step(inv.config, inv.moe, context, inv.activation_dtype, allowance // 2)
+    passing = kept_pass_tokens(inv.config, inv.moe, step, context, inv.activation_dtype,
+                               allowance)
+    extra = max(0, prefill_bytes(inv.config, inv.moe, step, context, inv.activation_dtype)
+                + passing * pass_bytes_per_token(inv.config, inv.moe, inv.activation_dtype)
+                - WORKING_BYTES)
     fixed += extra
 
     # Pin trunk layers while they fit (each saves its size in reads per token),
@@ -440,16 +463,25 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     while streamed:
         trial = set(streamed[:-1])
         r, g, _ = _trunk_layout(inv, trial, on_demand_ok)
-        if fixed + r + g + k * one > budget:
+        if fixed + r + g + k * per * one > budget:
             break
         streamed.pop()
     res, ring, read = _trunk_layout(inv, set(streamed), on_demand_ok)
     spare = budget - (fixed + res + ring)
-    limit = pool_limit(len(inv.moe_layers), k, inv.num_experts,
-                       max_chunk_slots(inv.sections, inv.activation_dtype))
+    limit = pool_limit(len(inv.moe_layers), k, inv.num_experts, min(
+        max_chunk_slots(s, inv.activation_dtype)
+        for s in [inv.sections, *inv.layer_sections.values()]))
     slots = min(all_experts, spare // one, limit)
     if max_slots is not None:
         slots = min(slots, max_slots)
+    if per > 1:  # equal partitions
+        slots = slots // per * per
+        if slots < k * per:
+            raise BudgetError(("memory budget: " if max_slots is None else
+                               f"--cache-slots {max_slots}: ")
+                              + "this model's experts are quantized differently from layer "
+                              f"to layer and need at least {k * per} cache slots (one "
+                              "token's experts in each layer)")
     embed_on_demand = on_demand_ok
     if on_demand_ok and slots == all_experts and not streamed:
         if spare - slots * one >= inv.embed_bytes:
@@ -459,7 +491,8 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
     # The cache is decode's: during a pass each expert is read once whatever it
     # holds, so it gives its slots back (engine/pass_pool.py) and the pass has them
     # but for its own groups of experts. A cache of every expert stays.
-    pass_slots = 0 if slots >= all_experts else pass_pool_slots(int(slots), k)
+    # (Per-layer layouts keep the cache through a pass: its pool would need one per layout.)
+    pass_slots = 0 if slots >= all_experts or per > 1 else pass_pool_slots(int(slots), k)
     released = (int(slots) - pass_slots) * one if pass_slots else 0
     # Such a pass streams the pinned layers of each shape that has more of them
     # than its buffers, through buffers of its own (engine/trunk_pass.py).
@@ -473,6 +506,7 @@ def plan_memory(inv: Inventory, budget, context: int = 4096, reader_threads: int
         pinned=pinned, streamed=streamed, ring_bytes=ring, embed_on_demand=embed_on_demand,
         embed_bytes=inv.embed_bytes, resident_bytes=res, slot_bytes=one, slots=int(slots),
         floor=floor, experts_per_token=k, num_experts=inv.num_experts,
+        shared_width=inv.moe.shared_width,
         moe_layers=len(inv.moe_layers), streamed_read_bytes=read, floor_parts=floor_parts,
         sequences=sequences, sequence_recurrent_bytes=recurrent, sequence_kv_bytes=kv,
         prefill_step=step, prefill_bytes=extra, pass_slots=pass_slots,

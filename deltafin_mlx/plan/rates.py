@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -101,13 +101,12 @@ def cached_rate(key: str, measure: Callable[[], float], remeasure: bool = False
     return store_rate(key, measure())
 
 
-def store_rate(key: str, value: float, how: str = None) -> Tuple[float, dict]:
-    """Cache `value` under `key` (`how`: what measured it, when not the rate's own
-    microbenchmark, e.g. a bench run); returns it with its entry as cached_rate does."""
+def store_rate(key: str, value: float, **more) -> Tuple[float, dict]:
+    """Cache `value` under `key` (`more`: fields beside it, e.g. a calibration's
+    `how` and `runs`); returns it with its entry as cached_rate does."""
     entries = _read(quiet=True)
-    entry = {"value": value, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if how:
-        entry["how"] = how
+    entry = {"value": value, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             **more}
     entries[key] = entry
     try:  # a cache that cannot be written only means measuring again next time
         rates_file().parent.mkdir(parents=True, exist_ok=True)
@@ -119,10 +118,32 @@ def store_rate(key: str, value: float, how: str = None) -> Tuple[float, dict]:
     return value, {**entry, "cached": False, "file": str(rates_file())}
 
 
-def layer_key(dtype) -> str:
-    """The per-layer cost of a decode step: the machine, MLX's device and version."""
+def layer_key(dtype, model: str = "") -> str:
+    """The per-layer cost of a decode step: the machine, MLX's device and version,
+    and for a bench's calibration the model (its manifest's digest): one model's
+    cost says little of another's."""
     return (f"layer:{platform.node()}:{platform.machine()}:{mx.default_device()}:"
-            f"mlx-{mx.__version__}:{str(dtype).split('.')[-1]}")
+            f"mlx-{mx.__version__}:{str(dtype).split('.')[-1]}"
+            + (f":model-{model}" if model else ""))
+
+
+def calibration(key: str) -> Optional[dict]:
+    """The entry a bench calibrated under `key` (layer_key with a model), or None."""
+    entry = _read().get(key)
+    return entry if isinstance(entry, dict) and _plausible(key, entry.get("value")) else None
+
+
+def store_calibration(key: str, seconds: float, how: str) -> Optional[dict]:
+    """Average one bench run's per-layer cost into `key`'s calibration (its entry
+    says of how many runs it is the mean). A cost that is no plausible measurement
+    (0: the run left no time beyond the weights' arithmetic and its reads) is not
+    stored: None."""
+    if not _plausible(key, seconds):
+        return None
+    old = calibration(key)
+    runs = int(old.get("runs", 1)) if old else 0
+    mean = (old["value"] * runs + seconds) / (runs + 1) if old else seconds
+    return store_rate(key, mean, how=how, runs=runs + 1)[1]
 
 
 def measure_layer_seconds(act: mx.Dtype = mx.float32, ops: int = 30, dim: int = 256) -> float:

@@ -8,6 +8,7 @@ decode_rates) to set the measured speed beside it. The disk and compute rates ar
 measured once per machine and cached (plan/rates.py), unless given.
 """
 
+from collections import Counter
 import os
 import tempfile
 from dataclasses import dataclass, fields
@@ -15,22 +16,20 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Optional
 
-import mlx.core as mx
-
-from deltafin_mlx.format.dtypes import mlx_dtype, name_of
+from deltafin_mlx.format.dtypes import compute_dtype, name_of
 from deltafin_mlx.format.hub import (SOURCE_PATTERNS, HubError, fetch_config, list_repo,
                                      looks_like_hub_id)
 from deltafin_mlx.format.manifest import MANIFEST_NAME, ModelError
 from deltafin_mlx.format.model_dir import open_model_dir, read_source_config
+from deltafin_mlx.format.record import FLOAT_MODE
 from deltafin_mlx.model.build import source_dtype
 from deltafin_mlx.model.config import check_config, max_context
 from deltafin_mlx.model.quantization import expert_quantization
 from deltafin_mlx.model.shard import expert_layout, sharded_inventory
 from deltafin_mlx.plan.disk import disk_routes, itemsize_of
 from deltafin_mlx.plan.footprint import inventory_from_config, inventory_from_manifest
-from deltafin_mlx.plan.memory import (check_context, choose_sequences, default_activation_dtype,
-                                      plan_memory)
-from deltafin_mlx.plan.rates import (cached_rate, compute_key, disk_key, layer_key,
+from deltafin_mlx.plan.memory import check_context, choose_sequences, plan_memory
+from deltafin_mlx.plan.rates import (cached_rate, calibration, compute_key, disk_key, layer_key,
                                      measure_compute_gwps, measure_disk_gbps,
                                      measure_layer_seconds)
 from deltafin_mlx.plan.scoring import scoring_plan
@@ -62,7 +61,7 @@ class PlanOptions:
     context: int = 4096
     sequences: object = 1  # a number, or "auto"
     ranks: int = 1
-    dtype: Optional[str] = None  # a name of format.dtypes.FLOATS; None: default_activation_dtype's
+    activation_dtype: str = "auto"  # a name of format.dtypes.ACTIVATION_DTYPES
     revision: Optional[str] = None
     bits: Optional[int] = None
     group_size: Optional[int] = None
@@ -100,7 +99,6 @@ def plan_report(options: PlanOptions) -> dict:
     """The plan report of `options.model`, as `deltafin-run plan --json` prints it:
     every figure per rank (`ranks`), each rate with where it came from."""
     target = Path(options.model).expanduser()
-    act = mlx_dtype(options.dtype) if options.dtype else default_activation_dtype()
     given = {k: getattr(options, k) for k in CONVERSION_OPTIONS}
     bank = None
     routes = None  # a converted model has taken its route
@@ -112,25 +110,28 @@ def plan_report(options: PlanOptions) -> dict:
         manifest, config = model_dir.manifest, model_dir.config
         named = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
         if named:
-            q = manifest.quantization
+            q, ex = manifest.quantization, manifest.quantization["experts"]
             raise ModelError(
                 f"{' '.join(named)}: {target} is already converted (trunk "
                 + (f"{q['trunk']['bits']}-bit" if q.get("trunk") else "unquantized")
-                + f", experts {q['experts']['mode']} {q['experts']['bits']}-bit); these options "
+                + ", experts " + (ex["dtype"] if ex["mode"] == FLOAT_MODE
+                                  else f"{ex['mode']} {ex['bits']}-bit") + "); these options "
                 "plan a source: pass its config.json or hub id instead")
         check_context(options.context, config)
-        act = act or getattr(mx, manifest.dtype)
+        saved = manifest.dtype
+        act = compute_dtype(options.activation_dtype, saved)
         inv = inventory_from_manifest(manifest, config, act)
         layout = expert_layout(manifest)
         bank = None if manifest.linked else manifest.bank_path(manifest.moe_layers[0])
-        source = str(target)
+        source, model_id = str(target), manifest.digest
     else:
         config_path = _config_path(target, options.model, options.revision)
         config = read_source_config(config_path)
         check_config(config, config_path)
         check_context(options.context, config)
         opts = {k: CONVERSION_OPTIONS[k] if v is None else v for k, v in given.items()}
-        act = act or mx.bfloat16
+        saved = name_of(source_dtype(config) or "bfloat16")
+        act = compute_dtype(options.activation_dtype, saved)
         inv = inventory_from_config(config, act, bits=opts["bits"] or None,
                                     group_size=opts["group_size"],
                                     expert_bits=opts["expert_bits"],
@@ -138,6 +139,7 @@ def plan_report(options: PlanOptions) -> dict:
         layout = None  # as deltafin-convert --ranks N would write it
         source = options.model if not target.exists() else str(config_path)
         routes = _disk_routes(inv, config, opts, target, options.model, options.revision)
+        model_id = ""  # not converted: no bench has run it
     ranks = options.ranks
     whole = inv
     if ranks > 1:
@@ -150,7 +152,7 @@ def plan_report(options: PlanOptions) -> dict:
     remeasure = options.remeasure
     disk, disk_from = disk_rate(options.disk_gbps, bank, source, remeasure)
     compute, compute_from, layer, layer_from = decode_rates(
-        inv, act, options.compute_gwps, options.layer_ms, remeasure)
+        inv, act, options.compute_gwps, options.layer_ms, remeasure, model_id)
     mode, group = matvec_kind(inv)
     if options.prefill_gwps:
         batched, batched_from = options.prefill_gwps, "given"
@@ -164,7 +166,9 @@ def plan_report(options: PlanOptions) -> dict:
             remeasure)
         batched_from = _rate_origin(entry)
     streamed = [int(k) for k in plan.streamed]
-    chunk = max_slots(inv.sections, act)
+    chunk = min(max_slots(s, act) for s in [inv.sections, *inv.layer_sections.values()])
+    alike = Counter(tuple(s) for s in inv.layer_sections.values())  # mixed_*: per layout
+    groups = [(n, max_slots(s, act)) for s, n in alike.items()] if alike else None
     limit = pool_limit(len(inv.moe_layers), inv.experts_per_token, inv.num_experts, chunk)
     scoring = scoring_plan(inv.config, plan, act)
     return {
@@ -174,6 +178,7 @@ def plan_report(options: PlanOptions) -> dict:
         "whole_expert_record_bytes": whole.record_size,
         "model_type": inv.model_type,
         "activation_dtype": name_of(act),
+        "model_dtype": saved,  # what mlx-lm computes in (--activation-dtype model)
         "budget_bytes": plan.budget,
         "context": plan.context,
         "max_context": max_context(inv.config),
@@ -204,7 +209,8 @@ def plan_report(options: PlanOptions) -> dict:
         "expert_cache_bytes": plan.cache_bytes,
         "expert_cache_fraction": plan.cache_fraction,
         "expert_cache_arrays": len(pool_chunks(plan.slots, len(inv.moe_layers),
-                                               inv.experts_per_token, inv.num_experts, chunk)),
+                                               inv.experts_per_token, inv.num_experts, chunk,
+                                               groups)),
         "expert_slots_per_array": chunk,
         "expert_pool_limit_slots": limit,
         "disk_gbps": disk,
@@ -266,10 +272,11 @@ def matvec_kind(inv):
     return mode, 32 if mode == "mxfp4" else 64
 
 
-def decode_rates(inv, act, compute_gwps=None, layer_ms=None, remeasure=False):
+def decode_rates(inv, act, compute_gwps=None, layer_ms=None, remeasure=False, model=""):
     """(matvec G weights/s, where from, per-layer seconds, where from): given
-    (--compute-gwps / --layer-ms), else cached (measured once; bench calibrates the
-    per-layer cost)."""
+    (--compute-gwps / --layer-ms), else cached (measured once); the per-layer cost
+    is what bench calibrated for `model` (a manifest digest) where it has, else the
+    machine's microbenchmark."""
     mode, group = matvec_kind(inv)
     if compute_gwps:
         compute, compute_from = compute_gwps, "given"
@@ -282,6 +289,11 @@ def decode_rates(inv, act, compute_gwps=None, layer_ms=None, remeasure=False):
         layer, layer_from = layer_ms / 1e3, "given"
     elif compute_gwps:
         layer, layer_from = 0.0, "not counted for a machine described by hand (give --layer-ms)"
+    elif model and calibration(layer_key(act, model)):
+        entry = calibration(layer_key(act, model))
+        layer = entry["value"]
+        layer_from = (f"calibrated by deltafin-run bench on this model (the mean of "
+                      f"{entry.get('runs', 1)} runs, the last {entry['measured']})")
     else:
         layer, entry = cached_rate(layer_key(act), lambda: measure_layer_seconds(act), remeasure)
         layer_from = _rate_origin(entry) + (f", {entry['how']}" if entry.get("how") else

@@ -43,7 +43,8 @@ def block_room(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype) -> in
     """What a prefill pass holds beside its tokens (its prompt's KV/state, one
     attention chunk, and whatever its cap at the context leaves): the room a
     scoring pass's transient blocks take their shares of."""
-    return (plan.pass_room() - plan.prefill_pass * pass_bytes_per_token(config, activation_dtype))
+    return (plan.pass_room()
+            - plan.prefill_pass * pass_bytes_per_token(config, plan.moe, activation_dtype))
 
 
 def logit_rows(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype) -> int:
@@ -66,7 +67,7 @@ def attention_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype,
     most MAX_ATTENTION_TOKENS; at least the plan's attention chunk."""
     room = block_room(config, plan, activation_dtype) // ATTENTION_SHARE
     context = max(plan.prefill_step, longest)
-    per_token = max(prefill_bytes(config, 1, context, activation_dtype), 1)
+    per_token = max(prefill_bytes(config, plan.moe, 1, context, activation_dtype), 1)
     return int(max(plan.prefill_step, min(room // per_token, MAX_ATTENTION_TOKENS)))
 
 
@@ -81,14 +82,14 @@ def scoring_pass_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dty
     call's."""
     step = plan.prefill_step
     group = attention_tokens(config, plan, activation_dtype, longest)
-    per_token = pass_bytes_per_token(config, activation_dtype)
+    per_token = pass_bytes_per_token(config, plan.moe, activation_dtype)
     if longest > group:
         # A group of rows keeps one layer's KV for its texts while it is attended
         # (engine/chunked_attention), nothing after: a layer's share per token.
         recurrent, kv = sequence_state(config, longest, activation_dtype)
         layers = max(text_config(config).get("num_hidden_layers", 1), 1)
         per_token += -(-(recurrent + kv) // (longest * layers))
-    held = (prefill_bytes(config, group, max(step, longest), activation_dtype)
+    held = (prefill_bytes(config, plan.moe, group, max(step, longest), activation_dtype)
             + logit_rows(config, plan, activation_dtype) * _row_bytes(config))
     return max(longest, pass_tokens(plan, held, per_token))
 
@@ -103,9 +104,10 @@ def long_text_tokens(config: dict, plan: MemoryPlan, activation_dtype: mx.Dtype,
     step = plan.prefill_step
     recurrent, kv = sequence_state(config, length, activation_dtype)
     # mlx-lm's KV cache grows by copying into a bigger buffer: twice the KV at peak.
-    held = (recurrent + 2 * kv + prefill_bytes(config, step, max(step, length), activation_dtype)
+    held = (recurrent + 2 * kv
+            + prefill_bytes(config, plan.moe, step, max(step, length), activation_dtype)
             + logit_rows(config, plan, activation_dtype) * _row_bytes(config))
-    tokens = pass_tokens(plan, held, pass_bytes_per_token(config, activation_dtype))
+    tokens = pass_tokens(plan, held, pass_bytes_per_token(config, plan.moe, activation_dtype))
     return tokens // step * step
 
 

@@ -39,26 +39,35 @@ def layer_partition(num_slots: int, num_layers: int, experts_per_token: int,
 
 
 def pool_chunks(num_slots: int, num_layers: int, experts_per_token: int, num_experts: int,
-                chunk_limit: int):
+                chunk_limit: int, groups=None):
     """How a pool of `num_slots` is split into sets of slot arrays ("chunks") of at
     most `chunk_limit` slots each: a list of (first slot, slots). One chunk when it
     fits. Otherwise the pool is partitioned by layer, and chunks are cut at
     partition boundaries, so that every layer's experts live in one chunk and its
     computation is one mlx-lm call over that chunk, as with a single chunk.
+    `groups`: where layers are laid out differently (mlx-lm's mixed_* recipes), the
+    pool is partitioned, and each group of layers laid out alike, (layers, its chunk
+    limit) in pool order, has chunks of its own.
     Raises ValueError where that is impossible (see `pool_limit`)."""
-    if num_slots <= chunk_limit:
-        return [(0, num_slots)]
-    limit = pool_limit(num_layers, experts_per_token, num_experts, chunk_limit)
-    if num_slots > limit:
-        raise ValueError(f"an expert pool of {num_slots} slots cannot be allocated: at most "
-                         f"{limit}")
+    if groups is None:
+        if num_slots <= chunk_limit:
+            return [(0, num_slots)]
+        limit = pool_limit(num_layers, experts_per_token, num_experts, chunk_limit)
+        if num_slots > limit:
+            raise ValueError(f"an expert pool of {num_slots} slots cannot be allocated: at "
+                             f"most {limit}")
+        groups = [(num_layers, chunk_limit)]
     share = layer_partition(num_slots, num_layers, experts_per_token, num_experts)
-    per_chunk = chunk_limit // share
+    if share is None:
+        raise ValueError(f"{num_slots} slots are below one token's experts in each of the "
+                         f"{num_layers} layers, which layers laid out differently need")
     chunks, start = [], 0
-    for first in range(0, num_layers, per_chunk):
-        n = min(per_chunk, num_layers - first) * share
-        chunks.append((start, n))
-        start += n
+    for layers, limit in groups:
+        per_chunk = limit // share
+        for first in range(0, layers, per_chunk):
+            n = min(per_chunk, layers - first) * share
+            chunks.append((start, n))
+            start += n
     return chunks
 
 

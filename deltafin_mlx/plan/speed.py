@@ -57,11 +57,11 @@ def project(inv: Inventory, plan: MemoryPlan, disk_gbps: float, compute_gwps: fl
     overhead = decoder_layers(inv) * layer_seconds
     compute = weights / (compute_gwps * 1e9) + overhead
     routed = len(inv.moe_layers) * inv.experts_per_token
-    read = plan.streamed_read_bytes + routed * (1 - plan.cache_fraction) * inv.record_size
+    read = plan.streamed_read_bytes + routed * (1 - plan.cache_fraction) * inv.mean_record_size
     io = read / (disk_gbps * 1e9)
     hit = real_routing_hit_rate(plan.slots, len(inv.moe_layers), inv.experts_per_token,
                                 plan.cache_fraction)
-    real_read = plan.streamed_read_bytes + routed * (1 - hit) * inv.record_size
+    real_read = plan.streamed_read_bytes + routed * (1 - hit) * inv.mean_record_size
     real_io = real_read / (disk_gbps * 1e9)
     return {"weights_per_token": weights,
             "compute_seconds": compute,
@@ -95,8 +95,8 @@ def project_prefill(inv: Inventory, plan: MemoryPlan, prompt_tokens: int, disk_g
     while left > 0:
         tokens = min(left, pass_tokens or plan.prefill_pass)
         union = distinct_experts(tokens, inv.num_experts, inv.experts_per_token)
-        pass_read = (len(inv.moe_layers) * union * (1 - plan.cache_fraction) * inv.record_size
-                     + plan.streamed_read_bytes)
+        pass_read = (len(inv.moe_layers) * union * (1 - plan.cache_fraction)
+                     * inv.mean_record_size + plan.streamed_read_bytes)
         compute = tokens * weights / (compute_gwps * 1e9)
         seconds += max(compute, pass_read / (disk_gbps * 1e9))
         read += pass_read

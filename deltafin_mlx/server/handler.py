@@ -360,7 +360,7 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
         """Score the prompts (echo, prompt_logprobs); True when that answers the
         request (or refused it), False when its reply is still to be generated
         (then `prompt_scores` holds the prompt's)."""
-        chat, tok = COMPLETIONS[path], self.settings.tokenizer
+        chat = COMPLETIONS[path]
         if not self.settings.scoring:
             self.refuse(400, "echo and prompt_logprobs are not served under mlx.launch")
             return True

@@ -2,8 +2,6 @@
 prompt cache, the whole prompt in one call, then one token at a time; and the model
 they compare Deltafin's with, `load_resident`: mlx-lm's, wholly in memory."""
 
-from typing import Optional
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -13,10 +11,9 @@ from deltafin_mlx.engine.linked_reader import LinkedSources
 from deltafin_mlx.engine.load import check_against_manifest, guard_token_ids, switch_shapes
 from deltafin_mlx.format.aligned import aligned_empty
 from deltafin_mlx.format.bank import read_layout
-from deltafin_mlx.format.dtypes import NUMPY, to_mlx
+from deltafin_mlx.format.dtypes import NUMPY, compute_dtype, to_mlx
 from deltafin_mlx.format.model_dir import open_model_dir
 from deltafin_mlx.model.build import build_model, quantize_like_config
-from deltafin_mlx.plan.memory import default_activation_dtype
 
 
 def greedy(model, prompt: mx.array, steps: int):
@@ -33,7 +30,7 @@ def greedy(model, prompt: mx.array, steps: int):
     return np.array(mx.stack(tokens, axis=1)), mx.stack(all_logits, axis=1)
 
 
-def greedy_streamed(directory, prompt: mx.array, steps: int):
+def greedy_streamed(directory, prompt: mx.array, steps: int, activation_dtype="auto"):
     """`greedy` of the converted model at `directory`, loaded with an expert cache
     of a quarter of its experts; fails unless experts were read while decoding."""
     from deltafin_mlx.engine.load import load
@@ -42,7 +39,8 @@ def greedy_streamed(directory, prompt: mx.array, steps: int):
 
     m = read_manifest(directory)
     slots = max(m.experts["num_experts"] * len(m.moe_layers) // 4, 1)
-    model, _ = load(directory, cache_slots=slots, tokenizer=False)
+    model, _ = load(directory, cache_slots=slots, tokenizer=False,
+                    activation_dtype=activation_dtype)
     try:
         tokens, logits = greedy(model, prompt, steps)
         assert runtime(model).stats.misses > 0, "no expert was read: nothing streamed"
@@ -71,7 +69,7 @@ def _gather_linked(manifest) -> list:
     return weights
 
 
-def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Module:
+def load_resident(path, activation_dtype="auto") -> nn.Module:
     """The whole model in memory: mlx-lm's model class with every bank gathered
     back into its stacked `switch_mlp` tensors. For checks and comparisons."""
     model_dir = open_model_dir(path)
@@ -79,7 +77,7 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
     model = build_model(config, path)
     switches = switch_shapes(model, manifest)
     quantize_like_config(model, config)
-    check_against_manifest(model, config, manifest, switches)
+    check_against_manifest(model, manifest, switches)
     weights = []
     if manifest.linked is not None:
         weights = _gather_linked(manifest)
@@ -94,8 +92,7 @@ def load_resident(path, activation_dtype: Optional[mx.Dtype] = "auto") -> nn.Mod
     for rel in sorted(set(manifest.trunk_files.values())):
         weights.extend(mx.load(str(path / rel)).items())
     model.load_weights(weights, strict=True)
-    if activation_dtype == "auto":
-        activation_dtype = default_activation_dtype()
+    activation_dtype = compute_dtype(activation_dtype)
     if activation_dtype is not None:
         model.set_dtype(activation_dtype)
     mx.eval(model.parameters())

@@ -53,12 +53,12 @@ def demo_plan(model_dir, budget=None, reader_threads: int = 1):
     """A plan whose budget holds the trunk and a quarter of the experts (the same
     plan `load` then makes from that budget), for the opened demo model; a
     `budget` given is planned as it is."""
-    from deltafin_mlx.format.dtypes import mlx_dtype
+    from deltafin_mlx.format.dtypes import compute_dtype
     from deltafin_mlx.plan.footprint import inventory_from_manifest
-    from deltafin_mlx.plan.memory import default_activation_dtype, plan_memory
+    from deltafin_mlx.plan.memory import plan_memory
 
     m = model_dir.manifest
-    act = default_activation_dtype() or mlx_dtype(m.dtype)
+    act = compute_dtype("auto", m.dtype)
     inv = inventory_from_manifest(m, model_dir.config, act)
     if budget is None:
         plan = plan_memory(inv, 1 << 50, reader_threads=reader_threads)

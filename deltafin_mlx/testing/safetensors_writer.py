@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from deltafin_mlx.format.dtypes import NUMPY, SAFETENSORS, nbytes
+from deltafin_mlx.format.dtypes import ITEMSIZE, NUMPY, SAFETENSORS
 
 # Rows of a tensor generated at once: bounds memory for huge embeddings.
 _CHUNK_ELEMENTS = 1 << 22
@@ -35,7 +35,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return nbytes(SAFETENSORS[self.dtype], self.shape)
+        return ITEMSIZE[SAFETENSORS[self.dtype]] * math.prod(self.shape)
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:

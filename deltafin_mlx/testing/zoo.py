@@ -4,8 +4,10 @@ own format (what `mlx_lm.convert` writes: float, or 4-bit affine).
 `moe_types()` enumerates mlx-lm's `models/` folder: a model type is an MoE type when
 its module, or a module of mlx-lm's it builds on, imports `switch_layers` (the home
 of SwitchGLU/SwitchMLP). MODEL_REMAPPING's aliases (kimi_k2 -> deepseek_v3) are
-types of their own, looked up as mlx-lm looks them up. `CONFIGS` holds one small
-config.json per type; `build` makes the model with mlx-lm's own class and random
+types of their own, looked up as mlx-lm looks them up. `config` gives one small
+config.json per type, carrying only the keys mlx-lm's classes of that type declare
+(as the family's published config.json names them: ERNIE's `moe_k`, Step's
+`moe_top_k`), never every family's name for a number at once; `build` makes the model with mlx-lm's own class and random
 weights in which the experts decide the tokens: every parameter mlx-lm initialises
 to a constant (routers, score-correction and expert biases, sinks, norms) gets
 random values, so routing varies across tokens, and expert weights are scaled up.
@@ -75,8 +77,8 @@ def moe_types() -> List[str]:
 # --- configs -------------------------------------------------------------------
 
 def _base(vocab: int) -> dict:
-    """Keys most mlx-lm classes share, under each of their usual names (ModelArgs
-    keeps the ones it declares)."""
+    """Keys most mlx-lm classes share, under each of their usual names (`config`
+    keeps the ones the type declares)."""
     return {
         "hidden_size": 64,
         "num_hidden_layers": 2,
@@ -259,8 +261,13 @@ OVERRIDES: Dict[str, dict] = {
 }
 
 
-def config(model_type: str, vocab: int) -> dict:
-    """The tiny config.json of `model_type`, for a tokenizer of `vocab` ids."""
+# Keys transformers writes into every config.json, whatever the type's ModelArgs reads.
+COMMON_KEYS = frozenset({"model_type", "torch_dtype", "vocab_size", "max_position_embeddings",
+                         "tie_word_embeddings", "text_config"})
+
+
+def _every_name(model_type: str, vocab: int) -> dict:
+    """`model_type`'s keys with every usual name of each (what `config` filters)."""
     own = OVERRIDES.get(model_type, {})
     if "text_config" in own:
         text = {**_base(vocab), **own["text_config"]}
@@ -268,6 +275,50 @@ def config(model_type: str, vocab: int) -> dict:
                 "num_hidden_layers": text["num_hidden_layers"],
                 "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
     return {**_base(vocab), **own, "model_type": model_type}
+
+
+def _args_keys(args_class) -> set:
+    import inspect
+
+    return set(inspect.signature(args_class).parameters)
+
+
+@lru_cache(maxsize=None)
+def declared_keys(model_type: str) -> frozenset:
+    """The config keys mlx-lm's classes of `model_type` declare: its ModelArgs's and
+    those of every arguments object its built model's modules hold (a wrapper's
+    language model, whose keys sit under `text_config`)."""
+    from deltafin_mlx.compat import model_classes
+
+    cfg = _every_name(model_type, 256)
+    Model, Args = model_classes(cfg)
+    keys = _args_keys(Args)
+    try:
+        model = Model(Args.from_dict(cfg))
+    except Exception:  # a type mlx-lm cannot build here: its ModelArgs says
+        return frozenset(keys)
+    for _, module in model.named_modules():
+        args = module.__dict__.get("args")
+        if args is not None and not isinstance(args, dict):
+            keys |= _args_keys(type(args))
+    return frozenset(keys)
+
+
+def own_keys(model_type: str):
+    """(top level, text_config) keys `config` may give `model_type`: those its classes
+    declare (`declared_keys`), transformers' own, and its OVERRIDES (set for it)."""
+    own, common = OVERRIDES.get(model_type, {}), declared_keys(model_type) | COMMON_KEYS
+    return common | set(own), common | set(own.get("text_config") or ())
+
+
+def config(model_type: str, vocab: int) -> dict:
+    """The tiny config.json of `model_type`, for a tokenizer of `vocab` ids: only its
+    own keys (`own_keys`), never every family's name for a number."""
+    top, text = own_keys(model_type)
+    cfg = {k: v for k, v in _every_name(model_type, vocab).items() if k in top}
+    if "text_config" in cfg:
+        cfg["text_config"] = {k: v for k, v in cfg["text_config"].items() if k in text}
+    return cfg
 
 
 # --- the model -----------------------------------------------------------------

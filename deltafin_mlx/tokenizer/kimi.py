@@ -437,7 +437,10 @@ class KimiStreamingDetokenizer(StreamingDetokenizer):
 
     def add_token(self, token):
         self.tokens.append(token)
-        self.text += self._utf8.decode(self._token_bytes[token])
+        # An id past the vocabulary (an embedding table padded beyond it) is no
+        # text: rendered as nothing, as mlx-lm's decode renders it, not an IndexError.
+        known = token < len(self._token_bytes)
+        self.text += self._utf8.decode(self._token_bytes[token] if known else b"")
 
     def finalize(self):
         self.text += self._utf8.decode(b"", final=True)

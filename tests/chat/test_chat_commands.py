@@ -53,3 +53,52 @@ def test_a_session_on_a_full_disk_says_so_keeps_the_file_and_the_chat_goes_on(
     assert all("disk full" in l and str(session) in l for l in said), said
     assert hashlib.sha256(session.read_bytes()).hexdigest() == saved
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler", "talk.safetensors"]
+
+
+def test_ollamas_set_show_save_and_load(converted, tmp_path):
+    """ollama's chat commands, with its wording: /set parameter (checked by the rule
+    the option's flag gets; a bad value changes nothing), /set system, /show, and
+    /save NAME, /load NAME carrying the conversation, its system message and the
+    parameters set into another chat."""
+    model, saved = converted("kimi_k3"), tmp_path / "talk"
+    r = chat(model, "/set parameter temperature 0.7\n/set temperature 2000\n"
+                    "/set parameter nonsense 1\n/set parameter num_predict 2\n"
+                    "/set system Be brief.\n/show system\n/show parameters\n/show info\n"
+                    f"Hello\n/save {saved}\n/quit\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    for said in ("[Set parameter 'temperature' to '0.7']",
+                 "[Couldn't set parameter: temperature: must be in [0, 100], not 2000.0]",
+                 "[Couldn't set parameter: unknown parameter 'nonsense'",
+                 "[Set system message.]", "> Be brief.\n", "  temperature                    0.7\n",
+                 "  num_predict                    2\n", "  architecture   kimi_k3, 4 layers",
+                 f"[Saved the conversation as '{saved}.safetensors']"):
+        assert said in r.stderr, said
+    assert replies(r.stderr) == 1 and "[deltafin] 2 tokens in" in r.stderr  # num_predict 2
+    again = chat(model, f"/load {saved}\n/show system\n/show parameters\nAgain\n"
+                        "/load nowhere\n/bye\n")
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    for said in (f"[Loading session '{saved}' (3 messages)]", "> Be brief.\n",
+                 "  temperature                    0.7\n", "[deltafin] 2 tokens in",
+                 "[Couldn't load 'nowhere': "):
+        assert said in again.stderr, said
+    assert replies(again.stderr) == 1
+
+
+def test_a_new_system_message_is_in_the_next_turns_prompt(converted):
+    """/set system renders the conversation again with it (the cache's tokens hold
+    the old one, so no turn is appended to them)."""
+    from deltafin_mlx.chat.session import ChatSession
+    from deltafin_mlx.engine.load import load
+    from deltafin_mlx.engine.runtime import runtime
+
+    model, tokenizer = load(converted("qwen3_moe"), "200MB", warm_start=False)
+    try:
+        session = ChatSession(model, tokenizer, system="Be long.")
+        session.ask("Hello", 2)
+        session.set_system("Be brief.")
+        expected = session.render([{"role": "system", "content": "Be brief."},
+                                   *session.messages[1:], {"role": "user", "content": "Again"}])
+        assert session.prompt_for("Again") == expected
+        assert session.messages[0] == {"role": "system", "content": "Be brief."}
+    finally:
+        runtime(model).close()

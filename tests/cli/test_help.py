@@ -1,6 +1,7 @@
 """`--version`, `--help` and every option's help saying its default."""
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +65,26 @@ def test_the_new_commands_options_have_help_and_defaults():
 
     for parser in (list_parser(), rm_parser()):
         check(parser)
+
+
+def test_convert_help_lists_the_types_the_every_type_test_runs():
+    """deltafin-convert --help and the README name the types of SUPPORTED_TYPES, the
+    table tests/convert/test_every_moe_type.py runs (and checks against mlx-lm's)."""
+    from deltafin_mlx.model.config import SUPPORTED_TYPES
+
+    assert len(SUPPORTED_TYPES) == 58
+    shown = re.findall(r"[\w-]+", convert_cli.build_parser().format_help().split(
+        "mlx-lm's tokens):")[1].split(".\n")[0])
+    assert shown == list(SUPPORTED_TYPES)
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    listed = readme.split(f"the {len(SUPPORTED_TYPES)} types of mlx-lm")[1].split("- as published")[0]
+    assert re.findall(r"[A-Za-z][\w-]+", listed.split(":", 1)[1]) == list(SUPPORTED_TYPES)
+
+
+def test_the_demo_option_names_every_command_it_stands_in_for():
+    from deltafin_mlx.cli.main import COMMANDS, run_parser
+
+    demo = next(a for a in run_parser()._actions if "--demo" in a.option_strings)
+    for command in [c.name for c in COMMANDS if " " not in c.name and c.model]:
+        assert re.search(rf"\b{command}\b", demo.help), (command, demo.help)
+    assert {"score", "perplexity"} <= set(re.findall(r"\w+", demo.help))

@@ -63,7 +63,8 @@ def test_one_shot_output_hides_markup_and_the_counters_show_peak_memory(converte
     assert main([str(model), "Hello there", "-n", "40", "--budget", "200MB"]) == 0
     out = capsys.readouterr()
     assert "<|" not in out.out and "[thinking]" in out.out  # thinking apart, markup never
-    assert re.search(r"peak memory [\d.]+ [KMG]B MLX, [\d.]+ [KMG]B RSS$", out.err.strip())
+    assert re.search(r"peak memory [\d.]+ [KMG]B MLX, [\d.]+ [KMG]B RSS; activations float32$",
+                     out.err.strip())
     stats = run_json(capsys, model, "Hi", "-n", "2", "--budget", "200MB")["stats"]
     assert stats["peak_rss_bytes"] > 0 and stats["peak_mlx_bytes"] > 0
 

@@ -149,6 +149,23 @@ def test_per_expert_biases_are_kept_as_float_sections(tmp_path):
         assert sections[f"{p}.bias"]["shape"] == [sections[f"{p}.weight"]["shape"][0]]
 
 
+@pytest.mark.parametrize("model_type", ["gpt_oss", "nemotron_h", "granitemoe"])
+def test_float_experts_kept_stream_to_mlx_lms_float_tokens(model_type, tmp_path):
+    """`--expert-bits float --no-trunk-quant`: nothing is quantized (per-expert biases,
+    SwitchMLP's fc1/fc2, a recipe that would give down_proj 8 bits), and the tokens
+    are those of mlx-lm loading the float directory."""
+    src = save_as_mlx_lm_convert(model_type, tmp_path / "src")
+    out = tmp_path / "out"
+    convert(str(src), out, ConvertOptions(bits=None, expert_bits="float", progress=False))
+    assert all(s["dtype"] == "bfloat16" for s in read_manifest(out).experts["sections"])
+    model, _ = load_model(src)
+    model.set_dtype(mx.float32)
+    tokens, logits = greedy_streamed(out, prompt(), 12)
+    ref_tokens, ref_logits = greedy(model, prompt(), 12)
+    assert tokens.tolist() == ref_tokens.tolist()
+    assert mx.allclose(logits, ref_logits, atol=1e-4).item()
+
+
 def test_switch_mlp_records_hold_fc1_and_fc2(tmp_path):
     src = save_as_mlx_lm_convert("nemotron_h", tmp_path / "src", bits=4)
     convert(str(src), tmp_path / "out", ConvertOptions(progress=False))

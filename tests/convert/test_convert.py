@@ -215,7 +215,7 @@ def test_an_architecture_without_switch_modules_is_refused_saying_so(tmp_path, s
     cfg["model_type"] = "llama"
     (src / "config.json").write_text(json.dumps(cfg))
     code, err = run_cli([src, tmp_path / "o"], capsys)
-    assert_one_error_line(code, err, "llama", "no SwitchGLU/SwitchMLP modules")
+    assert_one_error_line(code, err, "llama: not a Mixture of Experts", "mlx-lm runs")
 
 
 def test_a_tokenizer_the_model_cannot_run_with_is_refused_before_any_work(

@@ -3,11 +3,12 @@
 The types are enumerated from mlx-lm's `models/` folder at test time (testing/zoo.py:
 a type whose module builds on `switch_layers`, and MODEL_REMAPPING's aliases of one),
 so a release that adds a type fails here until the zoo has a config for it. For each,
-a tiny random model built with mlx-lm's own class is saved as `mlx_lm.convert` saves
-it, float and 4-bit affine, converted with the default options and streamed with an
+a tiny random model built with mlx-lm's own class from a config.json holding only the
+keys the type's classes declare is saved as `mlx_lm.convert` saves it, float and 4-bit affine, converted with the default options and streamed with an
 expert cache holding a quarter of its experts: the greedy tokens are those of
 `mlx_lm.load` of the same directory (float32 on the CPU, as the other exactness tests
-compute; a float directory quantized by mlx-lm as the default options say). Every
+compute; a float directory quantized by mlx-lm as the default options say), and with
+`--activation-dtype model` those of stock mlx-lm, computing in the saved bf16. Every
 command that runs a model (`run`, `chat`, `score`, `batch`, `perplexity`) then runs
 each 4-bit conversion, through the command line's own `main` (in this process: one
 import for all of them).
@@ -23,10 +24,11 @@ import pytest
 from mlx_lm.utils import load_model, quantize_model
 
 from deltafin_mlx.cli.main import main
-from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.format.manifest import read_manifest
+from deltafin_mlx.model.config import SUPPORTED_TYPES
 from deltafin_mlx.testing import zoo
 from deltafin_mlx.testing.decode import greedy, greedy_streamed
+from helpers import zoo_conversions
 
 TYPES = zoo.moe_types()
 
@@ -62,6 +64,28 @@ def test_the_enumeration_finds_every_moe_type_of_mlx_lm():
     assert NAMED_FAMILIES <= set(TYPES)
     assert set(CANNOT_PASS) <= set(TYPES) and len(CANNOT_PASS) <= 3
     assert not set(CANNOT_PASS) & NAMED_FAMILIES
+    # the table deltafin-convert --help and the README list: what the tests below run
+    assert list(SUPPORTED_TYPES) == [t for t in TYPES if t not in CANNOT_PASS]
+
+
+# Names families give one number: a config carrying two of a group carries another
+# family's key, which would hide a Deltafin that reads that family's name only.
+ALIASES = ({"num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "moe_top_k",
+            "top_k_experts"},
+           {"n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"})
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_each_types_config_carries_only_its_own_keys(model_type):
+    """As the family's published config.json: the keys its ModelArgs (or its language
+    model's) declares, transformers' own and those set for it; no alias of another
+    family's."""
+    cfg = zoo.config(model_type, 256)
+    for keys, own in zip((set(cfg), set(cfg.get("text_config") or ())),
+                         zoo.own_keys(model_type)):
+        assert keys <= own, sorted(keys - own)
+        for names in ALIASES:
+            assert len(keys & names) <= 1, sorted(keys & names)
 
 
 @pytest.mark.parametrize("model_type", sorted(CANNOT_PASS))
@@ -76,14 +100,16 @@ def prompt(vocab):
     return mx.array(rng.integers(1, vocab - 4, size=(1, 12)).astype(np.int32))
 
 
-def oracle(src, rolled=False):
-    """mlx-lm's load of `src` at float32; a float directory quantized as
-    `mlx_lm.convert -q` does with the default options (4-bit, group 64). `rolled`:
-    every switch module's experts moved one place (expert e runs e+1's weights)."""
+def oracle(src, rolled=False, dtype=mx.float32):
+    """mlx-lm's load of `src` at float32 (`dtype` None: as loaded, stock mlx-lm); a
+    float directory quantized as `mlx_lm.convert -q` does with the default options
+    (4-bit, group 64). `rolled`: every switch module's experts moved one place
+    (expert e runs e+1's weights)."""
     model, config = load_model(src, lazy=True)
     if "quantization" not in config:
         model, _ = quantize_model(model, config, 64, 4)
-    model.set_dtype(mx.float32)
+    if dtype is not None:
+        model.set_dtype(dtype)
     if rolled:
         for name in zoo.switch_modules(model):
             module = model
@@ -97,21 +123,10 @@ def oracle(src, rolled=False):
 @pytest.fixture(scope="module")
 def conversion(tmp_path_factory):
     """(source, conversion) of a type at `bits`, written once for the tests below."""
-    root = tmp_path_factory.mktemp("every_type")
-    cache = {}
-
-    def get(model_type, bits):
-        if (model_type, bits) not in cache:
-            name = f"{model_type}-{bits or 'float'}"
-            src = zoo.write(root / "src" / name, model_type, bits)
-            convert(str(src), root / "out" / name, ConvertOptions(progress=False))
-            cache[model_type, bits] = (src, root / "out" / name)
-        return cache[model_type, bits]
-
-    return get
+    return zoo_conversions(tmp_path_factory.mktemp("every_type"))
 
 
-@pytest.mark.parametrize("model_type", [t for t in TYPES if t not in CANNOT_PASS])
+@pytest.mark.parametrize("model_type", SUPPORTED_TYPES)
 def test_every_moe_type_streams_to_mlx_lms_tokens(model_type, conversion, steps=8):
     for bits in (None, 4):
         src, out = conversion(model_type, bits)
@@ -128,6 +143,10 @@ def test_every_moe_type_streams_to_mlx_lms_tokens(model_type, conversion, steps=
         tokens, logits = greedy_streamed(out, x, steps)  # asserts experts were read
         assert tokens.tolist() == want.tolist(), bits
         assert mx.allclose(logits, want_logits, atol=1e-4).item(), bits
+        # --activation-dtype model: stock mlx-lm's tokens, computing in the saved bf16.
+        stock, _ = greedy(oracle(src, dtype=None), x, steps)
+        tokens, _ = greedy_streamed(out, x, steps, activation_dtype="model")
+        assert tokens.tolist() == stock.tolist(), (bits, "model")
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "bailing_moe", "phixtral", "nemotron_h",
@@ -144,7 +163,7 @@ def test_body_and_head_compose_as_the_models_own_call(model_type, tied):
     assert mx.array_equal(head(body(x, None)), model(x)).item()
 
 
-@pytest.mark.parametrize("model_type", [t for t in TYPES if t not in CANNOT_PASS])
+@pytest.mark.parametrize("model_type", SUPPORTED_TYPES)
 def test_every_moe_type_runs_through_every_command(model_type, conversion, tmp_path, capsys,
                                                    monkeypatch):
     _, out = conversion(model_type, 4)

@@ -7,6 +7,8 @@ trunk stays as mlx-lm made it."""
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,8 @@ from deltafin_mlx.engine.load import load
 from deltafin_mlx.errors import ConvertError
 from deltafin_mlx.format.bank import read_layout
 from deltafin_mlx.format.manifest import read_manifest
+from deltafin_mlx.format.record import linear_quant
+from deltafin_mlx.format.verify import verify_model
 from deltafin_mlx.testing.decode import greedy
 from deltafin_mlx.testing.fake_hub import FakeHub
 from deltafin_mlx.testing.mlx_lm_format import write_mlx_lm_format
@@ -208,13 +212,74 @@ def test_stacked_experts_that_disagree_with_config_json_are_refused_in_one_line(
     assert "switch_mlp.gate_proj.weight is U32 [16," in err and "expected U32 [8," in err, err
 
 
-def test_experts_quantized_differently_per_layer_are_refused_in_one_line(mlx_lm_dirs,
-                                                                         tmp_path):
-    # mlx-lm's mixed recipes give some layers' down_proj more bits than the rest.
+def test_mixed_3_6_carries_each_layers_quantization_and_streams_to_mlx_lms_tokens(
+        mlx_lm_dirs, tmp_path, capsys):
+    """mlx-lm's mixed recipes give some layers' down_proj more bits than the rest:
+    each layer's experts are carried as saved, with that layer's bits and group size
+    in the manifest, and stream (a cache below every layer's experts) to the tokens
+    and logits of mlx_lm.load's model."""
     src = mlx_lm_dirs("qwen3_moe", bits=4, recipe="mixed_3_6")
-    with pytest.raises(ConvertError, match="quantized differently"):
-        convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
-    assert not (tmp_path / "out").exists()
+    out = tmp_path / "out"
+    assert convert_cli.main([str(src), str(out), "--quiet"]) == 0
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    assert said.endswith("experts: 3-bit affine (group size 64), carried over as saved in the "
+                         "first MoE layer, each layer as mlx-lm saved it"), said
+    m = read_manifest(out)
+    saved = json.loads((src / "config.json").read_text())["quantization"]
+    bits = {}
+    for layer in m.moe_layers:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            own = saved[f"{m.switch_path(layer)}.{proj}"]
+            q = linear_quant(m.expert_quant(layer), proj)
+            assert (q["bits"], q["group_size"]) == (own["bits"], own["group_size"] or 64)
+        bits[layer] = linear_quant(m.expert_quant(layer), "down_proj")["bits"]
+    assert set(bits.values()) == {3, 6}, bits  # a layout per layer, not one for all
+    assert all(("quantization" in m.experts["layers"][str(layer)]) == (b != bits[m.moe_layers[0]])
+               for layer, b in bits.items())
+    expected = oracle(src)
+    assert_same_greedy(out, expected)
+    whole, _ = load(out, tokenizer=False)  # a cache of every expert: read once, all resident
+    try:
+        tokens, logits = greedy(whole, prompt(), 8)
+        assert runtime(whole).cache.all_resident
+    finally:
+        runtime(whole).close()
+    ref_tokens, ref_logits = greedy(expected, prompt(), 8)
+    assert (tokens == ref_tokens).all() and mx.array_equal(logits, ref_logits).item()
+
+
+def test_mixed_3_6_experts_link_verify_and_stream_layer_by_layer(mlx_lm_dirs, tmp_path):
+    """Linked in place, each layer's link table is read with that layer's layout: the
+    model verifies and streams to mlx_lm.load's tokens."""
+    src = mlx_lm_dirs("qwen3_moe", bits=4, recipe="mixed_3_6")
+    out = tmp_path / "linked"
+    convert(str(src), out, ConvertOptions(progress=False, link_experts=True))
+    assert read_manifest(out).mixed and verify_model(out).problems == []
+    assert_same_greedy(out, oracle(src))
+
+
+def test_a_null_group_size_is_mlx_defaults_for_the_mode(mlx_lm_dirs, tmp_path):
+    """mlx_lm.convert's recipes without --q-group-size save `"group_size": null` per
+    module, which MLX takes as the mode's default (64 for affine)."""
+    src = tmp_path / "src"
+    shutil.copytree(mlx_lm_dirs("qwen3_moe", bits=4), src)
+    config = json.loads((src / "config.json").read_text())
+    switches = [f"model.layers.{i}.mlp.switch_mlp.{p}" for i in range(config["num_hidden_layers"])
+                for p in ("gate_proj", "up_proj", "down_proj")]
+    for key in ("quantization", "quantization_config"):
+        block = config[key]
+        block.update({p: {"group_size": 64, "bits": 4, "mode": "affine"} for p in switches})
+        routers = [p for p, entry in block.items() if isinstance(entry, dict)
+                   and entry["bits"] == 8]
+        assert routers  # the routers' own entries (8 bits) get a null too
+        for entry in block.values():
+            if isinstance(entry, dict):
+                entry["group_size"] = None
+    (src / "config.json").write_text(json.dumps(config))
+    convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
+    m = read_manifest(tmp_path / "out")
+    assert (m.quantization["experts"]["bits"], m.quantization["experts"]["group_size"]) == (4, 64)
+    assert_same_greedy(tmp_path / "out", oracle(src))
 
 
 def test_conversion_memory_is_a_fraction_of_one_layers_stacked_experts(mlx_lm_dirs, tmp_path):

@@ -26,7 +26,7 @@ def test_an_unknown_option_is_refused_naming_it(converted):
     ("reader_threads", -1), ("reader_threads", 1.5), ("reader_threads", True),
     ("read_mode", "fast"), ("record_checks", "never"), ("pipeline", "yes"),
     ("cache_slots", 0), ("sequences", 0), ("sequences", "many"), ("max_sequences", 0),
-    ("activation_dtype", "float32"), ("verify", "yes"), ("lookahead", 1),
+    ("activation_dtype", "bf16"), ("verify", "yes"), ("lookahead", 1),
     ("warm_start", None), ("group", "all"),
 ])
 def test_a_bad_value_is_one_line_naming_the_option(name, value):
@@ -57,6 +57,8 @@ def test_good_values_are_kept_and_the_budget_as_bytes():
     assert o.memory_budget == 8_000_000_000 and o.activation_dtype == mx.float32
     assert (o.reader_threads, o.pipeline, o.read_mode, o.sequences) == (0, False, "mmap", "auto")
     assert LoadOptions.of(o, context=100).context == 100 and o.context == 4096  # a copy
+    for name in ("auto", "model", "float32", "bfloat16", "float16"):  # --activation-dtype's
+        assert LoadOptions(activation_dtype=name).activation_dtype == name
 
 
 def test_load_takes_options_keyword_arguments_or_both(converted):
@@ -90,6 +92,7 @@ FLAG_VALUES = {
     "--read-mode": (["--read-mode", "mmap"], "read_mode", "mmap"),
     "--no-warm-start": (["--no-warm-start"], "warm_start", False),
     "--context": (["--context", "77"], "context", 77),
+    "--activation-dtype": (["--activation-dtype", "model"], "activation_dtype", "model"),
 }
 NOT_LOAD_OPTIONS = {"--debug", "--help"}
 

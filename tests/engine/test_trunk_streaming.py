@@ -12,7 +12,7 @@ from deltafin_mlx.plan.footprint import inventory_from_manifest
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.format.manifest import read_manifest
 from deltafin_mlx.plan.memory import BudgetError, plan_memory
-from deltafin_mlx.testing.decode import greedy
+from deltafin_mlx.testing.decode import greedy, load_resident
 from test_runtime import prompt_of
 
 from deltafin_mlx import runtime
@@ -74,3 +74,22 @@ def test_budget_below_the_floor_is_refused_stating_it(model_and_reference):
     floor = budgets_of(path)[0]
     with pytest.raises(BudgetError, match=rf"below this model's floor of [0-9.]+ [KMGT]?B \({floor} bytes"):
         load(path, memory_budget=floor - 1, tokenizer=False)
+
+
+def test_at_the_models_dtype_the_floor_gives_its_resident_tokens_and_logits(
+        model_and_reference):
+    """--activation-dtype model: trunk layers and embedding rows stream in their saved
+    dtype, bit for bit the model held whole as mlx-lm holds it (nothing cast)."""
+    path, _ = model_and_reference
+    m = read_manifest(path)
+    floor = plan_memory(inventory_from_manifest(m, load_config(path), mx.bfloat16),
+                        1 << 40).floor
+    want, want_logits = greedy(load_resident(path, activation_dtype="model"), prompt_of(10), 8)
+    model, _ = load(path, memory_budget=floor, tokenizer=False, activation_dtype="model")
+    try:
+        assert runtime(model).plan.streamed and runtime(model).plan.embed_on_demand
+        tokens, logits = greedy(model, prompt_of(10), 8)
+    finally:
+        runtime(model).close()
+    assert m.dtype == "bfloat16" and logits.dtype == mx.bfloat16
+    assert (tokens == want).all() and mx.array_equal(logits, want_logits).item()

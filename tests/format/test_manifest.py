@@ -70,3 +70,26 @@ def test_a_link_table_whose_layer_only_equals_an_integer_is_refused(tmp_path, la
                 np.zeros(2, "<u4"))
     with pytest.raises(ModelError, match="corrupt link table .*layer .* is not an integer"):
         read_links(path, experts, 1, files)
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda e: e.update(record_size=e["record_size"] + 4096), "record_size does not match"),
+    (lambda e: e.pop("quantization"), "sections without quantization"),
+    (lambda e: e["quantization"]["linears"]["down_proj"].update(bits=4),
+     "scales shape .* does not fit"),
+])
+def test_a_layers_own_expert_layout_is_checked_as_the_models_is(sources, tmp_path, edit, said):
+    """mlx-lm's mixed_* recipes: a layer quantized otherwise than the first has its own
+    quantization, sections and record size in its entry, each checked."""
+    from deltafin_mlx.convert.convert import ConvertOptions, convert
+    from deltafin_mlx.testing.mlx_lm_format import write_mlx_lm_format
+
+    src = write_mlx_lm_format(sources("qwen3_moe"), tmp_path / "src", 4, recipe="mixed_3_6")
+    path = tmp_path / "out"
+    convert(str(src), path, ConvertOptions(progress=False))
+    assert read_manifest(path).mixed
+    d = json.loads((path / MANIFEST_NAME).read_text())
+    edit(next(e for e in d["experts"]["layers"].values() if "quantization" in e))
+    (path / MANIFEST_NAME).write_text(json.dumps(d))
+    with pytest.raises(ModelError, match=said):
+        read_manifest(path)

@@ -8,3 +8,8 @@ def test_a_prefill_stopped_before_any_token_says_what_it_did():
     assert line.startswith("no token generated: stopped in the prefill after 512 prompt "
                            "tokens in 4.00 s (128.0 tok/s)")
     assert "first token after" not in line
+
+
+def test_the_line_ends_with_what_the_model_computed_in():
+    assert RunStats(tokens=3, seconds=1.0, activation_dtype="bfloat16").line().endswith(
+        "; activations bfloat16")

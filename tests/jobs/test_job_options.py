@@ -51,8 +51,13 @@ def copy_job(started, cmd, tmp_path):
      ("--top-logprobs 3", "--top-logprobs 8")),
     ("score", ["--top-logprobs", "3"], ("--format safetensors", "--format jsonl")),
     ("score", [*SCORE, "--no-think"], ("no --no-think", "--no-think")),
+    ("batch", [*BATCH, "--activation-dtype", "model"],
+     ("no --activation-dtype", "--activation-dtype model")),
+    ("score", [*SCORE, "--activation-dtype", "model"],
+     ("no --activation-dtype", "--activation-dtype model")),
 ], ids=["batch -n", "batch --temp", "batch --no-think", "batch --top-logprobs",
-        "score --top-logprobs", "score --format", "score --no-think"])
+        "score --top-logprobs", "score --format", "score --no-think",
+        "batch --activation-dtype", "score --activation-dtype"])
 def test_resuming_with_other_options_is_refused_naming_them(started, tmp_path, capsys, cmd,
                                                             changed, named):
     model, src, out = copy_job(started, cmd, tmp_path)

@@ -157,8 +157,10 @@ BAD_MODEL_ARGS = [
     ("model={model},budget=200MB,max_length=0", "max_length: must be in 1.."),
     ("model={model},budget=200MB,window=8",
      "unknown window (known: model (or pretrained), budget, context, max_length, "
-     "max_gen_toks)"),
+     "max_gen_toks, activation_dtype)"),
     ("model={model},pretrained={root},budget=200MB", "model and pretrained name two models"),
+    ("model={model},budget=200MB,activation_dtype=bf16", "activation_dtype must be one of "
+     "auto, model, float32, bfloat16, float16"),
 ]
 LONG = "the experts stream from disk " * 20
 BAD_REQUESTS = [

@@ -255,3 +255,27 @@ def test_ctrl_c_without_an_output_prints_the_estimate_and_says_nothing_was_kept(
     assert lines[-2] == ("[deltafin] nothing kept: with -o OUT each window's scores are kept "
                          "and a rerun resumes")
     assert lines[-1] == "deltafin-run: interrupted"
+
+
+def test_the_plan_reserves_the_context_the_windows_need(converted, tmp_path, capsys,
+                                                        monkeypatch):
+    """512-token windows (the default -c) are planned with 512 tokens of context, not
+    a run's default 4,096 (which raises the floor the budget must clear)."""
+    import deltafin_mlx.cli.perplexity as cli_perplexity
+
+    planned, load_model = [], cli_perplexity.load_model
+
+    def load_and_note(*args, **kwargs):
+        model, tokenizer = load_model(*args, **kwargs)
+        planned.append(runtime(model).plan.context)
+        return model, tokenizer
+
+    monkeypatch.setattr(cli_perplexity, "load_model", load_and_note)
+    text = tmp_path / "long.txt"
+    text.write_text(corpus(words=1400))
+    summary, _ = run_json(capsys, "perplexity", converted("qwen3_moe"), text, "--json",
+                          "--chunks", "1")
+    assert summary["context"] == 512 and planned == [512]
+    run_json(capsys, "perplexity", converted("qwen3_moe"), text, "--json", "-c", "64",
+             "--chunks", "1")
+    assert planned[1] == 64

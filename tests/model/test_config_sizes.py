@@ -85,7 +85,7 @@ def test_a_dense_config_is_one_line_naming_the_missing_experts(mixtral_copy, tmp
     args = (["plan", mixtral_copy / "config.json", *RATES] if tool == "plan"
             else [mixtral_copy, tmp_path / "out", "--quiet"])
     refused("deltafin-run" if tool == "plan" else "deltafin-convert", args,
-            "llama: mlx-lm's model has no SwitchGLU/SwitchMLP modules")
+            "llama: not a Mixture of Experts model")
 
 
 def test_float_experts_the_group_size_does_not_divide_are_one_line(tmp_path):

@@ -43,3 +43,30 @@ def test_plan_shows_seconds_per_token_below_one_token_a_second(converted, capsys
                  "--compute-gwps", "0.0001", "--prefill-gwps", "1"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"projection .*: [\d.]+-[\d.]+ s/token", out), out
+
+
+@pytest.mark.usefixtures("no_disk_measurement")
+def test_calibrations_are_per_model_never_zero_and_averaged(converted, capsys, monkeypatch):
+    import deltafin_mlx.plan.speed as speed
+
+    k3, qwen = converted("kimi_k3"), converted("qwen3_moe")
+    bench = ["bench", k3, "-n", "8", "--repeats", "1", "--budget", "30MB"]
+    first, second = run_json(capsys, *bench), run_json(capsys, *bench)
+    assert (first["calibration_runs"], second["calibration_runs"]) == (1, 2)
+    assert second["calibrated_layer_seconds"] == pytest.approx(
+        (first["run_layer_seconds"] + second["run_layer_seconds"]) / 2)
+    plan = run_json(capsys, "plan", k3, "--budget", "30MB")
+    assert "bench on this model (the mean of 2 runs" in plan["layer_rate_from"]
+    assert plan["layer_seconds"] == pytest.approx(second["calibrated_layer_seconds"])
+    # another model keeps the machine's microbenchmark: k3's cost says nothing of it
+    other = run_json(capsys, "plan", qwen, "--budget", "30MB")
+    assert "microbenchmark" in other["layer_rate_from"] and "bench on" not in other[
+        "layer_rate_from"]
+    # a run that leaves no time for the per-layer cost (0) changes nothing and says so
+    monkeypatch.setattr(speed, "layer_seconds_from_run", lambda *a: 0.0)
+    zero = run_json(capsys, *bench)
+    assert zero["calibrated_layer_seconds"] is None and zero["calibration_runs"] == 0
+    assert run_json(capsys, "plan", k3, "--budget", "30MB")["layer_seconds"] == pytest.approx(
+        second["calibrated_layer_seconds"])
+    assert main([str(a) for a in bench]) == 0
+    assert "no per-layer cost calibrated" in capsys.readouterr().out

@@ -33,17 +33,17 @@ def k3_inventory():
 
 @pytest.mark.parametrize("budget, tokens", [("56GB", 30_000), ("12GB", 6_000)])
 def test_k3_scores_the_bars_tokens_a_pass(k3_inventory, budget, tokens):
-    r = plan_json(K3, "--bits", "4", "--dtype", "bfloat16", *MAC_64GB, "--budget", budget)
+    r = plan_json(K3, "--bits", "4", "--activation-dtype", "bfloat16", *MAC_64GB, "--budget", budget)
     assert r["scoring_pass_tokens"] >= tokens
     assert r["scoring_projection"]["tokens_per_second"] > 0
 
 
 def test_k3_prefills_30000_tokens_in_one_pass_given_the_context(k3_inventory):
-    r = plan_json(K3, "--bits", "4", "--dtype", "bfloat16", *MAC_64GB)
+    r = plan_json(K3, "--bits", "4", "--activation-dtype", "bfloat16", *MAC_64GB)
     # At the default context a 30,000-token prompt cannot run: no projection.
     assert r["prefill_needs_context"] == [30_000]
     assert [p["prompt_tokens"] for p in r["prefill_projection"]] == [300, 3000]
-    r = plan_json(K3, "--bits", "4", "--dtype", "bfloat16", *MAC_64GB, "--context", 32768)
+    r = plan_json(K3, "--bits", "4", "--activation-dtype", "bfloat16", *MAC_64GB, "--context", 32768)
     thirty = next(p for p in r["prefill_projection"] if p["prompt_tokens"] == 30_000)
     assert thirty["passes"] == 1 and r["prefill_needs_context"] == []
     assert r["prefill_pass_tokens"] == 32768
@@ -53,7 +53,7 @@ def test_k3_prefills_30000_tokens_in_one_pass_given_the_context(k3_inventory):
 
 def test_plan_says_what_context_a_longer_prompt_needs(k3_inventory):
     out = subprocess.run([sys.executable, "-m", "deltafin_mlx.cli.main", "plan", str(K3),
-                          "--bits", "4", "--dtype", "bfloat16", *MAC_64GB],
+                          "--bits", "4", "--activation-dtype", "bfloat16", *MAC_64GB],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "30,000 tokens: needs --context 30000 or more" in out.stdout
@@ -72,8 +72,8 @@ def test_a_prefill_pass_and_what_stays_resident_fit_the_budget(k3_inventory, bud
     plan = plan_memory(k3_inventory, budget, context=context)
     act = k3_inventory.activation_dtype
     held = (plan.budget - plan.pass_room() + plan.state_bytes
-            + prefill_bytes(k3_inventory.config, plan.prefill_step, context, act)
-            + plan.prefill_pass * pass_bytes_per_token(k3_inventory.config, act))
+            + prefill_bytes(k3_inventory.config, plan.moe, plan.prefill_step, context, act)
+            + plan.prefill_pass * pass_bytes_per_token(k3_inventory.config, plan.moe, act))
     assert held <= plan.budget
 
 
@@ -95,7 +95,7 @@ def test_plan_prints_one_pass_size_per_kind(converted):
 def test_k3_batch_auto_takes_the_sequences_its_state_memory_allows(k3_inventory):
     """About 449 MB of recurrent state per sequence: at 56 GB, 47 sequences (half of
     the memory above the floor), past mlx-lm's default batch of 32."""
-    r = plan_json(K3, "--bits", "4", "--dtype", "bfloat16", *MAC_64GB, "--sequences", "auto")
+    r = plan_json(K3, "--bits", "4", "--activation-dtype", "bfloat16", *MAC_64GB, "--sequences", "auto")
     assert r["sequences"] == r["auto_sequences"] > 32
     per = r["sequence_recurrent_bytes"] + r["sequence_kv_bytes"]
     assert r["auto_sequences"] * per <= r["budget_bytes"] - r["floor_bytes"]
@@ -111,10 +111,10 @@ def demo_sized(tmp_path_factory):
 def inventory_of(path):
     from deltafin_mlx.format.model_dir import open_model_dir
     from deltafin_mlx.plan.footprint import inventory_from_manifest
-    from deltafin_mlx.plan.memory import default_activation_dtype
+    from deltafin_mlx.format.dtypes import compute_dtype
 
     m = open_model_dir(path)
-    act = default_activation_dtype() or getattr(mx, m.manifest.dtype)
+    act = compute_dtype("auto", m.manifest.dtype)
     return inventory_from_manifest(m.manifest, m.config, act)
 
 

@@ -56,7 +56,7 @@ def plan_json(*args):
 
 @pytest.fixture(scope="module")
 def k3():
-    return plan_json(K3_CONFIG, "--bits", "4", "--dtype", "bfloat16", "--budget", "16GB")
+    return plan_json(K3_CONFIG, "--bits", "4", "--activation-dtype", "bfloat16", "--budget", "16GB")
 
 
 def test_k3_expert_record_and_totals_match_the_checkpoint(k3):
@@ -87,10 +87,13 @@ def test_k3_floor_at_4k_context_is_at_most_8_gb(k3):
     buffers = 2 * layer + 2 * mla_layer
     experts = 16 * EXPERT
     # The working buffers hold the smallest prefill pass (16 tokens) and its chunk.
+    from deltafin_mlx.plan.footprint import inventory_from_config
     from deltafin_mlx.plan.memory import min_prefill_bytes
     import mlx.core as mx
 
-    pass_16 = min_prefill_bytes(json.loads(K3_CONFIG.read_text()), 4096, mx.bfloat16)
+    config = json.loads(K3_CONFIG.read_text())
+    moe = inventory_from_config(config, mx.bfloat16, bits=4).moe
+    pass_16 = min_prefill_bytes(config, moe, 4096, mx.bfloat16)
     assert k3["floor_parts"]["working buffers"] == k3["working_bytes"] + pass_16
     assert k3["floor_bytes"] == (resident + buffers + STATE_4K + k3["working_bytes"] + pass_16
                                  + experts)
@@ -106,10 +109,22 @@ def test_k3_plan_streams_most_layers_at_16_gb_and_states_a_projection(k3):
 
 
 def test_budget_below_the_k3_floor_is_refused_stating_the_floor(k3, capsys):
-    code = main(["plan", str(K3_CONFIG), "--dtype", "bfloat16", "--budget", "2GB",
+    code = main(["plan", str(K3_CONFIG), "--activation-dtype", "bfloat16", "--budget", "2GB",
                  "--disk-gbps", "5", "--compute-gwps", "400"])
     err = capsys.readouterr().err
     assert code == 1 and "below this model's floor of 3.4" in err
+
+
+def test_the_floor_error_says_that_a_smaller_context_lowers_the_floor(k3, capsys):
+    """At the floor of 4,096 tokens of context, 65,536 is refused, saying that a
+    smaller --context lowers the floor; and 4,096 indeed runs at that budget."""
+    argv = ["plan", str(K3_CONFIG), "--activation-dtype", "bfloat16", "--disk-gbps", "5",
+            "--compute-gwps", "400", "--budget", str(k3["floor_bytes"])]
+    assert main(argv + ["--context", "65536"]) == 1
+    err = capsys.readouterr().err
+    assert "below this model's floor" in err and err.strip().endswith(
+        "; a smaller --context lowers it")
+    assert main(argv + ["--context", "4096"]) == 0
 
 
 def test_plan_of_a_converted_model_matches_what_load_does(converted):
@@ -141,7 +156,7 @@ def test_k3_expert_cache_goes_past_one_mlx_array(k3):
     """MLX dimensions are int32: one slot array holds at most 2**31 - 1 - 4096
     elements, so at 3072 x 448 uint32 per K3 gate weight, 1560 slots (27 GB). A
     200 GB budget buys more, in several sets of slot arrays, and plan says so."""
-    r = plan_json(K3_CONFIG, "--bits", "4", "--dtype", "bfloat16", "--budget", "200GB")
+    r = plan_json(K3_CONFIG, "--bits", "4", "--activation-dtype", "bfloat16", "--budget", "200GB")
     assert r["expert_slots_per_array"] == (2**31 - 1 - 4096) // (3072 * 448) == 1560
     assert r["expert_cache_slots"] > 1560
     assert r["expert_cache_bytes"] > 150 * GB

@@ -36,15 +36,29 @@ def test_plan_floor_parts_add_up_and_every_size_is_in_a_fitting_unit(converted, 
         assert what in floor_line
 
 
+def test_plan_states_the_activation_dtype_and_mlx_lms(converted, capsys):
+    """On this CPU `auto` plans float32 and says that mlx-lm computes in the model's
+    bf16; `model` plans the model's dtype, whose KV takes half the bytes."""
+    rates = ["--budget", "50MB", "--disk-gbps", "2", "--compute-gwps", "3"]
+    auto = plan_json(converted("kimi_k3"), *rates)
+    model = plan_json(converted("kimi_k3"), *rates, "--activation-dtype", "model")
+    assert (auto["activation_dtype"], auto["model_dtype"]) == ("float32", "bfloat16")
+    assert (model["activation_dtype"], model["model_dtype"]) == ("bfloat16", "bfloat16")
+    assert model["state_bytes"] < auto["state_bytes"]  # KV at 2 bytes, not 4
+    assert main(["plan", str(converted("kimi_k3")), *rates]) == 0
+    assert ("activations float32 (mlx-lm computes in bfloat16: --activation-dtype model)"
+            in capsys.readouterr().out)
+
+
 def test_k3_floor_parts_add_up_in_the_budget_error(capsys):
     from deltafin_mlx.testing.kimi_k3 import CONFIG as K3_CONFIG, EXPERT, STATE_4K
 
-    r = plan_json(K3_CONFIG, "--dtype", "bfloat16", "--budget", "16GB", "--disk-gbps", "5",
+    r = plan_json(K3_CONFIG, "--activation-dtype", "bfloat16", "--budget", "16GB", "--disk-gbps", "5",
                   "--compute-gwps", "400")
     assert sum(r["floor_parts"].values()) == r["floor_bytes"]
     assert r["floor_parts"]["KV/state"] == STATE_4K  # hand-computed in test_plan.py
     assert r["floor_parts"]["one token's experts"] == 16 * EXPERT
-    assert main(["plan", str(K3_CONFIG), "--dtype", "bfloat16", "--budget", "2GB",
+    assert main(["plan", str(K3_CONFIG), "--activation-dtype", "bfloat16", "--budget", "2GB",
                  "--disk-gbps", "5", "--compute-gwps", "400"]) == 1
     err = one_error_line(capsys.readouterr().err, f"({r['floor_bytes']} bytes = ")
     for what in r["floor_parts"]:
@@ -111,3 +125,19 @@ def test_ranges_read_low_to_high_and_one_is_singular():
 def test_negative_context_for_plan_is_refused(converted, capsys):
     assert cli.main(["plan", str(converted("kimi_k3")), "--context", "-1"]) != 0
     assert "--context must be at least 1" in only_stderr_line(capsys.readouterr().err)
+
+
+def test_a_budget_beyond_the_machines_memory_is_warned_of_in_one_line(converted, capsys):
+    from deltafin_mlx.plan.memory import physical_memory
+
+    beyond = 2 * physical_memory()
+    p = run_command(["plan", converted("kimi_k3"), "--budget", str(beyond), "--disk-gbps", "2",
+                     "--compute-gwps", "3"])
+    assert p.returncode == 0, p.stderr
+    assert "is more than this machine's memory" in only_stderr_line(p.stderr)
+    within = run_command(["plan", converted("kimi_k3"), "--budget", "50MB", "--disk-gbps", "2",
+                          "--compute-gwps", "3"])
+    assert within.returncode == 0 and within.stderr == ""
+    assert main([str(converted("kimi_k3")), "hi", "-n", "2", "--budget", str(beyond + 1)]) == 0
+    warned = [l for l in capsys.readouterr().err.splitlines() if "machine's memory" in l]
+    assert len(warned) == 1 and warned[0].startswith("[deltafin] warning: the memory budget")

@@ -768,3 +768,26 @@ def test_mlx_lm_stream_generate_streams_whole_characters(k3_dir):
     assert "".join(r.text for r in responses) == answer
     assert not any("\ufffd" in r.text for r in responses)
     assert responses[-1].finish_reason == "stop"
+
+
+def test_ids_beyond_the_tokenizer_render_as_mlx_lms_detokenizer_renders_them(converted):
+    """An embedding table padded past the vocabulary can yield an id no token has:
+    with a tokenizer mlx-lm streams (byte-level BPE) it is rendered by mlx-lm's own
+    detokenizer, as mlx_lm.generate shows it; with Kimi's tiktoken it is nothing, and
+    never an error."""
+    from mlx_lm.tokenizer_utils import load as mlx_lm_tokenizer
+
+    from deltafin_mlx.engine.load import open_tokenizer
+    from deltafin_mlx.format.model_dir import open_model_dir
+    from deltafin_mlx.generation.render import render
+
+    qwen = open_tokenizer(open_model_dir(converted("qwen3_moe")))
+    beyond = len(mlx_lm_tokenizer(converted("qwen3_moe"))._tokenizer) + 3
+    theirs = mlx_lm_tokenizer(converted("qwen3_moe")).detokenizer
+    theirs.reset()
+    for token in (5, beyond, 6):
+        theirs.add_token(token)
+    theirs.finalize()
+    assert render(qwen, [5, beyond, 6]) == (theirs.text, "")
+    kimi = open_tokenizer(open_model_dir(converted("kimi_k3")))
+    assert render(kimi, [5, kimi.vocab_size + 3, 6]) == render(kimi, [5, 6])
