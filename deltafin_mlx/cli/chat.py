@@ -233,9 +233,7 @@ def show(what: str, session, args) -> str:
     if what == "info":
         state = runtime(session.model)
         m, ex = state.manifest, state.manifest.experts
-        quant = quantization_summary(quantization_by_part(
-            state.model_dir.config.get("quantization"), [m.switch_path(n) for n in m.moe_layers],
-            m.quantization.get("experts")))
+        quant = quantization_summary(quantization_by_part(state.model_dir.config, m))
         return (f"  architecture   {m.model_type}, {m.num_layers} layers, {len(m.moe_layers)} "
                 f"of them MoE\n  experts        {ex['num_experts']} per MoE layer, "
                 f"{ex['experts_per_token']} per token\n  quantization   {quant}\n"

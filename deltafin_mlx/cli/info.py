@@ -87,9 +87,7 @@ def model_info(path) -> dict:
         "quantization": m.quantization,
         # per part, from config.json's per-module entries (the manifest's "trunk" is
         # only the default: gpt-oss's router is 8-bit where it says 4)
-        "quantization_by_part": quantization_by_part(model_dir.config.get("quantization"),
-                                                     expert_paths(m),
-                                                     m.quantization.get("experts")),
+        "quantization_by_part": quantization_by_part(model_dir.config, m),
         "bytes": {"trunk": sizes["trunk"], "experts": sizes["experts"],
                   "tokenizer": sizes["tokenizer"], "other": sizes["other"],
                   "total": sum(m.files.values())},
@@ -104,11 +102,6 @@ def model_info(path) -> dict:
         "linked_source_root": m.linked["root"] if m.linked else None,
         "linked_source_files": len(m.linked["files"]) if m.linked else 0,
     }
-
-
-def expert_paths(m) -> list:
-    """The switch modules' paths (config.json's quantization keys start with them)."""
-    return [m.switch_path(layer) for layer in m.moe_layers]
 
 
 def format_info(r: dict) -> str:

@@ -83,7 +83,5 @@ def model_row(path, context: int) -> dict:
         check_linked_sources(m.linked)
     act = compute_dtype("auto", m.dtype)
     return {"model": str(path), "bytes": dir_bytes(path), "architecture": m.model_type,
-            "quantization": quantization_summary(quantization_by_part(
-                model_dir.config.get("quantization"), [m.switch_path(n) for n in m.moe_layers],
-                m.quantization.get("experts"))),
+            "quantization": quantization_summary(quantization_by_part(model_dir.config, m)),
             "floor_bytes": floor_bytes(model_dir, act, context)}

@@ -158,16 +158,18 @@ def cast_dtype(config: dict):
     return dtype if dtype in FLOATS else None
 
 
-def quantization_by_part(block: dict, expert_paths, experts=None) -> dict:
-    """What each part of a model is quantized as, from the quantization block of its
-    config.json (the default plus one entry per quantized module, as mlx_lm.convert
-    and deltafin-convert write it): part -> sorted names ("affine 4-bit/64",
-    "mxfp4"). Parts: attention, router, experts (modules under `expert_paths`, the
-    switch modules), embedding, head, other. gpt-oss's mlx-community form is
-    attention affine 4-bit/64, router affine 8-bit/64, experts mxfp4: the block's
-    default alone (mxfp4) says nothing of the first two. `experts`: the manifest's
-    record of them, which alone says they were kept in float (config.json then lists
-    them as not quantized)."""
+def quantization_by_part(config: dict, manifest) -> dict:
+    """What each part of a converted model is quantized as, from its config.json's
+    quantization block (the default plus one entry per quantized module, as
+    mlx_lm.convert and deltafin-convert write it): part -> sorted names ("affine
+    4-bit/64", "mxfp4"). Parts: attention, router, experts (under the manifest's
+    switch modules), embedding, head, other. gpt-oss's mlx-community form is attention
+    affine 4-bit/64, router affine 8-bit/64, experts mxfp4: the block's default alone
+    (mxfp4) says nothing of the first two. Experts kept in float are said by the
+    manifest alone (config.json then lists them as not quantized)."""
+    block = config.get("quantization")
+    expert_paths = [manifest.switch_path(layer) for layer in manifest.moe_layers]
+    experts = manifest.quantization.get("experts")
     parts = {}
     for path, own in (block or {}).items():
         if isinstance(own, dict):
