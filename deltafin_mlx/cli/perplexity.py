@@ -65,9 +65,10 @@ def perplexity_parser():
 def cmd_perplexity(argv) -> int:
     from deltafin_mlx.errors import UsageError
     from deltafin_mlx.jobs.job_options import check_options
-    from deltafin_mlx.jobs.perplexity import (Interrupted, PerplexityOptions, Windows,
-                                              check_reference_output, perplexity,
-                                              read_reference, read_text, reference_windows)
+    from deltafin_mlx.jobs.kl_reference import (check_reference_output, read_reference,
+                                                 reference_windows)
+    from deltafin_mlx.jobs.perplexity import Interrupted, PerplexityOptions, perplexity, read_text
+    from deltafin_mlx.jobs.text_windows import Windows
     from deltafin_mlx.jobs.results_file import check_not_input, check_regular
 
     args = perplexity_parser().parse_args(argv)
@@ -123,7 +124,8 @@ def cmd_perplexity(argv) -> int:
 
 def report(summary: dict, as_json: bool):
     """The summary (of every window, or of those scored before a Ctrl-C)."""
-    from deltafin_mlx.jobs.perplexity import coverage_warning, summary_lines
+    from deltafin_mlx.jobs.kl_statistics import coverage_warning
+    from deltafin_mlx.jobs.perplexity import summary_lines
 
     if as_json:
         print(json.dumps({k: v for k, v in summary.items() if k != "passes"}))

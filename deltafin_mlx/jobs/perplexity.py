@@ -1,18 +1,9 @@
 """Perplexity of a text file, and the KL divergence of a model's next-token
 distributions from a reference run's: `deltafin-run perplexity MODEL FILE`.
 
-The file's tokens are cut into windows of `context` tokens, as llama-perplexity
-and mlx_lm.perplexity cut them, and each window is scored as a "tokens" line of a
-score job would be (jobs/score.py): the windows are packed into passes, and one
+The file's tokens are cut into windows (jobs/text_windows.py), each scored as a
+"tokens" line of a score job would be: the windows are packed into passes, and one
 sweep over the experts serves every window of a pass.
-
-    stride None (llama-perplexity's default): windows side by side (the text's
-        first context x (tokens // context) tokens); each window scores its second
-        half, the first half being context only.
-    stride S (llama-perplexity's --ppl-stride): a window starts every S tokens and
-        scores its last S tokens, so every token after the first window's context
-        is scored once; S = context scores every token of side-by-side windows but
-        the first of each (mlx_lm.perplexity's rule).
 
 Perplexity is exp(mean NLL of the scored tokens); its standard error is
 mlx_lm.perplexity's: perplexity x the standard error of the mean NLL.
@@ -24,25 +15,17 @@ so a rerun scores only the windows it lacks and ends with the value a run never
 stopped gives; a Ctrl-C raises `Interrupted` with the estimate so far.
 
 KL divergence (llama-perplexity's --kl-divergence-base / --kl-divergence): a base
-run writes, for every scored position, the top K next tokens and their
-log-probabilities, the log of the mass outside them (the tail) and the scored
-token's log-probability (docs/FORMAT.md, "KL reference"); a run of another
-conversion of the same model against that file reports KL(base || this) per
-position over the K + 1 bins (the top K of the base and the tail: a lower bound of
-the KL over the whole vocabulary, as loose as the tail is heavy, so the mass the
-top K held is shown, and warned of under COVERAGE_WARNING); with K the whole
-vocabulary there is no tail and the KL is exact. Its statistics are
-llama-perplexity's (`kl_summary`).
+run writes a reference (jobs/kl_reference.py); a run of another conversion of the
+same model against it reports KL(base || this) and llama-perplexity's statistics
+(jobs/kl_statistics.py), with the mass the reference's top K held.
 """
 
 import hashlib
-import json
 import math
 import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -53,51 +36,16 @@ from deltafin_mlx.jobs.job_options import check_options
 from deltafin_mlx.jobs.outcome import Outcome
 from deltafin_mlx.jobs.progress import Progress
 from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
-from deltafin_mlx.jobs.score_lines import ScoreItem
-from deltafin_mlx.jobs.results_file import LINE_MAX_BYTES, Results, open_regular, read_regular
-from deltafin_mlx.jobs.score_results import write_safetensors
-from deltafin_mlx.format.safetensors import header_length, parse_header
-from deltafin_mlx.generation.logprobs import tail_logprob
+from deltafin_mlx.jobs.kl_reference import (check_reference_output, read_reference,
+                                             reference_windows, write_reference)
+from deltafin_mlx.jobs.kl_statistics import kl_rows, kl_summary, mean_se
+from deltafin_mlx.jobs.results_file import LINE_MAX_BYTES, Results, read_regular
+from deltafin_mlx.jobs.text_windows import Windows, window_items
 from deltafin_mlx.model.modules import model_vocab
 
-REFERENCE_KIND = "deltafin-kl-reference"
 # Far above the texts perplexity is measured on (wikitext-2's test set: 1.3 MB);
 # a text's tokens are held as Python ints, several times its bytes.
 TEXT_MAX_BYTES = 64 << 20
-# A reference's five tensors and its windows: a header of a few hundred bytes.
-REFERENCE_HEADER_MAX_BYTES = 1 << 16
-# name: (dtype, dimensions) of a reference's tensors (docs/FORMAT.md).
-REFERENCE_TENSORS = {"tokens": ("I32", 1), "top_ids": ("I32", 2), "top_logprobs": ("F32", 2),
-                     "tail_logprob": ("F32", 1), "token_logprobs": ("F32", 1)}
-
-
-@dataclass
-class Windows:
-    context: int  # tokens per window
-    stride: Optional[int] = None  # None: side by side, second half scored
-
-    def check(self):
-        if self.context < 2:
-            raise JobError(f"-c/--context must be 2 or more (got {self.context})")
-        if self.stride is not None and not 1 <= self.stride <= self.context:
-            raise JobError(f"--stride must be between 1 and the context, {self.context} "
-                             f"(got {self.stride})")
-
-    @property
-    def step(self) -> int:
-        return self.context if self.stride is None else self.stride
-
-    @property
-    def first_scored(self) -> int:
-        """The first position of a window that is scored (the ones before it are
-        context only; position 0 has no prediction)."""
-        if self.stride is None:
-            return self.context // 2
-        return max(1, self.context - self.stride)
-
-    def starts(self, n_tokens: int, limit: Optional[int] = None) -> List[int]:
-        starts = list(range(0, n_tokens - self.context + 1, self.step))
-        return starts[:limit] if limit else starts
 
 
 @dataclass
@@ -133,31 +81,6 @@ def read_text(path) -> str:
     except UnicodeDecodeError as e:
         raise JobError(f"{path}: not UTF-8 text (byte {e.start}); perplexity reads a text "
                          "file") from None
-
-
-def window_items(tokens: List[int], windows: Windows, chunks: Optional[int] = None
-                 ) -> List[ScoreItem]:
-    """One ScoreItem per window: its tokens, the positions it scores."""
-    starts = windows.starts(len(tokens), chunks)
-    if not starts:
-        raise JobError(f"the text has {len(tokens)} tokens, fewer than one window of "
-                         f"{windows.context} (-c)")
-    return [ScoreItem.scored_from(i, tokens[s : s + windows.context], windows.first_scored)
-            for i, s in enumerate(starts)]
-
-
-def kl_rows(p_log: np.ndarray, p_tail: np.ndarray, q_log: np.ndarray, exact: bool
-            ) -> np.ndarray:
-    """KL(base || this) per row over the base's top K (`p_log`, this model's
-    log-probabilities of the same ids `q_log`) and the tail; `exact`: the K ids are
-    the whole vocabulary, so there is no tail (what the base's rows leave of 1 is
-    rounding)."""
-    p, q = p_log.astype(np.float64), q_log.astype(np.float64)
-    kl = (np.exp(p) * (p - q)).sum(axis=-1)
-    if not exact:
-        p_t, q_t = p_tail.astype(np.float64), tail_logprob(q_log).astype(np.float64)
-        kl = kl + np.exp(p_t) * (p_t - q_t)
-    return np.maximum(kl, 0.0)  # rounding can leave -1e-9 where the two agree
 
 
 # An id and a log-probability in a JSON line at most ("12345678, -1.2345678901234567e-05, ").
@@ -268,7 +191,7 @@ def perplexity(model, tokenizer, text: str, opts: PerplexityOptions,
                         exact)
     if opts.kl_base:
         rows = [done[w] for w in range(len(items))]
-        write_reference(opts.kl_base, tokens[: summary["tokens"]], opts,
+        write_reference(opts.kl_base, tokens[: summary["tokens"]], opts.windows, opts.chunks,
                         np.concatenate([r["top_ids"] for r in rows]),
                         np.concatenate([r["top_logprobs"] for r in rows]),
                         np.concatenate([r["token_logprobs"] for r in rows]))
@@ -308,8 +231,7 @@ def summarize(opts: PerplexityOptions, tokens, items, done: dict, resumed: int, 
     cat = lambda f: np.concatenate([done[w][f] for w in order]) if order else np.zeros(0)
     token_lp = cat("token_logprobs").astype(np.float64)
     losses = -token_lp
-    mean = float(losses.mean()) if losses.size else float("nan")
-    se = float(losses.std(ddof=1) / math.sqrt(losses.size)) if losses.size > 1 else 0.0
+    mean, se = mean_se(losses) if losses.size else (float("nan"), 0.0)
     ppl = None if not losses.size else math.exp(mean) if mean < 700 else float("inf")
     covered = opts.windows.starts(len(tokens), opts.chunks)[-1] + opts.windows.context
     n = len(items[0].tokens) - opts.windows.first_scored
@@ -338,191 +260,6 @@ def summarize(opts: PerplexityOptions, tokens, items, done: dict, resumed: int, 
                              top_k_mass=float(np.exp(reference.top_logprobs[rows].astype(
                                  np.float64)).sum(axis=-1).mean()))
     return summary
-
-
-@dataclass
-class Reference:
-    windows: Windows
-    chunks: Optional[int]
-    tokens: np.ndarray  # (tokens covered,) int32
-    top_ids: np.ndarray  # (scored positions, K) int32, best first
-    top_logprobs: np.ndarray  # (scored positions, K) float32
-    tail_logprob: np.ndarray  # (scored positions,) float32
-    token_logprobs: np.ndarray  # (scored positions,) float32
-
-
-def write_reference(path, tokens, opts: PerplexityOptions, top_ids, top_logprobs, token_logprobs):
-    """The base's distributions as one safetensors file (docs/FORMAT.md)."""
-    top_logprobs = top_logprobs.astype(np.float32)
-    write_safetensors(Path(path), {
-        "tokens": np.asarray(tokens, np.int32),
-        "top_ids": top_ids.astype(np.int32),
-        "top_logprobs": top_logprobs,
-        "tail_logprob": tail_logprob(top_logprobs),
-        "token_logprobs": token_logprobs.astype(np.float32),
-    }, metadata={"kind": REFERENCE_KIND, "context": str(opts.windows.context),
-                 "stride": str(opts.windows.stride or 0), "chunks": str(opts.chunks or 0)})
-
-
-def _reference_header(f, path):
-    """The checked header of the safetensors file `f` (format/safetensors.py) and its
-    metadata, which must say it is a KL reference."""
-    size = os.fstat(f.fileno()).st_size
-    n = header_length(path, f.read(8), size, JobError)
-    if n > REFERENCE_HEADER_MAX_BYTES:
-        raise ValueError(f"a header of {n} bytes")
-    raw = f.read(n)
-    entries = parse_header(path, raw, size, JobError)
-    meta = json.loads(raw).get("__metadata__")
-    if not isinstance(meta, dict) or meta.get("kind") != REFERENCE_KIND:
-        raise ValueError("not a KL reference")
-    return entries, meta
-
-
-def read_reference(path) -> Reference:
-    """The reference at `path`, checked whole before anything uses it: a regular file,
-    its tensors of the dtypes and shapes written (as many positions as its windows
-    score), ids not negative (the vocabulary is the model's: `perplexity` checks
-    them against it), log-probabilities finite and not positive."""
-    f = os.fdopen(open_regular(path, os.O_RDONLY, "KL reference"), "rb")
-    try:
-        with f:
-            entries, meta = _reference_header(f, path)
-            t = {}
-            for name, (dtype, dims) in REFERENCE_TENSORS.items():
-                e = entries.get(name)
-                if e is None or e.dtype != dtype or len(e.shape) != dims:
-                    raise ValueError(f"no {dims}-d {dtype} tensor {name}")
-                f.seek(e.offset)
-                t[name] = np.fromfile(f, f"<{dtype[0].lower()}4", math.prod(e.shape)
-                                      ).reshape(e.shape)
-        windows = Windows(int(meta["context"]), int(meta["stride"]) or None)
-        chunks = int(meta["chunks"]) or None
-        windows.check()
-        starts = windows.starts(len(t["tokens"]), chunks)
-        n, k = t["top_ids"].shape
-        if (not starts or starts[-1] + windows.context != len(t["tokens"]) or k < 1
-                or (chunks or 1) < 1
-                or n != len(starts) * (windows.context - windows.first_scored)
-                or t["top_logprobs"].shape != (n, k)
-                or not t["tail_logprob"].shape == t["token_logprobs"].shape == (n,)):
-            raise ValueError("its tensors' shapes are not those of its windows")
-        if (t["top_ids"] < 0).any():
-            raise ValueError("a negative token id")
-        for x in ("top_logprobs", "tail_logprob", "token_logprobs"):
-            if not (np.isfinite(t[x]).all() and (t[x] <= 0).all()):
-                raise ValueError(f"{x} holds a value that is not a log-probability")
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise JobError(f"{path}: not a KL reference written by --kl-divergence-base "
-                       f"({why})") from None
-    return Reference(windows, chunks, t["tokens"], t["top_ids"], t["top_logprobs"],
-                     t["tail_logprob"], t["token_logprobs"])
-
-
-def check_reference_output(path, text=None, model_dir=None):
-    """Refuse a --kl-divergence-base REF that would replace what is not a reference:
-    the text, a file or folder of the model's (its config, its tokenizer), or any
-    existing file but a KL reference written here; and one that could not be written
-    (its folder missing or read-only): refused now, not after the scoring."""
-    real = os.path.realpath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    if not (os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)):
-        raise JobError(f"{path}: {folder} is not a folder this run can write the reference "
-                       "in; give a path in one")
-    for given, what in ((text, "the text measured"), (model_dir, "in the model directory")):
-        if given is not None and os.path.commonpath([os.path.realpath(given), real]) == \
-                os.path.realpath(given):
-            raise JobError(f"{path}: this is {what} ({given}); write the reference to "
-                           "another file")
-    if not os.path.lexists(path):
-        return
-    try:
-        with os.fdopen(open_regular(path, os.O_RDONLY, "KL reference"), "rb") as f:
-            _reference_header(f, path)
-    except (OSError, ValueError):
-        raise JobError(f"{path}: exists and is not a KL reference; --kl-divergence-base "
-                       "replaces only a reference: give a new file") from None
-
-
-def reference_windows(ref: Reference, path, context: Optional[int] = None,
-                      stride: Optional[int] = None, chunks: Optional[int] = None):
-    """The windows and chunks a run against the reference at `path` scores: its own;
-    any other given (not None), by the command's flags or the library's options, is refused."""
-    for flag, given, theirs in (("-c", context, ref.windows.context),
-                                ("--stride", stride, ref.windows.stride),
-                                ("--chunks", chunks, ref.chunks)):
-        if given is not None and given != theirs:
-            raise JobError(f"{flag} {given}: {path} was written with {flag} "
-                           f"{theirs or 'unset'}, and --kl-divergence scores the windows "
-                           f"of its reference (leave {flag} out)")
-    return ref.windows, ref.chunks
-
-
-PERCENTILES = (99.9, 99, 95, 90, 10, 5, 1, 0.1)  # llama-perplexity's, as it prints them
-COVERAGE_WARNING = 0.9  # a top K holding less of the mass: the KL is a loose lower bound
-
-
-def mean_se(x: np.ndarray) -> Tuple[float, float]:
-    """The mean and its standard error (llama-perplexity's and mlx_lm.perplexity's)."""
-    return float(x.mean()), float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0
-
-
-def spread(x: np.ndarray) -> dict:
-    """Median, extremes and PERCENTILES (linear between ranks, as llama-perplexity's)."""
-    return {"median": float(np.median(x)), "max": float(x.max()), "min": float(x.min()),
-            "percentiles": {f"{p:g}": float(np.percentile(x, p)) for p in PERCENTILES}}
-
-
-def kl_summary(kl: np.ndarray, token_logprobs: np.ndarray, base_logprobs: np.ndarray,
-               same_top: np.ndarray) -> dict:
-    """llama-perplexity's --kl-divergence statistics, per scored position: the KL's
-    mean and spread; Δp, this model's probability of the text's token less the
-    base's (mean, RMS, spread); how often the most likely tokens agree; the two
-    perplexities, their ratio, difference and ln ratio with llama-perplexity's
-    uncertainties, and the correlation of the two models' per-token ln PPL."""
-    n = kl.size
-    nll, nll_base = -token_logprobs.astype(np.float64), -base_logprobs.astype(np.float64)
-    (ln_q, se_q), (ln_b, se_b) = mean_se(nll), mean_se(nll_base)
-    cov = float(np.cov(nll, nll_base)[0, 1]) / n if n > 1 else 0.0  # of the two means
-    ppl, ppl_base = math.exp(min(ln_q, 700)), math.exp(min(ln_b, 700))
-    ln_ratio_se = math.sqrt(max(se_q ** 2 + se_b ** 2 - 2 * cov, 0.0))
-    corr = float(np.corrcoef(nll, nll_base)[0, 1]) if n > 1 and se_q and se_b else None
-    dp = np.exp(-nll) - np.exp(-nll_base)
-    dp_mean, dp_se = mean_se(dp)
-    mse, mse_se = mean_se(dp ** 2)
-    rms = math.sqrt(mse)
-    kl_mean, kl_se = mean_se(kl)
-    agree = float(same_top.mean())
-    return {"positions": n, "mean": kl_mean, "mean_se": kl_se, **spread(kl),
-            "delta_p": {"mean": dp_mean, "mean_se": dp_se, "rms": rms,
-                        "rms_se": 0.5 / rms * mse_se if rms > 0 else 0.0, **spread(dp)},
-            "same_top": agree,
-            "same_top_se": math.sqrt(agree * (1 - agree) / (n - 1)) if n > 1 else 0.0,
-            "base_perplexity": ppl_base, "base_perplexity_se": ppl_base * se_b,
-            "ln_ppl_ratio": ln_q - ln_b, "ln_ppl_ratio_se": ln_ratio_se,
-            "ppl_ratio": math.exp(min(ln_q - ln_b, 700)),
-            "ppl_ratio_se": math.exp(min(ln_q - ln_b, 700)) * ln_ratio_se,
-            "ppl_difference": ppl - ppl_base,
-            "ppl_difference_se": math.sqrt(max((ppl * se_q) ** 2 + (ppl_base * se_b) ** 2
-                                               - 2 * ppl * ppl_base * cov, 0.0)),
-            "ln_ppl_correlation": corr}
-
-
-def coverage_warning(s: dict) -> Optional[str]:
-    """One line when the top K of a reference (written now, or compared with) held
-    less than COVERAGE_WARNING of the mass on average: its KL is a loose bound."""
-    if "kl" in s and not s["kl"]["exact"] and s["kl"]["top_k_mass"] < COVERAGE_WARNING:
-        k, mass = s["kl"]["top_k"], s["kl"]["top_k_mass"]
-        vocab = s["kl"]["vocab"]
-    elif s.get("kl_base_top_k_mass", 1.0) < COVERAGE_WARNING:
-        k, mass, vocab = s["kl_base_top_k"], s["kl_base_top_k_mass"], None
-    else:
-        return None
-    return (f"warning: the reference's top {k} held {100 * mass:.2f} % of the probability "
-            f"mass on average (under {100 * COVERAGE_WARNING:.0f} %): the KL over them and the "
-            f"tail is a loose lower bound; a reference written with a larger --kl-top-k "
-            f"(the vocabulary{f', {vocab},' if vocab else ''} for the exact KL) tightens it")
 
 
 def summary_lines(s: dict) -> List[str]:

@@ -25,7 +25,9 @@ from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.engine.runtime import runtime
 from deltafin_mlx.errors import JobError
-from deltafin_mlx.jobs.perplexity import PerplexityOptions, Windows, kl_summary, perplexity
+from deltafin_mlx.jobs.kl_statistics import kl_summary
+from deltafin_mlx.jobs.perplexity import PerplexityOptions, perplexity
+from deltafin_mlx.jobs.text_windows import Windows
 
 ARGS = ["-c", "48", "--budget", "200MB", "--json"]
 

@@ -20,7 +20,8 @@ from safetensors.numpy import load_file
 from deltafin_mlx.cli.main import main
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.engine.runtime import runtime
-from deltafin_mlx.jobs.perplexity import PerplexityOptions, Windows, perplexity
+from deltafin_mlx.jobs.perplexity import PerplexityOptions, perplexity
+from deltafin_mlx.jobs.text_windows import Windows
 
 WORDS = ("the experts stream from disk while the trunk stays in memory and every "
          "token routes to a few of them 12 34 def route(x): return x").split()
