@@ -82,7 +82,7 @@ def export_parser():
                "input order; input_ids, labels (-100 where not scored), teacher_topk_indices, "
                "teacher_topk_logprobs (row t predicts token t+1) and teacher_tail_logprob "
                "(docs/FORMAT.md). Needs pyarrow: pip install 'deltafin[distill]'.")
-    p.add_argument("scores", help="the JSONL that deltafin-run score wrote (-o)")
+    p.add_argument("scores", help="the JSONL that deltafin-run score wrote (-o), or - for stdin")
     p.add_argument("-o", "--output", required=True,
                    help="the parquet file (an earlier export there is replaced)")
     return p

@@ -3,9 +3,10 @@ export`, docs/FORMAT.md "Parquet export"): one row per text, in input order, wit
 ms-swift's column names, the teacher's top K aligned as a model's logits are (row t
 predicts token t + 1), readable by `datasets.load_dataset("parquet", ...)`.
 
-OUT is read twice, a line at a time: once for each text's place (its input line
-number) and id type, then in input order a row group at a time, so memory holds one
-row group, not the corpus. Results in either layout are read: separate top-K arrays,
+OUT (a regular file, or `-` for stdin: jobs/results_file.py `open_input`) is read
+twice, a line at a time, no line longer than LINE_MAX_BYTES: once for each text's
+place (its input line number) and id type, then in input order a row group at a
+time, so memory holds one row group, not the corpus. Results in either layout are read: separate top-K arrays,
 or the [id, logprob] pairs score wrote before (their tail by the same rule).
 pyarrow (the `distill` extra) is imported only here, when an export runs.
 """
@@ -19,7 +20,8 @@ import numpy as np
 
 from deltafin_mlx.errors import JobError
 from deltafin_mlx.generation.logprobs import tail_logprob
-from deltafin_mlx.units import is_int
+from deltafin_mlx.jobs.results_file import LINE_MAX_BYTES, open_input, read_lines
+from deltafin_mlx.units import human_bytes, is_int
 
 INSTALL = "pip install 'deltafin[distill]'"
 PARQUET_MAGIC = b"PAR1"
@@ -66,35 +68,35 @@ def top_arrays(line: dict):
     return ids, vals, tails
 
 
-def _scan(path):
+def _scan(f, path):
     """(places, ids are all integers, error lines): each result line's (sort key,
-    byte offset), the key its input line number, then its place in OUT."""
-    places, ints, errors = [], True, 0
-    with open(path, "rb") as f:
-        n, offset = 0, 0
-        for raw in f:
-            n += 1
-            at, offset = offset, offset + len(raw)
-            if not raw.strip():
-                continue
-            try:
-                line = json.loads(raw)
-            except ValueError:
-                raise JobError(f"{path}: line {n} is not JSON: not score's results") from None
-            if not isinstance(line, dict) or "shard" in line:
-                raise JobError(f"{path}: line {n} is not a result line of score's JSONL "
-                               "(--format jsonl; a --format safetensors index cannot be "
-                               "exported)")
-            if "error" in line:
-                errors += 1
-                continue
-            if "tokens" not in line or "token_logprobs" not in line:
-                raise JobError(f"{path}: line {n} has no tokens: not score's results")
-            if "top_logprobs" not in line:
-                raise JobError(f"{path}: line {n} has no top K: score with --top-logprobs K "
-                               "to export teacher distributions")
-            ints = ints and is_int(line["id"])
-            places.append(((line.get("line") or 0, n), at))
+    byte offset) in `f`, the key its input line number, then its place in OUT."""
+    places, ints, errors, end = [], True, 0, 0
+    for n, raw, _ in read_lines(f):
+        at, end = end, f.tell()
+        if raw is None:
+            raise JobError(f"{path}: line {n} is longer than {human_bytes(LINE_MAX_BYTES)}: "
+                           "not score's results")
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            raise JobError(f"{path}: line {n} is not JSON: not score's results") from None
+        if not isinstance(line, dict) or "shard" in line:
+            raise JobError(f"{path}: line {n} is not a result line of score's JSONL "
+                           "(--format jsonl; a --format safetensors index cannot be "
+                           "exported)")
+        if "error" in line:
+            errors += 1
+            continue
+        if "tokens" not in line or "token_logprobs" not in line:
+            raise JobError(f"{path}: line {n} has no tokens: not score's results")
+        if "top_logprobs" not in line:
+            raise JobError(f"{path}: line {n} has no top K: score with --top-logprobs K "
+                           "to export teacher distributions")
+        ints = ints and is_int(line["id"])
+        places.append(((line.get("line") or 0, n), at))
     places.sort()
     return [at for _, at in places], ints, errors
 
@@ -121,7 +123,12 @@ def export_parquet(in_path, out_path) -> dict:
     pa, pq = parquet_modules()
     out_path = Path(out_path)
     check_parquet_output(out_path)
-    places, ints, errors = _scan(in_path)
+    with open_input(in_path) as f:
+        return _export(f, in_path, out_path, pa, pq)
+
+
+def _export(f, in_path, out_path: Path, pa, pq) -> dict:
+    places, ints, errors = _scan(f, in_path)
     if not places:
         raise JobError(f"{in_path}: no scored text to export")
     schema = pa.schema([
@@ -134,7 +141,7 @@ def export_parquet(in_path, out_path) -> dict:
     os.close(fd)
     top_k = 0
     try:
-        with open(in_path, "rb") as f, pq.ParquetWriter(tmp, schema) as writer:
+        with pq.ParquetWriter(tmp, schema) as writer:
             rows, values = [], 0
             for i, at in enumerate(places):
                 f.seek(at)

@@ -160,12 +160,43 @@ def test_results_in_the_layout_before_export_the_same(scored, tmp_path):
     assert new == again
 
 
-def export_cli(*args, block_pyarrow=False):
+def export_cli(*args, block_pyarrow=False, stdin=None):
     code = ("import sys\n"
             + ("sys.modules['pyarrow'] = None\n" if block_pyarrow else "")
             + "from deltafin_mlx.cli.main import main\nsys.exit(main(sys.argv[1:]))")
     return subprocess.run([sys.executable, "-c", code, "export", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, stdin=stdin)
+
+
+def test_results_from_stdin_export_as_from_the_file(scored, tmp_path):
+    """`-` reads score's results from stdin (a pipe), kept as any job's input is."""
+    import pyarrow.parquet as pq
+
+    _, _, _, out = scored
+    assert main(["export", str(out), "-o", str(tmp_path / "file.parquet")]) == 0
+    with open(out, "rb") as f:
+        r = export_cli("-", "-o", tmp_path / "pipe.parquet", stdin=f)
+    assert r.returncode == 0, r.stderr
+    assert pq.read_table(tmp_path / "pipe.parquet").to_pylist() == \
+        pq.read_table(tmp_path / "file.parquet").to_pylist()
+
+
+def test_a_line_past_the_limit_is_refused_unread(tmp_path, monkeypatch, capsys):
+    """No line of the results is held whole past LINE_MAX_BYTES (a hostile file of
+    one endless line): the export stops at it in one line, writing nothing."""
+    import deltafin_mlx.jobs.results_file as results_file
+    import deltafin_mlx.jobs.score_export as score_export
+    from deltafin_mlx.units import human_bytes
+
+    monkeypatch.setattr(results_file, "LINE_MAX_BYTES", 4096)
+    monkeypatch.setattr(score_export, "LINE_MAX_BYTES", 4096)
+    scores = tmp_path / "s.jsonl"
+    scores.write_text('{"id": 1, "tokens": [' + "5, " * 5000 + '5]}\n')
+    assert main(["export", str(scores), "-o", str(tmp_path / "x.parquet")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"deltafin-run: error: {scores}: line 1 is longer than {human_bytes(4096)}: not "
+        "score's results"]
+    assert not list(tmp_path.glob("*.parquet")) and not list(tmp_path.glob(".*.tmp"))
 
 
 def test_export_refusals_are_one_line(tmp_path):
