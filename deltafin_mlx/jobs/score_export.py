@@ -6,8 +6,9 @@ predicts token t + 1), readable by `datasets.load_dataset("parquet", ...)`.
 OUT (a regular file, or `-` for stdin: jobs/results_file.py `open_input`) is read
 twice, a line at a time, no line longer than LINE_MAX_BYTES: once for each text's
 place (its input line number) and id type, then in input order a row group at a
-time, so memory holds one row group, not the corpus. Results in either layout are read: separate top-K arrays,
-or the [id, logprob] pairs score wrote before (their tail by the same rule).
+time, so memory holds one row group, not the corpus. Results in either layout are
+read: separate top-K arrays, or the [id, logprob] pairs score wrote before (their
+tail by the same rule).
 pyarrow (the `distill` extra) is imported only here, when an export runs.
 """
 
