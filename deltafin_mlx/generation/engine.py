@@ -178,11 +178,10 @@ def stream(model, prepared: Prepared, *, prompt_cache=None, progress=None,
 
 def finished(render: Render, token: int, reason: Optional[str],
              interrupted: Callable[[], bool] = lambda: False):
-    """(pieces, reason) of one token, by the one finish rule (`stream`, `batch`
-    and serve's replies read from a scoring pass alike): mlx-lm's `reason`
-    ("stop": the model's stop token; "length"), or "interrupted", unless the
-    answer met a stop string, here or in the text the reply's end lets out: then
-    "stop"."""
+    """(pieces, reason) of one token by the one finish rule (stream, batch, serve's
+    scoring pass): mlx-lm's `reason` ("stop": the model's stop token; "length"), or
+    "interrupted", unless the answer met a stop string (here or in the text the
+    reply's end lets out): then "stop"."""
     pieces = render.add(token, final=reason is not None)
     if reason is None and not render.stopped and interrupted():
         reason = "interrupted"

@@ -439,10 +439,8 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
             self.response_generator = real
 
     def prompt_tokens(self, request, args=None) -> list:
-        """The prompt's tokens, as mlx-lm's generation thread will build them
-        (the text is already bounded by what the context can hold). `args`: what
-        holds the request's `chat_template_kwargs` (None: the handler, once
-        mlx-lm's do_POST has read them)."""
+        """The prompt's tokens, as mlx-lm's generation thread will build them (the
+        text is already bounded by the context); `args` holds chat_template_kwargs."""
         try:
             prompt = compat.server_prompt_tokens(self.response_generator,
                                                  self.settings.tokenizer, request,

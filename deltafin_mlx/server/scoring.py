@@ -17,6 +17,7 @@ scored with one more position, a placeholder token whose own score is dropped).
 OpenAI's logprobs blocks of generated tokens (`logprobs_block`) live here too.
 """
 
+import functools
 import time
 import uuid
 from itertools import accumulate
@@ -30,17 +31,8 @@ PLACEHOLDER = 0  # the token after a prompt whose next token is read from the pa
 
 
 def token_texts(tokenizer):
-    """A token id's text, each id decoded once (a block's ids repeat: up to
-    prompt_logprobs + 1 of them at each of the prompt's positions)."""
-    texts = {}
-
-    def text_of(token) -> str:
-        token = int(token)
-        if token not in texts:
-            texts[token] = tokenizer.decode([token])
-        return texts[token]
-
-    return text_of
+    """A token id's text, each id decoded once (a block's ids repeat)."""
+    return functools.lru_cache(maxsize=None)(lambda token: tokenizer.decode([int(token)]))
 
 
 def logprobs_block(tokenizer, tokens, logprobs, top_tokens, legacy: bool):
@@ -155,10 +147,10 @@ def greedy_reply(tokenizer, request, prompt: List[int], token: int):
     ended as generation ends it (engine.py `finished`): the model's stop token
     shows nothing and says "stop", as does a stop string; else "length"."""
     render = Render(tokenizer, opens_thinking(tokenizer, prompt), request.stop or ())
-    pieces, reason = finished(render, token,
-                              "stop" if token in tokenizer.eos_token_ids else "length")
-    return ("".join(p for c, p in pieces if c == "answer"),
-            "".join(p for c, p in pieces if c != "answer"), reason)
+    pieces, reason = finished(render, token, "stop" if token in tokenizer.eos_token_ids
+                              else "length")
+    answer = "".join(p for c, p in pieces if c == "answer")
+    return answer, "".join(p for c, p in pieces if c != "answer"), reason
 
 
 def pass_response(handler, request, chat: bool, prompts: list, tokens: List[List[int]],
