@@ -140,13 +140,11 @@ def logit_bias(v, vocab):
 def prompt_list(v: list, limits: "RequestLimits") -> list:
     """A text completion's list `prompt`: token ids (one prompt), or a list of
     prompts, each a string or token ids (lm-eval's local-completions sends these);
-    as a list of prompts. Their token ids number at most the context in all (as
-    text is bounded by `text_bytes`): a scored prompt's answer grows with each."""
+    as a list of prompts."""
     if v and all(is_int(t) for t in v):
         v = [v]
     if not v or len(v) > MAX_PROMPTS:
         fail("prompt", f"a list must hold 1..{MAX_PROMPTS} prompts, not {len(v)}")
-    ids = 0
     for i, p in enumerate(v):
         f = f"prompt[{i}]"
         if isinstance(p, str):
@@ -154,10 +152,8 @@ def prompt_list(v: list, limits: "RequestLimits") -> list:
             continue
         if not isinstance(p, list) or not p or not all(is_int(t) for t in p):
             fail(f, "must be a string or a non-empty list of token ids")
-        ids += len(p)
-        if ids > limits.context:
-            fail("prompt", f"holds more than the planned context of {limits.context} "
-                           f"token ids in all (prompt[{i}] reaches {ids})")
+        if len(p) > limits.context:
+            fail(f, f"has {len(p)} tokens, more than the planned context of {limits.context}")
         bad = next((t for t in p if not 0 <= t < limits.vocab), None)
         if bad is not None:
             fail(f, f"has token id {bad}, outside the vocabulary (0..{limits.vocab - 1})")

@@ -90,9 +90,6 @@ HOSTILE = [
     (CHAT, chat(min_tokens_to_keep=1.5), "min_tokens_to_keep"),
     (CHAT, chat(min_tokens_to_keep=5), "min_tokens_to_keep"),  # mlx-lm's server keeps 1
     (CHAT, chat("stream " * (CONTEXT + 64)), "planned context"),
-    # token ids count against the context in all, however many prompts hold them
-    (TEXT, text([[1] * (CONTEXT // 2), [2] * (CONTEXT // 2 + 1)], echo=True, max_tokens=0),
-     f"more than the planned context of {CONTEXT} token ids in all"),
     # What the server does not do is refused, never dropped.
     (TEXT, text(echo=True, stream=True), "stream"),  # scoring answers whole
     (CHAT, chat(echo=True), "echo"),  # a text completion's (a chat: prompt_logprobs)
