@@ -129,6 +129,16 @@ def bound_chat_templates(sandbox):
         chat_template_utils._compile_jinja_template.cache_clear()
 
 
+def prompt_cache_metadata(header_metadata: dict):
+    """The metadata save_prompt_cache stored, from its file's safetensors header
+    (its layout: [metadata, layer classes, scalars], tree-flattened), or None. The
+    header is only read, so that a file of gigabytes is not loaded to see it."""
+    from mlx.utils import tree_unflatten
+
+    saved = tree_unflatten(list(header_metadata.items()))
+    return saved[0] if isinstance(saved, list) and saved and isinstance(saved[0], dict) else None
+
+
 def server_prompt_tokens(response_generator, tokenizer, request, args):
     """A server request's prompt tokens, built as mlx-lm's generation thread builds them."""
     from mlx_lm.server import ResponseGenerator

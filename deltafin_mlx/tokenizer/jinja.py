@@ -69,6 +69,19 @@ def _bounded_filter(f):  # functools.wraps keeps jinja's pass_context marks
     return functools.wraps(f)(lambda *a, **k: _bounded(None, *a, *k.values()) or f(*a, **k))
 
 
+class _BoundedFilters(dict):
+    """An environment's filters, each wrapped by _bounded_filter: those it starts
+    with and those set after (transformers sets its own `tojson` on the sandbox)."""
+
+    def __init__(self, filters):
+        super().__init__()
+        for name, f in filters.items():
+            self[name] = f
+
+    def __setitem__(self, name, f):
+        super().__setitem__(name, _bounded_filter(f))
+
+
 class BoundedSandbox(ImmutableSandboxedEnvironment):
     """Jinja's immutable sandbox, bounded: every render (Template.render joins its
     pieces through `concat`) ends within JINJA_MAX_SECONDS and JINJA_MAX_OUTPUT_CHARS;
@@ -82,7 +95,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.globals["range"] = self.bounded_range
-        self.filters = {name: _bounded_filter(f) for name, f in self.filters.items()}
+        self.filters = _BoundedFilters(self.filters)
 
     def from_string(self, source, *args, **kwargs):
         if not isinstance(source, str) or len(source) > JINJA_MAX_TEMPLATE_CHARS:
