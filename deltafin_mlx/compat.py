@@ -130,13 +130,11 @@ def bound_chat_templates(sandbox):
 
 
 def prompt_cache_metadata(header_metadata: dict):
-    """The metadata save_prompt_cache stored, from its file's safetensors header
-    (its layout: [metadata, layer classes, scalars], tree-flattened), or None. The
-    header is only read, so that a file of gigabytes is not loaded to see it."""
+    """save_prompt_cache's metadata, from its file's safetensors header: the first of
+    the [metadata, layer classes, scalars] it tree-flattens there."""
     from mlx.utils import tree_unflatten
 
-    saved = tree_unflatten(list(header_metadata.items()))
-    return saved[0] if isinstance(saved, list) and saved and isinstance(saved[0], dict) else None
+    return tree_unflatten(list(header_metadata.items()))[0]
 
 
 def server_prompt_tokens(response_generator, tokenizer, request, args):

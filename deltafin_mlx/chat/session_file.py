@@ -54,9 +54,8 @@ def content_checksum(cache, metadata: dict) -> str:
 
 def write_session(path: Path, cache, metadata: dict):
     """Save `cache` with `metadata` (and the content's checksum) atomically: a
-    temporary file beside `path`, renamed over it when complete. An existing file
-    there is replaced only when it is a session (of metadata "format"): `/save
-    model` in a checkpoint's folder must not replace its weights."""
+    temporary file beside `path`, renamed over it when complete; over a session
+    only (`/save model` beside a checkpoint must not replace its weights)."""
     if os.path.lexists(path) and session_format(path) != metadata["format"]:
         raise SessionSaveError(f"session not saved: {path} is there and is not a chat "
                                "session; save under another name")
@@ -77,8 +76,7 @@ def write_session(path: Path, cache, metadata: dict):
 
 
 def session_format(path: Path):
-    """The metadata "format" of the safetensors file at `path` (its header only is
-    read); None for anything else."""
+    """The session format a file's safetensors header names (read alone); or None."""
     try:
         raw, _ = read_header_bytes(path, error=SessionError)
         return compat.prompt_cache_metadata(json.loads(raw[8:])["__metadata__"])["format"]

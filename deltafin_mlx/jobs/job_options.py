@@ -47,9 +47,8 @@ def _shown(flag: str, value) -> str:
 def check_options(out_path, options: dict, started: bool, record: bool = True) -> Optional[str]:
     """Check `options` ({flag: value}, JSON-able) against OUT's record, or write the
     record; `started`: OUT already holds results. Returns a note to show, if any;
-    raises JobError when the record differs. `record=False`: only check, writing
-    nothing (before OUT's lines are read: a file that is not a job's output gets no
-    record)."""
+    raises JobError when the record differs. `record=False`: only check (before
+    OUT's lines are read, so that a file of other lines gets no record)."""
     if out_path == STDOUT:  # no resume, so no record
         return None
     path = record_path(out_path)

@@ -70,13 +70,8 @@ def _bounded_filter(f):  # functools.wraps keeps jinja's pass_context marks
 
 
 class _BoundedFilters(dict):
-    """An environment's filters, each wrapped by _bounded_filter: those it starts
-    with and those set after (transformers sets its own `tojson` on the sandbox)."""
-
-    def __init__(self, filters):
-        super().__init__()
-        for name, f in filters.items():
-            self[name] = f
+    """A sandbox's filters: one set after it is made (transformers' `tojson`) is
+    wrapped by _bounded_filter too."""
 
     def __setitem__(self, name, f):
         super().__setitem__(name, _bounded_filter(f))
@@ -95,7 +90,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.globals["range"] = self.bounded_range
-        self.filters = _BoundedFilters(self.filters)
+        self.filters = _BoundedFilters({n: _bounded_filter(f) for n, f in self.filters.items()})
 
     def from_string(self, source, *args, **kwargs):
         if not isinstance(source, str) or len(source) > JINJA_MAX_TEMPLATE_CHARS:
