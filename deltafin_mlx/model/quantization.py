@@ -122,6 +122,14 @@ def expert_quantization(config: dict, expert_bits, expert_group_size: int) -> di
         if (qc.get("quant_method") == "compressed-tensors" and fmt == "mxfp4-pack-quantized"
                 or qc.get("quant_method") == "mxfp4"):
             return {"mode": "mxfp4", "bits": 4, "group_size": 32, "carried_over": True}
+        if qc.get("quant_method") == "compressed-tensors" and fmt == "pack-quantized":
+            # Kimi-K2-Thinking's INT4 experts: mlx-lm's sanitize makes them affine 4-bit
+            # (weight_scale as scales, -8 * scale as biases), carried over as such.
+            groups = qc.get("config_groups")
+            group = next(iter(groups.values()), None) if isinstance(groups, dict) else None
+            weights = group.get("weights") if isinstance(group, dict) else None
+            return carried_quantization({"mode": "affine", "bits": 4, "group_size": (
+                weights.get("group_size") if isinstance(weights, dict) else 32)}, "config.json")
         if qc.get("quant_method") == "fp8":  # mlx-lm's sanitize dequantizes them
             return float_quantization(expert_bits, expert_group_size, float_dtype)
         raise ConvertError(
@@ -132,23 +140,34 @@ def expert_quantization(config: dict, expert_bits, expert_group_size: int) -> di
     return float_quantization(expert_bits, expert_group_size, float_dtype)
 
 
+def one_quantization(quants: dict) -> dict:
+    """One quantization for a record's linears (name -> quantization, in the
+    module's order): the first linear's, with `linears` for those quantized
+    otherwise (granitemoe's down_proj at 8 bits, mlx-lm's mixed_* recipes)."""
+    first = next(iter(quants.values()))
+    own = {n: {k: q[k] for k in ("mode", "bits", "group_size")}
+           for n, q in quants.items() if q != first}
+    return {**first, **({"linears": own} if own else {})}
+
+
+# mlx-lm's names for a routed-expert module (SwitchGLU/SwitchMLP) in its models.
+SWITCH_NAMES = ("switch_mlp", "switch_glu", "experts")
+
+
 def saved_layer_quantization(block: dict) -> dict:
     """Each MoE layer's experts' quantization as mlx-lm's block says it (layer ->
     quantization, `linears` for a linear quantized otherwise than the first), for
-    the layers with per-module entries (mlx-lm's mixed_* recipes: per layer)."""
+    the layers with per-module entries (mlx-lm's mixed_* recipes: per layer). A
+    path naming no layer by number is no module of mlx-lm's (it is not used)."""
     per_layer: dict = {}  # layer -> linear -> quantization
     for path in block:
-        if ".switch_mlp." in path and isinstance(block[path], dict):
-            where, _, linear = path.rpartition(".")
-            layer = int(next((p for p in where.split(".") if p.isdigit()), -1))
-            per_layer.setdefault(layer, {})[linear] = module_quantization(block, path)
-    out = {}
-    for layer in sorted(per_layer):
-        first = next(iter(per_layer[layer].values()))
-        own = {n: q for n, q in per_layer[layer].items() if q != first}
-        out[layer] = {**carried_quantization(first, "config.json"),
-                      **({"linears": own} if own else {})}
-    return out
+        where, _, linear = path.rpartition(".")
+        parts = where.split(".")
+        layer = next((int(p) for p in parts if p.isascii() and p.isdecimal()), None)
+        if parts[-1] in SWITCH_NAMES and layer is not None and isinstance(block[path], dict):
+            per_layer.setdefault(layer, {})[linear] = carried_quantization(
+                module_quantization(block, path), "config.json")
+    return {layer: one_quantization(per_layer[layer]) for layer in sorted(per_layer)}
 
 
 def cast_dtype(config: dict):
@@ -167,7 +186,7 @@ def quantization_by_part(config: dict, manifest) -> dict:
     affine 4-bit/64, router affine 8-bit/64, experts mxfp4: the block's default alone
     (mxfp4) says nothing of the first two. Experts kept in float are said by the
     manifest alone (config.json then lists them as not quantized)."""
-    block = config.get("quantization")
+    block = mlx_lm_quantization(config)
     expert_paths = [manifest.switch_path(layer) for layer in manifest.moe_layers]
     experts = manifest.quantization.get("experts")
     parts = {}
