@@ -350,8 +350,7 @@ def _open(src: str, out: Path, options: ConvertOptions):
 def config_settled(src: str, config: dict, options: ConvertOptions):
     """Every refusal config.json and the options settle, each in one line: a model
     mlx-lm builds without routed experts (mlx-lm runs it), quantization options on a
-    checkpoint mlx-lm quantized (its trunk and experts are kept as saved), expert
-    options on experts carried over (`expert_quantization`). Said for a
+    checkpoint mlx-lm quantized or experts carried over (kept as saved). Said for a
     hub id before anything but config.json is downloaded (`_open`). Returns
     `build_moe`'s four, the source's saved quantization block and the trunk's."""
     built = build_moe(config)

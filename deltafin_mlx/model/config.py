@@ -57,7 +57,6 @@ def tied_embeddings(config: dict) -> bool:
 # key -> (least, most), as mlx-lm's ModelArgs name them: far above any released model,
 # far below what building mlx-lm's model would exhaust (a layer is Python objects,
 # built one by one), so a forged config.json is one line before any model is built.
-# Expert counts may be 0: dense Granite 4.0 says so (then refused as no MoE model).
 MAX_LAYERS = 512
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 SIZES = {
@@ -71,7 +70,6 @@ SIZES = {
     "first_k_dense_replace": (0, MAX_LAYERS),
     "vocab_size": (1, 1 << 24),
 }
-PER_LAYER_SIZES = ("moe_intermediate_size",)  # hunyuan's may be one per layer
 # Numbers mlx-lm computes with as floats (a string here fails only when the model runs).
 FLOATS = ("rope_theta", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps",
           "routed_scaling_factor", "partial_rotary_factor")
@@ -91,12 +89,11 @@ def check_config(config: dict, where, error=ModelError):
     for c in (config, tc):
         for key, (least, most) in SIZES.items():
             v = c.get(key)
-            listed = key in PER_LAYER_SIZES and isinstance(v, list) and v
+            listed = key == "moe_intermediate_size" and isinstance(v, list) and v  # hunyuan's
             if v is not None and not all(type(n) is int and least <= n <= most
                                          for n in (v if listed else [v])):
                 raise error(f"{where}: {key} is {v!r:.60}, not an integer from {least} "
-                            f"to {most:,}" + (" or a list of them" if key in PER_LAYER_SIZES
-                                              else ""))
+                            f"to {most:,}")
         for key in FLOATS:
             v = c.get(key)
             if v is not None and not (type(v) in (int, float) and math.isfinite(v)):

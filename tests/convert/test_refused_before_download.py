@@ -6,6 +6,7 @@ counts what it serves: no safetensors file is asked for); quantization options o
 repository mlx-lm quantized, or on experts carried over as saved (Kimi K3's MXFP4), are
 refused as early, and options that refuse each other before anything is asked for."""
 
+import json
 import os
 import subprocess
 
@@ -88,3 +89,16 @@ def test_linking_float_experts_is_refused_before_anything_is_asked_for(repos, tm
         assert p.returncode != 0
         one_error_line(p, "--link-experts with --expert-bits float", "drop one of the two")
         assert hub.requests == [], hub.requests
+
+
+def test_a_quantization_method_mlx_lm_does_not_read_is_said_before_the_weights(tmp_path):
+    src = zoo.write(tmp_path / "awq", "ernie4_5_moe")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "awq", "bits": 4, "group_size": 128}}))
+    with FakeHub() as hub:
+        hub.add("someone/awq", src)
+        p = run("deltafin-convert", ["someone/awq", tmp_path / "out"], hub.env(tmp_path / "hf"))
+        assert p.returncode != 0
+        one_error_line(p, "source quantization awq/None is not supported")
+        assert not any(path.endswith(".safetensors") for _, path in hub.requests), hub.requests

@@ -54,7 +54,7 @@ SIZES = [
     ({"num_local_experts": 10**9}, "num_local_experts is 1000000000"),
     ({"num_hidden_layers": 0}, "num_hidden_layers is 0"),
     ({"num_experts_per_tok": 0}, "0 experts per token, not 1 to the 16 routed experts"),
-    ({"moe_intermediate_size": [64, "64"]}, "not an integer from 0 to 1,048,576 or a list"),
+    ({"moe_intermediate_size": [64, "64"]}, "not an integer from 0 to 1,048,576"),
     ({"num_experts_per_tok": 10**9}, "num_experts_per_tok is 1000000000"),
     ({"num_experts_per_tok": 17}, "17 experts per token, more than the 16 routed experts"),
     ({"rope_theta": "1e6"}, "rope_theta is '1e6', not a number"),
