@@ -129,6 +129,14 @@ def bound_chat_templates(sandbox):
         chat_template_utils._compile_jinja_template.cache_clear()
 
 
+def prompt_cache_metadata(header_metadata: dict):
+    """save_prompt_cache's metadata, from its file's safetensors header: the first of
+    the [metadata, layer classes, scalars] it tree-flattens there."""
+    from mlx.utils import tree_unflatten
+
+    return tree_unflatten(list(header_metadata.items()))[0]
+
+
 def server_prompt_tokens(response_generator, tokenizer, request, args):
     """A server request's prompt tokens, built as mlx-lm's generation thread builds them."""
     from mlx_lm.server import ResponseGenerator

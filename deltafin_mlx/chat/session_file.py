@@ -24,8 +24,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from deltafin_mlx import compat
 from deltafin_mlx.errors import SessionError, SessionSaveError
 from deltafin_mlx.format.dtypes import to_numpy
+from deltafin_mlx.format.safetensors import read_header_bytes
 
 CHECKSUM_KEY = "content_crc32"
 
@@ -52,7 +54,11 @@ def content_checksum(cache, metadata: dict) -> str:
 
 def write_session(path: Path, cache, metadata: dict):
     """Save `cache` with `metadata` (and the content's checksum) atomically: a
-    temporary file beside `path`, renamed over it when complete."""
+    temporary file beside `path`, renamed over it when complete; over a session
+    only (`/save model` beside a checkpoint must not replace its weights)."""
+    if os.path.lexists(path) and session_format(path) != metadata["format"]:
+        raise SessionSaveError(f"session not saved: {path} is there and is not a chat "
+                               "session; save under another name")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
     mx.eval([c.state for c in cache])
     try:
@@ -67,6 +73,15 @@ def write_session(path: Path, cache, metadata: dict):
     finally:
         if os.path.lexists(tmp):
             tmp.unlink()
+
+
+def session_format(path: Path):
+    """The session format a file's safetensors header names (read alone); or None."""
+    try:
+        raw, _ = read_header_bytes(path, error=SessionError)
+        return compat.prompt_cache_metadata(json.loads(raw[8:])["__metadata__"])["format"]
+    except Exception:  # any file that is not a session: its header may hold anything
+        return None
 
 
 def save_failure(path: Path, cache, metadata: dict, e: Exception) -> str:

@@ -69,7 +69,7 @@ def cmd_perplexity(argv) -> int:
                                                  reference_windows)
     from deltafin_mlx.jobs.perplexity import Interrupted, PerplexityOptions, perplexity, read_text
     from deltafin_mlx.jobs.text_windows import Windows
-    from deltafin_mlx.jobs.results_file import check_not_input, check_regular
+    from deltafin_mlx.jobs.results_file import STDOUT, check_not_input, check_regular
 
     args = perplexity_parser().parse_args(argv)
     text = read_text(args.file)  # before the model loads, not after
@@ -87,8 +87,11 @@ def cmd_perplexity(argv) -> int:
                              max_pass_tokens=args.pass_tokens,
                              kl_base=args.kl_divergence_base,
                              kl_reference=args.kl_divergence, top_k=args.kl_top_k or 32,
-                             output=args.output)
+                             output=args.output, activation_dtype=args.activation_dtype)
     windows.check()
+    if args.output == STDOUT:
+        raise UsageError("-o -: the windows' scores go to a file a rerun resumes from; "
+                         "for the summary on stdout, use --json")
     if args.output:
         check_regular(args.output, "output", missing_ok=True)
         for other in (args.file, args.kl_divergence):
@@ -100,10 +103,8 @@ def cmd_perplexity(argv) -> int:
                              "and the reference go to two")
         if os.path.exists(args.output) and os.path.getsize(args.output) > 0:
             # another run's output is refused before the model loads (perplexity
-            # checks again under OUT's lock)
-            note = check_options(args.output, opts.recorded(text), started=True)
-            if note:
-                print(f"[perplexity] {note}", file=sys.stderr)
+            # checks again under OUT's lock, and records a run's once its lines read)
+            check_options(args.output, opts.recorded(text), started=True, record=False)
     model, tokenizer = load_model(args, context=windows.context)  # not a run's 4096
     tty = sys.stderr.isatty()
     try:

@@ -55,10 +55,8 @@ def cmd_score(argv) -> int:
                         content_only=args.content_only, activation_dtype=args.activation_dtype)
     if os.path.exists(args.output) and os.path.getsize(args.output) > 0:
         # A resume with other options is refused before the model loads, not after
-        # (run_job checks again, under OUT's lock, and records a new job's).
-        note = check_options(args.output, opts.recorded(), started=True)
-        if note:
-            print(f"[score] {note}", file=sys.stderr)
+        # (run_job checks again, under OUT's lock, and records a job's once its lines read).
+        check_options(args.output, opts.recorded(), started=True, record=False)
     outcome = Outcome("score")
     model, tokenizer = load_model(args)
     try:

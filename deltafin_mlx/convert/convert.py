@@ -35,8 +35,9 @@ from deltafin_mlx.format.record import FLOAT_MODE, linear_quant, record_linears
 from deltafin_mlx.model.build import build_moe, source_dtype
 from deltafin_mlx.model.config import check_config
 from deltafin_mlx.model.modules import LayerIndex, MoeShape, get_module
-from deltafin_mlx.model.quantization import (KEEP_FLOAT, check_quantization, float_quantization,
-                                             mlx_lm_quantization, module_quantization)
+from deltafin_mlx.model.quantization import (KEEP_FLOAT, check_quantization, expert_quantization,
+                                             float_quantization, mlx_lm_quantization,
+                                             module_quantization)
 from deltafin_mlx.model.shard import check_glu_sections
 from deltafin_mlx.units import human_bytes
 
@@ -74,6 +75,10 @@ class ConvertOptions:
         if self.expert_bits == KEEP_FLOAT and self.ranks > 1:
             raise ConvertError("--ranks cuts quantized expert records into rank slices: it "
                                "does not take --expert-bits float")
+        if self.link_experts and self.expert_bits == KEEP_FLOAT:
+            raise ConvertError("--link-experts with --expert-bits float: only experts carried "
+                               "over quantized (Kimi K3's, mlx-lm's) are linked; float experts "
+                               "are copied: drop one of the two options")
         if self.link_experts and self.ranks > 1:
             raise ConvertError("--link-experts reads each expert whole from the source: it "
                                "does not take --ranks")
@@ -345,7 +350,7 @@ def _open(src: str, out: Path, options: ConvertOptions):
 def config_settled(src: str, config: dict, options: ConvertOptions):
     """Every refusal config.json and the options settle, each in one line: a model
     mlx-lm builds without routed experts (mlx-lm runs it), quantization options on a
-    checkpoint mlx-lm quantized (its trunk and experts are kept as saved). Said for a
+    checkpoint mlx-lm quantized or experts carried over (kept as saved). Said for a
     hub id before anything but config.json is downloaded (`_open`). Returns
     `build_moe`'s four, the source's saved quantization block and the trunk's."""
     built = build_moe(config)
@@ -355,13 +360,13 @@ def config_settled(src: str, config: dict, options: ConvertOptions):
             raise ConvertError(
                 f"--bits/--group-size/--no-trunk-quant: {src} was quantized by mlx-lm and its "
                 "trunk is kept as it was saved: drop the option")
-        check_expert_options(src, {"mode": saved_quant.get("mode", "affine"),
-                                   "carried_over": True}, options)
         trunk_quant = module_quantization(saved_quant, "")
     elif options.bits is not None:
         trunk_quant = {"group_size": options.group_size, "bits": options.bits, "mode": "affine"}
     else:
         trunk_quant = None
+    check_expert_options(src, expert_quantization(config, options.expert_bits,
+                                                  options.expert_group_size), options)
     return built, saved_quant, trunk_quant
 
 
@@ -426,10 +431,6 @@ def _check_experts(src: str, experts: SanitizedExperts, moe_layers: dict,
                    options: ConvertOptions):
     expert_quant = experts.quant
     check_expert_options(src, expert_quant, options)
-    if options.link_experts and expert_quant["mode"] == FLOAT_MODE:
-        raise ConvertError("--link-experts with --expert-bits float: only experts carried "
-                           "over quantized (Kimi K3's, mlx-lm's) are linked; float experts "
-                           "are copied: drop one of the two options")
     if options.link_experts and not linkable(expert_quant):
         raise ConvertError(
             f"--link-experts: the experts of {src} are {expert_quant['mode']} after "

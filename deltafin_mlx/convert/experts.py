@@ -43,7 +43,8 @@ from deltafin_mlx.format.record import (FLOAT_MODE, KINDS, expert_sections, floa
                                        linear_quant, record_linears)
 from deltafin_mlx.model.build import expert_recipe
 from deltafin_mlx.model.modules import LayerIndex, get_module, layer_paths, switch_linears
-from deltafin_mlx.model.quantization import carried_quantization, module_quantization
+from deltafin_mlx.model.quantization import (carried_quantization, module_quantization,
+                                             one_quantization)
 from deltafin_mlx.units import is_int
 
 from .source import Source
@@ -394,8 +395,8 @@ class SanitizedExperts:
             return quant, expert_sections(biased, quant, kept, kept)
         if carried == {False}:
             sp = self.switches[next(iter(self.switches))]
-            quant = _one_quant({n: expert_recipe(self.model, sp, n, float_quant)
-                                for n in self.linears}, next(iter(self.linears)))
+            quant = one_quantization({n: expert_recipe(self.model, sp, n, float_quant)
+                                      for n in self.linears})
             # Quantizing gives scales in the weights' dtype: the cast one, else the saved.
             cast = name_of(self.dtype) if self.dtype is not None else None
             scales = cast or first[f"{next(iter(self.linears))}.weight"][0]
@@ -406,8 +407,8 @@ class SanitizedExperts:
         for layer, spec in specs.items():
             key = tuple(per_layer[layer].get(n) for n in self.linears)
             if key not in layouts:
-                quant = _one_quant({n: carried_quantization(dict(q), "the source's experts")
-                                    for n, q in zip(self.linears, key)}, next(iter(self.linears)))
+                quant = one_quantization({n: carried_quantization(dict(q), "the source's experts")
+                                          for n, q in zip(self.linears, key)})
                 affine = [n for n in self.linears if linear_quant(quant, n)["mode"] == "affine"]
                 scales = spec[f"{affine[0]}.scales"][0] if affine else "bfloat16"
                 bias = next((spec[f"{n}.bias"][0] for n in biased if f"{n}.bias" in spec),
@@ -608,17 +609,6 @@ class SanitizedExperts:
                     f"changes the bytes of {s.name} (it is not a region of the source's "
                     "files): convert without --link-experts")
         return out
-
-
-def _one_quant(quants: Dict[str, dict], name: str) -> dict:
-    """One quantization for a record's linears: `name`'s, with `linears` for those
-    quantized otherwise (granitemoe's down_proj at 8 bits)."""
-    quant = dict(quants[name])
-    own = {n: {k: q[k] for k in ("mode", "bits", "group_size")}
-           for n, q in quants.items() if q != quants[name]}
-    if own:
-        quant["linears"] = own
-    return quant
 
 
 def linkable(quant: dict) -> bool:

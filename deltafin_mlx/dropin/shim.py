@@ -152,7 +152,8 @@ def load_for_mlx_lm(path: Path, group=None):
             raise SystemExit(1)
         return value
 
-    seqs = env("DELTAFIN_SEQUENCES", "1", lambda s: s == "auto" or s.isdigit() and int(s) >= 1,
+    seqs = env("DELTAFIN_SEQUENCES", "1", lambda s: s == "auto" or s.isascii() and s.isdigit()
+               and int(s) >= 1,
                "not a positive number or 'auto'")
     context = env("DELTAFIN_CONTEXT", "4096", lambda c: c.isascii() and c.isdigit()
                   and 1 <= int(c) <= 1 << 24, "not a number of tokens")

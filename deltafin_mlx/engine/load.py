@@ -252,7 +252,8 @@ class LoadOptions:
         for name in ("lookahead", "verify", "stream_trunk", "progress", "warm_start"):
             need(isinstance(getattr(self, name), bool), name, "True or False")
         dt = self.activation_dtype  # an mx.Dtype compared with None raises TypeError
-        need(dt is None or isinstance(dt, mx.Dtype) or dt in ACTIVATION_DTYPES,
+        need(dt is None or isinstance(dt, mx.Dtype)
+             or isinstance(dt, str) and dt in ACTIVATION_DTYPES,
              "activation_dtype", f"one of {', '.join(ACTIVATION_DTYPES)}, None or an mx.Dtype")
         need(is_int(self.reader_threads) and self.reader_threads >= 0, "reader_threads",
              "0 or more")

@@ -176,19 +176,26 @@ def stream(model, prepared: Prepared, *, prompt_cache=None, progress=None,
             return
 
 
-def token_event(render: Render, prepared: Prepared, token: int, logprobs: mx.array,
-                reason: Optional[str], stats: RunStats,
-                interrupted: Callable[[], bool] = lambda: False) -> Event:
-    """One token's event, by the one finish rule (`stream` and `batch` alike):
-    mlx-lm's `reason` ("stop": the model's stop token; "length"), or
-    "interrupted", unless the answer met a stop string, here or in the text the
-    reply's end lets out: then "stop"."""
+def finished(render: Render, token: int, reason: Optional[str],
+             interrupted: Callable[[], bool] = lambda: False):
+    """(pieces, reason) of one token by the one finish rule (stream, batch, serve's
+    scoring pass): mlx-lm's `reason` ("stop": the model's stop token; "length"), or
+    "interrupted", unless the answer met a stop string (here or in the text the
+    reply's end lets out): then "stop"."""
     pieces = render.add(token, final=reason is not None)
     if reason is None and not render.stopped and interrupted():
         reason = "interrupted"
     if reason is not None or render.stopped:
         pieces += render.finish()
         reason = "stop" if render.stopped else reason
+    return pieces, reason
+
+
+def token_event(render: Render, prepared: Prepared, token: int, logprobs: mx.array,
+                reason: Optional[str], stats: RunStats,
+                interrupted: Callable[[], bool] = lambda: False) -> Event:
+    """One token's event, by the one finish rule (`finished`)."""
+    pieces, reason = finished(render, token, reason, interrupted)
     top = top_logprobs(logprobs, prepared.top_logprobs) if prepared.top_logprobs else None
     logprob = logprobs[token].item() if prepared.logprobs else 0.0
     return Event(token, logprob, top, pieces, stats, reason)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from deltafin_mlx.errors import JobError
-from deltafin_mlx.jobs.results_file import read_regular, write_failed
+from deltafin_mlx.jobs.results_file import STDOUT, read_regular, write_failed
 
 SUFFIX = ".options.json"
 # A record holds a few flags (stop strings the longest): far below this.
@@ -44,10 +44,13 @@ def _shown(flag: str, value) -> str:
     return f"{flag} {value}"
 
 
-def check_options(out_path, options: dict, started: bool) -> Optional[str]:
+def check_options(out_path, options: dict, started: bool, record: bool = True) -> Optional[str]:
     """Check `options` ({flag: value}, JSON-able) against OUT's record, or write the
     record; `started`: OUT already holds results. Returns a note to show, if any;
-    raises JobError when the record differs."""
+    raises JobError when the record differs. `record=False`: only check (before
+    OUT's lines are read, so that a file of other lines gets no record)."""
+    if out_path == STDOUT:  # no resume, so no record
+        return None
     path = record_path(out_path)
     wanted = json.loads(json.dumps(options))  # as it reads back (tuples as lists)
     recorded = _read(path) if os.path.lexists(path) else None
@@ -59,6 +62,8 @@ def check_options(out_path, options: dict, started: bool) -> Optional[str]:
             now = ", ".join(_shown(k, wanted.get(k)) for k in differ)
             raise JobError(f"{out_path} was written with {was}; this run asks for {now}: "
                              "rerun with the same options, or write to another output file")
+        return None
+    if not record:
         return None
     _write(path, wanted)
     if started:

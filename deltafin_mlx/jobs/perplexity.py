@@ -32,7 +32,7 @@ import numpy as np
 
 from deltafin_mlx.units import count, human_bytes, is_int
 from deltafin_mlx.errors import JobError
-from deltafin_mlx.jobs.job_options import check_options
+from deltafin_mlx.jobs.job_options import activation_record, check_options
 from deltafin_mlx.jobs.outcome import Outcome
 from deltafin_mlx.jobs.progress import Progress
 from deltafin_mlx.jobs.score import ScoreOptions, iter_passes
@@ -57,13 +57,15 @@ class PerplexityOptions:
     kl_reference: Optional[str] = None  # compare with the distributions written here
     top_k: int = 32  # the base's top K per position (beyond the vocabulary: all of it)
     output: Optional[str] = None  # each window's scores, appended; a rerun resumes from it
+    activation_dtype: str = "auto"  # the model's load option, as given
 
     def recorded(self, text: str) -> dict:
         """What the windows' scores depend on, by flag (jobs/job_options.py)."""
         return {"-c": self.windows.context, "--stride": self.windows.stride,
                 "--chunks": self.chunks, "--kl-top-k": self.top_k if self.kl_base else None,
                 "--kl-divergence-base": self.kl_base, "--kl-divergence": self.kl_reference,
-                "FILE (sha256)": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+                "FILE (sha256)": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                **activation_record(self.activation_dtype)}
 
 
 class Interrupted(KeyboardInterrupt):
@@ -210,10 +212,11 @@ def resume(opts: PerplexityOptions, text: str, windows: int, n: int, fields, don
         done[w] = rec
 
     out = Results(opts.output)
-    try:  # the options first: another run's lines are refused by them, not line by line
-        note = check_options(opts.output, opts.recorded(text),
-                             started=os.fstat(out.fd).st_size > 0)
+    try:  # another run's record refuses its lines first; a file of other lines writes none
+        started = os.fstat(out.fd).st_size > 0
+        check_options(opts.output, opts.recorded(text), started, record=False)
         out.scan(on_record=keep)
+        note = check_options(opts.output, opts.recorded(text), started)
     except BaseException:
         out.close()
         raise

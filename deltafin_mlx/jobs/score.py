@@ -25,13 +25,14 @@ from deltafin_mlx.jobs.job_options import activation_record, check_options
 from deltafin_mlx.jobs.results_file import LINE_MAX_BYTES, check_not_input, open_input, read_lines
 from deltafin_mlx.jobs.batch_lines import Request, iter_requests, read_requests
 from deltafin_mlx.engine.runtime import find_runtime
+from deltafin_mlx.generation.engine import model_limits
 from deltafin_mlx.errors import JobError
 from deltafin_mlx.model.config import max_context
 from deltafin_mlx.model.modules import model_vocab
 from deltafin_mlx.plan.scoring import (attention_tokens, logit_rows, long_text_tokens,
                                        scoring_pass_tokens)
 from deltafin_mlx.jobs.score_lines import ScoreItem, prepare
-from deltafin_mlx.tokenizer.text_bound import max_json_bytes, max_text_bytes
+from deltafin_mlx.tokenizer.text_bound import max_json_bytes
 from deltafin_mlx.jobs.score_results import open_output, result_line
 from deltafin_mlx.jobs.score_packing import pack
 from deltafin_mlx.jobs.score_sweep import PassStats, Scored, run_long, run_pass
@@ -245,8 +246,8 @@ def run_job(model, tokenizer, in_path, out_path, opts: ScoreOptions,
     anything runs, then to prepare and score it a window at a time (`windows`)."""
     check_not_input(in_path, out_path)
     sizing = Sizing(model)  # a line longer than the longest text it can score: not held
-    longest = min(LINE_MAX_BYTES, max_json_bytes(max_text_bytes(
-        tokenizer, model_vocab(model), sizing.limit or sizing.state.plan.context)))
+    longest = min(LINE_MAX_BYTES, max_json_bytes(
+        model_limits(model, tokenizer, sizing.limit).max_text_bytes))
     keys = [r.key for r in job_requests(in_path, longest)]
     out = open_output(out_path, opts.format, opts.top_logprobs)
     try:

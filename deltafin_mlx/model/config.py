@@ -61,7 +61,7 @@ MAX_LAYERS = 512
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 SIZES = {
     **{k: (1, MAX_LAYERS) for k in LAYER_KEYS},
-    **{k: (1, 1 << 16) for k in ("n_routed_experts", "num_experts", "num_local_experts",
+    **{k: (0, 1 << 16) for k in ("n_routed_experts", "num_experts", "num_local_experts",
                                  "moe_num_experts", "num_experts_per_tok",
                                  "num_experts_per_token")},
     **{k: (1, 1 << 20) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
@@ -89,7 +89,9 @@ def check_config(config: dict, where, error=ModelError):
     for c in (config, tc):
         for key, (least, most) in SIZES.items():
             v = c.get(key)
-            if v is not None and not (type(v) is int and least <= v <= most):
+            listed = key == "moe_intermediate_size" and isinstance(v, list) and v  # hunyuan's
+            if v is not None and not all(type(n) is int and least <= n <= most
+                                         for n in (v if listed else [v])):
                 raise error(f"{where}: {key} is {v!r:.60}, not an integer from {least} "
                             f"to {most:,}")
         for key in FLOATS:
@@ -107,9 +109,9 @@ def check_config(config: dict, where, error=ModelError):
             raise error(f"{where}: quantization_config must be an object")
     experts, per_token = _named_experts(tc), tc.get("num_experts_per_tok",
                                                     tc.get("num_experts_per_token"))
-    if experts and per_token is not None and per_token > experts:
-        raise error(f"{where}: {per_token:,} experts per token, more than the {experts:,} "
-                    "routed experts")
+    if experts and per_token is not None and not 0 < per_token <= experts:
+        raise error(f"{where}: {per_token:,} experts per token, " + (
+            "more than" if per_token else "not 1 to") + f" the {experts:,} routed experts")
 
 
 def most_source_tensors(config: dict) -> int:

@@ -107,6 +107,8 @@ def routed_expert_paths(model: nn.Module, paths: list, model_type) -> dict:
                  if (sp := switch_path(get_module(model, p))) is not None}
     except ModelError as e:
         raise ModelError(f"{model_type}: {e}") from None
+    found = {i: sp for i, sp in found.items()  # a switch of 0 experts routes nothing
+             if next(iter(switch_linears(get_module(model, sp)).values()), (0,))[0]}
     if not found:
         raise ModelError(
             f"{model_type}: not a Mixture of Experts model (mlx-lm builds it with no routed "

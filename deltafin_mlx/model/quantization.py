@@ -103,13 +103,11 @@ def describe_experts(quant: dict, source_dtype: str) -> str:
 
 
 def expert_quantization(config: dict, expert_bits, expert_group_size: int) -> dict:
-    """What a source's routed experts become: K3's MXFP4 experts, and experts
-    mlx-lm already quantized (its config.json block), are carried over as they are;
-    bf16/fp16/fp32 experts are quantized (affine) with the options, or kept in
-    float (`--expert-bits float`). From
-    config.json alone, for the planner: the converter decides from what mlx-lm's
-    sanitize makes of the source's tensors (convert/experts.py), which may hold
-    its experts in float."""
+    """What a source's routed experts become: K3's MXFP4 experts, K2-Thinking's INT4,
+    and experts mlx-lm quantized (its config.json block) are carried over as they are;
+    bf16/fp16/fp32 experts are quantized (affine) with the options, or kept in float
+    (`--expert-bits float`). From config.json alone (the planner; the converter's first
+    answer): the converter then decides from what mlx-lm's sanitize makes of the source."""
     block = mlx_lm_quantization(config)
     if block is not None:
         layers = saved_layer_quantization(block)
@@ -118,18 +116,29 @@ def expert_quantization(config: dict, expert_bits, expert_group_size: int) -> di
     float_dtype = cast_dtype(config) or "bfloat16"  # as the planner assumes for scales
     qc = config.get("quantization_config") or text_config(config).get("quantization_config")
     if qc:
-        fmt = qc.get("format")
-        if (qc.get("quant_method") == "compressed-tensors" and fmt == "mxfp4-pack-quantized"
-                or qc.get("quant_method") == "mxfp4"):
-            return {"mode": "mxfp4", "bits": 4, "group_size": 32, "carried_over": True}
-        if qc.get("quant_method") == "fp8":  # mlx-lm's sanitize dequantizes them
+        fmt, method = qc.get("format"), qc.get("quant_method")
+        kind = fmt if method == "compressed-tensors" else method
+        if kind in ("mxfp4", "mxfp4-pack-quantized", "pack-quantized"):  # as mlx_lm.utils reads
+            # them (INT4 "pack-quantized": affine 4-bit after mlx-lm's sanitize): carried over
+            return {"mode": "affine" if kind == "pack-quantized" else "mxfp4", "bits": 4,
+                    "group_size": 32, "carried_over": True}
+        if method == "fp8":  # mlx-lm's sanitize dequantizes them
             return float_quantization(expert_bits, expert_group_size, float_dtype)
         raise ConvertError(
-            f"source quantization {qc.get('quant_method')}/{fmt} is not supported "
-            "(supported: bf16/fp16/fp32 weights, compressed-tensors mxfp4 experts, or "
+            f"source quantization {method}/{fmt} is not supported (supported: bf16/fp16/"
+            "fp32 weights, compressed-tensors mxfp4 or INT4 experts, fp8, mxfp4, or "
             "mlx-lm's own format as mlx_lm.convert writes it)"
         )
     return float_quantization(expert_bits, expert_group_size, float_dtype)
+
+
+def one_quantization(quants: dict) -> dict:
+    """One quantization for a record's linears (name -> quantization, in order): the
+    first's, with `linears` for those quantized otherwise (granitemoe's down_proj)."""
+    first = next(iter(quants.values()))
+    own = {n: {k: q[k] for k in ("mode", "bits", "group_size")}
+           for n, q in quants.items() if q != first}
+    return {**first, **({"linears": own} if own else {})}
 
 
 def saved_layer_quantization(block: dict) -> dict:
@@ -138,17 +147,14 @@ def saved_layer_quantization(block: dict) -> dict:
     the layers with per-module entries (mlx-lm's mixed_* recipes: per layer)."""
     per_layer: dict = {}  # layer -> linear -> quantization
     for path in block:
-        if ".switch_mlp." in path and isinstance(block[path], dict):
-            where, _, linear = path.rpartition(".")
-            layer = int(next((p for p in where.split(".") if p.isdigit()), -1))
-            per_layer.setdefault(layer, {})[linear] = module_quantization(block, path)
-    out = {}
-    for layer in sorted(per_layer):
-        first = next(iter(per_layer[layer].values()))
-        own = {n: q for n, q in per_layer[layer].items() if q != first}
-        out[layer] = {**carried_quantization(first, "config.json"),
-                      **({"linears": own} if own else {})}
-    return out
+        where, _, linear = path.rpartition(".")
+        parts = where.split(".")
+        layer = next((int(p) for p in parts if p.isascii() and p.isdecimal()), None)
+        if (parts[-1] in ("switch_mlp", "switch_glu", "experts")  # mlx-lm's SwitchGLU names
+                and layer is not None and isinstance(block[path], dict)):
+            per_layer.setdefault(layer, {})[linear] = carried_quantization(
+                module_quantization(block, path), "config.json")
+    return {layer: one_quantization(per_layer[layer]) for layer in sorted(per_layer)}
 
 
 def cast_dtype(config: dict):
@@ -167,7 +173,7 @@ def quantization_by_part(config: dict, manifest) -> dict:
     affine 4-bit/64, router affine 8-bit/64, experts mxfp4: the block's default alone
     (mxfp4) says nothing of the first two. Experts kept in float are said by the
     manifest alone (config.json then lists them as not quantized)."""
-    block = config.get("quantization")
+    block = mlx_lm_quantization(config)
     expert_paths = [manifest.switch_path(layer) for layer in manifest.moe_layers]
     experts = manifest.quantization.get("experts")
     parts = {}

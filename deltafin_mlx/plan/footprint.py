@@ -20,7 +20,8 @@ from deltafin_mlx.model.build import build_moe, expert_recipe, quantize_like_mlx
 from deltafin_mlx.model.config import tied_embeddings
 from deltafin_mlx.model.modules import LayerIndex, MoeShape, get_module, shared_width, switch_linears
 from deltafin_mlx.model.quantization import (check_quantization, expert_quantization,
-                                             mlx_lm_quantization, saved_layer_quantization)
+                                             mlx_lm_quantization, one_quantization,
+                                             saved_layer_quantization)
 from deltafin_mlx.model.shard import expert_layout
 
 
@@ -225,9 +226,7 @@ def inventory_from_config(config: dict, act: mx.Dtype, bits: Optional[int] = 4,
     first = next(iter(switches.values()))
     linears = switch_linears(get_module(model, first))
     if not quant.get("carried_over") and quant["mode"] != FLOAT_MODE:  # the model's recipe
-        recipes = {n: expert_recipe(model, first, n, quant) for n in linears}
-        own = {n: q for n, q in recipes.items() if q != recipes[next(iter(linears))]}
-        quant = {**recipes[next(iter(linears))], **({"linears": own} if own else {})}
+        quant = one_quantization({n: expert_recipe(model, first, n, quant) for n in linears})
     shapes = {k: v[1:] for k, v in linears.items()}
     sections = expert_sections(shapes, quant, name_of(dtype or mx.bfloat16))
     block = mlx_lm_quantization(config)

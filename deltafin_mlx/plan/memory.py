@@ -190,7 +190,9 @@ def prefill_bytes(config: dict, moe: MoeShape, step: int, context: int,
     size = activation_dtype.size
     hidden = tc.get("hidden_size", 0)
     k = moe.experts_per_token
-    expert = max(tc.get("moe_intermediate_size") or 0, tc.get("routed_expert_hidden_size") or 0)
+    inner = tc.get("moe_intermediate_size") or 0  # hunyuan's may be one per layer
+    expert = max(*(inner if isinstance(inner, list) else [inner]),
+                 tc.get("routed_expert_hidden_size") or 0)
     dense = tc.get("intermediate_size") or 0
     per_token = 16 * hidden * size + 4 * k * expert * size + 4 * dense * size
     if activation_dtype == mx.float32:  # the CPU backend's reference paths

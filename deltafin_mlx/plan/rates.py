@@ -22,6 +22,7 @@ import numpy as np
 from deltafin_mlx.errors import ModelError
 from deltafin_mlx.format.aligned import aligned_empty
 from deltafin_mlx.format.integrity import read_inside
+from deltafin_mlx.units import is_int
 
 
 def cache_dir() -> Path:
@@ -128,9 +129,14 @@ def layer_key(dtype, model: str = "") -> str:
 
 
 def calibration(key: str) -> Optional[dict]:
-    """The entry a bench calibrated under `key` (layer_key with a model), or None."""
+    """The entry a bench calibrated under `key` (layer_key with a model): a plausible
+    `value`, the mean of `runs` bench runs (an int from 1, exact as a float: the
+    mean's weight), the last `measured` (a time); None for anything else."""
     entry = _read().get(key)
-    return entry if isinstance(entry, dict) and _plausible(key, entry.get("value")) else None
+    sound = (isinstance(entry, dict) and _plausible(key, entry.get("value"))
+             and is_int(entry.get("runs")) and 1 <= entry["runs"] <= 1 << 53
+             and isinstance(entry.get("measured"), str))
+    return entry if sound else None
 
 
 def store_calibration(key: str, seconds: float, how: str) -> Optional[dict]:
@@ -141,7 +147,7 @@ def store_calibration(key: str, seconds: float, how: str) -> Optional[dict]:
     if not _plausible(key, seconds):
         return None
     old = calibration(key)
-    runs = int(old.get("runs", 1)) if old else 0
+    runs = old["runs"] if old else 0
     mean = (old["value"] * runs + seconds) / (runs + 1) if old else seconds
     return store_rate(key, mean, how=how, runs=runs + 1)[1]
 

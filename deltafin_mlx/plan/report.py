@@ -289,11 +289,10 @@ def decode_rates(inv, act, compute_gwps=None, layer_ms=None, remeasure=False, mo
         layer, layer_from = layer_ms / 1e3, "given"
     elif compute_gwps:
         layer, layer_from = 0.0, "not counted for a machine described by hand (give --layer-ms)"
-    elif model and calibration(layer_key(act, model)):
-        entry = calibration(layer_key(act, model))
+    elif model and (entry := calibration(layer_key(act, model))):
         layer = entry["value"]
         layer_from = (f"calibrated by deltafin-run bench on this model (the mean of "
-                      f"{entry.get('runs', 1)} runs, the last {entry['measured']})")
+                      f"{entry['runs']} runs, the last {entry['measured']})")
     else:
         layer, entry = cached_rate(layer_key(act), lambda: measure_layer_seconds(act), remeasure)
         layer_from = _rate_origin(entry) + (f", {entry['how']}" if entry.get("how") else

@@ -21,11 +21,11 @@ import select
 import socket
 import time
 
-from mlx_lm.server import APIHandler
+from mlx_lm.server import APIHandler, CompletionRequest
 
 from deltafin_mlx import compat
 from deltafin_mlx.errors import ContextError, RequestError
-from deltafin_mlx.generation.engine import Defaults, prepare, prompt_tokens
+from deltafin_mlx.generation.engine import Defaults, prepare
 from deltafin_mlx.generation.request import fit_max_tokens
 from deltafin_mlx.server import schema, scoring
 from deltafin_mlx.server.admission import Busy
@@ -289,12 +289,14 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
         if length is None:
             return
         has_room = False
+        self.meter = None  # this request's, once it has one
         try:
             with self.settings.admission.body(length):
                 has_room = True
                 self.admitted(path, length)
         except Busy as e:
-            self.settings.counters.outcome("busy")
+            if self.meter is None:  # else its meter counted it
+                self.settings.counters.outcome("busy")
             if not has_room:  # refused with its body unread
                 self.close_connection = True
             self.refuse(503, str(e), [("Retry-After", "1")])
@@ -345,13 +347,15 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
             finally:
                 if self.prompt_scores is None:  # answered or refused
                     self.settings.counters.finish(self.meter, self.outcome)
-        with self.settings.admission.place():
-            if self.prompt_scores is None:
-                self.meter = self.settings.counters.start(path)
-            self.outcome = "refused"
-            try:
+        self.outcome = "busy"  # until it has a generation place
+        try:
+            with self.settings.admission.place():
+                if self.prompt_scores is None:
+                    self.meter = self.settings.counters.start(path)
+                self.outcome = "refused"
                 super().do_POST()
-            finally:
+        finally:
+            if self.meter is not None:  # a scored prompt's meter ends even when refused busy
                 self.settings.counters.finish(self.meter, self.outcome)
 
     # --- a scored prompt (server/scoring.py) --------------------------------
@@ -370,11 +374,11 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
             self.refuse(400, "prompt: token ids or several prompts are scored with max_tokens "
                              "0, or 1 decoded greedily (temperature 0)")
             return True
-        kwargs = {**(self.settings.chat_template_args or {}),
-                  **(request.chat_template_kwargs or {})}
         try:
-            tokens = [list(p) if isinstance(p, list) else self.tokens_of(dataclasses.replace(
-                request, prompt=p, prompts=None, chat_template_kwargs=kwargs)) for p in prompts]
+            # The tokens its generation would take (mlx-lm's, `prompt_tokens`).
+            tokens = [list(p) if isinstance(p, list) else self.prompt_tokens(
+                CompletionRequest("chat", "", request.messages, request.tools, None) if chat
+                else CompletionRequest("text", p, [], None, None), request) for p in prompts]
             for t in tokens:
                 fit_max_tokens(len(t), request.max_tokens if alone else 0,
                                self.settings.limits.context)
@@ -399,17 +403,6 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
                                                   next_token))
         self.outcome = "ok"
         return True
-
-    def tokens_of(self, request) -> list:
-        """A prompt's tokens as generation/engine.py builds them (a template's
-        failure is the request's)."""
-        try:
-            return prompt_tokens(request, self.settings.tokenizer)
-        except (KeyboardInterrupt, SystemExit, RequestError):
-            raise
-        except BaseException as e:  # template errors of any kind
-            raise RequestError(f"cannot build the prompt ({type(e).__name__}: "
-                               f"{str(e)[:200]})") from None
 
     # --- a completion ------------------------------------------------------
 
@@ -445,13 +438,13 @@ class DeltafinHandler(compat.CompletionStatusHook, Connection, APIHandler):
         finally:
             self.response_generator = real
 
-    def prompt_tokens(self, request) -> list:
-        """The prompt's tokens, as mlx-lm's generation thread will build them
-        (the text is already bounded by what the context can hold)."""
+    def prompt_tokens(self, request, args=None) -> list:
+        """The prompt's tokens, as mlx-lm's generation thread will build them (the
+        text is already bounded by the context); `args` holds chat_template_kwargs."""
         try:
-            # mlx-lm's tokenizing reads `args.chat_template_kwargs`: the handler's
             prompt = compat.server_prompt_tokens(self.response_generator,
-                                                 self.settings.tokenizer, request, self)
+                                                 self.settings.tokenizer, request,
+                                                 self if args is None else args)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # template errors of any kind

@@ -17,19 +17,22 @@ scored with one more position, a placeholder token whose own score is dropped).
 OpenAI's logprobs blocks of generated tokens (`logprobs_block`) live here too.
 """
 
+import functools
 import time
 import uuid
 from itertools import accumulate
 from typing import List
 
+from deltafin_mlx.generation.engine import finished
+from deltafin_mlx.generation.render import Render, opens_thinking
 from deltafin_mlx.jobs.score_lines import ScoreItem
 
 PLACEHOLDER = 0  # the token after a prompt whose next token is read from the pass
 
 
-def _token_text(tokenizer, token: int) -> str:
-    return tokenizer.decode([int(token)])
-
+def token_texts(tokenizer):
+    """A token id's text, each id decoded once (a block's ids repeat)."""
+    return functools.lru_cache(maxsize=None)(lambda token: tokenizer.decode([int(token)]))
 
 
 def logprobs_block(tokenizer, tokens, logprobs, top_tokens, legacy: bool):
@@ -43,14 +46,15 @@ def logprobs_block(tokenizer, tokens, logprobs, top_tokens, legacy: bool):
     for i in range(len(tokens)):
         top = top_tokens[i] if i < len(top_tokens) else ()
         tops.append(sorted(top, key=lambda t: (-t["logprob"], t["id"])))
-    texts = [_token_text(tokenizer, t) for t in tokens]
+    text_of = token_texts(tokenizer)
+    texts = [text_of(t) for t in tokens]
 
     def entry(token, text, logprob):
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "id": token}
 
     if legacy:
         offsets = [0, *accumulate(map(len, texts))][:len(texts)]  # where each token's text starts
-        alternatives = [[entry(x["id"], _token_text(tokenizer, x["id"]), x["logprob"])
+        alternatives = [[entry(x["id"], text_of(x["id"]), x["logprob"])
                          for x in top] for top in tops]
         merged = []
         for top in alternatives:
@@ -64,7 +68,7 @@ def logprobs_block(tokenizer, tokens, logprobs, top_tokens, legacy: bool):
                 "text_offset": offsets}
 
     return {"content": [
-        {**entry(t, s, lp), "top_logprobs": [entry(x["id"], _token_text(tokenizer, x["id"]),
+        {**entry(t, s, lp), "top_logprobs": [entry(x["id"], text_of(x["id"]),
                                                    x["logprob"]) for x in top]}
         for t, s, lp, top in zip(tokens, texts, logprobs, tops)]}
 
@@ -99,14 +103,14 @@ def prompt_logprobs(tokenizer, tokens: List[int], scored, k: int) -> list:
     """vLLM's `prompt_logprobs` of a prompt: per position its token and the top `k`,
     each {logprob, rank, decoded_token} by id (the top K ranked 1..K); the first
     position null."""
-    out = [None]
+    out, text_of = [None], token_texts(tokenizer)
     for p in range(1, len(tokens)):
         own = {int(tokens[p]): {"logprob": float(scored.token_logprobs[p]),
                                 "rank": int(scored.ranks[p]),
-                                "decoded_token": _token_text(tokenizer, tokens[p])}}
+                                "decoded_token": text_of(tokens[p])}}
         for rank, x in enumerate(top_at(scored, p, k), 1):
             own.setdefault(x["id"], {"logprob": x["logprob"], "rank": rank,
-                                     "decoded_token": _token_text(tokenizer, x["id"])})
+                                     "decoded_token": text_of(x["id"])})
         out.append(own)
     return out
 
@@ -138,6 +142,17 @@ def joined(echo: dict, reply: dict, shift: int) -> dict:
     return out
 
 
+def greedy_reply(tokenizer, request, prompt: List[int], token: int):
+    """(answer, thinking, finish_reason) of a reply of one token after `prompt`,
+    ended as generation ends it (engine.py `finished`): the model's stop token
+    shows nothing and says "stop", as does a stop string; else "length"."""
+    render = Render(tokenizer, opens_thinking(tokenizer, prompt), request.stop or ())
+    pieces, reason = finished(render, token, "stop" if token in tokenizer.eos_token_ids
+                              else "length")
+    answer = "".join(p for c, p in pieces if c == "answer")
+    return answer, "".join(p for c, p in pieces if c != "answer"), reason
+
+
 def pass_response(handler, request, chat: bool, prompts: list, tokens: List[List[int]],
                   scored: list, next_token: bool) -> dict:
     """The whole response of prompts answered by the pass (answered_by_the_pass)."""
@@ -145,7 +160,8 @@ def pass_response(handler, request, chat: bool, prompts: list, tokens: List[List
     choices, entries = [], []
     for i, (prompt, t, s) in enumerate(zip(prompts, tokens, scored)):
         generated = [int(s.top_ids[len(t)][0])] if next_token else []
-        reply = tok.decode(generated)
+        reply, thinking, reason = (greedy_reply(tok, request, t, generated[0]) if generated
+                                   else ("", "", "length"))
         if request.prompt_logprobs is not None:
             entries.append(prompt_logprobs(tok, t, s, request.prompt_logprobs))
         if chat:
@@ -153,8 +169,10 @@ def pass_response(handler, request, chat: bool, prompts: list, tokens: List[List
             if request.logprobs and generated:
                 lp = logprobs_block(tok, generated, [float(s.top_logprobs[len(t)][0])],
                                     [top_at(s, len(t), want)], legacy=False)
-            choices.append({"index": i, "message": {"role": "assistant", "content": reply},
-                            "logprobs": lp, "finish_reason": "length"})
+            message = {"role": "assistant", "content": reply,
+                       **({"reasoning": thinking} if thinking else {})}  # as mlx-lm's
+            choices.append({"index": i, "message": message, "logprobs": lp,
+                            "finish_reason": reason})
             continue
         text = (prompt if isinstance(prompt, str) else tok.decode(t)) if request.echo else ""
         lp = None
@@ -163,7 +181,7 @@ def pass_response(handler, request, chat: bool, prompts: list, tokens: List[List
                   logprobs_block(tok, generated, [float(s.top_logprobs[len(t)][0])] *
                                  len(generated), [top_at(s, len(t), want)] * len(generated),
                                  legacy=True))
-        choice = {"index": i, "text": text + reply, "logprobs": lp, "finish_reason": "length"}
+        choice = {"index": i, "text": text + reply, "logprobs": lp, "finish_reason": reason}
         if entries:
             choice.update(prompt_logprobs=entries[-1], prompt_token_ids=t)
         choices.append(choice)

@@ -69,6 +69,14 @@ def _bounded_filter(f):  # functools.wraps keeps jinja's pass_context marks
     return functools.wraps(f)(lambda *a, **k: _bounded(None, *a, *k.values()) or f(*a, **k))
 
 
+class _BoundedFilters(dict):
+    """A sandbox's filters: one set after it is made (transformers' `tojson`) is
+    wrapped by _bounded_filter too."""
+
+    def __setitem__(self, name, f):
+        super().__setitem__(name, _bounded_filter(f))
+
+
 class BoundedSandbox(ImmutableSandboxedEnvironment):
     """Jinja's immutable sandbox, bounded: every render (Template.render joins its
     pieces through `concat`) ends within JINJA_MAX_SECONDS and JINJA_MAX_OUTPUT_CHARS;
@@ -82,7 +90,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.globals["range"] = self.bounded_range
-        self.filters = {name: _bounded_filter(f) for name, f in self.filters.items()}
+        self.filters = _BoundedFilters({n: _bounded_filter(f) for n, f in self.filters.items()})
 
     def from_string(self, source, *args, **kwargs):
         if not isinstance(source, str) or len(source) > JINJA_MAX_TEMPLATE_CHARS:

@@ -3,8 +3,10 @@ model (mlx-lm builds it with no routed experts) is not a Mixture of Experts and
 mlx-lm runs it, in one line from `plan`, `info` and `deltafin-convert`, for a local
 directory and for a hub id (the loopback hub, deltafin_mlx/testing/fake_hub.py,
 counts what it serves: no safetensors file is asked for); quantization options on a
-repository mlx-lm quantized are refused as early."""
+repository mlx-lm quantized, or on experts carried over as saved (Kimi K3's MXFP4), are
+refused as early, and options that refuse each other before anything is asked for."""
 
+import json
 import os
 import subprocess
 
@@ -66,4 +68,37 @@ def test_options_an_mlx_lm_quantized_repository_refuses_are_said_before_its_weig
                 hub.env(tmp_path / "hf"))
         assert p.returncode != 0
         one_error_line(p, option[0], "drop the option")
+        assert not any(path.endswith(".safetensors") for _, path in hub.requests), hub.requests
+
+
+def test_expert_options_on_k3s_mxfp4_experts_are_said_before_its_weights(sources, tmp_path):
+    with FakeHub() as hub:
+        hub.add("someone/k3", sources("kimi_k3"))
+        p = run("deltafin-convert", ["someone/k3", tmp_path / "out", "--expert-bits", "8"],
+                hub.env(tmp_path / "hf"))
+        assert p.returncode != 0
+        one_error_line(p, "--expert-bits", "MXFP4", "carried over", "drop the option")
+        assert not any(path.endswith(".safetensors") for _, path in hub.requests), hub.requests
+
+
+def test_linking_float_experts_is_refused_before_anything_is_asked_for(repos, tmp_path):
+    with FakeHub() as hub:
+        hub.add("someone/moe", repos["moe"])
+        p = run("deltafin-convert", ["someone/moe", tmp_path / "out", "--link-experts",
+                                     "--expert-bits", "float"], hub.env(tmp_path / "hf"))
+        assert p.returncode != 0
+        one_error_line(p, "--link-experts with --expert-bits float", "drop one of the two")
+        assert hub.requests == [], hub.requests
+
+
+def test_a_quantization_method_mlx_lm_does_not_read_is_said_before_the_weights(tmp_path):
+    src = zoo.write(tmp_path / "awq", "ernie4_5_moe")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "awq", "bits": 4, "group_size": 128}}))
+    with FakeHub() as hub:
+        hub.add("someone/awq", src)
+        p = run("deltafin-convert", ["someone/awq", tmp_path / "out"], hub.env(tmp_path / "hf"))
+        assert p.returncode != 0
+        one_error_line(p, "source quantization awq/None is not supported")
         assert not any(path.endswith(".safetensors") for _, path in hub.requests), hub.requests

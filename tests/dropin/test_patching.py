@@ -1,12 +1,17 @@
 """The drop-in patches mlx-lm only when mlx-lm builds a Deltafin model: importing
 it (as any Deltafin code may) leaves mlx-lm's tokenizer loading and its server
 classes as they are; loading a Deltafin directory with `mlx_lm.load` patches them,
-once however many models are built. Each case runs in a fresh interpreter."""
+once however many models are built. Each case runs in a fresh interpreter. A bad
+DELTAFIN_SEQUENCES is one error line before anything loads."""
 
 import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
+
+from deltafin_mlx.dropin.shim import load_for_mlx_lm
 
 
 def run(code: str, **env):
@@ -52,3 +57,13 @@ def test_loading_a_deltafin_directory_through_mlx_lm_patches_it_once(converted):
         print(type(tokenizer).__name__)
     """, DELTAFIN_BUDGET="200MB")
     assert out.strip()
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "0", "many"])
+def test_a_bad_deltafin_sequences_is_one_error_line(value, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("DELTAFIN_SEQUENCES", value)  # "\u00b2".isdigit(), but not int()
+    with pytest.raises(SystemExit) as exit_:
+        load_for_mlx_lm(tmp_path)
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("deltafin: error: DELTAFIN_SEQUENCES=") and err.count("\n") == 1, err

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import fields
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import deltafin_mlx
@@ -27,7 +28,7 @@ def test_an_unknown_option_is_refused_naming_it(converted):
     ("read_mode", "fast"), ("record_checks", "never"), ("pipeline", "yes"),
     ("cache_slots", 0), ("sequences", 0), ("sequences", "many"), ("max_sequences", 0),
     ("activation_dtype", "bf16"), ("verify", "yes"), ("lookahead", 1),
-    ("warm_start", None), ("group", "all"),
+    ("warm_start", None), ("group", "all"), ("activation_dtype", np.zeros(2)),
 ])
 def test_a_bad_value_is_one_line_naming_the_option(name, value):
     with pytest.raises(LoadOptionError) as e:

@@ -94,3 +94,12 @@ def test_an_output_without_a_record_resumes_unchecked_and_says_so(started, tmp_p
     assert err.count(f"{out} records no options (written before they were recorded)") == 1
     assert json.loads(record.read_text())[flag] == value  # what that run asked for
     assert sorted(json.loads(l)["id"] for l in out.read_text().splitlines()) == [1, 2]
+
+
+def test_stdout_as_the_output_gets_no_record(tmp_path, monkeypatch):
+    """`-o -` has no resume, so nothing is recorded for it (no `-.options.json`)."""
+    from deltafin_mlx.jobs.job_options import check_options
+
+    monkeypatch.chdir(tmp_path)
+    assert check_options("-", {"--top-logprobs": 3}, started=False) is None
+    assert list(tmp_path.iterdir()) == []

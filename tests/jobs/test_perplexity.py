@@ -192,6 +192,10 @@ def test_a_finished_output_resumes_with_nothing_to_score_and_other_options_are_r
                                                str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{out} was written with -c 48; this run asks for -c 32" in err[0]
+    assert main([str(a) for a in argv] + ["--activation-dtype", "model"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and (f"{out} was written with no --activation-dtype; this run asks "
+                              "for --activation-dtype model") in err[0]
     assert main([str(a) for a in argv[:3]] + ["-c", "48", "-o", str(text_file)]) == 1
     assert "this is the input file" in capsys.readouterr().err
     ref = tmp_path / "new.kld.safetensors"
@@ -200,6 +204,32 @@ def test_a_finished_output_resumes_with_nothing_to_score_and_other_options_are_r
     assert capsys.readouterr().err.strip().splitlines() == [
         "deltafin-run: error: -o and --kl-divergence-base name one file: the windows' scores "
         "and the reference go to two"]
+
+
+def test_stdout_as_the_output_is_refused_in_one_line(converted, text_file, tmp_path, capsys,
+                                                     monkeypatch):
+    """-o keeps the windows for a rerun to resume from, which stdout cannot: `-o -`
+    is refused before the model loads, and leaves no `-.options.json` behind."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["perplexity", str(converted("qwen3_moe")), str(text_file), "-c", "48",
+                 "--budget", "200MB", "-o", "-"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("deltafin-run: error: -o -: the windows' scores go to a file")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_that_is_not_windows_gets_no_options_record(converted, text_file, tmp_path,
+                                                           capsys):
+    """An existing file of other lines given as -o is refused before anything is
+    written beside it: the options are recorded only once its lines read as windows."""
+    notes = tmp_path / "notes.md"
+    notes.write_text("# notes\nnot a window\n")
+    assert main(["perplexity", str(converted("qwen3_moe")), str(text_file), "-c", "48",
+                 "--budget", "200MB", "-o", str(notes), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"{notes}: line 1 is not a batch result" in err[-1]
+    assert notes.read_text() == "# notes\nnot a window\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md"]
 
 
 def test_an_output_whose_window_lines_would_be_too_long_is_refused_before_scoring(

@@ -352,3 +352,15 @@ def test_score_runs_on_a_model_deltafin_did_not_load(converted, references):
         assert abs(a["logprob"] - b["logprob"]) < 1e-3
         assert a["top_ids"] == b["top_ids"]
     runtime(model).close()
+
+
+def test_score_job_runs_on_a_model_deltafin_did_not_load(converted, references, tmp_path):
+    """run_job (`deltafin-run score`'s library) on mlx-lm's own model: its line bound
+    comes from the model's limits without a plan, and every text is scored."""
+    model, tok = load(converted("mixtral"), "200MB", cache_slots=4, warm_start=False)
+    runtime(model).close()
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(inp, [{"id": i, "text": t} for i, t in enumerate(texts(3, seed=7))])
+    summary = run_job(references("mixtral"), tok, inp, out, ScoreOptions(), show_progress=False)
+    assert summary["scored_texts"] == 3 and summary["errors"] == 0
+    assert sorted(r["id"] for r in read_lines(out)) == [0, 1, 2]

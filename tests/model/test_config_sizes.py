@@ -5,10 +5,15 @@ within seconds and a bounded amount of memory (model/config.py `check_config`)."
 import json
 import shutil
 
+import mlx.core as mx
 import pytest
+from mlx_lm.utils import load_model
 
+from deltafin_mlx.convert.convert import ConvertOptions, convert
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.errors import ModelError
+from deltafin_mlx.testing import zoo
+from deltafin_mlx.testing.decode import greedy, greedy_streamed
 
 from helpers import LOAD, make_source, only_stderr_line, reseal, run_measured
 
@@ -48,8 +53,8 @@ SIZES = [
     ({"num_hidden_layers": 20_000}, "num_hidden_layers is 20000"),
     ({"num_local_experts": 10**9}, "num_local_experts is 1000000000"),
     ({"num_hidden_layers": 0}, "num_hidden_layers is 0"),
-    ({"num_local_experts": 0}, "num_local_experts is 0"),
-    ({"num_experts_per_tok": 0}, "num_experts_per_tok is 0"),
+    ({"num_experts_per_tok": 0}, "0 experts per token, not 1 to the 16 routed experts"),
+    ({"moe_intermediate_size": [64, "64"]}, "not an integer from 0 to 1,048,576"),
     ({"num_experts_per_tok": 10**9}, "num_experts_per_tok is 1000000000"),
     ({"num_experts_per_tok": 17}, "17 experts per token, more than the 16 routed experts"),
     ({"rope_theta": "1e6"}, "rope_theta is '1e6', not a number"),
@@ -80,12 +85,36 @@ def test_sizes_nested_in_text_config_are_checked_too(sources, tmp_path):
 
 
 @pytest.mark.parametrize("tool", ["plan", "convert"])
-def test_a_dense_config_is_one_line_naming_the_missing_experts(mixtral_copy, tmp_path, tool):
-    edit_config(mixtral_copy, model_type="llama")
+@pytest.mark.parametrize("values,model_type", [({"model_type": "llama"}, "llama"),
+                                               ({"num_local_experts": 0}, "mixtral")])
+def test_a_dense_config_is_one_line_naming_the_missing_experts(mixtral_copy, tmp_path, tool,
+                                                               values, model_type):
+    edit_config(mixtral_copy, **values)
     args = (["plan", mixtral_copy / "config.json", *RATES] if tool == "plan"
             else [mixtral_copy, tmp_path / "out", "--quiet"])
     refused("deltafin-run" if tool == "plan" else "deltafin-convert", args,
-            "llama: not a Mixture of Experts model")
+            f"{model_type}: not a Mixture of Experts model")
+
+
+def test_a_dense_granite_saying_zero_experts_is_said_to_be_mlx_lms(tmp_path):
+    """Granite 4.0's dense configs carry num_local_experts: 0 (mlx-lm builds no experts)."""
+    config = {**zoo.config("granitemoehybrid", 256), "num_local_experts": 0,
+              "num_experts_per_tok": 0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    refused("deltafin-run", ["plan", tmp_path / "config.json", *RATES],
+            "granitemoehybrid: not a Mixture of Experts model", "mlx-lm runs")
+
+
+def test_per_layer_expert_sizes_mlx_lm_takes_convert_and_stream(tmp_path):
+    """hunyuan's moe_intermediate_size may be one per layer, as mlx-lm reads it."""
+    src = zoo.write(tmp_path / "src", "hunyuan", bits=4,
+                    sizes={"moe_intermediate_size": [64, 64]})
+    convert(str(src), tmp_path / "out", ConvertOptions(progress=False))
+    model, _ = load_model(src)
+    model.set_dtype(mx.float32)
+    x = mx.array([[1, 5, 9, 200, 17, 33, 2, 8]])
+    want, _ = greedy(model, x, 6)
+    assert greedy_streamed(tmp_path / "out", x, 6)[0].tolist() == want.tolist()
 
 
 def test_float_experts_the_group_size_does_not_divide_are_one_line(tmp_path):

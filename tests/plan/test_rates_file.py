@@ -86,3 +86,39 @@ def test_a_sound_cache_is_used_quietly(converted, sound_rates, cache_home):
     r = plan(converted("kimi_k3"), cache_home)
     assert r.returncode == 0 and "rates.json" not in r.stderr, r.stderr
     assert "cached in" in r.stdout
+
+
+@pytest.mark.parametrize("runs", ['"x"', "-1", "0", "[1]", "1e400", "10" * 200, "true", None],
+                         ids=["a string", "-1", "0", "a list", "1e400", "a 400-digit int", "true",
+                              "no measured"])
+def test_a_calibration_that_is_not_well_typed_is_none_and_plan_measures(cache_home, monkeypatch,
+                                                                        runs):
+    """A bench's calibration in the cache is the mean of `runs` (an int from 1) bench
+    runs, the last `measured`: any other entry is no calibration, so that plan uses
+    the machine's microbenchmark and the next bench starts it afresh, not a
+    ValueError, ZeroDivisionError, TypeError, OverflowError or KeyError."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from deltafin_mlx.plan import rates
+    from deltafin_mlx.plan.report import decode_rates
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
+    key = rates.layer_key(mx.float32, "model-digest")
+    inv = SimpleNamespace(sections=[SimpleNamespace(dtype="uint32")])  # an affine model
+    measured = '"2026-01-01T00:00:00Z"'
+    entry = (f'"value": 0.001, "measured": {measured}, "runs": {runs}' if runs else
+             '"value": 0.001, "runs": 2')
+    compute = rates.compute_key("affine", 4, 64, mx.float32)
+    (cache_home / "deltafin" / "rates.json").write_text(
+        f'{{"{key}": {{{entry}}}, "{compute}": {{"value": 5.0, "measured": {measured}}}, '
+        f'"{rates.layer_key(mx.float32)}": {{"value": 0.0002, "measured": {measured}}}}}')
+    assert rates.calibration(key) is None
+    _, _, layer, layer_from = decode_rates(inv, mx.float32, model="model-digest")
+    assert layer == 0.0002 and "calibrated" not in layer_from
+    assert rates.store_calibration(key, 0.003, "a bench run")["runs"] == 1
+    assert rates.calibration(key)["value"] == 0.003
+    _, _, layer, layer_from = decode_rates(inv, mx.float32, model="model-digest")
+    assert layer == 0.003 and "calibrated by deltafin-run bench" in layer_from
+    assert "the mean of 1 runs" in layer_from

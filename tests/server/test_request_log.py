@@ -1,11 +1,20 @@
 """`deltafin-run serve` writes one log line per request: mlx-lm's per-chunk
 "Prompt processing progress" lines and its per-request prompt cache sizes are
-not in the log (`--log-level DEBUG` keeps them)."""
+not in the log (`--log-level DEBUG` keeps them); a scored request refused busy
+when its reply was to be generated ends its count too."""
 
+import email.message
+import logging
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from deltafin_mlx.generation.request import unbounded
+from deltafin_mlx.server.admission import Busy
+from deltafin_mlx.server.counters import ServerCounters
+from deltafin_mlx.server.handler import DeltafinHandler
+from deltafin_mlx.server.schema import read_completion
 from deltafin_mlx.testing.server import free_port, post, start_server, stop_server
 
 TEXT = "/v1/completions"
@@ -41,3 +50,29 @@ def test_each_request_is_one_line(served_log):
 def test_mlx_lms_progress_and_cache_lines_are_not_logged(served_log):
     assert "Prompt processing progress" not in served_log
     assert "Prompt Cache:" not in served_log
+
+
+def test_a_scored_request_refused_busy_is_one_busy_line_and_no_longer_running(caplog):
+    counters = ServerCounters(None)
+
+    def no_place():
+        raise Busy("the server is busy")
+
+    handler = DeltafinHandler.__new__(DeltafinHandler)  # no connection: its request only
+    handler.settings = SimpleNamespace(counters=counters,
+                                       admission=SimpleNamespace(place=no_place))
+    handler.headers = email.message.Message()
+
+    def scored(path, request):  # its prompt scored, its reply still to generate
+        handler.prompt_scores = ("x", [1, 2], None)
+        return False
+
+    handler.scored_alone = scored
+    request = read_completion({"prompt": "x", "echo": True, "max_tokens": 4,
+                               "temperature": 0.7}, False, unbounded())
+    with caplog.at_level(logging.INFO, "deltafin_mlx.server"), pytest.raises(Busy):
+        handler.hand_to_mlx_lm(TEXT, request)
+    assert counters.outcomes == {"busy": 1}
+    assert not counters._running  # its peers no longer count it
+    lines = [r.message for r in caplog.records if "[deltafin] " + TEXT in r.message]
+    assert len(lines) == 1 and " busy: " in lines[0], lines

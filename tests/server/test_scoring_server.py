@@ -7,14 +7,22 @@ scoring requests (and a generation beside them) all get their own answers, and a
 scoring request is a one-line 400."""
 
 import json
+import shutil
 import threading
+from types import SimpleNamespace
 
 import pytest
+from mlx_lm.server import CompletionRequest
+from mlx_lm.utils import load_tokenizer
 
 import deltafin_mlx
+from deltafin_mlx import compat
 from deltafin_mlx.engine.load import load
 from deltafin_mlx.engine.runtime import runtime
+from deltafin_mlx.generation.engine import chat_prompt
+from deltafin_mlx.model.config import eos_token_ids
 from deltafin_mlx.testing.server import free_port, post, start_server, stop_server
+from helpers import reseal
 
 BUDGET = "200MB"
 TEXTS = ["the experts stream from disk while the trunk stays in memory",
@@ -210,3 +218,71 @@ def test_a_bad_scoring_request_is_a_one_line_400(served, body, says):
     status, reply = post(served[1], "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "x"}], "echo": True})
     assert status == 400 and "echo: is a text completion's" in reply["error"]["message"]
+
+
+# A template whose thinking is off unless a request turns it on (Deltafin's own
+# renderer turns it on; mlx-lm's server passes only the request's kwargs).
+THINKING_OFF = ("{% if not thinking is defined %}{% set thinking = false %}{% endif %}"
+                "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% if thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}"
+                "{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_off(served, tmp_path_factory):
+    """(model, port, stop) of a server of a copy of the model with THINKING_OFF as
+    its template and the greedy token after TEXTS[0] as one more stop token."""
+    stop = completions(served[1], {"prompt": TEXTS[0], "max_tokens": 1, "temperature": 0,
+                                   "logprobs": 1})["choices"][0]["logprobs"]["token_ids"][0]
+    root = tmp_path_factory.mktemp("thinking_off")
+    model = root / "model"
+    shutil.copytree(served[0], model)
+    configs = [n for n in ("config.json", "generation_config.json") if (model / n).exists()]
+    for name in configs:  # generation_config.json's stop tokens win, as in mlx-lm
+        config = json.loads((model / name).read_text())
+        config["eos_token_id"] = [*(eos_token_ids(config) or []), stop]
+        (model / name).write_text(json.dumps(config))
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = THINKING_OFF
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    reseal(model, *configs, "tokenizer_config.json")
+    port = free_port()
+    proc = start_server(model, port, BUDGET, root / "server.log", server="deltafin",
+                        context=512)
+    yield model, port, stop
+    stop_server(proc)
+
+
+def test_a_scored_chat_prompt_is_the_prompt_its_reply_is_generated_from(thinking_off):
+    model, port, _ = thinking_off
+    messages = [{"role": "user", "content": TEXTS[1]}]
+    tok = load_tokenizer(model)
+    provider = SimpleNamespace(processor=None, cli_args=SimpleNamespace(chat_template_args={}))
+    want = compat.server_prompt_tokens(SimpleNamespace(model_provider=provider), tok,
+                                       CompletionRequest("chat", "", messages, None, None),
+                                       SimpleNamespace(chat_template_kwargs=None))
+    assert want != chat_prompt(tok, messages)  # thinking on: not this request's prompt
+    body = {"messages": messages, "max_tokens": 1, "temperature": 0}
+    status, scored = post(port, "/v1/chat/completions", {**body, "prompt_logprobs": 1})
+    assert status == 200, scored
+    status, plain = post(port, "/v1/chat/completions", body)
+    assert status == 200, plain
+    assert scored["prompt_token_ids"] == want
+    assert scored["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] == len(want)
+    (a,), (b,) = scored["choices"], plain["choices"]
+    assert a["finish_reason"] == b["finish_reason"]
+    for key in ("content", "reasoning"):
+        assert a["message"].get(key) == b["message"].get(key), key
+
+
+def test_a_stop_token_read_from_the_pass_ends_the_reply_as_generation_does(thinking_off):
+    _, port, stop = thinking_off
+    body = {"prompt": TEXTS[0], "max_tokens": 1, "temperature": 0}
+    plain = completions(port, body)["choices"][0]
+    assert plain["finish_reason"] == "stop" and plain["text"] == ""  # the stop token
+    scored = completions(port, {**body, "prompt_logprobs": 0})["choices"][0]
+    echoed = completions(port, {**body, "echo": True, "logprobs": 1})["choices"][0]
+    assert scored["finish_reason"] == echoed["finish_reason"] == "stop"
+    assert scored["text"] == "" and echoed["text"] == TEXTS[0]
+    assert echoed["logprobs"]["token_ids"][-1] == stop

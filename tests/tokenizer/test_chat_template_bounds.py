@@ -92,3 +92,15 @@ def test_a_hostile_template_is_a_400_in_serve_which_goes_on_answering(hostile, n
         assert status == 200, reply
     finally:
         stop_server(proc)
+
+
+def test_a_filter_transformers_adds_is_bounded_before_it_runs(monkeypatch):
+    """transformers sets its own `tojson` on the sandbox after making it: its
+    arguments are bounded as every filter's are, so `tojson(indent=N)` past the
+    bound is refused before json builds N-wide lines (here the bound is made small,
+    so that without the check only the output's size, after the build, refuses it)."""
+    monkeypatch.setattr(jinja, "JINJA_MAX_OUTPUT_CHARS", 1000)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(jinja.TemplateLimit, match="uses a value of 10000 items, past 1000"):
+        jinja.render_jinja_chat("{{ [[[[1]]]] | tojson(indent=10000) }}", messages)
+    assert jinja.render_jinja_chat("{{ [1] | tojson(indent=2) }}", messages) == "[\n  1\n]"
